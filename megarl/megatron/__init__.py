@@ -1,0 +1,1 @@
+"""Megatron-core side of megarl: CPU compatibility, parallel state, model building, forward/backward steps."""
