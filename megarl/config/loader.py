@@ -1,0 +1,174 @@
+"""Recipe loading: YAML with `base:` inheritance, `a.b=c` overrides, schema validation, one report of all problems."""
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from megarl.config.issues import _MISSING, ConfigError, Issue
+from megarl.config.schema import MegarlConfig
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a recipe YAML, resolving `base: other.yaml` (relative to the file) recursively."""
+    path = Path(path).resolve()
+    if path in _chain:
+        raise ConfigError(str(path), [Issue("base", str(path), "recipes extend each other in a cycle: "
+                                            + " -> ".join(str(p) for p in _chain + (path,)), "remove one `base:`")])
+    if not path.is_file():
+        raise ConfigError(str(path), [Issue("recipe", str(path), "file not found",
+                                            "pass the path of a YAML recipe, e.g. recipes/grpo_tiny_cpu.yaml")])
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), [Issue("recipe", str(path), f"not valid YAML: {exc}", "fix the syntax")]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), [Issue("recipe", type(data).__name__, "the top level must be a mapping of "
+                                            "sections (data, model, actor, ...)")])
+    base = data.pop("base", None)
+    if base:
+        parent = read_recipe(path.parent / base, _chain + (path,))
+        data = _deep_merge(parent, data)
+    return data
+
+
+def parse_value(text: str) -> Any:
+    """Coerce an override's text the way YAML would: 0.7 -> float, true -> bool, [1,2] -> list, null -> None."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> list[Issue]:
+    """Apply `section.key=value` overrides in place; return issues for malformed ones."""
+    issues = []
+    for item in overrides:
+        if "=" not in item:
+            issues.append(Issue(item, _MISSING, "an override must look like section.key=value",
+                                f"e.g. {item}=VALUE"))
+            continue
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = parse_value(text)
+    return issues
+
+
+def _model_fields(cls: type[BaseModel]) -> dict[str, Optional[type[BaseModel]]]:
+    """Field name -> nested section class (or None for a leaf)."""
+    out = {}
+    for name, info in cls.model_fields.items():
+        ann = info.annotation
+        candidates = [ann] + list(getattr(ann, "__args__", ()))
+        out[name] = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return out
+
+
+def unknown_key_issues(data: dict, cls: type[BaseModel] = MegarlConfig, prefix: str = "") -> list[Issue]:
+    """Every key of `data` that the schema does not know, with the closest valid name."""
+    issues = []
+    fields = _model_fields(cls)
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            where = f"'{prefix[:-1]}'" if prefix else "the top level"
+            fix = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(fields))}"
+            issues.append(Issue(path, value, f"unknown key in {where}", fix, keys=(path,)))
+        elif fields[key] is not None and isinstance(value, dict):
+            issues += unknown_key_issues(value, fields[key], path + ".")
+    return issues
+
+
+def _get(data: dict, path: tuple) -> Any:
+    node = data
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _delete(data: dict, path: tuple) -> None:
+    node = data
+    for part in path[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return
+        node = node[part]
+    if isinstance(node, dict):
+        node.pop(path[-1], None)
+
+
+def _schema_issues(data: dict) -> tuple[Optional[MegarlConfig], list[Issue]]:
+    """Validate against the schema; on errors, drop the bad keys and validate again so later checks can still run."""
+    issues: list[Issue] = []
+    data = copy.deepcopy(data)
+    for _ in range(5):
+        try:
+            return MegarlConfig.model_validate(data), issues
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = tuple(str(p) for p in err["loc"] if not isinstance(p, int))
+                if err["type"] == "extra_forbidden":  # reported with a suggestion by unknown_key_issues
+                    _delete(data, loc)
+                    continue
+                key = ".".join(loc)
+                value = err.get("input", _get(data, loc))
+                issues.append(Issue(key, value, err["msg"], _type_hint(key), keys=(key,)))
+                _delete(data, loc)
+    return None, issues
+
+
+def _type_hint(key: str) -> str:
+    section, _, field = key.partition(".")
+    cls = _model_fields(MegarlConfig).get(section)
+    parts = field.split(".") if field else []
+    info = None
+    while cls is not None and parts:
+        name = parts.pop(0)
+        info = cls.model_fields.get(name)
+        cls = _model_fields(cls).get(name) if info else None
+    if info is None:
+        return ""
+    desc = f" ({info.description})" if info.description else ""
+    return f"expected {getattr(info.annotation, '__name__', str(info.annotation)).replace('typing.', '')}{desc}"
+
+
+def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = (), *, data: Optional[dict] = None,
+                check: bool = True) -> MegarlConfig:
+    """Load, override and validate a recipe; raise ConfigError listing every problem found."""
+    source = str(recipe) if recipe else "<config>"
+    data = copy.deepcopy(data) if data is not None else read_recipe(recipe) if recipe else {}
+    issues = apply_overrides(data, list(overrides))
+    issues += unknown_key_issues(data)
+    cfg, schema_issues = _schema_issues(data)
+    issues += schema_issues
+    if cfg is not None and check:
+        from megarl.config.checks import run_checks
+
+        bad_keys = {i.key for i in issues}
+        issues += [i for i in run_checks(cfg) if not (set(i.keys) & bad_keys)]
+    errors = [i for i in issues if not i.warning]
+    if errors:
+        raise ConfigError(source, errors)
+    cfg._warnings = [i for i in issues if i.warning]  # type: ignore[attr-defined]
+    return cfg

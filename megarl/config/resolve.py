@@ -1,0 +1,54 @@
+"""Derived values and the resolved copy of a config written to the run directory."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from megarl.config.schema import MegarlConfig
+
+
+def derived(cfg: MegarlConfig) -> dict:
+    """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts."""
+    p, a, n = cfg.parallelism, cfg.actor, cfg.rollout.n
+    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    dp = max(1, cfg.world_size // mp)
+    seqs = cfg.data.train_batch_size * n
+    mini_per_rank = a.ppo_mini_batch_size * n // dp
+    return {
+        "world_size": cfg.world_size,
+        "data_parallel_size": dp,
+        "sequences_per_step": seqs,
+        "sequences_per_step_per_rank": seqs // dp,
+        "mini_batches_per_step": cfg.data.train_batch_size // a.ppo_mini_batch_size,
+        "mini_batch_sequences_per_rank": mini_per_rank,
+        "micro_batches_per_mini_batch": None if a.use_dynamic_bsz else mini_per_rank // a.ppo_micro_batch_size_per_gpu,
+        "optimizer_steps_per_step": a.ppo_epochs * (cfg.data.train_batch_size // a.ppo_mini_batch_size),
+        "clip_ratio_low": a.clip_low,
+        "clip_ratio_high": a.clip_high,
+        "max_model_len": cfg.rollout.resolved_max_model_len,
+        "critic_enabled": cfg.critic_enabled,
+        "ref_enabled": cfg.ref_enabled,
+    }
+
+
+def resolved_dict(cfg: MegarlConfig) -> dict:
+    out = json.loads(cfg.model_dump_json())
+    out["derived"] = derived(cfg)
+    return out
+
+
+def to_yaml(cfg: MegarlConfig) -> str:
+    return yaml.safe_dump(resolved_dict(cfg), sort_keys=False, default_flow_style=None, width=120)
+
+
+def write_resolved(cfg: MegarlConfig, run_dir: str | Path | None = None) -> Path:
+    """Write `<run_dir>/config.resolved.yaml` (the full config plus a `derived` section); return its path."""
+    run_dir = Path(run_dir or cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.resolved.yaml"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,339 @@
+"""The typed recipe tree: one pydantic model per section, a description and a default on every field."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    train_files: list[str] = Field(default_factory=list, description="Training prompt files (.parquet or .jsonl).")
+    val_files: list[str] = Field(default_factory=list, description="Validation prompt files (.parquet or .jsonl).")
+    prompt_key: str = Field("prompt", description="Column with the prompt: a list of chat messages or plain text.")
+    response_key: str = Field("response", description="Column with the target response (SFT data only).")
+    ground_truth_key: str = Field("ground_truth", description="Column with the reference answer passed to the reward.")
+    data_source_key: str = Field("data_source", description="Column naming the reward function for each row.")
+    extra_info_key: str = Field("extra_info", description="Column with per-row extra info passed to the reward.")
+    train_batch_size: int = Field(8, ge=1, description="Prompts per RL step (each sampled rollout.n times).")
+    val_batch_size: Optional[int] = Field(None, ge=1, description="Prompts per validation batch; None: all at once.")
+    apply_chat_template: bool = Field(True, description="Render chat-message prompts with the tokenizer's template.")
+    truncation: Literal["error", "filter", "left", "right"] = Field(
+        "error", description="What to do with prompts longer than rollout.prompt_length: raise, drop them "
+        "(counted and reported), or cut tokens from the left/right.")
+    shuffle: bool = Field(True, description="Shuffle training prompts every epoch (deterministic from trainer.seed).")
+    dataloader_num_workers: int = Field(0, ge=0, description="Worker processes for reading data.")
+
+
+class TinyModelSpec(_Section):
+    """A small random model created locally when model.path does not exist (demos and tests; no model hub needed)."""
+
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe"] = "llama"
+    hidden_size: int = Field(128, ge=32)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(256, ge=1)
+    num_experts: int = Field(0, ge=0, description="0 for a dense model.")
+    num_experts_per_tok: int = Field(2, ge=1)
+    tie_word_embeddings: bool = True
+
+
+class ModelConfig(_Section):
+    path: str = Field("", description="Hugging Face model directory (config.json, safetensors, tokenizer).")
+    tokenizer_path: Optional[str] = Field(None, description="Tokenizer directory if it differs from model.path.")
+    config_path: Optional[str] = Field(None, description="A config.json describing the model, used by `validate` and "
+                                       "`plan` where model.path is not available (e.g. planning on a laptop).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Training parameter dtype; auto: float32 on CPU, bfloat16 on GPU.")
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the model directory.")
+    create_tiny: Optional[TinyModelSpec] = Field(
+        None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
+    use_transformer_engine: Literal["auto", "true", "false"] = Field(
+        "auto", description="Transformer Engine layer spec: auto uses it when CUDA and TE are available.")
+
+
+class ParallelismConfig(_Section):
+    """The Megatron layout shared by actor, reference and critic. Data parallel size is derived."""
+
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Tensor parallel size (TP).")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (PP).")
+    virtual_pipeline_model_parallel_size: Optional[int] = Field(None, ge=1, description="Virtual pipeline stages "
+                                                                "per PP rank (interleaved schedule).")
+    context_parallel_size: int = Field(1, ge=1, description="Context parallel size (CP).")
+    expert_model_parallel_size: int = Field(1, ge=1, description="Expert parallel size (EP) for MoE layers.")
+    expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, description="TP size inside experts; None: TP.")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (required for MoE with TP>1).")
+    use_distributed_optimizer: bool = Field(False, description="Shard optimizer states over DP (GPU only).")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(0.0, ge=0, description="Final learning rate of the decay schedule.")
+    weight_decay: float = Field(0.01, ge=0, description="Decoupled weight decay (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field("constant",
+                                                                    description="LR schedule after warm-up.")
+    clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
+
+
+class ActorConfig(_Section):
+    ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
+    ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
+    use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead of a fixed count.")
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per micro-batch (dynamic bsz).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    shuffle: bool = Field(False, description="Shuffle sequences between mini-batches.")
+    policy_loss: str = Field("vanilla", description="Policy loss: vanilla (PPO clip), gspo, cispo.")
+    clip_ratio: float = Field(0.2, gt=0, description="Default for clip_ratio_low/high when they are not set.")
+    clip_ratio_low: Optional[float] = Field(None, gt=0, description="Lower clip (ratio >= 1 - low).")
+    clip_ratio_high: Optional[float] = Field(None, gt=0, description="Upper clip (ratio <= 1 + high); DAPO "
+                                             "clip-higher sets it above clip_ratio_low.")
+    clip_ratio_c: float = Field(3.0, gt=1, description="Dual-clip bound for negative advantages.")
+    loss_agg_mode: str = Field("token-mean", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, "
+                               "seq-mean-token-sum-norm.")
+    entropy_coeff: float = Field(0.0, description="Entropy bonus coefficient.")
+    use_kl_loss: bool = Field(False, description="Add a KL(actor || ref) term to the loss (GRPO style).")
+    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
+    kl_loss_type: str = Field("low_var_kl", description="kl (k1), abs, mse (k2), low_var_kl (k3).")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio_low if self.clip_ratio_low is not None else self.clip_ratio
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio_high if self.clip_ratio_high is not None else self.clip_ratio
+
+
+class CriticConfig(_Section):
+    enable: Optional[bool] = Field(None, description="Train a critic; None: on when algorithm.adv_estimator is gae.")
+    model_path: Optional[str] = Field(None, description="HF model to initialise the critic; None: model.path.")
+    ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per critic forward/backward on one rank.")
+    ppo_epochs: int = Field(1, ge=1, description="Critic passes over each batch.")
+    cliprange_value: float = Field(0.5, gt=0, description="Value clipping range around the old values.")
+    warmup_steps: int = Field(0, ge=0, description="Steps that train only the critic before the actor updates.")
+    loss_agg_mode: str = Field("token-mean", description="Aggregation of the value loss.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5),
+                               description="Critic optimizer and LR schedule.")
+
+
+class RefConfig(_Section):
+    enable: Optional[bool] = Field(None, description="Keep a frozen reference model; None: on when a KL term is used.")
+    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reference forward on one rank.")
+
+
+class ValKwargs(_Section):
+    """Sampling overrides for validation rollouts."""
+
+    temperature: float = Field(0.0, ge=0, description="0 means greedy.")
+    top_k: int = Field(-1, description="-1 disables top-k.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    n: int = Field(1, ge=1, description="Samples per validation prompt.")
+    do_sample: bool = Field(False, description="False means greedy decoding.")
+
+
+class MultiTurnConfig(_Section):
+    enable: bool = Field(False, description="Multi-turn rollouts with tool calls (not yet supported by the engine).")
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="Limit on assistant turns; None: no limit.")
+    max_user_turns: Optional[int] = Field(None, ge=1, description="Limit on user/tool turns; None: no limit.")
+
+
+class RolloutConfig(_Section):
+    name: Literal["vllm"] = Field("vllm", description="Rollout engine.")
+    mode: Literal["colocated", "ray"] = Field("colocated", description="Engine inside the trainer's rank 0 process, "
+                                              "or as Ray actors.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
+    top_k: int = Field(-1, description="-1 disables top-k.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    do_sample: bool = Field(True, description="False means greedy decoding.")
+    n: int = Field(1, ge=1, description="Samples per prompt.")
+    repetition_penalty: float = Field(1.0, gt=0, description="Penalty for repeated tokens; 1 disables.")
+    over_sample_rate: float = Field(0.0, ge=0, description="Extra prompts drawn per step, as a fraction (DAPO dynamic "
+                                    "sampling).")
+    prompt_length: int = Field(512, ge=1, description="Maximum prompt tokens.")
+    response_length: int = Field(512, ge=1, description="Maximum generated tokens.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS.")
+    seed: Optional[int] = Field(None, description="Engine seed; None: trainer.seed.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="auto: float32 on CPU, "
+                                                                    "bfloat16 on GPU.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of GPU memory for the engine.")
+    kv_cache_memory_bytes: Optional[int] = Field(256 << 20, ge=1, description="Explicit KV cache size (CPU engine).")
+    enforce_eager: bool = Field(True, description="Disable CUDA graphs in the engine.")
+    free_cache_engine: bool = Field(True, description="Free the KV cache between rollouts (sleep mode, GPU).")
+    enable_sleep_mode: bool = Field(False, description="Let the engine release GPU memory between rollouts.")
+    tensor_model_parallel_size: int = Field(1, ge=1, description="Engine TP size.")
+    pipeline_model_parallel_size: int = Field(1, ge=1, description="Engine PP size.")
+    expert_model_parallel_size: int = Field(1, ge=1, description="Engine EP size.")
+    data_parallel_size: int = Field(1, ge=1, description="Engine replicas.")
+    max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
+    max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
+    max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prefills into chunks.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    load_format: Literal["dummy", "auto", "safetensors"] = Field("auto", description="How the engine loads weights at "
+                                                                 "start; they are replaced by the actor's anyway.")
+    quantization: Optional[str] = Field(None, description="Engine weight quantization method, e.g. fp8; None: none.")
+    calculate_log_probs: bool = Field(True, description="Return rollout logprobs of sampled tokens.")
+    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per trainer forward when "
+                                                   "recomputing old logprobs.")
+    log_prob_use_dynamic_bsz: bool = Field(False, description="Pack logprob micro-batches by token budget.")
+    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per logprob micro-batch.")
+    update_weights_bucket_megabytes: int = Field(512, ge=1, description="Weight-sync bucket size.")
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling overrides for validation.")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn rollout settings.")
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        return self.max_model_len or self.prompt_length + self.response_length
+
+
+class OverlongBufferConfig(_Section):
+    enable: bool = Field(False, description="DAPO overlong reward shaping.")
+    len: int = Field(0, ge=0, description="Buffer length before response_length where the penalty ramps up.")
+    penalty_factor: float = Field(1.0, ge=0,
+                                  description="Penalty at the full response length (linear ramp inside the buffer).")
+
+
+class RewardModelConfig(_Section):
+    enable: bool = Field(False, description="Score responses with a reward model.")
+    path: Optional[str] = Field(None, description="HF sequence-classification model directory.")
+    micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reward-model forward.")
+
+
+class RewardConfig(_Section):
+    reward_fn: Optional[str] = Field(None, description="Registered reward name or 'path/to/file.py:function'; None: "
+                                     "chosen per row by data.data_source_key.")
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict,
+                                          description="Extra keyword arguments for the reward function.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-sample time limit.")
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig,
+                                                  description="DAPO overlong reward shaping.")
+    reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
+                                            description="Learned reward model scoring.")
+
+
+class KLControlConfig(_Section):
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed or adaptive coefficient.")
+    kl_coef: float = Field(0.001, ge=0, description="(Initial) KL coefficient.")
+    target_kl: float = Field(0.1, gt=0, description="Target KL of the adaptive controller.")
+    horizon: int = Field(10000, ge=1, description="Adaptive controller horizon in samples.")
+
+
+class FilterGroupsConfig(_Section):
+    enable: bool = Field(False, description="DAPO dynamic sampling: drop groups whose metric is constant.")
+    metric: Literal["reward", "acc", "seq_final_reward", "seq_reward"] = Field("reward",
+                                                                               description="Per-sample metric whose constancy drops a group.")
+    max_num_gen_batches: int = Field(10, ge=0, description="Extra generation rounds allowed per step; 0: unlimited.")
+
+
+class RolloutCorrectionConfig(_Section):
+    use_rollout_log_probs: bool = Field(False, description="Use the engine's logprobs as old logprobs instead of "
+                                        "recomputing them with the actor.")
+    is_level: Optional[Literal["token", "sequence"]] = Field(None, description="Truncated importance sampling level.")
+    is_threshold: float = Field(2.0, gt=0, description="Upper truncation of the importance weights.")
+    rejection_level: Optional[Literal["token", "sequence", "geometric"]] = Field(None,
+                                                                                 description="Reject tokens/sequences whose ratio leaves [1/threshold, threshold]; None: off.")
+    rejection_threshold: float = Field(2.0, gt=1, description="Ratio bound for rejection.")
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: str = Field("grpo", description="gae, grpo, drgrpo, rloo, reinforce_plus_plus, "
+                               "reinforce_plus_plus_baseline, remax.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = Field(True, description="False gives Dr.GRPO.")
+    use_kl_in_reward: bool = Field(False, description="Subtract a KL penalty from the token rewards (PPO style).")
+    kl_penalty: str = Field("kl", description="KL estimator for KL-in-reward.")
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig,
+                                     description="KL coefficient controller for KL-in-reward.")
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = Field(default_factory=RolloutCorrectionConfig,
+                                                        description="Engine/trainer mismatch correction.")
+
+
+class TrainerConfig(_Section):
+    run_dir: str = Field("runs/default", description="Where metrics.jsonl, tensorboard events, the resolved config and "
+                         "checkpoints go.")
+    total_steps: int = Field(10, ge=1, description="RL steps to run.")
+    total_epochs: Optional[int] = Field(None, ge=1, description="Stop after this many passes over the data.")
+    seed: int = Field(1, description="Seed for data order, sampling and initialisation.")
+    test_freq: int = Field(0, ge=0, description="Validate every N steps; 0: never.")
+    val_before_train: bool = Field(True, description="Validate once before the first step.")
+    nnodes: int = Field(1, ge=1, description="Number of nodes.")
+    n_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs, or processes on CPU).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
+    sft_warmup: Optional[str] = Field(None, description="SFT recipe to run before RL when no checkpoint exists.")
+
+
+class CheckpointConfig(_Section):
+    save_freq: int = Field(0, ge=0, description="Save every N steps; 0: only at the end and on SIGTERM.")
+    keep_last_k: Optional[int] = Field(2, ge=1, description="Checkpoints kept; None: all.")
+    resume: Union[Literal["auto", "disable"], str] = Field("auto", description="auto: from the latest checkpoint in "
+                                                          "run_dir; disable; or a checkpoint path.")
+    load_optimizer: bool = Field(True, description="Restore optimizer states on resume.")
+    save_on_sigterm: bool = Field(True, description="Save a checkpoint when the job receives SIGTERM (preemption).")
+
+
+class LoggingConfig(_Section):
+    console: bool = Field(True, description="One summary line per step.")
+    tensorboard: bool = Field(True, description="Tensorboard event files in run_dir.")
+    jsonl: bool = Field(True, description="run_dir/metrics.jsonl, one object per step.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    save_rollouts: bool = Field(False, description="Write every step's rollouts to run_dir/rollouts.")
+
+
+class SFTConfig(_Section):
+    train_files: list[str] = Field(default_factory=list, description="Prompt/response files for `megarl sft`.")
+    epochs: int = Field(1, ge=1, description="Passes over the SFT data.")
+    total_steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps; None: epochs.")
+    batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    max_length: int = Field(1024, ge=1, description="Maximum prompt+response tokens.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4),
+                               description="SFT optimizer and LR schedule.")
+
+
+class MegarlConfig(_Section):
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batching.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The Hugging Face model trained.")
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig,
+                                           description="Megatron layout of actor, reference and critic.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy update settings.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model (PPO with GAE).")
+    ref: RefConfig = Field(default_factory=RefConfig, description="Frozen reference model for KL.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="vLLM generation.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward functions and reward model.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
+                                       description="Advantage estimator, KL and DAPO options.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, seeds, ranks, validation.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, tensorboard and jsonl metrics.")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-start (`megarl sft`).")
+    _warnings: list = PrivateAttr(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def critic_enabled(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+
+    @property
+    def ref_enabled(self) -> bool:
+        if self.ref.enable is not None:
+            return self.ref.enable
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
