@@ -29,6 +29,32 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+def _wait_all(procs: list, timeout: float, grace: float = 10.0) -> list:
+    """Wait for every process; once one fails (or time runs out) give the rest `grace` seconds, then kill them.
+
+    A crashed rank leaves its peers blocked in a collective, so waiting for each in turn would hang until the timeout.
+    Returns each exit code, or "timeout"/"killed after rank N failed".
+    """
+    deadline = time.monotonic() + timeout
+    codes: list = [None] * len(procs)
+    first_failure = None
+    while any(c is None for c in codes):
+        for i, p in enumerate(procs):
+            if codes[i] is None and p.poll() is not None:
+                codes[i] = p.returncode
+                if p.returncode != 0 and first_failure is None:
+                    first_failure = i
+                    deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() > deadline:
+            for i, p in enumerate(procs):
+                if codes[i] is None:
+                    p.kill()
+                    p.wait()
+                    codes[i] = "timeout" if first_failure is None else f"killed after rank {first_failure} failed"
+        time.sleep(0.05)
+    return codes
+
+
 def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: float = 600,
               env: Optional[dict] = None, log_dir: Optional[str] = None) -> list[Any]:
     """Run `target` ("package.module:function") on `nprocs` ranks; return each rank's return value.
@@ -51,22 +77,12 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
         log = open(logs / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
         procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p, _ in procs:
-                p.kill()
-            code = "timeout"
+    codes = _wait_all([p for p, _ in procs], timeout)
+    for _, log in procs:
         log.close()
-        if code != 0:
-            failed.append(f"--- rank {rank} exited with {code}; last lines of {logs / f'rank{rank}.log'}:\n"
-                          + _tail(logs / f"rank{rank}.log"))
+    failed = [f"--- rank {r} exited with {code}; last lines of {logs / f'rank{r}.log'}:\n" + _tail(logs / f"rank{r}.log")
+              for r, code in enumerate(codes) if code != 0]
     if failed:
-        for p, _ in procs:
-            p.kill()
         raise RankFailure(f"{len(failed)} of {nprocs} ranks of {target} failed:\n" + "\n".join(failed))
     return [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
 
