@@ -1,0 +1,105 @@
+"""The actor's loss on megatron logits: a pure policy loss from megarl.algo plus entropy and KL terms.
+
+Tensors of a micro-batch (T = S - 1, aligned with logprobs: position t scores token t+1):
+    input_ids [b, S], response_mask [b, T], old_log_probs [b, T], advantages [b, T],
+    optional ref_log_probs [b, T] (use_kl_loss), optional rollout_is_weights [b, T] (rollout correction).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl import algo
+from megarl.megatron.forward import logprobs_from_logits
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    vocab_size: int
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    temperature: float = 1.0  # the rollout temperature: logprobs must be of the distribution that was sampled
+
+    @classmethod
+    def from_config(cls, cfg, vocab_size: int) -> "PolicyLossSettings":
+        a = cfg.actor
+        return cls(vocab_size=vocab_size, policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+                   clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
+                   entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                   kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0)
+
+
+def _tp_reductions():
+    """Max/sum over the tensor-parallel group for vocab-parallel entropy (None, None without TP)."""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_fn
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None, None
+    group = ps.get_tensor_model_parallel_group()
+
+    def reduce_max(t):
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    return reduce_max, lambda t: dist_fn.all_reduce(t, group=group)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy [...] of softmax(logits / temperature) over the full vocabulary from this rank's shard [..., V/TP]."""
+    from megatron.core import parallel_state as ps
+
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    x = logits.float() / temperature
+    if start + local > vocab_size:  # megatron's vocab padding columns are not tokens
+        cols = torch.arange(start, start + local, device=x.device)
+        x = x.masked_fill(cols >= vocab_size, float("-inf"))
+    reduce_max, reduce_sum = _tp_reductions()
+    return algo.entropy_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
+
+
+def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None):
+    """loss_fn(micro_batch, logits [b, S, V/TP]) -> (loss, metrics) for train_mini_batch.
+
+    `denominator` is the global token or sequence count of the mini-batch (see train_step.loss_denominator), so the
+    micro-batch losses add up to the mini-batch loss. pg_loss/kl_loss/entropy_loss metrics are such shares."""
+    policy_loss = algo.POLICY_LOSSES[s.policy_loss]
+
+    def loss_fn(mb: dict, logits: torch.Tensor):
+        ids, mask = mb["input_ids"], mb["response_mask"]
+        logits = logits[:, : ids.shape[1] - 1]
+        log_prob = logprobs_from_logits(logits, ids[:, 1:], s.vocab_size, s.temperature)
+        agg = dict(loss_agg_mode=s.loss_agg_mode, denominator=denominator, max_response_length=max_response_length)
+        pg_loss, pg_metrics = policy_loss(
+            mb["old_log_probs"], log_prob, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
+            clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
+            rollout_is_weights=mb.get("rollout_is_weights"), **agg)
+        loss = pg_loss
+        metrics = {"pg_loss": pg_loss.detach(), **pg_metrics}
+        with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
+            entropy = vocab_parallel_entropy(logits if s.entropy_coeff else logits.detach(), s.vocab_size,
+                                             s.temperature)
+            entropy_loss = algo.agg_loss(entropy, mask, **agg)
+        if s.entropy_coeff:
+            loss = loss - s.entropy_coeff * entropy_loss
+        metrics["entropy_loss"] = entropy_loss.detach()
+        metrics["entropy"] = algo.masked_mean(entropy.detach(), mask)
+        if s.use_kl_loss:
+            kl, _ = algo.kl_loss(log_prob, mb["ref_log_probs"], mask, s.kl_loss_type, **agg)
+            loss = loss + s.kl_loss_coef * kl
+            metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+    return loss_fn

@@ -1,0 +1,164 @@
+"""Training steps on megatron-core: optimizer and LR schedule, and the thin adapter from pure losses to megatron.
+
+The losses in megarl.algo are pure functions of tensors. Megatron's schedule (get_forward_backward_func) wants a
+forward-step function returning (output, loss_func), where loss_func(output) -> (loss, metrics); it divides each
+micro-batch loss by the number of micro-batches, and DDP averages gradients over data-parallel ranks. To make the
+gradient exactly that of the loss over the whole mini-batch (all micro-batches, all DP ranks), every micro-batch
+computes its loss with the *global* denominator (tokens or sequences of the mini-batch across DP ranks) and returns
+it multiplied by num_microbatches * dp_size, which cancels megatron's two averages.
+
+A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded); the
+loss function receives it together with the model output ([b, S, V/TP] logits, or [b, S, 1] values for a critic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from megarl.config.schema import OptimConfig
+
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class Trainable:
+    """A model wrapped for training: megatron DDP chunks, its optimizer and LR scheduler."""
+
+    chunks: list  # DDP-wrapped GPTModel chunks (one per virtual pipeline stage)
+    optimizer: object
+    scheduler: object
+    steps: int = 0
+    last_lr: float = field(default=0.0)
+
+
+def make_trainable(model, optim: OptimConfig, total_steps: int, use_distributed_optimizer: bool = False) -> Trainable:
+    """Wrap `model` (a GPTModel or list of chunks) in megatron DDP and build its optimizer and LR schedule."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = chunks[0].config
+    if use_distributed_optimizer and not torch.cuda.is_available():
+        raise ValueError("parallelism.use_distributed_optimizer=true needs CUDA (megatron's distributed optimizer does "
+                         "not run on CPU); set it to false")
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
+                                               overlap_grad_reduce=False, grad_reduce_in_fp32=True)
+    wrapped = [DistributedDataParallel(config, ddp_config, c) for c in chunks]
+    for c in wrapped:
+        c.broadcast_params()  # identical DP replicas even if a rank's initialisation drifted
+    config.finalize_model_grads_func = finalize_model_grads
+    dtype = config.params_dtype
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, wrapped)
+    decay_steps = max(1, total_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr, min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant")
+    return Trainable(wrapped, optimizer, scheduler)
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
+
+
+def global_count(local: torch.Tensor) -> torch.Tensor:
+    """Sum of a local count over data-parallel ranks (the denominator every micro-batch divides by)."""
+    import torch.distributed as dist
+
+    total = local.detach().double().clone()
+    dist.all_reduce(total, group=_dp_group())
+    return total
+
+
+def loss_denominator(masks: list[torch.Tensor], loss_agg_mode: str) -> torch.Tensor:
+    """Global count for `loss_agg_mode`: valid tokens (token-mean) or sequences with a valid token (seq-mean-*).
+
+    masks: the response masks [b, T] of this rank's micro-batches of one mini-batch."""
+    if loss_agg_mode == "token-mean":
+        local = sum(m.sum() for m in masks)
+    else:
+        local = sum((m.sum(dim=-1) > 0).sum() for m in masks)
+    return global_count(torch.as_tensor(local))
+
+
+def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: LossFn) -> dict:
+    """One optimizer step over `micro_batches` (this rank's share of a mini-batch). Returns metrics.
+
+    loss_fn(micro_batch, model_output) -> (loss, metrics) must already divide by the global denominator; this
+    function scales it for megatron's averaging. Metrics are averaged over micro-batches and DP ranks, except keys
+    ending in "loss", which are summed over micro-batches (they are shares of the global mini-batch loss) and DP.
+    Every rank of the model-parallel group must pass the same micro-batches.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.megatron.forward import causal_inputs
+
+    n_micro = len(micro_batches)
+    dp = ps.get_data_parallel_world_size()
+    scale = float(n_micro * dp)
+    seq_len = micro_batches[0]["input_ids"].shape[1]
+    mbs = micro_batches[0]["input_ids"].shape[0]
+    if any(mb["input_ids"].shape != (mbs, seq_len) for mb in micro_batches):
+        raise ValueError("all micro-batches of a step must share one [micro_batch_size, seq_len] shape (megatron's "
+                         "pipeline schedule sends fixed-size activations); pad them to the same shape")
+
+    def step(data_iterator, model):
+        mb = next(data_iterator)
+        pos, mask = causal_inputs(mb["input_ids"])
+        output = model(mb["input_ids"], pos, mask)
+        return output, partial(_scaled_loss, mb)
+
+    def _scaled_loss(mb, output):
+        loss, metrics = loss_fn(mb, output)
+        return loss * scale, {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
+
+    for chunk in trainable.chunks:
+        chunk.zero_grad_buffer()
+    trainable.optimizer.zero_grad()
+    results = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(micro_batches),
+        model=trainable.chunks if len(trainable.chunks) > 1 else trainable.chunks[0],
+        num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+    update_ok, grad_norm, _ = trainable.optimizer.step()
+    trainable.scheduler.step(increment=1)
+    trainable.steps += 1
+    metrics = _reduce_metrics(results, n_micro)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["update_skipped"] = float(not update_ok)
+    metrics["lr"] = trainable.optimizer.param_groups[0]["lr"]
+    return metrics
+
+
+def _reduce_metrics(results: list[dict], n_micro: int) -> dict:
+    """Average (or, for *loss keys, sum) metrics over micro-batches; then over DP; shared from the last PP stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    keys = sorted(results[0]) if results else []
+    # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
+    holder = [keys]
+    last = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(holder, src=last, group=ps.get_pipeline_model_parallel_group())
+    keys = holder[0]
+    values = torch.zeros(len(keys), dtype=torch.float64)
+    if results:
+        for i, k in enumerate(keys):
+            total = sum(r[k].double() for r in results)
+            values[i] = total if k.endswith("loss") else total / n_micro
+    dist.broadcast(values, src=last, group=ps.get_pipeline_model_parallel_group())
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    dp = ps.get_data_parallel_world_size()
+    return {k: float(values[i] if k.endswith("loss") else values[i] / dp) for i, k in enumerate(keys)}
