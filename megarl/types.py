@@ -1,0 +1,140 @@
+"""The typed records passed between the stages of an RL step. Shapes are documented on every field.
+
+Notation: P prompts go into a rollout; each is sampled n times, giving N = P * n samples, ordered prompt-major
+(all samples of prompt 0, then all of prompt 1, ...). R is the longest response in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class RolloutBatch:
+    """Responses sampled by a rollout engine, one row per sample.
+
+    Ragged data (prompts) stays as Python lists; everything with a response axis is a right-padded tensor, so a
+    trainer can slice, mask and broadcast it directly. Use `response_mask()` for the valid positions.
+
+    Fields:
+        prompt_ids: list of N lists of int. The prompt of each sample, as the engine saw it (after any truncation).
+        response_ids: LongTensor [N, R]. Sampled tokens, right-padded with `pad_token_id`.
+        response_lengths: LongTensor [N]. Valid tokens per row of `response_ids` (0 <= length <= R).
+        rollout_logprobs: FloatTensor [N, R] or None. Log-probability under the engine of each sampled token,
+            0.0 on padding; None when logprobs were not requested (rollout.calculate_log_probs=False).
+        finish_reasons: list of N str, each in FINISH_REASONS: "stop" (EOS or a stop token/string), "length"
+            (hit rollout.response_length or max_model_len), "abort" (the request was aborted).
+        truncated: BoolTensor [N]. True where the response was cut by the length limit (finish_reason == "length").
+        prompt_index: LongTensor [N]. Group id: the index of each sample's prompt in the caller's prompt list (or the
+            caller's own ids when it passed `prompt_index`). Samples with the same id form one GRPO group.
+        prompt_truncated: BoolTensor [N]. True where the prompt was longer than rollout.prompt_length and was cut.
+        weight_version: the engine weight version that produced every sample (0 = the weights loaded at start).
+        pad_token_id: the value used to pad `response_ids`.
+        metrics: scalar metrics of the rollout (counts, seconds, tokens/s), names prefixed "rollout/".
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: torch.Tensor
+    response_lengths: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor]
+    finish_reasons: list[str]
+    truncated: torch.Tensor
+    prompt_index: torch.Tensor
+    prompt_truncated: torch.Tensor
+    weight_version: int = 0
+    pad_token_id: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompt_ids)
+        checks = {
+            "response_ids": (self.response_ids, 2, torch.long),
+            "response_lengths": (self.response_lengths, 1, torch.long),
+            "truncated": (self.truncated, 1, torch.bool),
+            "prompt_index": (self.prompt_index, 1, torch.long),
+            "prompt_truncated": (self.prompt_truncated, 1, torch.bool),
+        }
+        if self.rollout_logprobs is not None:
+            checks["rollout_logprobs"] = (self.rollout_logprobs, 2, torch.float32)
+        for name, (t, ndim, dtype) in checks.items():
+            if t.ndim != ndim or t.shape[0] != n or t.dtype != dtype:
+                raise ValueError(f"RolloutBatch.{name}: expected a {dtype} tensor with {ndim} dims and {n} rows, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        if self.rollout_logprobs is not None and self.rollout_logprobs.shape != self.response_ids.shape:
+            raise ValueError(f"RolloutBatch.rollout_logprobs {tuple(self.rollout_logprobs.shape)} must have the shape "
+                             f"of response_ids {tuple(self.response_ids.shape)}")
+        if len(self.finish_reasons) != n:
+            raise ValueError(f"RolloutBatch.finish_reasons has {len(self.finish_reasons)} entries for {n} samples")
+        bad = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
+        if bad:
+            raise ValueError(f"RolloutBatch.finish_reasons: unknown reasons {bad}; expected one of {FINISH_REASONS}")
+        if n and int(self.response_lengths.max()) > self.response_ids.shape[1]:
+            raise ValueError("RolloutBatch.response_lengths exceed the padded width of response_ids")
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompt_ids)
+
+    def response_mask(self) -> torch.Tensor:
+        """BoolTensor [N, R]: True on the valid (non-padding) response positions."""
+        width = self.response_ids.shape[1]
+        return torch.arange(width).unsqueeze(0) < self.response_lengths.unsqueeze(1)
+
+    def response(self, i: int) -> list[int]:
+        """The response tokens of sample i, without padding."""
+        return self.response_ids[i, : int(self.response_lengths[i])].tolist()
+
+    def logprobs(self, i: int) -> list[float]:
+        """The rollout logprobs of sample i, without padding."""
+        if self.rollout_logprobs is None:
+            raise ValueError("this batch was generated without logprobs (rollout.calculate_log_probs=False)")
+        return self.rollout_logprobs[i, : int(self.response_lengths[i])].tolist()
+
+    def select(self, indices: list[int]) -> "RolloutBatch":
+        """The samples at `indices` (e.g. after dynamic-sampling filters), padding width kept."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        return RolloutBatch(
+            prompt_ids=[self.prompt_ids[i] for i in indices], response_ids=self.response_ids[idx],
+            response_lengths=self.response_lengths[idx],
+            rollout_logprobs=None if self.rollout_logprobs is None else self.rollout_logprobs[idx],
+            finish_reasons=[self.finish_reasons[i] for i in indices], truncated=self.truncated[idx],
+            prompt_index=self.prompt_index[idx], prompt_truncated=self.prompt_truncated[idx],
+            weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics))
+
+    # -- transport: everything as tensors, so rank 0 can broadcast a batch to the other ranks -------------------------
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Pack into a dict of tensors (prompts flattened with their lengths; finish reasons as codes)."""
+        out = {
+            "prompt_flat": torch.tensor([t for p in self.prompt_ids for t in p], dtype=torch.long),
+            "prompt_lengths": torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long),
+            "response_ids": self.response_ids, "response_lengths": self.response_lengths,
+            "finish_codes": torch.tensor([FINISH_REASONS.index(r) for r in self.finish_reasons], dtype=torch.long),
+            "truncated": self.truncated, "prompt_index": self.prompt_index, "prompt_truncated": self.prompt_truncated,
+            "scalars": torch.tensor([self.weight_version, self.pad_token_id], dtype=torch.long),
+        }
+        if self.rollout_logprobs is not None:
+            out["rollout_logprobs"] = self.rollout_logprobs
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], metrics: Optional[dict[str, float]] = None) -> "RolloutBatch":
+        """Inverse of `to_tensors`."""
+        lengths = t["prompt_lengths"].tolist()
+        flat = t["prompt_flat"].tolist()
+        prompts, start = [], 0
+        for n in lengths:
+            prompts.append(flat[start:start + n])
+            start += n
+        version, pad = t["scalars"].tolist()
+        return cls(prompt_ids=prompts, response_ids=t["response_ids"], response_lengths=t["response_lengths"],
+                   rollout_logprobs=t.get("rollout_logprobs"),
+                   finish_reasons=[FINISH_REASONS[c] for c in t["finish_codes"].tolist()],
+                   truncated=t["truncated"], prompt_index=t["prompt_index"], prompt_truncated=t["prompt_truncated"],
+                   weight_version=int(version), pad_token_id=int(pad), metrics=dict(metrics or {}))
