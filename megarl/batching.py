@@ -1,0 +1,75 @@
+"""From a rollout to training tensors, and the split of a step's samples into DP shards, mini- and micro-batches.
+
+Training tensors of a step (N samples, S = longest prompt + response, T = S - 1):
+    input_ids          [N, S] long   prompt tokens then response tokens, right-padded with pad_token_id
+    response_mask      [N, T] bool   True at t when token t+1 is a response token (logprob positions)
+    rollout_log_probs  [N, T] float  the engine's logprob of token t+1 where response_mask, else 0
+    token_level_scores [N, T] float  the sample's reward at its last response token, else 0
+    prompt_index       [N]    long   group id (samples of one prompt)
+    response_lengths   [N]    long
+Later stages add old_log_probs, ref_log_probs, values, advantages, returns ([N, T] each).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.types import RolloutBatch
+
+
+def build_train_batch(rollout: RolloutBatch, scores: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Concatenate prompts and responses of `rollout` and place each sample's score on its last response token.
+
+    scores: [N] float, one reward per sample."""
+    n = len(rollout)
+    if scores.shape != (n,):
+        raise ValueError(f"scores has shape {tuple(scores.shape)}; expected ({n},), one reward per sample")
+    lengths = rollout.response_lengths
+    total = [len(p) + int(r) for p, r in zip(rollout.prompt_ids, lengths.tolist())]
+    s = max(total)
+    ids = torch.full((n, s), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(n, s - 1, dtype=torch.bool)
+    rollout_lp = torch.zeros(n, s - 1)
+    token_scores = torch.zeros(n, s - 1)
+    for i, prompt in enumerate(rollout.prompt_ids):
+        p, r = len(prompt), int(lengths[i])
+        ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
+        ids[i, p:p + r] = rollout.response_ids[i, :r]
+        if r == 0:  # an empty response has no token to credit: it contributes nothing to the loss
+            continue
+        # logprob position t scores token t+1: the response tokens p..p+r-1 are scored at p-1..p+r-2
+        mask[i, p - 1:p - 1 + r] = True
+        if rollout.rollout_logprobs is not None:
+            rollout_lp[i, p - 1:p - 1 + r] = rollout.rollout_logprobs[i, :r]
+        token_scores[i, p + r - 2] = scores[i]
+    return {"input_ids": ids, "response_mask": mask, "rollout_log_probs": rollout_lp,
+            "token_level_scores": token_scores, "prompt_index": rollout.prompt_index.clone(),
+            "response_lengths": lengths.clone()}
+
+
+def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def mini_batch_rows(num_samples: int, mini_batch_size: int, dp_size: int, dp_rank: int,
+                    generator: Optional[torch.Generator] = None) -> list[torch.Tensor]:
+    """Row indices of this DP rank's share of each mini-batch.
+
+    The N samples are (optionally shuffled with `generator`, identically on every rank, then) cut into mini-batches of
+    `mini_batch_size` samples; each mini-batch is split contiguously over DP ranks. Every rank gets one index tensor
+    per mini-batch, of mini_batch_size / dp_size rows."""
+    if num_samples % mini_batch_size or mini_batch_size % dp_size:
+        raise ValueError(f"{num_samples} samples do not split into mini-batches of {mini_batch_size} over "
+                         f"{dp_size} data-parallel ranks; check actor.ppo_mini_batch_size, rollout.n and the layout")
+    order = torch.randperm(num_samples, generator=generator) if generator is not None else torch.arange(num_samples)
+    share = mini_batch_size // dp_size
+    return [order[start + dp_rank * share: start + (dp_rank + 1) * share]
+            for start in range(0, num_samples, mini_batch_size)]
+
+
+def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    n = next(iter(batch.values())).shape[0]
+    if n % micro_batch_size:
+        raise ValueError(f"{n} rows do not split into micro-batches of {micro_batch_size}")
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]

@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from megarl.batching import build_train_batch, mini_batch_rows, split_micro
+from megarl.types import RolloutBatch
+
+
+def _rollout():
+    # sample 0: prompt [5, 6, 7], response [20, 21] ; sample 1: prompt [8], response [30, 31, 32]
+    return RolloutBatch(
+        prompt_ids=[[5, 6, 7], [8]], response_ids=torch.tensor([[20, 21, 0], [30, 31, 32]]),
+        response_lengths=torch.tensor([2, 3]), rollout_logprobs=torch.tensor([[-1.0, -2.0, 0.0], [-3.0, -4.0, -5.0]]),
+        finish_reasons=["stop", "length"], truncated=torch.tensor([False, True]), prompt_index=torch.tensor([0, 1]),
+        prompt_truncated=torch.tensor([False, False]))
+
+
+def test_prompt_and_response_are_concatenated_and_aligned_with_logprob_positions():
+    b = build_train_batch(_rollout(), torch.tensor([1.0, 0.5]), pad_token_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 20, 21], [8, 30, 31, 32, 0]]
+    # position t scores token t+1: sample 0's response tokens sit at 3, 4 -> logprob positions 2, 3
+    assert b["response_mask"].tolist() == [[False, False, True, True], [True, True, True, False]]
+    assert b["rollout_log_probs"].tolist() == [[0, 0, -1.0, -2.0], [-3.0, -4.0, -5.0, 0]]
+    assert b["token_level_scores"].tolist() == [[0, 0, 0, 1.0], [0, 0, 0.5, 0]]
+
+
+def test_scores_must_be_one_per_sample():
+    with pytest.raises(ValueError, match="one reward per sample"):
+        build_train_batch(_rollout(), torch.tensor([1.0]), pad_token_id=0)
+
+
+def test_mini_batches_split_over_dp_ranks_cover_every_sample_once():
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    shares = [mini_batch_rows(8, 4, 2, r, g()) for r in range(2)]
+    assert [len(s) for s in shares] == [2, 2]  # two mini-batches per rank
+    for j in range(2):  # mini-batch j is the union of the two ranks' shares
+        assert len(set(shares[0][j].tolist()) | set(shares[1][j].tolist())) == 4
+    assert sorted(torch.cat([torch.cat(s) for s in shares]).tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="ppo_mini_batch_size"):
+        mini_batch_rows(8, 3, 1, 0)
+
+
+def test_split_micro():
+    parts = split_micro({"x": torch.arange(6)}, 2)
+    assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
