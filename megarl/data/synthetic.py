@@ -1,0 +1,143 @@
+"""A verifiable task megarl makes itself for the tiny CPU demo: addition with a word-level tokenizer.
+
+    prompt    [{"role": "user", "content": "What is 13 + 8 ?"}]
+    response  "#### 21"                       (SFT target; the trainer appends EOS)
+    ground_truth "21", data_source "arithmetic" (scored by megarl.reward's `arithmetic`)
+
+Every number from 0 to 2*max_operand is one token, so an answer is one token and the model has to learn a lookup
+of (a, b) -> a+b: a 2-layer, 128-wide model gets part of it from a few minutes of SFT, and RL has room to raise
+accuracy. All text is space-separated tokens, so decode(encode(text)) == text exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Sequence
+
+DATA_SOURCE = "arithmetic"
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+WORDS = ["What", "is", "+", "=", "?", "####", "The", "answer"]
+
+# Renders "<s> <|user|> What is 13 + 8 ? </s> <|assistant|> "; EOS ends every turn, so generation stops at EOS.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ ' <|' + message['role'] + '|> ' + message['content'] + ' ' + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ ' <|assistant|> ' }}{% endif %}"
+)
+
+
+def arithmetic_vocab(max_operand: int) -> list[str]:
+    """Token strings in id order: specials (<pad>=0, <s>=1, </s>=2, <unk>=3), role markers, words, numbers."""
+    return list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + WORDS + [str(n) for n in range(2 * max_operand + 1)]
+
+
+def format_question(a: int, b: int) -> str:
+    return f"What is {a} + {b} ?"
+
+
+def format_response(a: int, b: int, answer_format: str = "gsm8k") -> str:
+    """The SFT target. gsm8k: '#### 21' (scored by both the gsm8k and arithmetic rewards); short: '21';
+    worked: '13 + 8 = 21 #### 21' (restates the sum first: longer, a little easier for a tiny model)."""
+    total = a + b
+    if answer_format == "gsm8k":
+        return f"#### {total}"
+    if answer_format == "short":
+        return str(total)
+    if answer_format == "worked":
+        return f"{a} + {b} = {total} #### {total}"
+    raise ValueError(f"answer_format must be gsm8k, short or worked; got {answer_format!r}")
+
+
+def make_arithmetic_dataset(n: int, seed: int, max_operand: int = 20, min_operand: int = 0,
+                            answer_format: str = "gsm8k", chat: bool = True, split: str = "train",
+                            data_source: str = DATA_SOURCE) -> list[dict[str, Any]]:
+    """n rows of "What is a + b ?" with a, b uniform in [min_operand, max_operand], reproducible from seed.
+
+    Rows have the verl columns (prompt, data_source, ground_truth, extra_info) plus `response` for SFT.
+    chat=False stores the prompt as plain text. Use different seeds for train and val files.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand}, {max_operand}")
+    rng = random.Random(f"megarl-arithmetic:{seed}")
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
+        question = format_question(a, b)
+        response = format_response(a, b, answer_format)
+        rows.append({
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": question}] if chat else question,
+            "response": response,
+            "ground_truth": str(a + b),
+            "extra_info": {"index": i, "split": split, "a": a, "b": b},
+        })
+    return rows
+
+
+def write_dataset(rows: Sequence[dict[str, Any]], path: str) -> str:
+    """Write rows to .parquet or .jsonl (by extension), creating the directory; returns path."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".parquet", ".jsonl"):
+        raise ValueError(f"write_dataset: unsupported extension {ext!r} for {path!r}; use .parquet or .jsonl")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    if ext == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+    else:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+    return path
+
+
+def arithmetic_tokenizer(save_dir: str, max_operand: int = 20):
+    """Build, save and return a word-level PreTrainedTokenizerFast for the arithmetic task.
+
+    save_dir gets tokenizer.json, tokenizer_config.json (bos/eos/pad/unk) and the chat template, so
+    transformers.AutoTokenizer.from_pretrained(save_dir) and vLLM load it. Vocab size is 2*max_operand + 16
+    (56 for the default); the text of numbers above 2*max_operand becomes <unk>.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(arithmetic_vocab(max_operand))}
+    if len(vocab) >= 300:
+        raise ValueError(f"max_operand={max_operand} gives a vocabulary of {len(vocab)}; keep it under 300 "
+                         f"(max_operand <= 141) so the tiny model stays tiny")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    # One token per number, word or symbol run; whitespace only separates. '####' stays whole; '48?' splits in two.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Split(Regex(r"\d+|[A-Za-z]+|#+|[^A-Za-z\d#]"), behavior="isolated"),
+    ])
+    # WordPiece's decoder joins tokens with single spaces except those starting with its continuation prefix; no token
+    # here starts with "<cont>" (the default "##" would eat '####'), and cleanup=False keeps ' ?' as it is, so
+    # decoding reproduces the canonical space-separated text exactly (vLLM's detokenizer uses the same decoder).
+    tok.decoder = decoders.WordPiece(prefix="<cont>", cleanup=False)
+    bos, eos = SPECIAL_TOKENS["bos_token"], SPECIAL_TOKENS["eos_token"]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, vocab[bos])])
+    tok.add_special_tokens(list(SPECIAL_TOKENS.values()) + ROLE_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, model_max_length=4096,
+                                   **SPECIAL_TOKENS)
+    os.makedirs(save_dir, exist_ok=True)
+    fast.save_pretrained(save_dir)
+    # transformers 5 writes tokenizer_class "TokenizersBackend" and keeps the template only in chat_template.jinja;
+    # naming the class both major versions know and repeating the template lets 4.x loaders (older vLLM builds) read it.
+    config_path = os.path.join(save_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        tok_config = json.load(f)
+    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(tok_config, f, indent=2)
+    return fast

@@ -1,0 +1,212 @@
+"""Rule-based reward functions, all with the uniform signature
+
+    fn(data_source, solution_str, ground_truth, extra_info=None, **reward_kwargs) -> float | dict
+
+Answer extraction and normalisation are separate small functions so they can be tested (and reused) on their own.
+"""
+from __future__ import annotations
+
+import math as _math
+import re
+from typing import Any, Optional
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+_HASH_ANSWER = re.compile(r"####\s*(-?[$\d,.]*\d)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Numbers (GSM8K style)
+
+
+def normalize_number(text: Any) -> Optional[str]:
+    """'1,000' -> '1000', '$5' -> '5', '72.0' -> '72', '3.50' -> '3.5', '7.' -> '7'; None if it is not a number."""
+    if text is None:
+        return None
+    s = str(text).strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = float(s)
+    except ValueError:
+        return None
+    if not _math.isfinite(value):
+        return None
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
+def extract_hash_answer(text: str) -> Optional[str]:
+    """The number after the last '####' (GSM8K's answer marker), or None."""
+    found = _HASH_ANSWER.findall(text)
+    return found[-1] if found else None
+
+
+def extract_last_number(text: str) -> Optional[str]:
+    found = [m for m in _NUMBER.findall(text) if any(c.isdigit() for c in m)]
+    return found[-1] if found else None
+
+
+def gsm8k(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+          strict: bool = False, format_score: float = 0.0, score: float = 1.0) -> float:
+    """1.0 if the final answer equals the ground truth as a number.
+
+    The answer is the number after the last '####'; without one, the last number in the text unless strict=True.
+    format_score: given to an answer that was found but is wrong (e.g. 0.1 to reward the format early in training).
+    The ground truth may itself be a GSM8K solution ending in '#### N'.
+    """
+    answer = extract_hash_answer(solution_str)
+    if answer is None and not strict:
+        answer = extract_last_number(solution_str)
+    if answer is None:
+        return 0.0
+    truth = str(ground_truth)
+    truth = extract_hash_answer(truth) or truth
+    expected = normalize_number(truth)
+    got = normalize_number(answer)
+    if got is not None and got == expected:
+        return score
+    return format_score
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LaTeX answers (MATH style)
+
+
+def last_boxed(text: str) -> Optional[str]:
+    r"""Content of the last \boxed{...} (or \fbox{...}) with balanced braces; also '\boxed 5'.
+    None if there is none or it is not closed."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    rest = text[start:]
+    rest = rest[len("\\boxed"):] if rest.startswith("\\boxed") else rest[len("\\fbox"):]
+    if rest.startswith(" "):  # '\boxed 5': the argument runs to the next space or '$'
+        return re.split(r"[\s$]", rest.lstrip(), maxsplit=1)[0] or None
+    if not rest.startswith("{"):
+        return None
+    depth = 0
+    for i, ch in enumerate(rest):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return rest[1:i]
+    return None
+
+
+_FRAC = re.compile(r"\\frac\{([^{}]+)\}\{([^{}]+)\}")
+_FRAC_SHORT = re.compile(r"\\frac(\d)(\d)")
+_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def _frac_to_slash(m: re.Match) -> str:
+    # parenthesise only compound parts, so \frac{1}{2} -> 1/2 but \frac{a+1}{2} -> (a+1)/2
+    parts = [p if re.fullmatch(r"-?[\w.]+", p) else f"({p})" for p in m.groups()]
+    return "/".join(parts)
+
+
+def normalize_math(answer: str) -> str:
+    r"""Simple canonical form: no spaces, '$', '\left'/'\right', '\!', text wrappers or trailing '.';
+    \dfrac/\tfrac -> \frac, \frac{a}{b} -> a/b, '\frac12' -> 1/2, '0.50' -> 0.5, '5.0' -> 5."""
+    s = str(answer).strip()
+    s = _TEXT.sub(r"\1", s)
+    for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("$", ""),
+                     ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("^\\circ", ""), ("^{\\circ}", "")):
+        s = s.replace(old, new)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", s)
+    s = _FRAC.sub(_frac_to_slash, s)
+    number = normalize_number(s)
+    return number if number is not None and "," not in str(answer) else s
+
+
+def _fraction_value(s: str) -> Optional[float]:
+    m = re.fullmatch(r"(-?\d+(?:\.\d+)?)/(-?\d+(?:\.\d+)?)", s)
+    if m and float(m.group(2)) != 0:
+        return float(m.group(1)) / float(m.group(2))
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def math_equal(a: str, b: str) -> bool:
+    """Equal after normalize_math, or equal as numbers (1/2 == 0.5)."""
+    na, nb = normalize_math(a), normalize_math(b)
+    if na == nb:
+        return True
+    va, vb = _fraction_value(na), _fraction_value(nb)
+    return va is not None and vb is not None and _math.isclose(va, vb, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+         format_score: float = 0.0) -> float:
+    r"""1.0 if the last \boxed{...} in the response equals the ground truth (see math_equal), else format_score if a
+    boxed answer was found, else 0.0. A ground truth containing \boxed{...} is unboxed first."""
+    answer = last_boxed(solution_str)
+    if answer is None:
+        return 0.0
+    truth = str(ground_truth)
+    truth = last_boxed(truth) if "\\boxed" in truth or "\\fbox" in truth else truth
+    return 1.0 if truth is not None and math_equal(answer, truth) else format_score
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Strings and formats
+
+
+def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+                case_sensitive: bool = True) -> float:
+    """1.0 if the stripped response equals the stripped ground truth."""
+    got, want = solution_str.strip(), str(ground_truth).strip()
+    if not case_sensitive:
+        got, want = got.lower(), want.lower()
+    return 1.0 if got == want else 0.0
+
+
+def format_regex(data_source: str, solution_str: str, ground_truth: Any = None, extra_info: Optional[dict] = None, *,
+                 pattern: str, fullmatch: bool = False, dotall: bool = True) -> float:
+    """1.0 if `pattern` (reward_kwargs) matches the response (re.search, or re.fullmatch), else 0.0."""
+    regex = re.compile(pattern, re.DOTALL if dotall else 0)
+    found = regex.fullmatch(solution_str.strip()) if fullmatch else regex.search(solution_str)
+    return 1.0 if found else 0.0
+
+
+_THINK_ANSWER = re.compile(r"<think>.*?</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+
+
+def format_think_answer(data_source: str, solution_str: str, ground_truth: Any = None,
+                        extra_info: Optional[dict] = None, *, check_answer: bool = False) -> dict[str, float]:
+    """Format reward for '<think>...</think> <answer>...</answer>' (the whole response, nothing around it).
+
+    score 1.0 for the format; with check_answer=True the answer must also equal the ground truth (stripped).
+    Metrics: format_ok, and acc when check_answer.
+    """
+    m = _THINK_ANSWER.fullmatch(solution_str.strip())
+    ok = 1.0 if m else 0.0
+    result = {"score": ok, "format_ok": ok}
+    if check_answer:
+        acc = 1.0 if m and m.group(1).strip() == str(ground_truth).strip() else 0.0
+        result.update(score=acc, acc=acc)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The synthetic arithmetic task (megarl.data.synthetic)
+
+
+def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+               format_score: float = 0.0) -> dict[str, float]:
+    """1.0 if the answer ('#### N', else a response that is only a number) equals the ground truth.
+
+    Anything else (extra words, no number) scores 0, so RL cannot game it by listing numbers. format_score is given
+    to a well-formed but wrong answer. Metrics: acc (1/0) and formatted (1 if an answer could be read).
+    """
+    text = solution_str.strip()
+    answer = extract_hash_answer(text)
+    if answer is None and re.fullmatch(r"-?\d+", text):
+        answer = text
+    if answer is None:
+        return {"score": 0.0, "acc": 0.0, "formatted": 0.0}
+    correct = normalize_number(answer) == normalize_number(ground_truth)
+    return {"score": 1.0 if correct else format_score, "acc": 1.0 if correct else 0.0, "formatted": 1.0}
