@@ -1,7 +1,8 @@
-"""`megarl` command line: validate | verify (more subcommands arrive as their features land)."""
+"""`megarl` command line: validate | train | sft | verify."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -21,6 +22,52 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace):
+    from megarl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    for warning in cfg._warnings:
+        print(f"warning: {warning.render()}", file=sys.stderr)
+    return cfg
+
+
+def _run_job(cfg, entry: str) -> int:
+    """Run `entry` (a megarl function taking cfg_dict) here, under torchrun's ranks, or on ranks started locally."""
+    import importlib
+
+    from megarl.data import DataError
+    from megarl.launch_local import RankFailure, run_ranks
+    from megarl.reward.registry import RewardError
+    from megarl.rollout.process import EngineProcessError
+
+    module, fn = entry.split(":")
+    try:
+        if "WORLD_SIZE" in os.environ or cfg.world_size == 1:
+            getattr(importlib.import_module(module), fn)(cfg.model_dump())
+        else:
+            print(f"megarl: starting {cfg.world_size} local ranks (rank 0 logs here; the others in the run's "
+                  "temporary log folder named on failure)", file=sys.stderr)
+            run_ranks(entry, cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=None, stream_rank0=True)
+    except (DataError, RewardError, EngineProcessError, RankFailure) as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    return 1 if cfg is None else _run_job(cfg, "megarl.trainer:train_entry")
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    return 1 if cfg is None else _run_job(cfg, "megarl.sft:sft_entry")
+
+
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     from megarl import verify
 
@@ -37,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "or print the fully resolved config with derived values.")
     v.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo_tiny_cpu.yaml")
     v.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as rollout.temperature=0.7")
+    for name, what in (("train", "run an RL recipe (SFT warm-start first when sft.enable)"),
+                       ("sft", "supervised fine-tuning with the recipe's sft section; writes an HF model")):
+        p = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}. Started as a plain command "
+                           "it launches the recipe's trainer.nnodes * trainer.n_gpus_per_node ranks on this machine; "
+                           "under torchrun it uses the ranks it is given.")
+        p.add_argument("recipe", help="recipe YAML")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as trainer.total_steps=5")
     sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs with "
                    "HF transformers (see `megarl verify --help`)")
     return parser
@@ -51,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     args = parser.parse_args(argv)  # an unknown command prints usage and exits 2
-    return {"validate": _cmd_validate}[args.command](args)
+    return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -55,12 +55,13 @@ def _wait_all(procs: list, timeout: float, grace: float = 10.0) -> list:
     return codes
 
 
-def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: float = 600,
-              env: Optional[dict] = None, log_dir: Optional[str] = None) -> list[Any]:
+def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: Optional[float] = 600,
+              env: Optional[dict] = None, log_dir: Optional[str] = None, stream_rank0: bool = False) -> list[Any]:
     """Run `target` ("package.module:function") on `nprocs` ranks; return each rank's return value.
 
     The function is called as `function(**kwargs)` after torch.distributed is initialised (gloo on CPU, NCCL on
-    GPU); megatron's model-parallel state is left to the function. Rank logs go to `log_dir` (a temp dir if None).
+    GPU); megatron's model-parallel state is left to the function. Rank logs go to `log_dir` (a temp dir if None);
+    with stream_rank0, rank 0 writes to this process's console instead. timeout=None waits as long as it takes.
     Raises RankFailure with each failing rank's log tail, or on timeout.
     """
     work = Path(tempfile.mkdtemp(prefix="megarl-ranks-"))
@@ -75,9 +76,11 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=rank_env.get(
                             "OMP_NUM_THREADS", "1"))
         log = open(logs / f"rank{rank}.log", "w")
+        out = None if (stream_rank0 and rank == 0) else log
         cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
-        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = _wait_all([p for p, _ in procs], timeout)
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None),
+                      log))
+    codes = _wait_all([p for p, _ in procs], float("inf") if timeout is None else timeout)
     for _, log in procs:
         log.close()
     failed = [f"--- rank {r} exited with {code}; last lines of {logs / f'rank{r}.log'}:\n" + _tail(logs / f"rank{r}.log")

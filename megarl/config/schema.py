@@ -13,6 +13,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class SyntheticDataConfig(_Section):
+    """A verifiable task megarl generates itself (demos and tests on machines without datasets)."""
+
+    task: Literal["arithmetic"] = Field("arithmetic", description="Addition questions 'What is a + b ?' with the "
+                                        "answer as '#### c'; scored by the arithmetic reward.")
+    num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
+    num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
+    max_operand: int = Field(20, ge=1, le=60, description="Largest operand (the tokenizer has one token per number "
+                             "up to 2 * max_operand).")
+    answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
+                                                                "targets.")
+    output_dir: Optional[str] = Field(None, description="Where the files are written; None: <run_dir>/data.")
+
+
 class DataConfig(_Section):
     train_files: list[str] = Field(default_factory=list, description="Training prompt files (.parquet or .jsonl).")
     val_files: list[str] = Field(default_factory=list, description="Validation prompt files (.parquet or .jsonl).")
@@ -31,20 +45,27 @@ class DataConfig(_Section):
     drop_last: bool = Field(True, description="Skip an epoch's last prompts when fewer than train_batch_size remain "
                             "(every batch full); false: return them as a short batch.")
     dataloader_num_workers: int = Field(0, ge=0, description="Worker processes for reading data.")
+    synthetic: Optional[SyntheticDataConfig] = Field(None, description="Generate a synthetic task; its files fill "
+                                                     "train_files, val_files and sft.train_files when those are empty.")
 
 
 class TinyModelSpec(_Section):
     """A small random model created locally when model.path does not exist (demos and tests; no model hub needed)."""
 
-    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe"] = "llama"
-    hidden_size: int = Field(128, ge=32)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(256, ge=1)
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe"] = Field(
+        "llama", description="Hugging Face architecture family of the created model.")
+    hidden_size: int = Field(128, ge=32, description="Hidden size (head_dim = hidden_size / heads must be >= 32 for "
+                             "vLLM's CPU attention).")
+    num_hidden_layers: int = Field(2, ge=1, description="Transformer layers.")
+    num_attention_heads: int = Field(4, ge=1, description="Query heads.")
+    num_key_value_heads: int = Field(2, ge=1, description="KV heads (GQA when fewer than query heads).")
+    intermediate_size: int = Field(256, ge=1, description="MLP (or expert) hidden size.")
     num_experts: int = Field(0, ge=0, description="0 for a dense model.")
-    num_experts_per_tok: int = Field(2, ge=1)
-    tie_word_embeddings: bool = True
+    num_experts_per_tok: int = Field(2, ge=1, description="Router top-k for MoE models.")
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding and the output layer.")
+    tokenizer: Literal["arithmetic"] = Field("arithmetic", description="Tokenizer created with the model: the "
+                                             "word-level tokenizer of the synthetic arithmetic task.")
+    init_std: float = Field(0.02, gt=0, description="Standard deviation of the random initialisation.")
 
 
 class ModelConfig(_Section):
@@ -191,8 +212,9 @@ class RolloutConfig(_Section):
     quantization: Optional[str] = Field(None, description="Engine weight quantization method, e.g. fp8; None: none.")
     calculate_log_probs: bool = Field(True, description="Return rollout logprobs of sampled tokens.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        "raw_logprobs", description="Rollout logprobs of the model's own distribution (raw: what the actor computes "
-        "at temperature 1), or of the sampling distribution after temperature/top-k/top-p (processed).")
+        "processed_logprobs", description="processed: logprobs of the sampling distribution (after temperature, "
+        "top-k, top-p); the trainer computes its logprobs at the rollout temperature, so they agree when top-k/top-p "
+        "are off. raw: the model's distribution at temperature 1.")
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per trainer forward when "
                                                    "recomputing old logprobs.")
     log_prob_use_dynamic_bsz: bool = Field(False, description="Pack logprob micro-batches by token budget.")
@@ -284,7 +306,6 @@ class TrainerConfig(_Section):
     nnodes: int = Field(1, ge=1, description="Number of nodes.")
     n_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs, or processes on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
-    sft_warmup: Optional[str] = Field(None, description="SFT recipe to run before RL when no checkpoint exists.")
 
 
 class CheckpointConfig(_Section):
@@ -305,6 +326,12 @@ class LoggingConfig(_Section):
 
 
 class SFTConfig(_Section):
+    """Supervised fine-tuning on prompt/response data (`megarl sft`, or a warm-start before RL with enable=true)."""
+
+    enable: bool = Field(False, description="Run SFT before RL in `megarl train` (once: skipped when output_dir holds "
+                         "a model); RL then starts from output_dir.")
+    output_dir: Optional[str] = Field(None, description="Where the SFT model is written (HF format); None: "
+                                      "<run_dir>/sft_model.")
     train_files: list[str] = Field(default_factory=list, description="Prompt/response files for `megarl sft`.")
     epochs: int = Field(1, ge=1, description="Passes over the SFT data.")
     total_steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps; None: epochs.")

@@ -146,8 +146,9 @@ def test_every_field_has_a_default_and_a_description():
                 problems.append(f"{prefix}{name}: no default")
             if not info.description:
                 problems.append(f"{prefix}{name}: no description")
-            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
-                walk(info.annotation, f"{prefix}{name}.")
+            for candidate in (info.annotation, *getattr(info.annotation, "__args__", ())):  # Optional[Section] too
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                    walk(candidate, f"{prefix}{name}.")
     walk(MegarlConfig)
     assert not problems, problems
     verl_fields = ["name", "temperature", "top_k", "top_p", "do_sample", "n", "repetition_penalty", "over_sample_rate",

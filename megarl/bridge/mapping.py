@@ -1,0 +1,298 @@
+"""THE mapping between Hugging Face and megatron-core names and layouts: one table per architecture family.
+
+Import (HF safetensors -> any TP/PP/EP layout), export (any layout -> HF tensors), live weight sync and the merger
+all go through `Mapping`; nothing else in megarl knows an HF tensor name.
+
+Names. Megatron names are *global* names in megatron-core's local layer spec: layer `{L}` is the global layer index
+(PP offsets already applied), expert `{E}` the global expert id (`ep_rank * num_local_experts + i`). Transformer
+Engine spec names (the input norms fused into `linear_qkv` / `linear_fc1`, grouped-GEMM expert weights
+`experts.linear_fc1.weight{E}`) are translated to these by `canonical_name`, so the same table serves CPU and GPU.
+
+Layouts. Every TP split of an HF tensor is "chunk r of tp equal chunks along one dim" (`Rule.tp_dim`); the transform
+kind says how the chunks of one or more HF tensors make one megatron shard:
+  plain    one HF tensor, the shard is the chunk (tp_dim None: replicated, the whole tensor)
+  vocab    embedding / lm_head rows: the HF rows are zero-padded to the padded vocab size, then chunked on dim 0
+  qkv      [q; k; v] -> linear_qkv, rows grouped per KV group g: [q heads of g, k_g, v_g]. TP splits contiguously
+           over groups, so a shard is the same interleave of chunk r of q, k and v.
+  gate_up  [gate; up] -> linear_fc1 (SwiGLU): shard r is [chunk r of gate; chunk r of up].
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl.bridge.hf_config import ArchSpec, BridgeError
+
+PLAIN, VOCAB, QKV, GATE_UP = "plain", "vocab", "qkv", "gate_up"
+LM_HEAD, VALUE_HEAD = "lm", "value"
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str  # megatron name pattern with {L} (global layer) / {E} (global expert)
+    hf: tuple  # HF name patterns, in the order the transform takes them
+    kind: str = PLAIN
+    tp_dim: Optional[int] = None  # dim split over tensor parallelism (of the megatron and of each HF tensor)
+    expert: bool = False  # routed-expert weight: sharded over EP, split over the expert-TP group
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One rule applied to one layer/expert: a megatron tensor and the HF tensors it is made of."""
+
+    rule: Rule
+    megatron: str
+    hf: tuple
+    layer: Optional[int] = None
+    expert: Optional[int] = None
+
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
+
+    @property
+    def tp_dim(self) -> Optional[int]:
+        return self.rule.tp_dim
+
+
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    """Megatron's vocab padding: the smallest size >= vocab_size divisible by lcm(multiple, tp)."""
+    step = math.lcm(max(1, multiple), tp)
+    return -(-vocab_size // step) * step
+
+
+def _attention_rules(spec: ArchSpec) -> list:
+    a, m = "model.layers.{L}.self_attn.", "decoder.layers.{L}.self_attention."
+    rules = [Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",)),
+             Rule(m + "linear_qkv.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), QKV, 0)]
+    if spec.qkv_bias:
+        rules.append(Rule(m + "linear_qkv.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), QKV, 0))
+    if spec.qk_layernorm:
+        rules += [Rule(m + "q_layernorm.weight", (a + "q_norm.weight",)),
+                  Rule(m + "k_layernorm.weight", (a + "k_norm.weight",))]
+    rules += [Rule(m + "linear_proj.weight", (a + "o_proj.weight",), PLAIN, 1),
+              Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",))]
+    return rules
+
+
+def _mlp_rules(mg: str, hf: str, gate: str, up: str, down: str, expert: bool = False) -> list:
+    return [Rule(mg + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP, 0, expert),
+            Rule(mg + "linear_fc2.weight", (hf + down,), PLAIN, 1, expert)]
+
+
+def _dense_mlp_rules() -> list:
+    return _mlp_rules("decoder.layers.{L}.mlp.", "model.layers.{L}.mlp.",
+                      "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def _moe_rules(spec: ArchSpec) -> list:
+    mg = "decoder.layers.{L}.mlp."
+    if spec.family == "mixtral":
+        hf = "model.layers.{L}.block_sparse_moe."
+        rules = [Rule(mg + "router.weight", (hf + "gate.weight",))]
+        rules += _mlp_rules(mg + "experts.local_experts.{E}.", hf + "experts.{E}.",
+                            "w1.weight", "w3.weight", "w2.weight", expert=True)
+        return rules
+    hf = "model.layers.{L}.mlp."
+    rules = [Rule(mg + "router.weight", (hf + "gate.weight",))]
+    rules += _mlp_rules(mg + "experts.local_experts.{E}.", hf + "experts.{E}.",
+                        "gate_proj.weight", "up_proj.weight", "down_proj.weight", expert=True)
+    if spec.shared_expert_ffn_hidden_size:
+        rules += _mlp_rules(mg + "shared_experts.", hf + "shared_expert.",
+                            "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        if spec.shared_expert_gate:
+            rules.append(Rule(mg + "shared_experts.gate_weight", (hf + "shared_expert_gate.weight",)))
+    return rules
+
+
+class Mapping:
+    """The name/layout table of one ArchSpec, expanded over layers and experts, in HF checkpoint order.
+
+    head: "lm" for a policy (lm_head, or nothing when embeddings are tied); "value" for a critic, whose
+    `output_layer.weight` [1, hidden] is HF `score.weight` (a *ForSequenceClassification checkpoint).
+    padded_vocab: the megatron vocab size (see padded_vocab_size); defaults to the unpadded size.
+    """
+
+    def __init__(self, spec: ArchSpec, head: str = LM_HEAD, padded_vocab: Optional[int] = None):
+        if head not in (LM_HEAD, VALUE_HEAD):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        self.spec, self.head = spec, head
+        self.padded_vocab = padded_vocab or spec.vocab_size
+        if self.padded_vocab < spec.vocab_size:
+            raise BridgeError(f"padded vocab {self.padded_vocab} < vocab_size={spec.vocab_size}")
+        entries = [Entry(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0),
+                         "embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
+        attention, dense, moe = _attention_rules(spec), _dense_mlp_rules(), _moe_rules(spec) if spec.is_moe else []
+        for layer in range(spec.num_layers):
+            for rule in attention + (moe if spec.moe_layers[layer] else dense):
+                experts = range(spec.num_experts) if rule.expert else [None]
+                for e in experts:
+                    fmt = dict(L=layer, E=e)
+                    entries.append(Entry(rule, rule.megatron.format(**fmt), tuple(h.format(**fmt) for h in rule.hf),
+                                         layer, e))
+        entries.append(Entry(Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+                             "decoder.final_layernorm.weight", ("model.norm.weight",)))
+        if head == VALUE_HEAD:
+            entries.append(Entry(Rule("output_layer.weight", ("score.weight",)), "output_layer.weight",
+                                 ("score.weight",)))
+        elif not spec.tie_word_embeddings:
+            entries.append(Entry(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, 0), "output_layer.weight",
+                                 ("lm_head.weight",)))
+        self.entries: list = entries
+        self.by_megatron = {e.megatron: e for e in entries}
+        self.by_hf = {h: e for e in entries for h in e.hf}
+
+    # ---- names and shapes -------------------------------------------------------------------------------------
+    def hf_names(self) -> list:
+        """Every HF tensor name of the model, in checkpoint order (layer by layer)."""
+        return [h for e in self.entries for h in e.hf]
+
+    def entry(self, megatron_name: str) -> Entry:
+        """The entry of a *global, canonical* megatron name (see canonical_name); aliases tied output weights."""
+        if megatron_name == "output_layer.weight" and self.head == LM_HEAD and self.spec.tie_word_embeddings:
+            return self.by_megatron["embedding.word_embeddings.weight"]
+        try:
+            return self.by_megatron[megatron_name]
+        except KeyError:
+            raise BridgeError(f"megatron parameter {megatron_name!r} has no rule in the {self.spec.family} mapping "
+                              "(a model built from a different config?)") from None
+
+    def hf_shape(self, hf_name: str) -> tuple:
+        s = self.spec
+        entry = self.by_hf[hf_name]
+        i = entry.hf.index(hf_name)
+        name = entry.megatron
+        hd, h = s.head_dim, s.hidden_size
+        if entry.kind == VOCAB:
+            return (s.vocab_size, h)
+        if entry.kind == QKV:
+            rows = (s.num_attention_heads if i == 0 else s.num_key_value_heads) * hd
+            return (rows,) if name.endswith(".bias") else (rows, h)
+        if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
+            return (hd,)
+        if name.endswith("layernorm.weight"):
+            return (h,)
+        if name.endswith("linear_proj.weight"):
+            return (h, s.num_attention_heads * hd)
+        if name.endswith("router.weight"):
+            return (s.num_experts, h)
+        if name.endswith("gate_weight") or name == "output_layer.weight":
+            return (1, h)
+        ffn = (s.moe_ffn_hidden_size if entry.rule.expert else
+               s.shared_expert_ffn_hidden_size if ".shared_experts." in name else s.ffn_hidden_size)
+        if name.endswith("linear_fc1.weight"):
+            return (ffn, h)
+        if name.endswith("linear_fc2.weight"):
+            return (h, ffn)
+        raise AssertionError(f"no shape rule for {name}")
+
+    def hf_shapes(self) -> dict:
+        return {h: self.hf_shape(h) for h in self.hf_names()}
+
+    def megatron_shape(self, entry: Entry, tp: int = 1) -> tuple:
+        """Shape of one TP shard of the megatron tensor."""
+        shapes = [list(self.hf_shape(h)) for h in entry.hf]
+        if entry.kind == VOCAB:
+            shapes[0][0] = self.padded_vocab
+        full = list(shapes[0])
+        if len(shapes) > 1:
+            full[0] = sum(s[0] for s in shapes)
+        if entry.tp_dim is not None:
+            full[entry.tp_dim] //= tp
+        return tuple(full)
+
+    # ---- transforms ---------------------------------------------------------------------------------------------
+    def hf_chunk_range(self, entry: Entry, i: int, tp_rank: int, tp: int) -> Optional[tuple]:
+        """(dim, start, stop) of HF tensor `entry.hf[i]` that TP rank `tp_rank` needs; None = the whole tensor.
+
+        For vocab entries the range is clipped to the real rows (the rest of the shard is zero padding)."""
+        if entry.tp_dim is None:
+            return None
+        n = self.padded_vocab if entry.kind == VOCAB else self.hf_shape(entry.hf[i])[entry.tp_dim]
+        if n % tp:
+            raise BridgeError(f"{entry.hf[i]}: dim {entry.tp_dim} of size {n} is not divisible by TP={tp}")
+        start, stop = tp_rank * n // tp, (tp_rank + 1) * n // tp
+        if entry.kind == VOCAB:
+            stop = min(stop, self.spec.vocab_size)
+            start = min(start, stop)
+        return entry.tp_dim, start, stop
+
+    def to_megatron(self, entry: Entry, chunks: list, tp: int = 1) -> torch.Tensor:
+        """One megatron TP shard from the HF chunks returned by hf_chunk_range (one per entry.hf)."""
+        if entry.kind == PLAIN:
+            return chunks[0]
+        if entry.kind == VOCAB:
+            rows = self.padded_vocab // tp
+            chunk = chunks[0]
+            if chunk.shape[0] == rows:
+                return chunk
+            out = chunk.new_zeros((rows,) + tuple(chunk.shape[1:]))
+            out[: chunk.shape[0]] = chunk
+            return out
+        if entry.kind == GATE_UP:
+            return torch.cat(chunks, dim=0)
+        # qkv: interleave per query group
+        q, k, v = chunks
+        groups = self.spec.num_key_value_heads // tp
+        hd, per = self.spec.head_dim, self.spec.heads_per_group
+        tail = tuple(q.shape[1:])
+        return torch.cat([q.reshape((groups, per * hd) + tail), k.reshape((groups, hd) + tail),
+                          v.reshape((groups, hd) + tail)], dim=1).reshape((-1,) + tail)
+
+    def to_hf(self, entry: Entry, shards: list) -> list:
+        """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order)."""
+        tp = len(shards)
+        if entry.kind == PLAIN:
+            full = shards[0] if entry.tp_dim is None else torch.cat(shards, dim=entry.tp_dim)
+            return [(entry.hf[0], full)]
+        if entry.kind == VOCAB:
+            return [(entry.hf[0], torch.cat(shards, dim=0)[: self.spec.vocab_size])]
+        if entry.kind == GATE_UP:
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return [(entry.hf[0], torch.cat([g for g, _ in halves], 0)), (entry.hf[1], torch.cat([u for _, u in halves], 0))]
+        groups = self.spec.num_key_value_heads // tp
+        hd, per = self.spec.head_dim, self.spec.heads_per_group
+        qs, ks, vs = [], [], []
+        for s in shards:
+            tail = tuple(s.shape[1:])
+            g = s.reshape((groups, (per + 2) * hd) + tail)
+            qs.append(g[:, : per * hd].reshape((-1,) + tail))
+            ks.append(g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail))
+            vs.append(g[:, (per + 1) * hd:].reshape((-1,) + tail))
+        return [(entry.hf[0], torch.cat(qs)), (entry.hf[1], torch.cat(ks)), (entry.hf[2], torch.cat(vs))]
+
+
+def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:
+    return Mapping(spec, head).hf_shapes()
+
+
+# ---- megatron parameter names ----------------------------------------------------------------------------------
+_TE_RENAMES = (
+    (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+    (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+    (re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r".mlp.experts.local_experts.\2.\1.weight"),
+)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def canonical_name(name: str) -> str:
+    """Translate a Transformer Engine spec parameter name to the local-spec name used by the tables."""
+    for pattern, repl in _TE_RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def globalize(name: str, layer_offset_of, expert_offset: int) -> str:
+    """A rank-local canonical name -> global: `layer_offset_of(local_index) -> global index`, expert + offset."""
+    m = _LAYER.match(name)
+    if m:
+        name = f"decoder.layers.{layer_offset_of(int(m.group(1)))}." + name[m.end():]
+    m = _EXPERT.search(name)
+    if m:
+        name = name[: m.start()] + f".local_experts.{int(m.group(1)) + expert_offset}." + name[m.end():]
+    return name

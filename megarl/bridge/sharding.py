@@ -1,0 +1,57 @@
+"""Which megatron tensors this rank holds: global canonical names plus the TP group each one is split over."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megarl.bridge.mapping import canonical_name, globalize
+
+
+@dataclass
+class LocalParam:
+    name: str  # global canonical megatron name (PP layer offset and EP expert offset applied)
+    local_name: str  # the name in this rank's module
+    param: torch.nn.Parameter
+    expert: bool  # routed expert weight: split over the expert-TP group, sharded over EP
+    tp_rank: int
+    tp_size: int
+    tp_group: Optional[Any]
+
+
+def unwrap(model) -> list:
+    """The GPTModel chunks behind DDP / Float16Module wrappers (a list: one per virtual pipeline stage)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    out = []
+    for m in chunks:
+        while hasattr(m, "module") and not hasattr(m, "decoder"):
+            m = m.module
+        out.append(m)
+    return out
+
+
+def local_params(model) -> list:
+    """Every parameter of this rank's model chunk(s) with its global name and TP placement."""
+    from megatron.core import parallel_state as ps
+
+    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+          ps.get_tensor_model_parallel_group())
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+           ps.get_expert_tensor_parallel_group(check_initialized=False))
+    out = []
+    for chunk in unwrap(model):
+        layers = list(chunk.decoder.layers) if getattr(chunk, "decoder", None) is not None else []
+        expert_offset = 0
+        for layer in layers:
+            indices = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
+            if indices:
+                expert_offset = int(indices[0])
+                break
+        for name, param in chunk.named_parameters():
+            canonical = canonical_name(name)
+            gname = globalize(canonical, lambda i: layers[i].layer_number - 1, expert_offset)
+            expert = ".local_experts." in canonical
+            rank, size, group = etp if expert else tp
+            out.append(LocalParam(gname, name, param, expert, rank, size, group))
+    return out

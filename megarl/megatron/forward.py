@@ -1,0 +1,132 @@
+"""Forward passes of a megarl GPTModel over micro-batches: per-token logprobs (policy) and values (critic).
+
+Batches are right-padded token ids [N, S]; position t attends to 0..t (causal) and its rope position is t
+(megatron's rope uses positions 0..S-1: left padding is not supported). Right padding never changes the result at real
+tokens, so the caller computes on the padded batch and masks the outputs at pad positions with its loss mask.
+
+    logprobs[n, t] = log p(tokens[n, t+1] | tokens[n, :t+1])    shape [N, S-1]
+    values[n, t]   = V(tokens[n, :t+1])                          shape [N, S]
+
+With pipeline parallelism every stage runs the schedule (get_forward_backward_func, forward only); results come back
+on the last stage and None on the others. Vocab-parallel logits are never gathered: logprobs use megatron's
+vocab_parallel_cross_entropy (negated), with the vocab padding rows masked out of the softmax.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+
+def causal_inputs(tokens: torch.Tensor) -> tuple:
+    """(position_ids [B, S], attention_mask [1, 1, S, S] with True = masked) for a right-padded batch."""
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, s, s)
+    return pos, mask
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[targets] from this TP rank's vocab shard, differentiable.
+
+    logits: [..., V_padded / TP] (this rank's vocab columns); targets: [...] token ids < vocab_size.
+    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded from the softmax."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * local
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    if start + local > vocab_size:
+        cols = torch.arange(start, start + local, device=x.device)
+        x = x.masked_fill(cols >= vocab_size, torch.finfo(x.dtype).min)
+    else:
+        x = x.clone()  # vocab_parallel_cross_entropy works in place on its input
+    return -vocab_parallel_cross_entropy(x, targets)
+
+
+def _pad_batch(tokens: torch.Tensor, micro_batch_size: int, seq_multiple: int) -> torch.Tensor:
+    n, s = tokens.shape
+    n_pad = -n % micro_batch_size
+    s_pad = -s % seq_multiple
+    if n_pad or s_pad:
+        tokens = torch.nn.functional.pad(tokens, (0, s_pad), value=0)
+        if n_pad:
+            tokens = torch.cat([tokens, tokens[:1].expand(n_pad, -1)], dim=0)
+    return tokens
+
+
+def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
+                     output_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+    """Forward-only pass of `tokens` [N, S] in micro-batches of `micro_batch_size` through the pipeline schedule.
+
+    output_fn(model output [b, s', ...], micro-batch tokens [b, s']) -> [b, ...] runs on the last stage; the results are
+    concatenated to [N, ...] there (None on other stages). For the schedule, N is padded to a multiple of the
+    micro-batch size (the extra rows are dropped from the result) and, under sequence parallelism, S to a multiple of TP
+    with pad id 0 on the right (s' >= S: output_fn cuts the sequence dimension back to what it needs)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.bridge.sharding import unwrap
+
+    chunks = unwrap(model)
+    config = chunks[0].config
+    spec = getattr(chunks[0], "megarl_spec", None)
+    n, s = tokens.shape
+    if spec is not None and spec.sliding_window and s > spec.sliding_window:
+        raise ValueError(f"sequence length {s} exceeds the model's sliding_window={spec.sliding_window}; megarl's "
+                         "megatron attention is full causal and would differ from the HF model beyond the window")
+    device = next(chunks[0].parameters()).device
+    seq_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    padded = _pad_batch(tokens.to(device), micro_batch_size, seq_multiple)
+    micro = list(padded.split(micro_batch_size))
+
+    def step(data_iterator, m):
+        mb = next(data_iterator)
+        pos, mask = causal_inputs(mb)
+        out = m(mb, pos, mask)
+        return out, partial(_collect, mb)
+
+    def _collect(mb, output):
+        return torch.zeros((), device=output.device), {"out": output_fn(output, mb).detach()}
+
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micro), model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
+            forward_only=True)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    out = torch.cat([r["out"] for r in results], dim=0)[:n]
+    return out
+
+
+def token_logprobs(model, tokens: torch.Tensor, micro_batch_size: int = 1, temperature: float = 1.0,
+                   vocab_size: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Per-token logprobs [N, S-1] (float32) of `tokens` [N, S] on the last pipeline stage; None elsewhere.
+
+    Call on every rank of the model-parallel group (and each DP rank with its own tokens)."""
+    chunk = _first(model)
+    vocab_size = vocab_size or chunk.megarl_spec.vocab_size
+    s = tokens.shape[1]
+
+    def fn(logits, mb):
+        return logprobs_from_logits(logits[:, : s - 1], mb[:, 1:s], vocab_size, temperature)
+
+    return run_microbatches(model, tokens, micro_batch_size, fn)
+
+
+def token_values(model, tokens: torch.Tensor, micro_batch_size: int = 1) -> Optional[torch.Tensor]:
+    """Critic values [N, S] (float32) of `tokens` [N, S] on the last pipeline stage; None elsewhere."""
+    s = tokens.shape[1]
+    return run_microbatches(model, tokens, micro_batch_size, lambda out, mb: out[:, :s, 0].float())
+
+
+def _first(model):
+    from megarl.bridge.sharding import unwrap
+
+    return unwrap(model)[0]

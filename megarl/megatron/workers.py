@@ -1,0 +1,119 @@
+"""The models of an RL run as batch-level operations: actor / reference (policy) and critic.
+
+Each worker holds this rank's shard of one megatron model. Methods take the whole step's batch (every rank holds it,
+see megarl.runtime) and return whole-batch results on every rank; internally each DP rank computes its rows.
+"""
+from __future__ import annotations
+
+from statistics import fmean
+from typing import Iterator, Optional
+
+import torch
+
+from megarl.batching import mini_batch_rows, select_rows, split_micro
+from megarl.config import MegarlConfig
+from megarl.config.schema import OptimConfig
+from megarl.megatron.forward import token_logprobs, token_values
+from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
+from megarl.megatron.model import build_and_load
+from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
+from megarl.runtime import Runtime, dp_row_range, gather_model_output
+
+
+def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width: int) -> torch.Tensor:
+    rows = dp_row_range(ids.shape[0], rt)
+    local = fn(ids[rows])
+    return gather_model_output(local, (rows.stop - rows.start, width))
+
+
+def _average(metrics: list[dict]) -> dict:
+    return {k: fmean(m[k] for m in metrics) for k in metrics[0]} if metrics else {}
+
+
+class _Worker:
+    def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
+                 total_steps: int):
+        self.model, self.spec = build_and_load(hf_dir, value_head=value_head)
+        self.trainable: Optional[Trainable] = None
+        if optim is not None:
+            self.trainable = make_trainable(self.model, optim, total_steps,
+                                            cfg.parallelism.use_distributed_optimizer)
+
+    @property
+    def chunks(self):
+        return self.trainable.chunks if self.trainable else self.model
+
+    def _update(self, batch: dict, rt: Runtime, mini_batch_size: int, micro_batch_size: int, epochs: int,
+                shuffle_seed: Optional[int], agg_mode: str, make_loss) -> dict:
+        n = batch["input_ids"].shape[0]
+        out = []
+        for epoch in range(epochs):
+            gen = torch.Generator().manual_seed(shuffle_seed + epoch) if shuffle_seed is not None else None
+            for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen):
+                micro = split_micro(select_rows(batch, rows), micro_batch_size)
+                denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
+                out.append(train_mini_batch(self.trainable, micro, make_loss(denominator)))
+        return _average(out)
+
+
+class PolicyWorker(_Worker):
+    """The actor (trainable) or the frozen reference policy."""
+
+    def __init__(self, hf_dir: str, cfg: MegarlConfig, trainable: bool, optim: Optional[OptimConfig] = None,
+                 total_steps: Optional[int] = None):
+        super().__init__(hf_dir, cfg, False, (optim or cfg.actor.optim) if trainable else None,
+                         total_steps or cfg.trainer.total_steps)
+        self.cfg = cfg
+        self.loss_settings = PolicyLossSettings.from_config(cfg, self.spec.vocab_size)
+
+    def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
+        """Logprobs [N, T] of every token given its prefix, at the rollout temperature."""
+        micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
+        t = self.loss_settings.temperature
+        ids = batch["input_ids"]
+        return _forward_rows(rt, ids, lambda x: token_logprobs(self.chunks, x, _divisor(x.shape[0], micro), t),
+                             ids.shape[1] - 1)
+
+    def update(self, batch: dict, rt: Runtime, step: int) -> dict:
+        a, n = self.cfg.actor, self.cfg.rollout.n
+        seed = self.cfg.trainer.seed * 100_003 + step if a.shuffle else None
+        metrics = self._update(batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
+                               seed, a.loss_agg_mode,
+                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length))
+        return {f"actor/{k}": v for k, v in metrics.items()}
+
+    def export(self, bucket_bytes: int) -> Iterator[list]:
+        from megarl.bridge.exporter import export_hf_weights
+
+        return export_hf_weights(self.chunks, self.spec, bucket_bytes)
+
+
+class CriticWorker(_Worker):
+    def __init__(self, hf_dir: str, cfg: MegarlConfig):
+        super().__init__(hf_dir, cfg, True, cfg.critic.optim, cfg.trainer.total_steps)
+        self.cfg = cfg
+
+    def values(self, batch: dict, rt: Runtime) -> torch.Tensor:
+        """V(prefix up to t) aligned with logprob positions: [N, T]."""
+        micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
+        ids = batch["input_ids"]
+        s = ids.shape[1]
+        return _forward_rows(rt, ids, lambda x: _cut(token_values(self.chunks, x, _divisor(x.shape[0], micro)), s - 1),
+                             s - 1)
+
+    def update(self, batch: dict, rt: Runtime, step: int) -> dict:
+        c, n = self.cfg.critic, self.cfg.rollout.n
+        metrics = self._update(batch, rt, self.cfg.actor.ppo_mini_batch_size * n, c.ppo_micro_batch_size_per_gpu,
+                               c.ppo_epochs, None, c.loss_agg_mode,
+                               lambda d: make_value_loss_fn(c.cliprange_value, c.loss_agg_mode, d,
+                                                            self.cfg.rollout.response_length))
+        return {f"critic/{k}": v for k, v in metrics.items()}
+
+
+def _cut(values: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:
+    return None if values is None else values[:, :width]
+
+
+def _divisor(n: int, at_most: int) -> int:
+    """The largest micro-batch size <= at_most that divides n (forward passes need equal micro-batches)."""
+    return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)

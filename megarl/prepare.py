@@ -1,0 +1,90 @@
+"""Inputs a run creates for itself before training: a synthetic dataset and a tiny random model with its tokenizer.
+
+Both happen on global rank 0 only when their files are missing, so a resumed or repeated run reuses them.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megarl.config import MegarlConfig
+from megarl.config.schema import TinyModelSpec
+
+log = logging.getLogger("megarl")
+
+# transformers config class and extra fields per tiny architecture
+_TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"norm_topk_prob": True, "mlp_only_layers": []}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"norm_topk_prob": False, "mlp_only_layers": []}),
+}
+
+
+def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
+    out = Path(cfg.data.synthetic.output_dir or Path(cfg.trainer.run_dir) / "data")
+    return {"train": out / "train.parquet", "val": out / "val.parquet"}
+
+
+def write_synthetic_data(cfg: MegarlConfig) -> None:
+    from megarl.data import make_arithmetic_dataset, write_dataset
+
+    syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
+    for split, n, seed in (("train", syn.num_train, cfg.trainer.seed), ("val", syn.num_val, cfg.trainer.seed + 10_000)):
+        if not paths[split].exists():
+            paths[split].parent.mkdir(parents=True, exist_ok=True)
+            rows = make_arithmetic_dataset(n, seed=seed, max_operand=syn.max_operand,
+                                           answer_format=syn.answer_format, split=split)
+            write_dataset(rows, str(paths[split]))
+            log.info("wrote %d synthetic %s prompts to %s", n, split, paths[split])
+
+
+def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20) -> Path:
+    """A random HF model of `spec` with the arithmetic tokenizer, saved in float32 safetensors at `path`."""
+    import torch
+    import transformers
+
+    from megarl.data import arithmetic_tokenizer
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand)
+    config_cls, model_cls, extra = _TINY_ARCHS[spec.architecture]
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+                  num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
+                  intermediate_size=spec.intermediate_size, max_position_embeddings=512,
+                  tie_word_embeddings=spec.tie_word_embeddings, initializer_range=spec.init_std,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id, **extra)
+    if spec.num_experts:
+        experts_key = "num_local_experts" if spec.architecture == "mixtral" else "num_experts"
+        kwargs.update({experts_key: spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok})
+        if spec.architecture != "mixtral":
+            kwargs["moe_intermediate_size"] = spec.intermediate_size
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tmp.replace(path)  # prepare() calls this only when path is missing: readers never see a half-made model
+    log.info("created a tiny %s model (%.2fM parameters) at %s", spec.architecture,
+             sum(p.numel() for p in model.parameters()) / 1e6, path)
+    return path
+
+
+def prepare(cfg: MegarlConfig, is_rank0: bool) -> MegarlConfig:
+    """Create what the recipe asks to be created (rank 0), and return the config with the generated paths filled."""
+    if cfg.data.synthetic is not None:
+        paths = synthetic_paths(cfg)
+        if is_rank0:
+            write_synthetic_data(cfg)
+        data = cfg.data.model_copy(update={"train_files": cfg.data.train_files or [str(paths["train"])],
+                                           "val_files": cfg.data.val_files or [str(paths["val"])]})
+        sft = cfg.sft.model_copy(update={"train_files": cfg.sft.train_files or [str(paths["train"])]})
+        cfg = cfg.model_copy(update={"data": data, "sft": sft})
+    if cfg.model.create_tiny is not None and is_rank0 and not Path(cfg.model.path).exists():
+        max_operand = cfg.data.synthetic.max_operand if cfg.data.synthetic else 20
+        create_tiny_model(cfg.model.create_tiny, cfg.model.path, cfg.trainer.seed, max_operand)
+    return cfg

@@ -1,0 +1,112 @@
+"""Supervised fine-tuning on prompt/response data, on the same megatron machinery as RL (`megarl sft RECIPE`).
+
+The loss is the token-mean NLL of the response tokens (and the EOS that closes them); the prompt is context only.
+The result is written as a Hugging Face model directory (sft.output_dir), which an RL recipe starts from.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from megarl.config import MegarlConfig
+from megarl.data import PromptLoader, encode_one, load_prompts
+from megarl.metrics import MetricsLogger
+
+log = logging.getLogger("megarl")
+
+
+def sft_output_dir(cfg: MegarlConfig) -> Path:
+    return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
+
+
+def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -> list[tuple[list[int], int]]:
+    """(prompt + response + EOS token ids, prompt length) per record, cut to max_length (counted in the log)."""
+    out, cut = [], 0
+    for rec in records:
+        prompt = encode_one(rec, tokenizer, apply_chat_template)
+        response = tokenizer.encode(rec.response, add_special_tokens=False) + [tokenizer.eos_token_id]
+        ids = (prompt + response)[:max_length]
+        cut += len(prompt) + len(response) > max_length
+        if len(ids) > len(prompt):
+            out.append((ids, len(prompt)))
+    if cut:
+        log.warning("sft: %d of %d examples were cut to sft.max_length=%d", cut, len(records), max_length)
+    if not out:
+        raise ValueError(f"no SFT example has a response token within sft.max_length={max_length}; raise it")
+    return out
+
+
+def sft_batch(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids [B, S] right-padded; response_mask [B, S-1] True where the next token is a response token."""
+    s = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), s), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), s - 1, dtype=torch.bool)
+    for i, (seq, p) in enumerate(examples):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        mask[i, p - 1:len(seq) - 1] = True
+    return {"input_ids": ids, "response_mask": mask}
+
+
+def run_sft(cfg: MegarlConfig, rt) -> Path:
+    """Train cfg.model.path on cfg.sft.train_files and write the result to sft_output_dir(cfg)."""
+    from transformers import AutoTokenizer
+
+    from megarl.batching import split_micro
+    from megarl.checkpoint.hf_writer import write_hf_model
+    from megarl.megatron.losses import make_sft_loss_fn
+    from megarl.megatron.train_step import loss_denominator, train_mini_batch
+    from megarl.megatron.workers import PolicyWorker
+    from megarl.runtime import dp_row_range
+
+    s, d = cfg.sft, cfg.data
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    records = load_prompts(s.train_files, setting="sft.train_files", prompt_key=d.prompt_key,
+                           response_key=d.response_key, ground_truth_key=d.ground_truth_key,
+                           data_source_key=d.data_source_key, extra_info_key=d.extra_info_key,
+                           require_ground_truth=False, require_response=True)
+    examples = encode_sft(records, tokenizer, s.max_length, d.apply_chat_template)
+    loader = PromptLoader(examples, seed=cfg.trainer.seed, shuffle=True, drop_last=True)
+    total = s.total_steps or s.epochs * loader.batches_per_epoch(s.batch_size)
+    worker = PolicyWorker(cfg.model.path, cfg, trainable=True, optim=s.optim, total_steps=total)
+    micro = cfg.actor.ppo_micro_batch_size_per_gpu
+    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    log.info("sft: %d examples, %d steps of %d sequences", len(examples), total, s.batch_size)
+    for step in range(1, total + 1):
+        batch = sft_batch(loader.next_batch(s.batch_size), pad)
+        mine = {k: v[dp_row_range(s.batch_size, rt)] for k, v in batch.items()}
+        micro_batches = split_micro(mine, min(micro, mine["input_ids"].shape[0]))
+        denominator = loss_denominator([m["response_mask"] for m in micro_batches], "token-mean")
+        metrics = train_mini_batch(worker.trainable, micro_batches,
+                                   make_sft_loss_fn(worker.spec.vocab_size, denominator))
+        if step % max(1, total // 20) == 0 or step in (1, total):
+            logger.log(step, {"sft/loss": metrics["sft_loss"], "sft/grad_norm": metrics["grad_norm"],
+                              "sft/lr": metrics["lr"]})
+    logger.close()
+    out = sft_output_dir(cfg)
+    buckets = worker.export(cfg.rollout.update_weights_bucket_megabytes << 20)
+    if rt.is_rank0:
+        write_hf_model(buckets, cfg.model.path, out)
+        log.info("sft: wrote %s", out)
+    else:
+        for _ in buckets:
+            pass
+    torch.distributed.barrier()
+    return out
+
+
+def sft_entry(cfg_dict: dict) -> str:
+    """`megarl sft`: prepare inputs, fine-tune, write the HF model; returns its path."""
+    from megarl.config import write_resolved
+    from megarl.prepare import prepare
+    from megarl.runtime import barrier, start
+
+    cfg = MegarlConfig.model_validate(cfg_dict)
+    rt = start(cfg)
+    cfg = prepare(cfg, rt.is_rank0)
+    barrier()
+    if rt.is_rank0:
+        write_resolved(cfg)
+    return str(run_sft(cfg, rt))

@@ -1,0 +1,168 @@
+"""The named stages of one RL step, called in order by megarl.trainer. Each documents where it runs."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from statistics import fmean
+from typing import Optional, Sequence
+
+import torch
+
+from megarl import algo
+from megarl.config import MegarlConfig
+from megarl.data import PromptRecord
+from megarl.reward.compute import RewardInput, compute_rewards
+from megarl.runtime import Runtime, broadcast_object
+from megarl.types import RolloutBatch
+
+
+class Timer:
+    """Accumulates wall time per phase: `with timer("rollout"): ...`; read as timing/<phase>_s metrics."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict:
+        return {f"timing/{k}_s": v for k, v in self.seconds.items()}
+
+
+def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
+             seed: Optional[int] = None) -> RolloutBatch:
+    """Sample responses on rank 0's engine; every rank returns the same RolloutBatch."""
+    batch = None
+    if rt.is_rank0:
+        batch = engine.generate([r.prompt_ids for r in records], validate=validate,
+                                prompt_index=list(range(len(records))), seed=seed)
+    return broadcast_object(batch)
+
+
+def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig,
+          rt: Runtime) -> tuple[torch.Tensor, dict]:
+    """One reward per sample (rank 0 scores, everyone receives): rule/custom rewards plus DAPO overlong shaping."""
+    result = None
+    if rt.is_rank0:
+        samples = []
+        for i in range(len(rollout)):
+            rec = records[int(rollout.prompt_index[i])]
+            text = tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True)
+            samples.append(RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info, rec.uid))
+        scores, extra, report = compute_rewards(reward_fn, samples, cfg.reward.timeout_s, cfg.reward.num_workers,
+                                                cfg.reward.reward_kwargs)
+        scores = torch.tensor(scores, dtype=torch.float32)
+        metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"]}
+        for name, values in extra.items():
+            present = [float(v) for v in values if isinstance(v, (int, float))]
+            if present:
+                metrics[f"reward/{name}_mean"] = fmean(present)
+        ob = cfg.reward.overlong_buffer
+        if ob.enable:
+            penalty, m = algo.overlong_reward_penalty(rollout.response_lengths, cfg.rollout.response_length, ob.len,
+                                                      ob.penalty_factor)
+            scores = scores + penalty
+            metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
+        result = (scores, metrics)
+    return broadcast_object(result)
+
+
+def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
+    """token_level_rewards, advantages and returns ([N, T]) on every rank (pure, identical everywhere)."""
+    a = cfg.algorithm
+    metrics = {}
+    rewards = batch["token_level_scores"]
+    if a.use_kl_in_reward:
+        rewards, m = algo.apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                           batch["response_mask"], kl_ctrl.value, a.kl_penalty)
+        kl_ctrl.update(float(m["kl"]), n_steps=cfg.data.train_batch_size)
+        metrics.update({"actor/reward_kl": float(m["kl"]), "actor/kl_coef": float(m["kl_coef"])})
+    batch["token_level_rewards"] = rewards
+    kwargs = dict(token_level_rewards=rewards, response_mask=batch["response_mask"])
+    if a.adv_estimator == "gae":
+        kwargs.update(values=batch["values"], gamma=a.gamma, lam=a.lam)
+    elif a.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
+        kwargs.update(index=batch["prompt_index"])
+        if a.adv_estimator == "grpo":
+            kwargs.update(norm_adv_by_std=a.norm_adv_by_std_in_grpo)
+    elif a.adv_estimator == "reinforce_plus_plus":
+        kwargs.update(gamma=a.gamma)
+    else:
+        raise ValueError(f"algorithm.adv_estimator={a.adv_estimator!r} is not supported by the trainer yet (remax "
+                         "needs greedy baseline rollouts); use grpo, drgrpo, rloo, reinforce_plus_plus, "
+                         "reinforce_plus_plus_baseline or gae")
+    batch["advantages"], batch["returns"] = algo.ADV_ESTIMATORS[a.adv_estimator](**kwargs)
+    return metrics
+
+
+def sync_weights(actor, engine, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
+    """Stream the actor's HF-named weights into rank 0's engine (every rank takes part in the export)."""
+    buckets = actor.export(cfg.rollout.update_weights_bucket_megabytes << 20)
+    if rt.is_rank0:
+        metrics = engine.update_weights(buckets, verify=verify)
+    else:
+        for _ in buckets:  # the gather is collective: drain it on every rank
+            pass
+        metrics = {}
+    return metrics
+
+
+def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> dict:
+    mask = batch["response_mask"]
+    lengths = rollout.response_lengths.float()
+    diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+    metrics = {
+        "train/reward_mean": scores.mean().item(), "train/reward_max": scores.max().item(),
+        "train/reward_min": scores.min().item(), "train/response_length_mean": lengths.mean().item(),
+        "train/response_length_max": lengths.max().item(), "train/truncated_frac": rollout.truncated.float().mean().item(),
+        "train/advantage_mean": algo.masked_mean(batch["advantages"], mask).item(),
+        "rollout/logprob_abs_diff_mean": algo.masked_mean(diff, mask).item(),
+        "rollout/logprob_abs_diff_max": diff[mask].max().item() if mask.any() else 0.0,
+    }
+    metrics.update({k: float(v) for k, v in algo.rollout_mismatch_metrics(
+        batch["old_log_probs"], batch["rollout_log_probs"], mask).items()})
+    return metrics
+
+
+def actor_summary(metrics: dict) -> dict:
+    """The headline actor metrics under their stable names (actor/kl is the approximate KL to the old policy)."""
+    aliases = {"actor/clip_frac": "actor/pg_clipfrac", "actor/kl": "actor/ppo_kl"}
+    return {k: metrics[v] for k, v in aliases.items() if v in metrics}
+
+
+def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
+    """Greedy (val_kwargs) rollouts on the validation set; val/reward_mean and per data_source means."""
+    if not records:
+        return {}
+    rollout = generate(engine, records, rt, validate=True, seed=cfg.trainer.seed)
+    scores, _ = score(reward_fn, rollout, records, tokenizer, cfg, rt)
+    metrics = {"val/reward_mean": scores.mean().item()}
+    sources = [records[int(i)].data_source for i in rollout.prompt_index]
+    for source in sorted(set(sources)):
+        picked = torch.tensor([s == source for s in sources])
+        metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
+    return metrics
+
+
+def apply_rollout_correction(cfg: MegarlConfig, batch: dict) -> dict:
+    """Engine/trainer mismatch handling (algorithm.rollout_correction): rollout logprobs as old logprobs, truncated
+    importance weights, rejection of tokens/sequences with extreme ratios. Adds rollout_is_weights to the batch."""
+    rc = cfg.algorithm.rollout_correction
+    mask = batch["response_mask"]
+    metrics = {}
+    if rc.is_level is not None:
+        weights, m = algo.rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask,
+                                             level=rc.is_level, threshold=rc.is_threshold)
+        batch["rollout_is_weights"] = weights
+        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+    if rc.rejection_level is not None:
+        keep, m = algo.rollout_rejection_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask,
+                                              level=rc.rejection_level, threshold=rc.rejection_threshold)
+        batch["response_mask"] = mask & keep.bool()
+        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+    if rc.use_rollout_log_probs:
+        batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+    return metrics

@@ -1,0 +1,127 @@
+"""The RL loop. Read top to bottom, one step is exactly the data flow of the design:
+
+    prompts -> rollout (vLLM, n samples) -> rewards -> old/ref logprobs, values (megatron forward)
+            -> advantages (pure) -> critic and actor updates (megatron) -> weight sync -> metrics
+
+Every rank runs this function (SPMD); see megarl.runtime for who does what.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from megarl import algo, steps
+from megarl.batching import build_train_batch
+from megarl.config import MegarlConfig, write_resolved
+from megarl.data import PromptLoader, encode_prompts, format_report, load_prompts_from_config
+from megarl.metrics import MetricsLogger
+from megarl.prepare import prepare
+from megarl.reward.registry import reward_fn_from_config
+from megarl.runtime import Runtime, barrier, start
+
+log = logging.getLogger("megarl")
+
+
+def load_data(cfg: MegarlConfig, tokenizer, split: str) -> list:
+    if split == "val" and not cfg.data.val_files:
+        return []
+    records = load_prompts_from_config(cfg.data, split, require_data_source=cfg.reward.reward_fn is None)
+    records, _, report = encode_prompts(records, tokenizer, cfg.rollout.prompt_length, cfg.data.truncation,
+                                        cfg.data.apply_chat_template)
+    log.info(format_report(report, split))
+    return records
+
+
+def make_kl_controller(cfg: MegarlConfig):
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return algo.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return algo.FixedKLController(k.kl_coef)
+
+
+def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
+    from megarl.rollout.process import EngineProcess
+
+    if not rt.is_rank0:
+        return None
+    seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
+    return EngineProcess(cfg.rollout, model_path, seed=seed)
+
+
+def train(cfg: MegarlConfig) -> dict:
+    """Run the recipe; return the last step's metrics (on rank 0; {} elsewhere)."""
+    from transformers import AutoTokenizer
+
+    from megarl.megatron.workers import CriticWorker, PolicyWorker
+    from megarl.sft import run_sft, sft_output_dir
+
+    rt = start(cfg)
+    cfg = prepare(cfg, rt.is_rank0)
+    barrier()
+    if rt.is_rank0:
+        write_resolved(cfg)
+    model_path = cfg.model.path
+    if cfg.sft.enable:
+        model_path = str(sft_output_dir(cfg))
+        if not Path(model_path).exists():
+            run_sft(cfg, rt)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    loader = PromptLoader(load_data(cfg, tokenizer, "train"), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle,
+                          drop_last=cfg.data.drop_last)
+    val_records = load_data(cfg, tokenizer, "val")
+    reward_fn = reward_fn_from_config(cfg.reward)
+
+    actor = PolicyWorker(model_path, cfg, trainable=True)
+    ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
+    critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
+    kl_ctrl = make_kl_controller(cfg)
+    engine = start_engine(cfg, model_path, rt)
+    logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
+                           enabled=rt.is_rank0)
+    if cfg.trainer.val_before_train and val_records:
+        logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
+
+    metrics: dict = {}
+    for step in range(1, cfg.trainer.total_steps + 1):
+        timer = steps.Timer()
+        with timer("step"):
+            records = loader.next_batch(cfg.data.train_batch_size)
+            with timer("rollout"):
+                rollout = steps.generate(engine, records, rt)
+            with timer("reward"):
+                scores, reward_metrics = steps.score(reward_fn, rollout, records, tokenizer, cfg, rt)
+            batch = build_train_batch(rollout, scores, pad_id)
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = actor.log_probs(batch, rt)
+            if ref is not None:
+                with timer("ref"):
+                    batch["ref_log_probs"] = ref.log_probs(batch, rt)
+            if critic is not None:
+                with timer("values"):
+                    batch["values"] = critic.values(batch, rt)
+            correction_metrics = steps.apply_rollout_correction(cfg, batch)
+            adv_metrics = steps.compute_advantages(cfg, batch, kl_ctrl)
+            with timer("train"):
+                train_metrics = critic.update(batch, rt, step) if critic is not None else {}
+                if step > cfg.critic.warmup_steps or critic is None:
+                    train_metrics.update(actor.update(batch, rt, step))
+            with timer("sync"):
+                sync_metrics = steps.sync_weights(actor, engine, cfg, rt)
+        metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
+                   **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
+                   **rollout.metrics, **timer.metrics(), "train/epoch": loader.epoch}
+        if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
+            with timer("val"):
+                metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
+        logger.log(step, metrics)
+    logger.close()
+    if engine is not None:
+        engine.shutdown()
+    barrier()
+    return metrics if rt.is_rank0 else {}
+
+
+def train_entry(cfg_dict: dict) -> dict:
+    """Entry for launched ranks (megarl.launch_local): the config travels as a plain dict."""
+    return train(MegarlConfig.model_validate(cfg_dict))

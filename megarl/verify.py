@@ -1,0 +1,189 @@
+"""`megarl verify --hf DIR [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron model with HF.
+
+Loads the HF checkpoint into megarl at the given layout, computes per-token logprobs of a batch of sequences (text from
+the checkpoint's tokenizer, right-padded to different lengths; random ids when there is no tokenizer), computes the same
+with HF transformers (float32, eager attention), prints a table per sequence and the max absolute difference over real
+tokens, and returns 1 when it exceeds the tolerance.
+
+Ranks. As a plain command (no WORLD_SIZE in the environment) it starts the ranks itself with
+megarl.launch_local.run_ranks: world size = TP * PP * EP, i.e. data parallel size = EP (megatron's expert-parallel group
+is carved out of the TP * DP ranks of a stage, with expert TP = TP). Under torchrun it uses the ranks it is given
+(the world size must be a multiple of TP * PP, with DP divisible by EP); every DP replica computes the same batch and
+global rank 0 prints.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. Reinforcement learning from verifiable rewards trains a policy.",
+    "Question: what is 12 * 7? Let us think step by step. 12 * 7 = 84, so the answer is 84.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # prints 5",
+    "Megatron shards the weights over tensor, pipeline and expert parallel ranks; vLLM generates rollouts.",
+]
+
+
+def world_size_for(tp: int, pp: int, ep: int) -> int:
+    """Ranks a plain `megarl verify` starts: TP * PP * EP (data parallel = EP)."""
+    return tp * pp * ep
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megarl verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
+    p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="max abs logprob difference allowed (default 1e-5 in float32, 0.5 in bfloat16)")
+    p.add_argument("--batch", type=int, default=4, help="number of sequences")
+    p.add_argument("--seq-len", type=int, default=64, help="padded sequence length")
+    p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size of the megatron forward")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (no tokenizer) and model init")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="megatron parameter dtype")
+    p.add_argument("--engine", choices=["megatron"], default="megatron", help="what is compared with HF transformers")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before the started ranks are killed")
+    args = p.parse_args(argv)
+    if args.tol is None:
+        args.tol = 1e-5 if args.dtype == "float32" else 0.5
+    return args
+
+
+def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int = 0) -> tuple:
+    """(tokens [batch, seq_len] right-padded, lengths [batch], source) from the tokenizer, else random ids."""
+    lengths = torch.tensor([max(2, seq_len - i * seq_len // (2 * batch)) for i in range(batch)])
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(hf_dir)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        tokens.fill_(pad)
+        for i in range(batch):
+            ids: list = []
+            j = i
+            while len(ids) < lengths[i]:
+                ids += tok(TEXTS[j % len(TEXTS)] + " ", add_special_tokens=False)["input_ids"]
+                j += 1
+            tokens[i, : lengths[i]] = torch.tensor(ids[: lengths[i]])
+        if int(tokens.max()) >= vocab_size:
+            raise ValueError(f"the tokenizer produces id {int(tokens.max())} >= vocab_size={vocab_size}")
+        return tokens, lengths, "tokenizer"
+    except Exception as exc:  # no or unusable tokenizer: random ids still verify the weights
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+        for i in range(batch):
+            tokens[i, lengths[i]:] = 0
+        return tokens, lengths, f"random ids ({type(exc).__name__}: {exc})"
+
+
+def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+                      micro_batch: int = 1, dtype: str = "float32", seed: int = 0) -> Optional[torch.Tensor]:
+    """Rank body (after init_distributed): megarl's logprobs [B, S-1] on the rank that reports them
+    (last pipeline stage, TP rank 0, DP rank 0), None on the others."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.megatron.forward import token_logprobs
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               expert_model_parallel_size=ep), seed=seed)
+    model, _ = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    model.eval()
+    out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
+    report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+    return out.cpu() if report else None
+
+
+def hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """(max abs diff over real tokens, [(seq, n_tokens, max diff, mean ref logprob)]) ."""
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        d = (got[i, : n - 1].float() - reference[i, : n - 1]).abs()
+        rows.append((i, n, d.max().item() if n > 1 else 0.0, reference[i, : n - 1].mean().item()))
+    return max(r[2] for r in rows), rows
+
+
+def report(args, rows, max_diff, source, out=None) -> int:
+    out = out or sys.stdout
+    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype}  batch from {source}",
+          file=out)
+    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean HF logprob':>16}", file=out)
+    for i, n, d, mean in rows:
+        print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
+    ok = max_diff <= args.tol
+    print(f"max abs logprob difference {max_diff:.3e} (tolerance {args.tol:.1e}): {'OK' if ok else 'FAILED'}", file=out)
+    if not ok:
+        print(f"error: megarl's logprobs differ from HF transformers by {max_diff:.3e} > --tol {args.tol:.1e}; the "
+              "checkpoint may use a feature the bridge maps incorrectly (report it with this output)", file=out)
+    return 0 if ok else 1
+
+
+def _rank_body(**kwargs):
+    return megatron_logprobs(**kwargs)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megarl.bridge.hf_config import BridgeError, check_layout, load_spec
+
+    args = parse_args(argv)
+    try:
+        spec = load_spec(args.hf)
+        if spec.score_head:
+            raise BridgeError(f"{args.hf}: {spec.architecture} is a value/reward model; verify compares the "
+                              "logprobs of causal LMs")
+        check_layout(spec, args.tp, args.pp, args.ep)
+    except BridgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
+    kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
+                  micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
+        import torch.distributed as dist
+
+        from megarl.megatron.parallel import init_distributed
+
+        init_distributed()
+        mine = megatron_logprobs(**kwargs)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        code = torch.tensor([0])
+        if dist.get_rank() == 0:
+            got = next(g for g in gathered if g is not None)
+            max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
+            code[0] = report(args, rows, max_diff, source)
+        dist.broadcast(code, src=0)
+        return int(code.item())
+    from megarl.launch_local import RankFailure, run_ranks
+
+    world = world_size_for(args.tp, args.pp, args.ep)
+    try:
+        results = run_ranks("megarl.verify:_rank_body", world, kwargs, timeout=args.timeout)
+    except RankFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    got = next(r for r in results if r is not None)
+    max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
+    return report(args, rows, max_diff, source)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
