@@ -73,3 +73,42 @@ def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
     if n % micro_batch_size:
         raise ValueError(f"{n} rows do not split into micro-batches of {micro_batch_size}")
     return [{k: v[i:i + micro_batch_size] for k, v in batch.items()} for i in range(0, n, micro_batch_size)]
+
+
+def sequence_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Real tokens per row: up to and including the last response token (the last True of response_mask, + 1)."""
+    mask = batch["response_mask"]
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    return torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1) + 2
+
+
+def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Micro-batches of whole rows holding at most `max_tokens` real tokens each (a longer row goes alone).
+
+    Rows are packed longest first into the first micro-batch with room (first-fit decreasing: deterministic), and
+    each micro-batch is cut to its own longest row, so padding is not computed."""
+    lengths = sequence_lengths(batch).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    out = []
+    for rows in bins:
+        s = max(lengths[i] for i in rows)
+        idx = torch.tensor(sorted(rows))
+        out.append({k: _cut_columns(k, v[idx], s) for k, v in batch.items()})
+    return out
+
+
+def _cut_columns(key: str, t: torch.Tensor, seq_len: int) -> torch.Tensor:
+    if t.dim() < 2:
+        return t
+    return t[:, :seq_len] if key == "input_ids" else t[:, :seq_len - 1]

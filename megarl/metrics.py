@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 # The console line shows these, in this order, when present.
-CONSOLE_KEYS = ("train/reward_mean", "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy",
+CONSOLE_KEYS = ("sft/loss", "train/reward_mean", "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy",
                 "actor/grad_norm", "critic/vf_loss", "train/response_length_mean", "rollout/logprob_abs_diff_mean",
                 "timing/step_s")
 

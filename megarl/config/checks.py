@@ -215,9 +215,49 @@ def check_data_files(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+# Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
+# rather than silently ignored: (key, the value that is accepted, what to do instead).
+_NOT_YET = (
+    ("rollout.multi_turn.enable", False, "multi-turn rollouts are not supported yet; set it to false"),
+    ("rollout.mode", "colocated", "Ray-hosted engines are not supported yet; use rollout.mode=colocated"),
+    ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
+    ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
+     "custom reward functions"),
+    ("algorithm.filter_groups.enable", False, "DAPO dynamic sampling is not supported yet; set it to false"),
+    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
+    ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
+     "unset it"),
+)
+
+
+def check_not_yet_supported(cfg: MegarlConfig) -> list[Issue]:
+    issues = []
+    for key, accepted, fix in _NOT_YET:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value != accepted:
+            issues.append(Issue(key, value, "not supported by this version of megarl", fix, keys=(key,)))
+    return issues
+
+
+def check_reward_fn(cfg: MegarlConfig) -> list[Issue]:
+    """A named reward must exist and a file reward must import (caught here, before any process starts)."""
+    spec = cfg.reward.reward_fn
+    if spec is None:
+        return []
+    from megarl.reward.registry import RewardError, get_reward_fn
+
+    try:
+        get_reward_fn(spec)
+    except RewardError as exc:
+        return [Issue("reward.reward_fn", spec, str(exc), keys=("reward.reward_fn",))]
+    return []
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_batches, check_lengths, check_algorithm_names,
-    check_data_files)
+    check_data_files, check_reward_fn, check_not_yet_supported)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

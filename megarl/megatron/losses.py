@@ -92,7 +92,10 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
             clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
             rollout_is_weights=mb.get("rollout_is_weights"), **agg)
         loss = pg_loss
-        metrics = {"pg_loss": pg_loss.detach(), **pg_metrics}
+        # how far this update is off-policy: exactly 0 on the first mini-batch of a step (same weights as rollout)
+        log_ratio = (log_prob.detach() - mb["old_log_probs"]).abs()
+        metrics = {"pg_loss": pg_loss.detach(), **pg_metrics,
+                   "log_ratio_abs_max": log_ratio[mask].max() if mask.any() else torch.zeros(())}
         with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
             entropy = vocab_parallel_entropy(logits if s.entropy_coeff else logits.detach(), s.vocab_size,
                                              s.temperature)

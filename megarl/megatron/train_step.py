@@ -109,11 +109,10 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
-    seq_len = micro_batches[0]["input_ids"].shape[1]
-    mbs = micro_batches[0]["input_ids"].shape[0]
-    if any(mb["input_ids"].shape != (mbs, seq_len) for mb in micro_batches):
-        raise ValueError("all micro-batches of a step must share one [micro_batch_size, seq_len] shape (megatron's "
-                         "pipeline schedule sends fixed-size activations); pad them to the same shape")
+    shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
+    mbs, seq_len = max(shapes, key=lambda bs: bs[0] * bs[1])
+    if len(shapes) > 1:  # token-budget micro-batches: the pipeline must send each activation's shape first
+        trainable.chunks[0].config.variable_seq_lengths = True
 
     def step(data_iterator, model):
         mb = next(data_iterator)

