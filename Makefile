@@ -23,12 +23,10 @@ $(STAMP): setup.py constraints-cpu.txt
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then echo "error: CUDA wheels found in the CPU env" >&2; exit 1; fi
 	touch $(STAMP)
 
-# The main job on the tiny CPU recipe. The RL loop (`megarl train`) is not built yet: until it is, this validates the
-# recipe and writes its resolved config.
+# The main job: the tiny CPU recipe (a synthetic task, a tiny model, SFT warm-start, then GRPO), then a summary.
 demo: env
-	mkdir -p $(RUN_DIR)
-	$(VENV)/bin/megarl validate $(RECIPE) trainer.run_dir=$(RUN_DIR) > $(RUN_DIR)/config.resolved.yaml
-	@echo "resolved config written to $(RUN_DIR)/config.resolved.yaml"
+	$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR)
+	$(PY) scripts/summarize_run.py $(RUN_DIR)
 
 # The default test suite (CPU, 2 cores). Exit code 5 (no tests collected) is an error, not a pass.
 test: env
