@@ -380,7 +380,7 @@ class VLLMEngine:
         (rope_theta, rope_scaling) at start, never a checkpoint weight, and the reload puts the same buffer back.
 
         Returns metrics: weight_sync/{bytes, seconds, source_seconds, load_seconds, num_tensors, num_buckets,
-        max_bucket_bytes, version, gbps}."""
+        num_tied_reloaded, max_bucket_bytes, version, gbps} (bytes and num_tensors count what the source sent)."""
         stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "tied": 0}
         hf_sums: dict[str, Checksum] = {}
         # Engine names of tied parameters are also their HF names for the supported (text-only) architectures.
