@@ -1,4 +1,4 @@
-"""`megarl` command line: validate | train | sft | verify."""
+"""`megarl` command line: validate | train | sft | verify | plan."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "under torchrun it uses the ranks it is given.")
         p.add_argument("recipe", help="recipe YAML")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as trainer.total_steps=5")
+    pl = sub.add_parser("plan", help="per-GPU memory, weight-sync bytes and time of a recipe on a cluster; exit 1 "
+                        "when it does not fit", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
+                        "actor, critic, reference and engine per GPU, weight-sync bytes and a lower bound on its time, "
+                        "and a verdict naming the term that is over.")
+    from megarl.plan import add_arguments
+
+    add_arguments(pl)
     sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs with "
                    "HF transformers (see `megarl verify --help`)")
     return parser
@@ -101,6 +108,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "verify":  # verify owns its own argument parser
         return _cmd_verify(argparse.Namespace(), argv[1:])
+    if argv and argv[0] == "plan":  # overrides may come before or after the options
+        from megarl import plan
+
+        return plan.main(argv[1:])
     if not argv:
         parser.print_help()
         return 2

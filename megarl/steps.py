@@ -1,6 +1,7 @@
 """The named stages of one RL step, called in order by megarl.trainer. Each documents where it runs."""
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 from statistics import fmean
@@ -43,8 +44,10 @@ def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: boo
 
 
 def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig,
-          rt: Runtime) -> tuple[torch.Tensor, dict]:
-    """One reward per sample (rank 0 scores, everyone receives): rule/custom rewards plus DAPO overlong shaping."""
+          rt: Runtime, per_sample: Optional[dict] = None) -> tuple[torch.Tensor, dict]:
+    """One reward per sample (rank 0 scores, everyone receives): rule/custom rewards plus DAPO overlong shaping.
+
+    per_sample, if given, receives the reward functions' extra per-sample values (e.g. "acc") as [N] tensors."""
     result = None
     if rt.is_rank0:
         samples = []
@@ -66,8 +69,13 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
                                                       ob.penalty_factor)
             scores = scores + penalty
             metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
-        result = (scores, metrics)
-    return broadcast_object(result)
+        extras = {k: torch.tensor([float(v) if isinstance(v, (int, float)) else float("nan") for v in values])
+                  for k, values in extra.items()}
+        result = (scores, metrics, extras)
+    scores, metrics, extras = broadcast_object(result)
+    if per_sample is not None:
+        per_sample.update(extras)
+    return scores, metrics
 
 
 def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
@@ -166,3 +174,50 @@ def apply_rollout_correction(cfg: MegarlConfig, batch: dict) -> dict:
     if rc.use_rollout_log_probs:
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
     return metrics
+
+
+def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Runtime, timer: Timer,
+                 seed: Optional[int] = None):
+    """Prompts, rollout and rewards of one step: (records, rollout, scores, metrics).
+
+    With algorithm.filter_groups.enable (DAPO dynamic sampling), batches of train_batch_size * (1 + over_sample_rate)
+    prompts are generated until train_batch_size prompts whose samples' metric is not constant are collected: a
+    group with all-equal rewards has zero advantage and only dilutes the batch. At most max_num_gen_batches rounds
+    (0: no limit); the rounds are reported as dapo/gen_rounds. `seed` makes the step's sampling reproducible (each
+    extra round shifts it)."""
+    fg, target = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    draw = int(math.ceil(target * (1 + cfg.rollout.over_sample_rate))) if fg.enable else target
+    kept: list[tuple[PromptRecord, RolloutBatch, torch.Tensor]] = []
+    rounds, seen_groups = 0, 0
+    while True:
+        records = loader.next_batch(draw)
+        with timer("rollout"):
+            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
+        extras: dict = {}
+        with timer("reward"):
+            scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)
+        rounds += 1
+        if not fg.enable:
+            return records, rollout, scores, reward_metrics
+        metric = extras.get("acc", scores) if fg.metric == "acc" else scores
+        keep, m = algo.filter_groups_by_metric(metric, rollout.prompt_index)
+        seen_groups += m["num_groups"]
+        for group in sorted(set(rollout.prompt_index[keep].tolist())):
+            rows = (rollout.prompt_index == group).nonzero().flatten().tolist()
+            kept.append((records[group], rollout.select(rows), scores[rows]))
+        if len(kept) >= target:
+            break
+        if fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches:
+            raise RuntimeError(
+                f"DAPO dynamic sampling collected {len(kept)} of {target} prompts with non-constant rewards in {rounds} "
+                f"generation rounds (algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}); the "
+                "prompts are too easy or too hard for the model: raise max_num_gen_batches or rollout.over_sample_rate,"
+                " or change the data")
+    kept = kept[:target]
+    rollout = RolloutBatch.concat([k[1] for k in kept], prompt_index=list(range(len(kept))))
+    scores = torch.cat([k[2] for k in kept])
+    _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
+    metrics = {**reward_metrics, "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
+               "dapo/kept_group_frac": len(kept) / max(1, seen_groups),
+               "dapo/constant_groups": float(final["num_groups"] - final["num_groups_kept"])}
+    return [k[0] for k in kept], rollout, scores, metrics

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megarl import algo, steps
 from megarl.batching import build_train_batch
+from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
 from megarl.data import PromptLoader, encode_prompts, format_report, load_prompts_from_config
 from megarl.metrics import MetricsLogger
@@ -40,11 +41,16 @@ def make_kl_controller(cfg: MegarlConfig):
 
 
 def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
-    from megarl.rollout.process import EngineProcess
-
+    """Rank 0's handle on the rollout engine: a child process (colocated) or Ray actors (rollout.mode=ray)."""
     if not rt.is_rank0:
         return None
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
+    if cfg.rollout.mode == "ray":
+        from megarl.rollout.ray_engine import RayEngine
+
+        return RayEngine(cfg.rollout, model_path, seed=seed)
+    from megarl.rollout.process import EngineProcess
+
     return EngineProcess(cfg.rollout, model_path, seed=seed)
 
 
@@ -76,21 +82,23 @@ def train(cfg: MegarlConfig) -> dict:
     ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
     kl_ctrl = make_kl_controller(cfg)
+    ckpt = Checkpointer(cfg, rt, models={"actor": actor, "critic": critic},
+                        states={"loader": loader, "kl_ctrl": kl_ctrl})
+    start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
+    if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
+        steps.sync_weights(actor, engine, cfg, rt)
     logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
-                           enabled=rt.is_rank0)
-    if cfg.trainer.val_before_train and val_records:
+                           enabled=rt.is_rank0, resume_step=start_step)
+    if cfg.trainer.val_before_train and val_records and not start_step:
         logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
 
     metrics: dict = {}
-    for step in range(1, cfg.trainer.total_steps + 1):
+    for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = steps.Timer()
         with timer("step"):
-            records = loader.next_batch(cfg.data.train_batch_size)
-            with timer("rollout"):
-                rollout = steps.generate(engine, records, rt)
-            with timer("reward"):
-                scores, reward_metrics = steps.score(reward_fn, rollout, records, tokenizer, cfg, rt)
+            records, rollout, scores, reward_metrics = steps.sample_batch(
+                engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
             batch = build_train_batch(rollout, scores, pad_id)
             with timer("old_log_prob"):
                 batch["old_log_probs"] = actor.log_probs(batch, rt)
@@ -115,6 +123,9 @@ def train(cfg: MegarlConfig) -> dict:
             with timer("val"):
                 metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
         logger.log(step, metrics)
+        if ckpt.after_step(step):  # saves when due (save_freq, last step, SIGTERM); True: stop after a SIGTERM
+            break
+    ckpt.close()
     logger.close()
     if engine is not None:
         engine.shutdown()

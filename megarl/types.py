@@ -108,6 +108,28 @@ class RolloutBatch:
             prompt_index=self.prompt_index[idx], prompt_truncated=self.prompt_truncated[idx],
             weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics))
 
+    @classmethod
+    def concat(cls, batches: list["RolloutBatch"], prompt_index: Optional[list[int]] = None) -> "RolloutBatch":
+        """One batch from several (responses re-padded to the widest); `prompt_index` gives each input batch's samples
+        a new group id (default: keep the ids). Metrics are summed where they are counts, else taken from the last."""
+        width = max(b.response_ids.shape[1] for b in batches)
+        pad = batches[0].pad_token_id
+
+        def widen(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        groups = [b.prompt_index if prompt_index is None else torch.full_like(b.prompt_index, prompt_index[k])
+                  for k, b in enumerate(batches)]
+        logprobs = None if batches[0].rollout_logprobs is None else torch.cat(
+            [widen(b.rollout_logprobs, 0.0) for b in batches])
+        return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
+                   response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
+                   response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
+                   finish_reasons=[r for b in batches for r in b.finish_reasons],
+                   truncated=torch.cat([b.truncated for b in batches]), prompt_index=torch.cat(groups),
+                   prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
+                   weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics))
+
     # -- transport: everything as tensors, so rank 0 can broadcast a batch to the other ranks -------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Pack into a dict of tensors (prompts flattened with their lengths; finish reasons as codes)."""

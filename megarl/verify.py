@@ -46,11 +46,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size of the megatron forward")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (no tokenizer) and model init")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="megatron parameter dtype")
-    p.add_argument("--engine", choices=["megatron"], default="megatron", help="what is compared with HF transformers")
+    p.add_argument("--engine", choices=["megatron", "vllm"], default="megatron",
+                   help="megatron: compare megarl's logprobs with HF transformers; vllm: also push megarl's weights "
+                   "into a vLLM engine started with random weights and compare vLLM's logprobs with megarl's")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the started ranks are killed")
     args = p.parse_args(argv)
     if args.tol is None:
-        args.tol = 1e-5 if args.dtype == "float32" else 0.5
+        args.tol = (1e-4 if args.engine == "vllm" else 1e-5) if args.dtype == "float32" else 0.5
     return args
 
 
@@ -83,9 +85,11 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
-                      micro_batch: int = 1, dtype: str = "float32", seed: int = 0) -> Optional[torch.Tensor]:
-    """Rank body (after init_distributed): megarl's logprobs [B, S-1] on the rank that reports them
-    (last pipeline stage, TP rank 0, DP rank 0), None on the others."""
+                      micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
+                      lengths: Optional[torch.Tensor] = None) -> dict:
+    """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
+    (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
+    logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs
@@ -94,11 +98,41 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=seed)
-    model, _ = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
     model.eval()
     out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
-    return out.cpu() if report else None
+    result = {"megatron": out.cpu() if report else None}
+    if engine == "vllm":
+        result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype))
+    return result
+
+
+def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor, dtype: str) -> dict:
+    """Rank 0 starts a vLLM engine with random (dummy) weights; every rank exports megarl's weights into it through
+    the trainer's weight-sync path (with checksum verification); rank 0 returns vLLM's logprobs of the batch."""
+    import torch.distributed as dist
+
+    from megarl.bridge.exporter import export_hf_weights
+    from megarl.config.schema import RolloutConfig
+    from megarl.rollout.process import EngineProcess
+
+    engine = None
+    if dist.get_rank() == 0:
+        cfg = RolloutConfig(prompt_length=tokens.shape[1], response_length=1, load_format="dummy", dtype=dtype,
+                            enable_prefix_caching=False)
+        engine = EngineProcess(cfg, hf_dir, seed=0)
+    buckets = export_hf_weights(model, spec, 64 << 20)
+    if engine is None:
+        for _ in buckets:
+            pass
+        return {}
+    try:
+        sync = engine.update_weights(buckets, verify=True)
+        seqs = [tokens[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
+        return {"vllm": engine.sequence_logprobs(seqs), "sync": sync}
+    finally:
+        engine.shutdown()
 
 
 def hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,17 +155,18 @@ def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -
     return max(r[2] for r in rows), rows
 
 
-def report(args, rows, max_diff, source, out=None) -> int:
+def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl") -> int:
     out = out or sys.stdout
-    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype}  batch from {source}",
-          file=out)
-    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean HF logprob':>16}", file=out)
+    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={args.engine}  "
+          f"batch from {source}", file=out)
+    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
     for i, n, d, mean in rows:
         print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
     ok = max_diff <= args.tol
-    print(f"max abs logprob difference {max_diff:.3e} (tolerance {args.tol:.1e}): {'OK' if ok else 'FAILED'}", file=out)
+    print(f"max abs logprob difference {other} vs {reference} {max_diff:.3e} (tolerance {args.tol:.1e}): "
+          f"{'OK' if ok else 'FAILED'}", file=out)
     if not ok:
-        print(f"error: megarl's logprobs differ from HF transformers by {max_diff:.3e} > --tol {args.tol:.1e}; the "
+        print(f"error: {other}'s logprobs differ from {reference}'s by {max_diff:.3e} > --tol {args.tol:.1e}; the "
               "checkpoint may use a feature the bridge maps incorrectly (report it with this output)", file=out)
     return 0 if ok else 1
 
@@ -155,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
-                  micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed)
+                  micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths)
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -167,9 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dist.all_gather_object(gathered, mine)
         code = torch.tensor([0])
         if dist.get_rank() == 0:
-            got = next(g for g in gathered if g is not None)
-            max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
-            code[0] = report(args, rows, max_diff, source)
+            code[0] = _judge(args, gathered, tokens, lengths, source)
         dist.broadcast(code, src=0)
         return int(code.item())
     from megarl.launch_local import RankFailure, run_ranks
@@ -180,9 +213,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RankFailure as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    got = next(r for r in results if r is not None)
-    max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
-    return report(args, rows, max_diff, source)
+    return _judge(args, results, tokens, lengths, source)
+
+
+def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, source: str) -> int:
+    """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
+    got = next(r["megatron"] for r in results if r.get("megatron") is not None)
+    if args.engine == "megatron":
+        max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
+        return report(args, rows, max_diff, source)
+    engine = next(r for r in results if "vllm" in r)
+    vllm = torch.zeros_like(got)
+    for i, row in enumerate(engine["vllm"]):
+        vllm[i, : len(row)] = torch.tensor(row)
+    hf_diff, _ = compare(hf_logprobs(args.hf, tokens), got, lengths)
+    sync = engine["sync"]
+    print(f"weight sync into vLLM: {sync['weight_sync/num_tensors']:.0f} tensors, "
+          f"{sync['weight_sync/bytes'] / 2**20:.1f} MiB in {sync['weight_sync/seconds']:.2f} s, checksums verified; "
+          f"megarl vs HF transformers: {hf_diff:.3e}")
+    max_diff, rows = compare(got, vllm, lengths)  # reference: megarl's own logprobs
+    return report(args, rows, max_diff, source, reference="megarl", other="vLLM")
 
 
 if __name__ == "__main__":

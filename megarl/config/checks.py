@@ -219,11 +219,9 @@ def check_data_files(cfg: MegarlConfig) -> list[Issue]:
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
     ("rollout.multi_turn.enable", False, "multi-turn rollouts are not supported yet; set it to false"),
-    ("rollout.mode", "colocated", "Ray-hosted engines are not supported yet; use rollout.mode=colocated"),
     ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
      "custom reward functions"),
-    ("algorithm.filter_groups.enable", False, "DAPO dynamic sampling is not supported yet; set it to false"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),

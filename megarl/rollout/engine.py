@@ -26,9 +26,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.weights import (Checksum, compare_checksums, combine_rank_checksums, describe_bytes,
-                                    fold_checksums, module_weight_checksums, tensor_bytes, tensor_checksum,
-                                    tied_parameters)
+from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
+                                    fold_checksums, module_weight_checksums, parameter_names, resolve_nested,
+                                    tensor_bytes, tensor_checksum, tied_parameters)
 from megarl.types import FINISH_REASONS, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -269,6 +269,7 @@ class VLLMEngine:
             if model is not None else {}
         # Tied word embeddings: the LM head's weight *is* the embedding's tensor (the same on every engine rank).
         self._tied = dict(self._llm.apply_model(tied_parameters)[0])
+        self._param_names = self._llm.apply_model(parameter_names)[0]
         if self._tied:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
@@ -353,6 +354,20 @@ class VLLMEngine:
                             prompt_index=torch.tensor(groups, dtype=torch.long),
                             prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
                             weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+
+    def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """The engine's logprob of every token of each given sequence after the first, given its prefix: for a
+        sequence of L tokens, L-1 values (position t scores token t+1, as the trainer's logprobs). Temperature 1,
+        no sampling: a check of the engine's weights against the trainer's (megarl verify --engine vllm)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        outputs = self._llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
+        result = []
+        for tokens, out in zip(token_ids, outputs):
+            # prompt_logprobs[0] is None (the first token has no prefix); entry i holds token i's logprob
+            result.append([out.prompt_logprobs[i][tok].logprob for i, tok in enumerate(tokens) if i > 0])
+        return result
 
     # -- weights ------------------------------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
@@ -460,7 +475,8 @@ class VLLMEngine:
         for alias, canonical in self._tied.items():
             if alias not in out and canonical in out:
                 out[alias] = out[canonical]
-        return out
+        real = resolve_nested(out, self._param_names)
+        return {real[k]: v for k, v in out.items()}
 
     def checksums(self) -> dict[str, Checksum]:
         """Checksum of every tensor of the engine model as its kernels see it, merged over engine ranks. A tied

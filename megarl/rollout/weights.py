@@ -9,6 +9,8 @@ overwritten or in the wrong dtype; it does not catch rows permuted inside one te
 """
 from __future__ import annotations
 
+import re
+
 import math
 from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
@@ -55,15 +57,42 @@ def checksums_match(a: Checksum, b: Checksum, rtol: float = 1e-9) -> bool:
             and abs(a[2] - b[2]) <= rtol * scale + 1e-12)
 
 
+# Routed experts: vLLM's FusedMoE holds all experts of a layer in two tensors, w13 (gate and up) and w2 (down).
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_FUSED = {"gate_proj": "w13_weight", "up_proj": "w13_weight", "w1": "w13_weight", "w3": "w13_weight",
+                 "down_proj": "w2_weight", "w2": "w2_weight"}
+
+
 def engine_name(hf_name: str, packed_modules_mapping: Mapping[str, Sequence[str]]) -> str:
     """The engine parameter an HF tensor is loaded into: `...q_proj.weight` -> `...qkv_proj.weight` when the engine
-    fuses q/k/v (vLLM's `packed_modules_mapping` of the model class). Unfused names map to themselves."""
+    fuses q/k/v (vLLM's `packed_modules_mapping` of the model class); a routed expert's projection -> the layer's
+    fused `experts.w13_weight` / `experts.w2_weight`. Unfused names map to themselves."""
+    expert = _EXPERT.match(hf_name)
+    if expert:
+        return f"{expert['prefix']}.{_EXPERT_FUSED[expert['proj']]}"
     parts = hf_name.split(".")
     for i, part in enumerate(parts):
         for fused, members in packed_modules_mapping.items():
             if part in members:
                 return ".".join(parts[:i] + [fused] + parts[i + 1:])
     return hf_name
+
+
+def resolve_nested(names: Iterable[str], engine_names: Iterable[str]) -> dict[str, str]:
+    """Map each expected engine name to the engine's real parameter name where the engine nests it one module deeper
+    (vLLM 0.32 keeps fused experts under `experts.routed_experts.w13_weight`): same prefix, same final parameter name,
+    exactly one candidate. Names the engine has as they are map to themselves."""
+    engine_names = list(engine_names)
+    present = set(engine_names)
+    out = {}
+    for name in names:
+        if name in present:
+            out[name] = name
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        candidates = [n for n in engine_names if n.startswith(prefix + ".") and n.endswith("." + leaf)]
+        out[name] = candidates[0] if len(candidates) == 1 else name
+    return out
 
 
 def fold_checksums(hf_checksums: Mapping[str, Checksum],
@@ -108,7 +137,7 @@ def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
     several modules (tied embeddings) is reported under each module's name, as each module's kernel sees it."""
     out: dict[str, Checksum] = {}
     with torch.no_grad():
-        for mod_name, module in model.named_modules():
+        for mod_name, module in model.named_modules(remove_duplicate=False):
             for p_name, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 through_kernel = (p_name == "weight" and hasattr(module, "cpu_linear")
@@ -122,6 +151,11 @@ def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
                 elif p.numel() > 0:
                     out[full] = tensor_checksum(p)
     return out
+
+
+def parameter_names(model: torch.nn.Module) -> list[str]:
+    """Every name a parameter of the engine model is registered under (shared tensors under each of their names)."""
+    return [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
 
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:

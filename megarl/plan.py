@@ -1,0 +1,418 @@
+"""`megarl plan`: will a recipe fit on a cluster? Per-GPU memory of every term, weight-sync bytes and time, a verdict.
+
+Pure arithmetic on the recipe and the model's config.json (no GPU, no weights). The parameter bytes each Megatron rank
+holds and the bytes each engine rank receives per weight sync come from the resharding plan
+(megarl.rollout.plan.build_plan), so the planner and the weight sync never disagree about who holds what.
+
+The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
+* Trainable model (actor; critic with a 1-wide value head instead of the LM head):
+    parameters      P * 2 (bf16) or 4 (fp32)
+    gradients       P * 4 (megarl reduces gradients in fp32: grad_reduce_in_fp32)
+    optimizer       Adam: fp32 master copy + exp_avg + exp_avg_sq = 12 B/param in bf16 (8 in fp32, no master copy);
+                    with the distributed optimizer divided by the data-parallel size (dense parameters) or the
+                    expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
+    activations     per token per layer, bf16, flash attention (no score matrix), SwiGLU, GQA, no dropout:
+                    8h (norm inputs and residual stream, /TP with sequence parallel) + (4q + 4kv + 6f) / TP
+                    with q = heads*head_dim, kv = kv_heads*head_dim, f = FFN size; MoE: f-term -> top_k * (2h + 6f_moe)
+                    / expert TP. selective recompute drops the attention output (2q); full recompute keeps only each
+                    layer's input (2h, /TP with SP) plus one layer's full activations being recomputed.
+                    1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight. The last stage
+                    adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
+* Reference: parameters only, plus the logits of one forward micro-batch.
+* Engine (vLLM): it takes gpu_memory_utilization * GPU memory: its weight shard (from the plan), an activation
+  estimate for max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence).
+  Colocated with enable_sleep_mode it releases everything while the trainer computes; without it, it keeps its share.
+* Sync buffers: two buckets (rollout.update_weights_bucket_megabytes): the one being gathered and the one being loaded.
+* Reserve: CUDA context, NCCL and allocator fragmentation, a fixed RESERVE_GIB.
+Phases (the peak is their maximum): rollout (states + engine), logprob forwards (states + forward logits [+ engine
+if it does not sleep]), training (states + activations [+ engine]), weight sync (states + engine weights + buffers).
+"States" are the parameters, gradients and optimizer states of actor, critic and reference, always resident.
+
+Weight sync: each engine rank receives its shard (plan.bytes_received); at a link bandwidth B the sync takes at
+least max(received) / B. The current transport gathers the full HF tensors on trainer rank 0 first, so the whole
+model passes through it: total / B is the bound for that step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megarl.rollout.plan import ModelShape, ReshardPlan, build_plan
+
+GIB = 1024 ** 3
+RESERVE_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
+DEFAULT_GPU_MEM_GIB = 80.0
+DEFAULT_LINK_GBPS = 50.0  # GB/s: one 400 Gb/s NIC per GPU
+
+
+class PlanError(ValueError):
+    """The recipe or the cluster cannot be planned (a missing config.json, a layout the plan refuses)."""
+
+
+@dataclass
+class ModelMemory:
+    """One trainable or frozen model's per-GPU bytes on the most loaded rank of each pipeline stage."""
+
+    name: str
+    params: list[int]  # per stage
+    grads: list[int] = field(default_factory=list)
+    optim: list[int] = field(default_factory=list)
+    optim_distributed: list[int] = field(default_factory=list)
+    optim_replicated: list[int] = field(default_factory=list)
+    activations: list[int] = field(default_factory=list)
+
+    def state(self, s: int) -> int:
+        return self.params[s] + (self.grads[s] if self.grads else 0) + (self.optim[s] if self.optim else 0)
+
+
+@dataclass
+class PlanReport:
+    text: str
+    fits: bool
+    peak_bytes: int
+    per_gpu_bytes: int  # the peak over phases on the most loaded GPU
+    reasons: list[str]
+    terms: dict[str, float]  # GiB, the most loaded GPU's terms
+    sync_bytes_per_engine_rank: int
+    sync_seconds_lower_bound: float
+
+
+def _read_hf_config(cfg) -> dict:
+    for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
+        if candidate and Path(candidate).is_file():
+            data = json.loads(Path(candidate).read_text())
+            return data.get("text_config", data)
+    raise PlanError("the planner needs the model's config.json: set model.config_path (a config.json) or a model.path "
+                    "that exists on this machine")
+
+
+def _held_per_rank(plan: ReshardPlan, expert_of: dict[str, bool]) -> tuple[dict[int, int], dict[int, int]]:
+    """(dense bytes, expert bytes) each rank of one Megatron model replica (TP*EP*PP ranks) holds, from the plan's
+    senders: a TP shard is held by its sender; a replicated tensor by every TP rank of its stage; a dense tensor by
+    every EP rank (the plan lets ep == 0 send it); an expert by the one EP rank that sends it."""
+    tp, ep = plan.tp, plan.ep
+    ranks = tp * ep * plan.pp
+    dense, expert = {r: 0 for r in range(ranks)}, {r: 0 for r in range(ranks)}
+    for m in plan.moves:
+        if expert_of[m.name]:
+            for r, b in m.senders.items():
+                expert[r] += b
+            continue
+        for r, b in m.senders.items():
+            t, stage = r % tp, r // (tp * ep)
+            holders = range(tp) if m.kind == "replicated" else (t,)
+            for t2 in holders:
+                for e in range(ep):
+                    dense[t2 + tp * (e + ep * stage)] += b
+    return dense, expert
+
+
+def _per_stage_max(values: dict[int, int], tp: int, ep: int, pp: int) -> list[int]:
+    return [max(values[r] for r in range(s * tp * ep, (s + 1) * tp * ep)) for s in range(pp)]
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, tp: int, sp: bool, recompute: str, top_k: int) -> int:
+    """Stored activation bytes of one token in one layer (bf16) under the recompute setting (see the module doc)."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    resid = 8 * h / (tp if sp else 1)
+    attn = 4 * q + 4 * kv
+    if shape.experts:
+        mlp = top_k * (2 * h + 6 * shape.moe_ffn)
+    else:
+        mlp = 6 * shape.ffn
+    if recompute == "selective":
+        attn -= 2 * q
+    return int(resid + (attn + mlp) / tp)
+
+
+def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
+                link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
+    """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each."""
+    hf = _read_hf_config(cfg)
+    shape = ModelShape.from_hf_config(hf)
+    p, r = cfg.parallelism, cfg.rollout
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp_engine, eep_engine = r.tensor_model_parallel_size, r.expert_model_parallel_size
+    dtype = "float32" if cfg.model.dtype == "float32" else "bfloat16" if cfg.model.dtype in ("auto", "bfloat16") \
+        else "float16"
+    pbytes = 2 if dtype != "float32" else 4
+    engine_dtype = "float32" if r.dtype == "float32" else "bfloat16" if r.dtype in ("auto", "bfloat16") else "float16"
+    total_gpus = nodes * gpus_per_node
+    ray_mode = r.mode == "ray"
+    engine_gpus = r.data_parallel_size * etp_engine if ray_mode else 0
+    world = cfg.world_size if ray_mode else total_gpus
+    reasons: list[str] = []
+    if ray_mode and world + engine_gpus > total_gpus:
+        reasons.append(f"GPUs: the trainer's {world} ranks (trainer.nnodes * n_gpus_per_node) plus "
+                       f"{r.data_parallel_size} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
+                       f"{world + engine_gpus} GPUs; the cluster has {total_gpus}")
+    if world % (tp * pp) or (world // (tp * pp)) % ep:
+        raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "
+                        "data-parallel size; change the node count or the layout")
+    dp = world // (tp * pp)
+    edp = world // (tp * ep * pp)  # expert TP = TP
+    try:
+        plan = build_plan(shape, tp, pp, ep, etp_engine, eep_engine, dtype)
+        engine_plan = plan if engine_dtype == dtype else build_plan(shape, tp, pp, ep, etp_engine, eep_engine,
+                                                                    engine_dtype)
+    except ValueError as exc:
+        raise PlanError(f"the resharding plan refuses this layout: {exc}") from None
+    expert_of = {m.name: ".experts." in m.name for m in plan.moves}
+    dense, expert = _held_per_rank(plan, expert_of)
+    lm_head = {m.name: m for m in plan.moves}.get("lm_head.weight")
+    stage_dense = _per_stage_max(dense, tp, ep, pp)
+    stage_expert = _per_stage_max(expert, tp, ep, pp)
+    stage_all = _per_stage_max({k: dense[k] + expert[k] for k in dense}, tp, ep, pp)
+
+    # micro-batches and tokens
+    seq_len = r.prompt_length + r.response_length
+    mini_seqs = cfg.actor.ppo_mini_batch_size * r.n
+    per_rank_seqs = max(1, mini_seqs // dp)
+
+    def tokens_and_micro(micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
+        if dynamic:
+            tokens = max(max_tokens, seq_len)
+            return tokens, max(1, math.ceil(per_rank_seqs * seq_len / tokens))
+        return micro * seq_len, max(1, per_rank_seqs // micro)
+
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    recompute = cfg.model.recompute
+    act_tok_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, recompute, top_k)
+    full_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, "none", top_k)
+    layers_per_stage = shape.layers // pp
+
+    def activations(tokens: int, micro_batches: int, logits: bool) -> list[int]:
+        out = []
+        for s in range(pp):
+            in_flight = min(pp - s, micro_batches)
+            if recompute == "full":
+                kept = 2 * shape.hidden // (tp if p.sequence_parallel else 1)
+                per_mb = tokens * kept * layers_per_stage
+                extra = tokens * full_layer
+            else:
+                per_mb = tokens * act_tok_layer * layers_per_stage
+                extra = 0
+            last = logits and s == pp - 1
+            out.append(in_flight * per_mb + extra + (tokens * shape.vocab // tp * 8 if last else 0))
+        return out
+
+    opt_bpp = 12 if pbytes == 2 else 8
+
+    def trainable(name: str, params_per_stage_dense: list[int], params_per_stage_expert: list[int], micro: int,
+                  dynamic: bool, max_tokens: int, logits: bool) -> ModelMemory:
+        n_dense = [b // pbytes for b in params_per_stage_dense]
+        n_exp = [b // pbytes for b in params_per_stage_expert]
+        opt_rep = [(a + b) * opt_bpp for a, b in zip(n_dense, n_exp)]
+        opt_dist = [a * opt_bpp // dp + b * opt_bpp // edp for a, b in zip(n_dense, n_exp)]
+        tokens, mbs = tokens_and_micro(micro, dynamic, max_tokens)
+        return ModelMemory(name, [a + b for a, b in zip(params_per_stage_dense, params_per_stage_expert)],
+                           grads=[(a + b) * 4 for a, b in zip(n_dense, n_exp)],
+                           optim=opt_dist if p.use_distributed_optimizer else opt_rep,
+                           optim_distributed=opt_dist, optim_replicated=opt_rep,
+                           activations=activations(tokens, mbs, logits))
+
+    a = cfg.actor
+    actor = trainable("actor", stage_dense, stage_expert, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+                      a.ppo_max_token_len_per_gpu, True)
+    models = [actor]
+    if cfg.critic_enabled:  # the LM head becomes a 1-wide value head on the last stage
+        head = (max(lm_head.senders.values()) if lm_head is not None else 0) - shape.hidden * pbytes
+        critic_dense = [b - (head if s == pp - 1 else 0) for s, b in enumerate(stage_dense)]
+        models.append(trainable("critic", critic_dense, stage_expert, cfg.critic.ppo_micro_batch_size_per_gpu,
+                                a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, False))
+    ref = ModelMemory("ref", list(stage_all)) if cfg.ref_enabled else None
+    if ref is not None:
+        models.append(ref)
+
+    # forward-only logits (old/ref logprobs) on the last stage
+    fwd_micro = max(r.log_prob_micro_batch_size_per_gpu,
+                    cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0)
+    fwd_tokens = fwd_micro * seq_len
+    if r.log_prob_use_dynamic_bsz:
+        fwd_tokens = max(r.log_prob_max_token_len_per_gpu, seq_len)
+    fwd_logits = fwd_tokens * shape.vocab // tp * 8
+
+    # engine
+    gpu_bytes = int(gpu_mem_gib * GIB)
+    engine_reserve = int(r.gpu_memory_utilization * gpu_bytes)
+    engine_weights = max(engine_plan.bytes_received().values())
+    ebytes = 2 if engine_dtype != "float32" else 4
+    eng_ffn = (top_k * shape.moe_ffn) if shape.experts else shape.ffn
+    engine_act = r.max_num_batched_tokens * ebytes * (4 * shape.hidden + 2 * eng_ffn // etp_engine) + \
+        r.max_num_seqs * shape.vocab // etp_engine * 4
+    kv_heads_per_rank = max(1, shape.kv_heads // etp_engine)
+    kv_per_token = 2 * shape.layers * kv_heads_per_rank * shape.head_dim * ebytes
+    kv_budget = engine_reserve - engine_weights - engine_act
+    kv_tokens = max(0, kv_budget) // kv_per_token
+    max_len = r.resolved_max_model_len
+    if kv_tokens < max_len:
+        reasons.append(f"engine KV cache: gpu_memory_utilization {r.gpu_memory_utilization} x {gpu_mem_gib:g} GiB = "
+                       f"{engine_reserve / GIB:.1f} GiB minus weights {engine_weights / GIB:.1f} GiB and activations "
+                       f"{engine_act / GIB:.1f} GiB leaves {max(0, kv_budget) / GIB:.1f} GiB = {kv_tokens} tokens, "
+                       f"less than one max_model_len={max_len} sequence; raise rollout.gpu_memory_utilization or "
+                       "rollout.tensor_model_parallel_size")
+    sync_buffers = 2 * (r.update_weights_bucket_megabytes << 20)
+    reserve = int(RESERVE_GIB * GIB)
+
+    # phases on the most loaded GPU: each stage's GPU; with a colocated engine, stage 0's first engine-TP GPUs
+    sleeps = r.enable_sleep_mode and not ray_mode
+    colocated = not ray_mode
+    best = None
+    for s in range(pp):
+        states = sum(m.state(s) for m in models)
+        train_act = max(m.activations[s] for m in models if m.activations)
+        fwd = fwd_logits if s == pp - 1 else 0
+        engine_here = colocated and s == 0  # the engine runs on the first GPUs of the node of rank 0 (stage 0)
+        eng_busy = engine_reserve if engine_here else 0
+        eng_idle = 0 if sleeps or not engine_here else engine_reserve
+        phases = {
+            "rollout": states + eng_busy + reserve,
+            "logprob forward": states + fwd + eng_idle + reserve,
+            "train": states + train_act + eng_idle + reserve,
+            # a sleeping engine wakes its weights (not its KV cache) to receive the sync
+            "weight sync": states + (eng_idle or (engine_weights if engine_here else 0)) + sync_buffers + reserve,
+        }
+        phase = max(phases, key=phases.get)
+        if best is None or phases[phase] > best[2]:
+            best = (s, phase, phases[phase], phases, train_act, fwd, engine_here)
+    s, phase, peak, phases, train_act, fwd, engine_here = best
+
+    terms: dict[str, float] = {}
+    for m in models:
+        terms[f"{m.name} parameters"] = m.params[s] / GIB
+        if m.grads:
+            terms[f"{m.name} gradients (fp32)"] = m.grads[s] / GIB
+            terms[f"{m.name} optimizer" + (" (distributed)" if p.use_distributed_optimizer else "")] = m.optim[s] / GIB
+    if phase == "train":
+        terms["activations (train)"] = train_act / GIB
+    if phase == "logprob forward":
+        terms["logits (logprob forward)"] = fwd / GIB
+    engine_in_phase = engine_here and (phase == "rollout" or not sleeps)
+    if engine_in_phase:
+        terms["engine (gpu_memory_utilization)"] = engine_reserve / GIB
+    elif phase == "weight sync" and engine_here:
+        terms["engine weights"] = engine_weights / GIB
+    if phase == "weight sync":
+        terms["sync buffers"] = sync_buffers / GIB
+    terms["reserve (CUDA context, NCCL, fragmentation)"] = reserve / GIB
+
+    fits_mem = peak <= gpu_bytes
+    if not fits_mem:
+        top = sorted(((v, k) for k, v in terms.items()), reverse=True)[:3]
+        hint = []
+        if not p.use_distributed_optimizer and actor.optim_replicated[s] > actor.optim_distributed[s]:
+            saved = sum(m.optim_replicated[s] - m.optim_distributed[s] for m in models if m.optim)
+            hint.append(f"parallelism.use_distributed_optimizer=true saves {saved / GIB:.1f} GiB")
+        if phase == "train" and recompute != "full":
+            hint.append("model.recompute=full or a smaller micro-batch shrinks the activations")
+        if engine_in_phase and not sleeps and colocated:
+            hint.append("rollout.enable_sleep_mode=true frees the engine's share outside rollouts")
+        hint.append("more nodes, or larger TP/PP/EP, shrink the per-GPU states")
+        reasons.insert(0, f"memory: the {phase} phase needs {peak / GIB:.1f} GiB on a GPU of pipeline stage {s} "
+                       f"but a GPU has {gpu_mem_gib:g} GiB (over by {(peak - gpu_bytes) / GIB:.1f} GiB); largest "
+                       "terms: " + ", ".join(f"{k} {v:.1f} GiB" for v, k in top) + ". Fix: " + "; ".join(hint))
+    if ray_mode and engine_reserve + reserve > gpu_bytes:
+        reasons.append(f"engine GPU: gpu_memory_utilization {r.gpu_memory_utilization} plus the reserve exceeds "
+                       f"{gpu_mem_gib:g} GiB")
+
+    recv = max(engine_plan.bytes_received().values())
+    bw = link_gbps * 1e9
+    sync_lb = recv / bw
+    total_sync = engine_plan.total_bytes
+
+    n_params = sum(math.prod(m.shape) for m in plan.moves)
+    n_expert = sum(math.prod(m.shape) for m in plan.moves if expert_of[m.name])
+    actor_tokens, actor_mbs = tokens_and_micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+                                               a.ppo_max_token_len_per_gpu)
+    where = (f"Ray actors, {r.data_parallel_size} replica(s) on {engine_gpus} own GPUs" if ray_mode
+             else "colocated on trainer GPUs (rank 0 node)")
+    lines = [
+        f"megarl plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_mem_gib:g} GiB = {total_gpus} GPUs",
+        f"model: {(hf.get('architectures') or ['?'])[0]}, {n_params / 1e9:.2f} B parameters"
+        + (f" ({n_expert / 1e9:.2f} B in {shape.experts} experts, top-{top_k})" if shape.experts else " (dense)")
+        + f", {shape.layers} layers, hidden {shape.hidden}; trainer dtype {dtype}, engine dtype {engine_dtype}",
+        f"trainer: {world} GPUs, TP{tp} PP{pp} EP{ep} DP{dp}" + (f" (expert DP {edp})" if shape.experts else "")
+        + f", sequence parallel {p.sequence_parallel}, recompute {recompute}, distributed optimizer "
+        f"{p.use_distributed_optimizer}",
+        f"  actor micro-batch: {actor_tokens} tokens, {actor_mbs} micro-batch(es) per mini-batch per rank; models: "
+        + ", ".join(m.name for m in models),
+        f"engine: {where}, TP{etp_engine} EP{eep_engine}, gpu_memory_utilization {r.gpu_memory_utilization}, "
+        "sleep mode "
+        f"{r.enable_sleep_mode}",
+        f"  weights {engine_weights / GIB:.2f} GiB/GPU, activations ~{engine_act / GIB:.2f} GiB, KV cache "
+        f"{max(0, kv_budget) / GIB:.2f} GiB = {kv_tokens:,} tokens = {kv_tokens / max_len:.1f} sequences of "
+        f"{max_len} (max_num_seqs {r.max_num_seqs})",
+        "",
+        "per-model states per GPU (GiB), by pipeline stage:",
+    ]
+    for m in models:
+        row = [f"  {m.name:7s} params " + " ".join(f"{b / GIB:7.2f}" for b in m.params)]
+        if m.grads:
+            row.append(f"          grads  " + " ".join(f"{b / GIB:7.2f}" for b in m.grads))
+            row.append(f"          optim  " + " ".join(f"{b / GIB:7.2f}" for b in m.optim_distributed)
+                       + "  (distributed optimizer)")
+            row.append(f"          optim  " + " ".join(f"{b / GIB:7.2f}" for b in m.optim_replicated)
+                       + "  (without it)")
+            row.append(f"          activ. " + " ".join(f"{b / GIB:7.2f}" for b in m.activations)
+                       + f"  (recompute {recompute})")
+        lines += row
+    lines += ["", f"most loaded GPU: pipeline stage {s}" + (" (hosts the engine)" if engine_here else "")
+              + f", peak in the {phase} phase:"]
+    for k, v in terms.items():
+        lines.append(f"  {k:46s} {v:8.2f} GiB")
+    lines.append(f"  {'total':46s} {peak / GIB:8.2f} GiB of {gpu_mem_gib:g}")
+    lines.append("  phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in phases.items()) + " GiB")
+    lines += ["", f"weight sync ({engine_dtype}): {total_sync / GIB:.2f} GiB per sync; each engine rank receives "
+              f"{recv / GIB:.2f} GiB: >= {sync_lb:.2f} s at {link_gbps:g} GB/s; through trainer rank 0 (the current "
+              f"gather-then-send transport): >= {total_sync / bw:.2f} s",
+              f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
+    fits = not reasons
+    verdict = "FITS" if fits else "DOES NOT FIT"
+    lines += ["", f"verdict: {verdict} (peak {peak / GIB:.1f} of {gpu_mem_gib:g} GiB per GPU)"]
+    lines += [f"  - {x}" for x in reasons]
+    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, recv, sync_lb)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="megarl plan", description="Per-GPU memory, weight-sync bytes and time for a "
+                                 "recipe on a cluster, and a verdict (exit 1 when it does not fit).")
+    add_arguments(ap)
+    return run(ap.parse_intermixed_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("recipe", help="recipe YAML")
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as parallelism.tensor_model_"
+                    "parallel_size=8")
+    ap.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    ap.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB, help="GiB per GPU (default 80)")
+    ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="link bandwidth for the weight-sync "
+                    "bound, GB/s (default 50: one 400 Gb/s NIC)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megarl.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    try:
+        probe = load_config(args.recipe, overrides)
+        if probe.rollout.mode != "ray":  # colocated: the trainer takes the whole cluster
+            overrides += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
+        cfg = load_config(args.recipe, overrides)
+        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps)
+    except (ConfigError, PlanError) as exc:
+        print(f"megarl plan: {exc}", file=sys.stderr)
+        return 1
+    print(f"# {args.recipe}")
+    print(report.text)
+    return 0 if report.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

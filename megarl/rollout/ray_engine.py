@@ -1,0 +1,388 @@
+"""Rollout engines as Ray actors (rollout.mode = "ray"), behind the methods of VLLMEngine / EngineProcess.
+
+Layout
+* rollout.data_parallel_size replicas, each one Ray actor hosting a VLLMEngine with engine TP =
+  rollout.tensor_model_parallel_size (vLLM runs its TP group inside the actor). Every replica is one bundle of a
+  placement group ({"CPU": 1, "GPU": engine TP} on GPU, {"CPU": 1} on CPU), so a replica's TP group stays on one
+  node and the replicas are packed onto the Ray cluster's nodes. The Ray cluster is whatever RAY_ADDRESS names
+  (engines on their own nodes, started with `ray start`); without it the trainer's rank 0 starts a local Ray
+  instance itself (`ray.init(num_cpus=..., include_dashboard=False)`) and stops it on shutdown.
+* generate: the prompts are split into contiguous chunks, one per replica, generated concurrently and concatenated
+  in prompt order. Seeds follow VLLMEngine's rule (prompt i's samples use seed + i*n + j) with the global prompt
+  index, so the samples do not depend on the number of replicas.
+* update_weights: the same bucket stream as the colocated engine (the bridge export's buckets of HF-named tensors).
+  Each bucket is put into Ray's object store once (on the host) and handed to every replica; inside the actor a
+  thread feeds the buckets into ONE VLLMEngine.update_weights pass, as the colocated engine does. At most
+  `max_buckets_in_flight` buckets are in the object store at a time (back-pressure), not the whole model.
+
+Why the dist variables are removed: a Ray instance started by the trainer's rank 0 inherits its environment, and an
+engine that saw RANK/WORLD_SIZE/MASTER_ADDR would try to join the trainer's process group (see process.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from megarl.config.schema import RolloutConfig
+from megarl.rollout.process import _DIST_VARS, EngineProcessError
+from megarl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+class RayEngineError(EngineProcessError):
+    """A Ray-hosted engine failed to start or to run a call; the message names the replica and the cause."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def split_prompts(num_prompts: int, replicas: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) chunks of num_prompts over replicas, sizes differing by at most one (empty chunks
+    are dropped)."""
+    base, extra = divmod(num_prompts, replicas)
+    out, start = [], 0
+    for r in range(replicas):
+        stop = start + base + (1 if r < extra else 0)
+        if stop > start:
+            out.append((start, stop))
+        start = stop
+    return out
+
+
+def concat_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One RolloutBatch from several (rows in order; responses re-padded to the widest part)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(int(p.response_ids.shape[1]) for p in parts)
+    pad = parts[0].pad_token_id
+
+    def widen(t: torch.Tensor, value) -> torch.Tensor:
+        if t.shape[1] == width:
+            return t
+        out = torch.full((t.shape[0], width), value, dtype=t.dtype)
+        out[:, : t.shape[1]] = t
+        return out
+
+    has_lp = parts[0].rollout_logprobs is not None
+    seconds = max(p.metrics.get("rollout/generate_seconds", 0.0) for p in parts)
+    metrics: dict[str, float] = {}
+    for key in ("rollout/num_prompts", "rollout/num_samples", "rollout/prompts_truncated", "rollout/prompts_filtered",
+                "rollout/response_tokens"):
+        metrics[key] = float(sum(p.metrics.get(key, 0.0) for p in parts))
+    lengths = torch.cat([p.response_lengths for p in parts])
+    truncated = torch.cat([p.truncated for p in parts])
+    n = int(lengths.numel())
+    metrics["rollout/response_length_mean"] = float(lengths.float().mean()) if n else 0.0
+    metrics["rollout/truncated_fraction"] = float(truncated.float().mean()) if n else 0.0
+    metrics["rollout/generate_seconds"] = seconds  # the replicas run concurrently
+    metrics["rollout/tokens_per_second"] = metrics["rollout/response_tokens"] / seconds if seconds > 0 else 0.0
+    metrics["rollout/engine_replicas"] = float(len(parts))
+    return RolloutBatch(
+        prompt_ids=[p for part in parts for p in part.prompt_ids],
+        response_ids=torch.cat([widen(p.response_ids, pad) for p in parts]),
+        response_lengths=lengths,
+        rollout_logprobs=torch.cat([widen(p.rollout_logprobs, 0.0) for p in parts]) if has_lp else None,
+        finish_reasons=[r for part in parts for r in part.finish_reasons],
+        truncated=truncated,
+        prompt_index=torch.cat([p.prompt_index for p in parts]),
+        prompt_truncated=torch.cat([p.prompt_truncated for p in parts]),
+        weight_version=min(p.weight_version for p in parts), pad_token_id=pad, metrics=metrics)
+
+
+def _host_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as host tensors (what goes into Ray's object store; the engine moves them to its device)."""
+    return [(name, t.detach().to("cpu").contiguous()) for name, t in bucket]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The actor
+
+
+class _EngineHost:
+    """Runs inside a Ray actor: one VLLMEngine and the streamed weight update. Not used directly; see RayEngine."""
+
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str):
+        for key in _DIST_VARS:
+            os.environ.pop(key, None)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from megarl.rollout.engine import VLLMEngine
+
+        self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
+        self._queue: Optional[queue.Queue] = None
+        self._thread: Optional[threading.Thread] = None
+        self._result: dict[str, Any] = {}
+
+    def ready(self) -> float:
+        return float(self.engine.start_seconds)
+
+    def generate(self, prompt_token_ids, **kwargs) -> RolloutBatch:
+        return self.engine.generate(prompt_token_ids, **kwargs)
+
+    # -- streamed weight update: begin_update, push (one per bucket, in order), end_update -------------------------
+    def begin_update(self, verify: bool) -> None:
+        if self._thread is not None:
+            raise RuntimeError("a weight update is already in progress")
+        self._queue = queue.Queue(maxsize=2)
+        self._result = {}
+        end = object()
+        self._end = end
+
+        def buckets():
+            while True:
+                item = self._queue.get()
+                if item is end:
+                    return
+                yield item
+
+        def run():
+            try:
+                self._result["metrics"] = self.engine.update_weights(buckets(), verify=verify)
+            except BaseException as exc:  # noqa: BLE001 - reported by end_update
+                import traceback
+
+                self._result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+        self._thread = threading.Thread(target=run, name="megarl-weight-update", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while True:
+            try:
+                self._queue.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                if not self._thread.is_alive():  # the update failed: drop the rest, end_update reports why
+                    return False
+
+    def push(self, bucket: list) -> bool:
+        return self._put(bucket)
+
+    def end_update(self) -> dict:
+        self._put(self._end)
+        self._thread.join()
+        self._thread, self._queue = None, None
+        if "error" in self._result:
+            raise RuntimeError(self._result["error"])
+        return self._result["metrics"]
+
+    # -- the rest of the engine interface ---------------------------------------------------------------------------
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def checksums(self):
+        return self.engine.checksums()
+
+    def expected_checksums(self, hf_checksums):
+        return self.engine.expected_checksums(hf_checksums)
+
+    def verify_weights(self, expected, rtol: float):
+        return self.engine.verify_weights(expected, rtol=rtol)
+
+    def sleep(self, level: int) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def abort(self) -> int:
+        return self.engine.abort()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The driver side
+
+
+class RayEngine:
+    """rollout.data_parallel_size VLLMEngine replicas in Ray actors; the methods of VLLMEngine.
+
+    Args:
+        config, model_path, seed, prompt_overflow: as VLLMEngine.
+        address: a Ray cluster to join (default: $RAY_ADDRESS); None and no RAY_ADDRESS: start a local Ray instance.
+        num_cpus: CPUs of a local Ray instance (default: one per replica).
+        start_timeout_s: how long the engines may take to start.
+        max_buckets_in_flight: weight-sync buckets held in the object store at a time.
+    """
+
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
+                 address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600,
+                 max_buckets_in_flight: int = 2):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
+        self.config = config
+        self.replicas = int(config.data_parallel_size)
+        self.max_buckets_in_flight = max(1, int(max_buckets_in_flight))
+        self._started_ray = False
+        self._actors: list = []
+        self._pg = None
+        self._remove_pg = remove_placement_group
+        on_gpu = torch.cuda.is_available()
+        gpus = int(config.tensor_model_parallel_size) if on_gpu else 0
+        address = address or os.environ.get("RAY_ADDRESS") or None
+
+        t0 = time.perf_counter()
+        try:
+            if not ray.is_initialized():
+                saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
+                try:
+                    if address:
+                        ray.init(address=address, namespace="megarl", log_to_driver=True)
+                    else:
+                        ray.init(num_cpus=num_cpus or self.replicas, num_gpus=gpus * self.replicas if gpus else None,
+                                 include_dashboard=False, namespace="megarl", log_to_driver=True)
+                    self._started_ray = True
+                finally:
+                    os.environ.update(saved)
+            bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
+            self._pg = placement_group([dict(bundle) for _ in range(self.replicas)], strategy="PACK",
+                                       name=f"megarl-engines-{os.getpid()}")
+            if not self._wait(self._pg.ready(), start_timeout_s):
+                raise RayEngineError(f"Ray could not place {self.replicas} engine replica(s) of {bundle} within "
+                                     f"{start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}. Fix: add "
+                                     "nodes to the Ray cluster or lower rollout.data_parallel_size / "
+                                     "rollout.tensor_model_parallel_size.")
+            host = ray.remote(_EngineHost)
+            runtime_env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if not on_gpu else
+                                        os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}}
+            for r in range(self.replicas):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
+                                                            placement_group_bundle_index=r)
+                self._actors.append(host.options(
+                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, runtime_env=runtime_env,
+                    name=f"megarl-engine-{os.getpid()}-{r}", max_concurrency=1,
+                ).remote(config, str(model_path), int(seed), prompt_overflow))
+            starts = self._get([a.ready.remote() for a in self._actors], start_timeout_s, "start")
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("Ray rollout engines: %d replica(s) of engine TP%d started in %.1fs (engine start %s s)",
+                 self.replicas, config.tensor_model_parallel_size, time.perf_counter() - t0,
+                 ", ".join(f"{s:.1f}" for s in starts))
+
+    # -- plumbing -----------------------------------------------------------------------------------------------------
+    def _wait(self, ref, timeout_s: float) -> bool:
+        ready, _ = self._ray.wait([ref], timeout=timeout_s)
+        return bool(ready)
+
+    def _get(self, refs, timeout_s: Optional[float], what: str):
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return self._ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            raise RayEngineError(f"the Ray-hosted vLLM engine(s) did not {what} within {timeout_s:.0f} s") from None
+        except (RayTaskError, RayActorError) as exc:
+            raise RayEngineError(f"the Ray-hosted vLLM engine failed to {what}: {exc}") from None
+
+    def _all(self, method: str, *args, timeout_s: Optional[float] = None):
+        return self._get([getattr(a, method).remote(*args) for a in self._actors], timeout_s, method)
+
+    # -- the engine interface -----------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
+                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None) -> RolloutBatch:
+        prompts = [list(p) for p in prompt_token_ids]
+        ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
+        src = self.config.val_kwargs if validate else self.config
+        n_eff = n if n is not None else src.n
+        chunks = split_prompts(len(prompts), len(self._actors)) or [(0, 0)]
+        refs = []
+        for actor, (start, stop) in zip(self._actors, chunks):
+            chunk_seed = None if seed is None else int(seed) + start * n_eff  # the colocated engine's seeds
+            refs.append(actor.generate.remote(prompts[start:stop], n=n, validate=validate,
+                                              prompt_index=ids[start:stop], seed=chunk_seed))
+        return concat_rollouts(self._get(refs, None, "generate"))
+
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
+        """Stream the buckets to every replica (one object-store copy each, at most max_buckets_in_flight at a time);
+        returns replica 0's metrics plus weight_sync/transfer_seconds (driver side, whole sync)."""
+        t0 = time.perf_counter()
+        self._all("begin_update", verify)
+        pending: list[list] = []
+        try:
+            for bucket in buckets:
+                ref = self._ray.put(_host_bucket(bucket))
+                pending.append([a.push.remote(ref) for a in self._actors])
+                del ref
+                while len(pending) >= self.max_buckets_in_flight:
+                    self._get(pending.pop(0), None, "receive weights")
+            for refs in pending:
+                self._get(refs, None, "receive weights")
+        finally:  # always close the update so the actors' threads end (end_update raises the first error)
+            results = self._all("end_update")
+        metrics = dict(results[0])
+        metrics["weight_sync/transfer_seconds"] = time.perf_counter() - t0
+        metrics["weight_sync/engine_replicas"] = float(len(self._actors))
+        return metrics
+
+    @property
+    def weight_version(self) -> int:
+        return min(self._all("weight_version"))
+
+    def checksums(self):
+        return self._get(self._actors[0].checksums.remote(), None, "checksum weights")
+
+    def expected_checksums(self, hf_checksums):
+        return self._get(self._actors[0].expected_checksums.remote(hf_checksums), None, "checksum weights")
+
+    def verify_weights(self, expected, rtol: float = 1e-9) -> dict:
+        """Every replica's report merged: ok only if every replica holds the expected weights."""
+        reports = self._all("verify_weights", expected, rtol)
+        merged = dict(reports[0])
+        merged["ok"] = all(r["ok"] for r in reports)
+        merged["mismatched"] = sorted({n for r in reports for n in r["mismatched"]})
+        merged["missing_in_engine"] = sorted({n for r in reports for n in r["missing_in_engine"]})
+        return merged
+
+    def sleep(self, level: int = 1) -> None:
+        self._all("sleep", level)
+
+    def wake_up(self) -> None:
+        self._all("wake_up")
+
+    def abort(self) -> int:
+        """Abort requests in flight. The actors run one call at a time, so this takes effect between calls; use the
+        colocated engine where an abort must interrupt a running generate."""
+        return int(sum(self._all("abort")))
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        ray = self._ray
+        actors, self._actors = self._actors, []
+        if actors and ray.is_initialized():
+            try:
+                ray.get([a.shutdown.remote() for a in actors], timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - best effort; the actors are killed next
+                pass
+            for a in actors:
+                try:
+                    ray.kill(a)
+                except Exception:  # noqa: BLE001
+                    pass
+        if self._pg is not None and ray.is_initialized():
+            try:
+                self._remove_pg(self._pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self._pg = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def __del__(self):  # best effort: never leave engines or a local Ray instance behind
+        try:
+            if getattr(self, "_actors", None) or getattr(self, "_started_ray", False):
+                self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,108 @@
+"""`megarl plan` against hand calculations written here from first principles (not calls into megarl.plan), for a
+Llama-3-70B-class dense layout and a Qwen3-235B-A22B-class MoE layout, and its refusal of a layout that cannot fit."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config
+from megarl.plan import plan_recipe
+from megarl.rollout.plan import ModelShape, build_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 1024 ** 3
+
+
+def _plan(recipe: str, nodes: int, gpn: int, mem: float, extra=()):
+    cfg = load_config(ROOT / "recipes" / recipe, [f"model.config_path={_config(recipe)}", *extra])
+    if cfg.rollout.mode != "ray":
+        cfg = load_config(ROOT / "recipes" / recipe, [f"model.config_path={_config(recipe)}", f"trainer.nnodes={nodes}",
+                                                      f"trainer.n_gpus_per_node={gpn}", *extra])
+    return cfg, plan_recipe(cfg, nodes, gpn, mem)
+
+
+def _config(recipe: str) -> Path:
+    name = {"ppo_llama3_70b.yaml": "llama3_70b", "grpo_qwen3_235b_a22b.yaml": "qwen3_235b_a22b"}[recipe]
+    return ROOT / "recipes" / "models" / name / "config.json"
+
+
+def test_llama3_70b_ppo_on_16_nodes_matches_hand_calculation():
+    _, report = _plan("ppo_llama3_70b.yaml", 16, 8, 80)
+    # Llama-3-70B: h 8192, 80 layers, 64 heads / 8 KV heads of 128, FFN 28672, vocab 128256, untied.
+    h, layers, q, kv, f, vocab = 8192, 80, 64 * 128, 8 * 128, 28672, 128256
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * f  # q, k, v, o + gate, up, down (norms are negligible)
+    tp, pp, dp = 8, 4, 128 // (8 * 4)
+    # the busiest GPU is a stage-0 GPU: 20 layers and the embedding, 1/TP of each; it also hosts the engine
+    params = (layers // pp * per_layer + vocab * h) / tp
+    state = params * 2 + params * 4 + params * 12 / dp  # bf16 weights, fp32 grads, Adam (fp32 master, m, v) / DP
+    actor = critic = state  # the critic differs only by its head, which is on the last stage
+    ref = params * 2
+    engine = 0.4 * 80 * GIB  # gpu_memory_utilization share of the GPU while it generates
+    reserve = 2 * GIB
+    hand = actor + critic + ref + engine + reserve
+    assert report.fits, report.text
+    assert abs(report.per_gpu_bytes - hand) / hand < 0.10, (report.per_gpu_bytes / GIB, hand / GIB)
+    # weight sync: an engine rank (TP8) receives 1/8 of the model; bound at 50 GB/s
+    total = layers * per_layer + 2 * vocab * h
+    assert abs(report.sync_bytes_per_engine_rank - total * 2 / 8) / (total * 2 / 8) < 0.01
+    assert abs(report.sync_seconds_lower_bound - total * 2 / 8 / 50e9) < 0.05
+
+
+def test_qwen3_235b_moe_on_ray_engines_matches_hand_calculation():
+    _, report = _plan("grpo_qwen3_235b_a22b.yaml", 12, 8, 141)
+    # Qwen3-235B-A22B: h 4096, 94 layers, 64 heads / 4 KV heads of 128, 128 experts of FFN 1536, top-8, vocab 151936
+    h, layers, q, kv, experts, fe, vocab = 4096, 94, 64 * 128, 4 * 128, 128, 1536, 151936
+    tp, pp, ep, world = 4, 2, 8, 64  # 8 trainer nodes; 4 more nodes hold the engines
+    dp, edp = world // (tp * pp), world // (tp * ep * pp)
+    attn = h * q + 2 * h * kv + q * h
+    expert_layer = experts * 3 * h * fe
+    # the busiest GPU is on the last stage: 47 layers' attention / TP and experts / (EP * TP), plus the LM head / TP
+    dense = (layers // pp * attn + vocab * h) / tp
+    expert = layers // pp * expert_layer / (ep * tp)
+    params = dense + expert
+    state = params * 2 + params * 4 + dense * 12 / dp + expert * 12 / edp
+    # training activations with full recompute, one 10240-token micro-batch in flight on the last stage: each layer's
+    # input (2h bytes per token, split over TP by sequence parallelism), plus fp32 logits and their gradient
+    tokens = 10240
+    activations = tokens * 2 * h / tp * (layers // pp) + tokens * vocab / tp * 8
+    hand = state + activations + 2 * GIB
+    assert report.fits, report.text
+    assert abs(report.per_gpu_bytes - hand) / hand < 0.10, (report.per_gpu_bytes / GIB, hand / GIB)
+    # engine TP8 with EP8: each engine rank receives 1/8 of the experts and 1/8 of the dense tensors
+    total = layers * (attn + expert_layer) + 2 * vocab * h
+    assert abs(report.sync_bytes_per_engine_rank - total * 2 / 8) / (total * 2 / 8) < 0.01
+
+
+def test_planner_uses_the_resharding_plan():
+    cfg, report = _plan("grpo_qwen3_235b_a22b.yaml", 12, 8, 141)
+    shape = ModelShape.from_hf_config(json.loads(_config("grpo_qwen3_235b_a22b.yaml").read_text()))
+    plan = build_plan(shape, 4, 2, 8, 8, 8, "bfloat16")
+    assert report.sync_bytes_per_engine_rank == max(plan.bytes_received().values())
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_the_reason():
+    _, report = _plan("ppo_llama3_70b.yaml", 8, 8, 80, ["parallelism.use_distributed_optimizer=false"])
+    assert not report.fits
+    reason = report.reasons[0]
+    assert reason.startswith("memory:") and "over by" in reason and "optimizer" in reason, reason
+    assert "use_distributed_optimizer=true saves" in reason
+    # the same verdict from the command line, with exit code 1
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "plan", "recipes/ppo_llama3_70b.yaml", "--nodes", "8",
+                        "--gpus-per-node", "8", "parallelism.use_distributed_optimizer=false"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "verdict: DOES NOT FIT" in r.stdout and "over by" in r.stdout
+
+
+def test_too_few_gpus_for_trainer_and_ray_engines_is_refused():
+    _, report = _plan("grpo_qwen3_235b_a22b.yaml", 8, 8, 141)
+    assert not report.fits
+    assert any(x.startswith("GPUs:") and "96" in x for x in report.reasons), report.reasons
+
+
+@pytest.mark.parametrize("recipe,nodes,mem", [("ppo_llama3_70b.yaml", 16, 80), ("grpo_qwen3_235b_a22b.yaml", 12, 141)])
+def test_large_recipes_fit_where_they_are_planned(recipe, nodes, mem):
+    _, report = _plan(recipe, nodes, 8, mem)
+    assert report.fits, report.text
