@@ -20,6 +20,15 @@ from megarl.megatron.train_step import Trainable, loss_denominator, make_trainab
 from megarl.runtime import Runtime, dp_row_range, gather_model_output
 
 
+def recompute_overrides(recompute: str) -> dict:
+    """TransformerConfig fields for model.recompute: selective recomputes the attention core, full whole layers."""
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
 def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width: int) -> torch.Tensor:
     rows = dp_row_range(ids.shape[0], rt)
     local = fn(ids[rows])
@@ -33,7 +42,8 @@ def _average(metrics: list[dict]) -> dict:
 class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
                  total_steps: int):
-        self.model, self.spec = build_and_load(hf_dir, value_head=value_head)
+        self.model, self.spec = build_and_load(hf_dir, value_head=value_head,
+                                               **recompute_overrides(cfg.model.recompute))
         self.trainable: Optional[Trainable] = None
         if optim is not None:
             self.trainable = make_trainable(self.model, optim, total_steps,

@@ -16,8 +16,9 @@ Where the engine runs (rollout.mode = "colocated", the default and the only mode
 * `ReshardPlan` (megarl.rollout.plan) states which ranks send which tensors and how many bytes, for any Megatron
   (TP, PP, EP) and engine (TP, EP) layout; it is pure and printed by `python -m megarl.rollout.plan`.
 
-Not yet: Ray-hosted engines (rollout.mode = "ray"), engine TP > 1 running in separate worker processes (weights would
-go through CUDA IPC / a worker extension instead of in-process tensors).
+Engines can also run as Ray actors (rollout.mode = "ray", megarl.rollout.ray_engine) with the same methods and the
+same bucketed weight stream. Not yet: engine TP > 1 with vLLM's own worker processes (weights would go through CUDA
+IPC / a worker extension instead of in-process tensors).
 """
 from megarl.rollout.engine import (EngineStartError, PromptTooLongError, VLLMEngine, apply_prompt_overflow,
                                    engine_kwargs, kv_cache_bytes_needed, sampling_kwargs)

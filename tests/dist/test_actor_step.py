@@ -27,7 +27,7 @@ def _batch(hf_dir):
     return {"input_ids": tokens, "response_mask": mask, "old_log_probs": old, "advantages": adv}
 
 
-def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None):
+def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None, recompute="none"):
     from megatron.core import parallel_state as ps
 
     from megarl.bridge.exporter import export_to_dict
@@ -39,7 +39,10 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None):
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
-    model, spec = build_and_load(hf_dir)
+    from megarl.megatron.workers import recompute_overrides
+
+    model, spec = build_and_load(hf_dir, **recompute_overrides(recompute))
+    assert model.config.recompute_granularity == (None if recompute == "none" else recompute)
     trainable = make_trainable(model, OptimConfig(lr=LR, weight_decay=0.0, clip_grad=0.0), total_steps=10)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_rank = N // dp
@@ -89,13 +92,14 @@ def setup(tmp_path_factory):
     return hf_dir, batch, ref
 
 
-@pytest.mark.parametrize("tp,pp,dp,max_tokens", [(2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, None), (1, 2, 1, 24)],
-                         ids=["tp2", "pp2", "dp2", "pp2-dynamic-bsz"])
-def test_megatron_update_equals_torch_reference(setup, tp, pp, dp, max_tokens):
+@pytest.mark.parametrize("tp,pp,dp,max_tokens,recompute", [
+    (2, 1, 1, None, "none"), (1, 2, 1, None, "none"), (1, 1, 2, None, "none"), (1, 2, 1, 24, "none"),
+    (2, 1, 1, None, "full")], ids=["tp2", "pp2", "dp2", "pp2-dynamic-bsz", "tp2-recompute-full"])
+def test_megatron_update_equals_torch_reference(setup, tp, pp, dp, max_tokens, recompute):
     hf_dir, batch, ref = setup
     results = run_ranks(f"{__name__}:actor_rank", tp * pp * dp,
                         {"hf_dir": str(hf_dir), "batch": batch, "tp": tp, "pp": pp, "micro_batch_size": 1,
-                         "max_tokens": max_tokens}, timeout=300)
+                         "max_tokens": max_tokens, "recompute": recompute}, timeout=300)
     for r in results:
         m = r["metrics"]
         assert abs(m["pg_loss"] - ref["loss"]) < 1e-5, (m, ref["loss"])
