@@ -58,43 +58,25 @@ def split_prompts(num_prompts: int, replicas: int) -> list[tuple[int, int]]:
 
 
 def concat_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
-    """One RolloutBatch from several (rows in order; responses re-padded to the widest part)."""
+    """One RolloutBatch from the replicas' parts (rows in order), with metrics of the whole: counts summed, time the
+    longest part's (the replicas run concurrently), the oldest weight version."""
     if len(parts) == 1:
         return parts[0]
-    width = max(int(p.response_ids.shape[1]) for p in parts)
-    pad = parts[0].pad_token_id
-
-    def widen(t: torch.Tensor, value) -> torch.Tensor:
-        if t.shape[1] == width:
-            return t
-        out = torch.full((t.shape[0], width), value, dtype=t.dtype)
-        out[:, : t.shape[1]] = t
-        return out
-
-    has_lp = parts[0].rollout_logprobs is not None
+    out = RolloutBatch.concat(list(parts))
     seconds = max(p.metrics.get("rollout/generate_seconds", 0.0) for p in parts)
     metrics: dict[str, float] = {}
     for key in ("rollout/num_prompts", "rollout/num_samples", "rollout/prompts_truncated", "rollout/prompts_filtered",
                 "rollout/response_tokens"):
         metrics[key] = float(sum(p.metrics.get(key, 0.0) for p in parts))
-    lengths = torch.cat([p.response_lengths for p in parts])
-    truncated = torch.cat([p.truncated for p in parts])
-    n = int(lengths.numel())
-    metrics["rollout/response_length_mean"] = float(lengths.float().mean()) if n else 0.0
-    metrics["rollout/truncated_fraction"] = float(truncated.float().mean()) if n else 0.0
-    metrics["rollout/generate_seconds"] = seconds  # the replicas run concurrently
+    n = len(out)
+    metrics["rollout/response_length_mean"] = float(out.response_lengths.float().mean()) if n else 0.0
+    metrics["rollout/truncated_fraction"] = float(out.truncated.float().mean()) if n else 0.0
+    metrics["rollout/generate_seconds"] = seconds
     metrics["rollout/tokens_per_second"] = metrics["rollout/response_tokens"] / seconds if seconds > 0 else 0.0
     metrics["rollout/engine_replicas"] = float(len(parts))
-    return RolloutBatch(
-        prompt_ids=[p for part in parts for p in part.prompt_ids],
-        response_ids=torch.cat([widen(p.response_ids, pad) for p in parts]),
-        response_lengths=lengths,
-        rollout_logprobs=torch.cat([widen(p.rollout_logprobs, 0.0) for p in parts]) if has_lp else None,
-        finish_reasons=[r for part in parts for r in part.finish_reasons],
-        truncated=truncated,
-        prompt_index=torch.cat([p.prompt_index for p in parts]),
-        prompt_truncated=torch.cat([p.prompt_truncated for p in parts]),
-        weight_version=min(p.weight_version for p in parts), pad_token_id=pad, metrics=metrics)
+    out.metrics = metrics
+    out.weight_version = min(p.weight_version for p in parts)
+    return out
 
 
 def _host_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

@@ -1,21 +1,5 @@
 """DAPO dynamic sampling, GSPO and PPO-with-critic runs of the tiny recipe (real engine, real megatron)."""
-import json
-from pathlib import Path
-
-from megarl.config import load_config
-from megarl.launch_local import run_ranks
-from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
-
-
-def _run(tmp: Path, name: str, extra) -> list[dict]:
-    run_dir = tmp / name
-    reward = tmp / "parity_reward.py"
-    reward.write_text(PARITY_REWARD)
-    cfg = load_config(RECIPE, SMALL + [f"trainer.run_dir={run_dir}", f"model.path={tmp / 'model'}",
-                                       f"data.synthetic.output_dir={tmp / 'data'}", f"reward.reward_fn={reward}",
-                                       *extra])
-    run_ranks("megarl.trainer:train_entry", 1, {"cfg_dict": cfg.model_dump()}, timeout=600)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.e2e.test_grpo_loop import _run
 
 
 def test_dapo_dynamic_sampling_keeps_only_groups_with_varying_rewards(tmp_path):

@@ -10,17 +10,10 @@ from megarl.config import load_config
 from megarl.launch_local import run_ranks
 from megarl.rollout.ray_engine import concat_rollouts, split_prompts
 from megarl.types import RolloutBatch
+from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE
+from tests.e2e.test_grpo_loop import SMALL as SMALL_LOOP
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "grpo_tiny_cpu.yaml"
-SMALL = ["sft.enable=false", "data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.train_batch_size=8",
-         "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
-         "rollout.log_prob_micro_batch_size_per_gpu=8", "trainer.total_steps=2", "trainer.test_freq=0",
-         "trainer.val_before_train=false", "logging.tensorboard=false", "actor.optim.lr=1e-3"]
-PARITY_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return float(len(solution_str.split()) % 2)
-"""
+SMALL = SMALL_LOOP + ["trainer.total_steps=2"]
 
 
 def test_split_prompts_contiguous_and_balanced():
