@@ -1,1 +1,2 @@
-"""Checkpoints: HF-format output from the bridge's export stream (and, later, resumable training state)."""
+"""Checkpoints: resumable training state (state.py: models, optimizers, data position, RNG; atomic saves) and
+HF-format output from the bridge's export stream (hf_writer.py)."""

@@ -201,10 +201,45 @@ def sharded_state_dict(trainable, with_optimizer: bool, is_loading: bool) -> dic
     return state
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Initializer of the writer's Manager process: die with the rank that started it (Linux prctl PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the rank died before prctl took effect
+        os._exit(0)
+
+
+_WRITER_MANAGERS: list = []
+
+
+def _writer_queue_dies_with_rank() -> None:
+    """dist_checkpointing's file writer (megatron-core 0.16.1, filesystem_async._results_queue) collects results through
+    a queue served by a spawned multiprocessing Manager. When the rank is SIGKILLed (a scheduler's hard kill) that
+    server process, and the resource tracker it holds open, would outlive it. Start the Manager ourselves, once per
+    process, with a parent-death signal; megatron then reuses its queue."""
+    import multiprocessing
+    import sys
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not sys.platform.startswith("linux") or getattr(filesystem_async, "_results_queue", True) is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    _WRITER_MANAGERS.append(manager)  # keep it (and its queue) alive for the process's lifetime
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_trainable(trainable, directory: Path) -> None:
     """Collective: every rank writes its shards of the model and optimizer into `directory` (it must exist)."""
     from megatron.core import dist_checkpointing
 
+    _writer_queue_dies_with_rank()
     dist_checkpointing.save(sharded_state_dict(trainable, with_optimizer=True, is_loading=False), str(directory))
 
 
@@ -401,13 +436,17 @@ class Checkpointer:
         """Collective: load checkpoint.resume (auto / a path / disable). Returns the step resumed from (0: fresh)."""
         from megarl.runtime import broadcast_object
 
-        path = None
-        if self.rt.is_rank0:
-            path = resolve_resume(self.cfg.checkpoint.resume, self.cfg.trainer.run_dir)
-        path = broadcast_object(str(path) if path else None)
-        if path is None:
-            return 0
-        return self.load(Path(path))
+        found = None
+        if self.rt.is_rank0:  # one rank looks, so every rank resumes from the same checkpoint
+            try:
+                path = resolve_resume(self.cfg.checkpoint.resume, self.cfg.trainer.run_dir)
+                found = ("ok", str(path) if path else None)
+            except ValueError as exc:
+                found = ("error", str(exc))
+        kind, value = broadcast_object(found)
+        if kind == "error":
+            raise ValueError(value)  # on every rank, so none waits for the others
+        return self.load(Path(value)) if value else 0
 
     def load(self, path: Path) -> int:
         """Collective: load the models, optimizers, schedulers, states and (same layout only) RNG from `path`."""

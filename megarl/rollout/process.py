@@ -11,6 +11,7 @@ Weight sync streams: the parent sends buckets one at a time while the child feed
 from __future__ import annotations
 
 import os
+import signal
 import traceback
 from typing import Any, Iterable, Optional, Sequence
 
@@ -30,6 +31,9 @@ class EngineProcessError(RuntimeError):
 
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str) -> None:
+    # A scheduler's SIGTERM to the whole process tree must not kill the engine mid-step: the trainer finishes the
+    # step, saves, and shuts the engine down itself. If the trainer dies, the pipe closes and this loop ends.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from megarl.rollout.engine import VLLMEngine
@@ -40,7 +44,11 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
         return
     conn.send(("ready", None))
     while True:
-        method, args, kwargs = conn.recv()
+        try:
+            method, args, kwargs = conn.recv()
+        except EOFError:  # the trainer is gone
+            engine.shutdown()
+            return
         if method == "shutdown":
             engine.shutdown()
             conn.send(("ok", None))

@@ -106,6 +106,7 @@ def test_tp2_checkpoint_resumes_at_another_layout(saved, tp, pp):
     assert _max_diff(got["after_next_step"], ref["after_next_step"], batch) < 1e-4 * max(1.0, moved)  # same Adam state
 
 
+@pytest.mark.slow
 def test_resume_without_optimizer_state_takes_a_different_step(saved):
     """The check above is sensitive: fresh Adam moments give a visibly different second step."""
     hf_dir, run_dir, batch, ref = saved
@@ -113,4 +114,4 @@ def test_resume_without_optimizer_state_takes_a_different_step(saved):
                                 {"hf_dir": str(hf_dir), "run_dir": run_dir, "batch": batch, "tp": 1, "pp": 1,
                                  "mode": "load", "load_optimizer": False}, timeout=300))
     assert _max_diff(got["at_checkpoint"], ref["at_checkpoint"], batch) < 1e-5
-    assert _max_diff(got["after_next_step"], ref["after_next_step"], batch) > 1e-3
+    assert _max_diff(got["after_next_step"], ref["after_next_step"], batch) > 1e-3  # checkpoint.load_optimizer=false

@@ -44,7 +44,9 @@ def _assert_same_steps(got: list[dict], ref: list[dict], steps) -> None:
     for want in (m for m in ref if m["step"] in steps):
         have = by_step[want["step"]]
         keys = {k for k in want if not any(v in k for v in VOLATILE)}
-        assert keys == {k for k in have if not any(v in k for v in VOLATILE)}, want["step"]
+        # every metric of the reference is there after a resume (extra keys are tolerated: a metric added to the code
+        # between the reference run and this one, as happens while several people edit the tree)
+        assert keys <= set(have), (want["step"], sorted(keys - set(have)))
         for k in sorted(keys):
             a, b = want[k], have[k]
             assert (a is None and b is None) or abs(a - b) <= 1e-6 * max(1.0, abs(a)), (want["step"], k, a, b)

@@ -77,4 +77,5 @@ def test_rollout_seed_is_per_step_and_fixed_by_the_config():
     seeds = [rollout_seed(cfg, s) for s in range(1, 200)]
     assert len(set(seeds)) == len(seeds) and all(0 <= s < 2 ** 31 for s in seeds)
     assert min(abs(a - b) for a, b in zip(seeds, seeds[1:])) > 10_000  # a batch's prompt seeds (seed + i*n) never meet
-    assert rollout_seed(SimpleNamespace(rollout=SimpleNamespace(seed=0), trainer=SimpleNamespace(seed=1)), 1) != seeds[0]
+    engine_seeded = SimpleNamespace(rollout=SimpleNamespace(seed=0), trainer=SimpleNamespace(seed=1))
+    assert rollout_seed(engine_seeded, 1) != seeds[0]  # rollout.seed (0 included) takes precedence
