@@ -16,7 +16,9 @@ from megarl.launch_local import RankFailure, run_ranks
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 
 STEPS = 6
-VARIANTS = {"grpo": []}
+VARIANTS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.use_kl_in_reward=true",
+                                  "algorithm.kl_ctrl.type=adaptive", "critic.ppo_micro_batch_size_per_gpu=8",
+                                  "ref.log_prob_micro_batch_size_per_gpu=8"]}
 # metrics that measure time, or count the engine's weight loads since it started: they differ between any two runs
 VOLATILE = ("timing/", "seconds", "per_second", "gbps", "weight_sync/version")
 OWNER = "MEGARL_TEST_RESUME_OWNER"
