@@ -1,4 +1,4 @@
-"""`megarl` command line: validate | train | sft | verify | plan."""
+"""`megarl` command line: validate | train | sft | verify | plan | merge | import."""
 from __future__ import annotations
 
 import argparse
@@ -100,6 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(pl)
     sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs with "
                    "HF transformers (see `megarl verify --help`)")
+    from megarl.checkpoint import merge as _merge
+
+    mg = sub.add_parser("merge", help="megarl checkpoint (any TP/PP/EP layout) -> Hugging Face model directory",
+                        description="Merge a megarl checkpoint saved at any TP/PP/EP layout into a Hugging Face model "
+                        "directory (config, tokenizer, sharded safetensors + index), streaming tensor by tensor on one "
+                        "process without GPUs. The critic is written as a *ForSequenceClassification value model "
+                        "(num_labels=1, head `score.weight`).")
+    _merge.add_arguments(mg)
+    from megarl.checkpoint import hf_import as _import
+
+    im = sub.add_parser("import", help="Hugging Face model -> megarl distributed checkpoint at a TP/PP/EP layout",
+                        description=_import.DESCRIPTION)
+    _import.add_arguments(im)
     return parser
 
 
@@ -116,6 +129,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     args = parser.parse_args(argv)  # an unknown command prints usage and exits 2
+    if args.command == "merge":
+        from megarl.checkpoint import merge
+
+        return merge.run(args)
+    if args.command == "import":
+        from megarl.checkpoint import hf_import
+
+        return hf_import.run(args)
     return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft}[args.command](args)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -48,3 +48,144 @@ def write_hf_model(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], source
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Streaming writer: shards planned from names/shapes/dtypes up front, tensors written one at a time
+# ---------------------------------------------------------------------------------------------------------------------
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def parse_size(size) -> int:
+    """Bytes from an int or a string like "5GB", "500MB", "200KB" (decimal units, as transformers uses)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10 ** 9), ("MB", 10 ** 6),
+                       ("KB", 10 ** 3), ("B", 1)):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+class StreamingHFWriter:
+    """Write sharded safetensors tensor by tensor; memory is one tensor, never one shard.
+
+        w = StreamingHFWriter(out_dir, [(name, shape, dtype), ...], max_shard_bytes=5 * 10**9)
+        for name, tensor in stream: w.write(name, tensor)          # in the planned order
+        w.finish(source_dir, config=...)                           # checks, index, copies, rename
+
+    The planned tensors are laid out in shards up front (a new shard starts before one would exceed
+    max_shard_bytes; a bigger tensor gets a shard of its own), so every shard's safetensors header is written first
+    and the data streams after it. `finish` refuses to write the index unless every planned tensor was written exactly
+    once with its planned shape and dtype. Everything goes to `<out>.tmp`, renamed to `<out>` at the end.
+    """
+
+    def __init__(self, out_dir, plan: Sequence[tuple], max_shard_bytes: int = 5 * 10 ** 9, on_bytes=None):
+        self.out, self.tmp = Path(out_dir), Path(str(out_dir) + ".tmp")
+        self.on_bytes = on_bytes
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        shards, current, size = [], [], 0
+        for name, shape, dtype in plan:
+            nbytes = _numel(shape) * torch.tensor([], dtype=dtype).element_size()
+            if current and size + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append((name, tuple(shape), dtype, nbytes))
+            size += nbytes
+        if current:
+            shards.append(current)
+        self.files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        self.order = [(self.files[i], item) for i, shard in enumerate(shards) for item in shard]
+        self.shards = shards
+        self.total = sum(item[3] for _, item in self.order)
+        self.position = 0
+        self.written: dict = {}
+        self._file, self._fh = None, None
+
+    def _open(self, fname: str, shard: list) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype, nbytes in shard:
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._fh = open(self.tmp / fname, "wb")
+        self._fh.write(len(raw).to_bytes(8, "little"))
+        self._fh.write(raw)
+        self._file = fname
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.position >= len(self.order):
+            raise ValueError(f"{name}: more tensors than planned ({len(self.order)})")
+        fname, (want, shape, dtype, nbytes) = self.order[self.position]
+        if name != want:
+            raise ValueError(f"{name}: written out of order; the plan expects {want} next")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
+        if name in self.written:
+            raise ValueError(f"{name}: written twice")
+        if fname != self._file:
+            self._open(fname, self.shards[self.files.index(fname)])
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._fh.write(data.data)
+        self.written[name] = fname
+        self.position += 1
+        if self.on_bytes is not None:
+            self.on_bytes(nbytes)
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def finish(self, source_dir=None, config: Optional[dict] = None, extra_files: Optional[dict] = None) -> Path:
+        """Check completeness, write the index and the non-weight files, rename `<out>.tmp` to `<out>`.
+
+        config: written as config.json instead of copying the source's; extra_files: {name: text} written as well."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        missing = [item[0] for _, item in self.order if item[0] not in self.written]
+        if missing:
+            self.abort()
+            raise ValueError(f"{len(missing)} planned tensors were never written: {missing[:8]}")
+        for fname, shard in zip(self.files, self.shards):  # every file has exactly its header + data bytes
+            path = self.tmp / fname
+            with open(path, "rb") as f:
+                hlen = int.from_bytes(f.read(8), "little")
+            expected = 8 + hlen + sum(item[3] for item in shard)
+            if path.stat().st_size != expected:
+                self.abort()
+                raise ValueError(f"{fname}: {path.stat().st_size} bytes written, expected {expected}")
+        index = {"metadata": {"total_size": self.total},
+                 "weight_map": {name: fname for fname, (name, *_rest) in self.order}}
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        (self.tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if source_dir is not None:
+            for fname in _COPIED:
+                if fname == "config.json" and config is not None:
+                    continue
+                if (Path(source_dir) / fname).exists():
+                    shutil.copy2(Path(source_dir) / fname, self.tmp / fname)
+        if config is not None:
+            (self.tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for fname, text in (extra_files or {}).items():
+            (self.tmp / fname).write_text(text)
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        self.tmp.rename(self.out)
+        return self.out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,562 @@
+"""Merge a megarl checkpoint (megatron dist_checkpointing, torch_dist, any TP/PP/EP layout) into a Hugging Face
+model directory, on one process, without GPUs, tensor by tensor.
+
+    megarl merge --ckpt RUN_DIR_OR_STEP_DIR --out DIR [--model actor|critic] [--max-shard-size 5GB] [--verify]
+
+How
+- The checkpoint directory's torch.distributed.checkpoint metadata (`.metadata`) lists every saved tensor with its
+  global shape and the chunks each rank wrote. Megatron saves *global* tensors: layer keys carry the global layer
+  index (PP offsets applied), TP shards are chunks of one global tensor (SwiGLU fc1 chunks are placed so the global
+  tensor is [gate; up], QKV keeps megatron's per-group interleave), and routed experts of one layer are one key
+  `decoder.layers.{L}.mlp.experts.experts.linear_fc{1,2}.weight` with a leading expert dimension.
+  So a global checkpoint tensor is exactly the TP=1 megatron tensor, and the bridge's `Mapping.to_hf` (the same
+  mapping import, export and weight sync use) turns it into HF tensors.
+- Each megatron tensor is read alone (experts one expert at a time: only the chunks overlapping that expert's slice are
+  read) into a buffer of its size, converted, written into the open safetensors shard and dropped. Peak memory is
+  about two copies of the largest tensor (one expert's weight for MoE layers), never the model.
+- Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
+  and long enough, every tensor the HF architecture expects present exactly once with the shape the config implies,
+  the chunks of each tensor covering it. Shards are planned from the expected names, shapes and dtype; the index is
+  written only when every planned tensor was written once (hf_writer.StreamingHFWriter).
+- The HF config comes from the run's config (`config.resolved.yaml` in the step directory: model.path, or
+  critic.model_path for the critic) or from --hf-config DIR; config.json is rewritten with the output dtype, and for
+  the critic as a *ForSequenceClassification value model.
+
+Critic checkpoints export as a value model: `<Family>ForSequenceClassification` with num_labels=1, whose head is
+`score.weight` [1, hidden] (megatron's `output_layer.weight` of the critic); the value of token t is
+`score(last_hidden_state[:, t])`, which `megarl` loads back as a critic with `critic.model_path`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec, spec_from_dict
+from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping, canonical_name
+from megarl.checkpoint.state import LAYOUT_VERSION, checkpoints_dir, complete_checkpoints, is_complete, read_meta
+
+log = logging.getLogger("megarl")
+
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.weight$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class MergeError(ValueError):
+    """A checkpoint that cannot be merged (incomplete, corrupted, or not matching the HF config); names what."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding the checkpoint and its HF source
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_step_dir(path: str | Path) -> Path:
+    """A complete `step_<N>` directory from a step directory, a run directory or a checkpoints directory."""
+    path = Path(path)
+    if not path.exists():
+        raise MergeError(f"--ckpt {path}: does not exist")
+    if is_complete(path):
+        return path
+    if re.match(r"^step_\d+(\.tmp)?$", path.name) or (path / "meta.json").exists() or path.name.endswith(".tmp"):
+        raise MergeError(f"--ckpt {path}: an incomplete checkpoint (no meta.json with complete=true: the run stopped "
+                         "while saving it); merge a complete step_<N> directory")
+    for root in (path, checkpoints_dir(path)):
+        found = complete_checkpoints(root)
+        if found:
+            return found[-1][1]
+    raise MergeError(f"--ckpt {path}: holds no complete step_<N> checkpoint (looked in {path} and "
+                     f"{checkpoints_dir(path)})")
+
+
+def _resolved_config(step: Path) -> dict:
+    import yaml
+
+    for candidate in (step / "config.resolved.yaml", step.parent.parent / "config.resolved.yaml"):
+        if candidate.is_file():
+            return yaml.safe_load(candidate.read_text()) or {}
+    return {}
+
+
+def find_hf_source(step: Path, model: str, hf_config: Optional[str | Path] = None) -> Path:
+    """The HF directory whose config.json describes the model (and whose tokenizer files are copied)."""
+    if hf_config:
+        src = Path(hf_config)
+        if not (src / "config.json").is_file():
+            raise MergeError(f"--hf-config {src}: no config.json there")
+        return src
+    cfg = _resolved_config(step)
+    model_cfg = cfg.get("model") or {}
+    path = None
+    if model == "critic":
+        path = (cfg.get("critic") or {}).get("model_path")
+    path = path or model_cfg.get("path")
+    if not path:
+        raise MergeError(f"{step}: config.resolved.yaml names no model.path; pass --hf-config DIR (the HF model the "
+                         "run started from: config.json and tokenizer files)")
+    if not (Path(path) / "config.json").is_file():
+        raise MergeError(f"{step}: the run's model.path {path} has no config.json (moved, or another machine); pass "
+                         "--hf-config DIR with the HF model the run started from")
+    return Path(path)
+
+
+def tokenizer_source(step: Path) -> Optional[Path]:
+    path = (_resolved_config(step).get("model") or {}).get("tokenizer_path")
+    return Path(path) if path and Path(path).is_dir() else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading a torch_dist checkpoint on one process
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _SlicePlanner:
+    """What FileSystemReader.read_data needs of a LoadPlanner, for one destination buffer."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+        self.covered = 0
+
+    def resolve_tensor(self, item):
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+
+        return narrow_tensor_by_index(self.target, item.dest_offsets, item.lengths)
+
+    def commit_tensor(self, item, tensor) -> None:
+        self.covered += math.prod(item.lengths)
+
+    def load_bytes(self, item, value) -> None:  # pragma: no cover - tensors only
+        raise MergeError(f"{item.storage_index.fqn}: expected a tensor, found bytes")
+
+
+class DistCheckpoint:
+    """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads."""
+
+    def __init__(self, directory: str | Path):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise MergeError(f"{self.dir}: missing (the checkpoint has no such model directory)")
+        if not (self.dir / ".metadata").is_file():
+            raise MergeError(f"{self.dir}/.metadata: missing (not a torch_dist checkpoint, or a partial copy)")
+        self.reader = FileSystemReader(str(self.dir))
+        try:
+            self.metadata = self.reader.read_metadata()
+        except Exception as exc:
+            raise MergeError(f"{self.dir}/.metadata: unreadable ({type(exc).__name__}: {exc}); the checkpoint is "
+                             "corrupted or truncated") from exc
+        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
+                        if isinstance(v, TensorStorageMetadata)}
+
+    def check_files(self, keys: Optional[set] = None) -> None:
+        """Every file the metadata names (for `keys`, default all) exists and holds the byte ranges it lists."""
+        need: dict = {}
+        for index, info in self.metadata.storage_data.items():
+            if keys is not None and index.fqn not in keys:
+                continue
+            end, names = need.get(info.relative_path, (0, set()))
+            names.add(index.fqn)
+            need[info.relative_path] = (max(end, info.offset + info.length), names)
+        problems = []
+        for rel, (end, names) in sorted(need.items()):
+            path = self.dir / rel
+            example = sorted(names)[:3]
+            if not path.is_file():
+                problems.append(f"{path}: missing; it holds chunks of {len(names)} tensors, e.g. {example}")
+            elif path.stat().st_size < end:
+                problems.append(f"{path}: truncated ({path.stat().st_size} bytes, the metadata lists data up to byte "
+                                f"{end}); it holds chunks of {len(names)} tensors, e.g. {example}")
+        if problems:
+            raise MergeError(f"checkpoint {self.dir} is incomplete or corrupted ({len(problems)} files):\n  "
+                             + "\n  ".join(problems))
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, key: str, index: tuple = ()) -> torch.Tensor:
+        """The global tensor `key`, or only `key[i0, i1, ...]` (leading dimensions: a stacked layer, an expert):
+        reads only the chunks overlapping that slice."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.tensors[key]
+        shape = tuple(md.size)
+        k = len(index)
+        offsets, sizes = tuple(index) + (0,) * (len(shape) - k), (1,) * k + shape[k:]
+        target = torch.empty(sizes, dtype=md.properties.dtype)
+        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets),
+                                                                                torch.Size(sizes))])
+        planner = _SlicePlanner(target)
+        try:
+            self.reader.read_data(LoadPlan(items), planner).wait()
+        except MergeError:
+            raise
+        except Exception as exc:
+            files = sorted({self.metadata.storage_data[i.storage_index].relative_path for i in items})
+            raise MergeError(f"{key}: cannot be read from {self.dir} files {files} ({type(exc).__name__}: {exc}); "
+                             "the checkpoint is corrupted") from exc
+        if planner.covered != target.numel():
+            raise MergeError(f"{key}{list(index) if index else ''}: the checkpoint's chunks cover "
+                             f"{planner.covered} of {target.numel()} elements (a rank's shards are missing)")
+        return target.reshape(shape[k:])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The plan: which checkpoint tensor (slice) makes which HF tensors
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Source:
+    key: str  # checkpoint key
+    index: tuple = ()  # indices into leading dimensions (stacked layer, expert); () for the whole tensor
+
+    def describe(self) -> str:
+        return self.key + (str(list(self.index)) if self.index else "")
+
+
+@dataclass
+class MergePlan:
+    spec: ArchSpec
+    head: str
+    mapping: Mapping
+    sources: dict  # entry megatron name -> Source
+    dtype: torch.dtype  # output dtype
+    checkpoint_dtype: torch.dtype
+    hf_tensors: list = field(default_factory=list)  # [(hf name, shape, dtype)] in write order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(s) * torch.tensor([], dtype=d).element_size() for _, s, d in self.hf_tensors)
+
+    def largest_tensor_bytes(self) -> int:
+        return max(math.prod(s) * torch.tensor([], dtype=d).element_size() for _, s, d in self.hf_tensors)
+
+
+def _checkpoint_sources(ckpt: DistCheckpoint) -> tuple:
+    """{canonical megatron name: Source} over the model tensors of the checkpoint, and the non-model keys skipped."""
+    sources, skipped = {}, []
+    for key in ckpt.tensors:
+        if key.startswith("optimizer") or "_extra_state" in key:
+            skipped.append(key)
+            continue
+        layers = [((), key)]
+        m = _STACKED.match(key)
+        if m:  # homogeneous layers saved as one tensor with a leading layer dimension
+            layers = [((L,), f"decoder.layers.{L}.{m.group(1)}") for L in range(ckpt.shape(key)[0])]
+        for index, name in layers:
+            m = _EXPERTS.match(name)
+            if m:  # routed experts of a layer: one tensor with a leading expert dimension
+                for e in range(ckpt.shape(key)[len(index)]):
+                    sources[f"{m.group(1)}.local_experts.{e}.{m.group(2)}.weight"] = Source(key, index + (e,))
+            else:
+                sources[canonical_name(name)] = Source(key, index)
+    return sources, skipped
+
+
+def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
+               dtype: Optional[torch.dtype] = None) -> MergePlan:
+    """Match the checkpoint against the HF architecture; raise MergeError listing every problem."""
+    sources, _ = _checkpoint_sources(ckpt)
+    emb = sources.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise MergeError(f"{ckpt.dir}: no embedding.word_embeddings.weight (the first pipeline stage's files are "
+                         "missing, or this is not a megarl model checkpoint)")
+    padded = ckpt.shape(emb.key)[0]
+    if padded < spec.vocab_size:
+        raise MergeError(f"{ckpt.dir}: embedding has {padded} rows, config.json vocab_size={spec.vocab_size}; "
+                         "--hf-config does not describe this checkpoint")
+    mapping = Mapping(spec, head=head, padded_vocab=padded)
+    problems, used = [], set()
+    dtypes: dict = {}  # dtype -> bytes
+    for entry in mapping.entries:
+        src = sources.get(entry.megatron)
+        if src is None:
+            problems.append(f"{entry.megatron} (HF {', '.join(entry.hf)}): missing from the checkpoint")
+            continue
+        used.add(entry.megatron)
+        got = ckpt.shape(src.key)[len(src.index):]
+        want = mapping.megatron_shape(entry, tp=1)
+        if tuple(got) != tuple(want):
+            problems.append(f"{entry.megatron}: shape {tuple(got)} in the checkpoint ({src.describe()}), the HF config "
+                            f"implies {tuple(want)}")
+        dt = ckpt.dtype(src.key)
+        dtypes[dt] = dtypes.get(dt, 0) + math.prod(got) * torch.tensor([], dtype=dt).element_size()
+    tied_copy = {"output_layer.weight"} if spec.tie_word_embeddings and head == LM_HEAD else set()
+    extra = sorted(n for n in sources if n not in used and n not in tied_copy)
+    if extra:
+        problems.append(f"{len(extra)} checkpoint tensors have no place in a {spec.architecture} with this config: "
+                        f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    if problems:
+        raise MergeError(f"checkpoint {ckpt.dir} does not match {spec.architecture} ({len(problems)} problems):\n  "
+                         + "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else ""))
+    # megatron keeps some tensors (norm weights of the local spec) in float32 next to bfloat16 weights: the
+    # checkpoint's dtype is the one holding most bytes, and an HF model has one dtype
+    ckpt_dtype = max(dtypes, key=dtypes.get)
+    if len(dtypes) > 1:
+        log.info("checkpoint %s mixes dtypes %s; writing %s", ckpt.dir, {str(k): v for k, v in dtypes.items()},
+                 dtype or ckpt_dtype)
+    out_dtype = dtype or ckpt_dtype
+    plan = MergePlan(spec, head, mapping, {e.megatron: sources[e.megatron] for e in mapping.entries}, out_dtype,
+                     ckpt_dtype)
+    plan.hf_tensors = [(h, tuple(mapping.hf_shape(h)), out_dtype) for h in mapping.hf_names()]
+    # every HF name exactly once
+    names = [h for h, _, _ in plan.hf_tensors]
+    if len(names) != len(set(names)):
+        raise MergeError(f"the {spec.family} mapping names some HF tensors twice: "
+                         f"{sorted({n for n in names if names.count(n) > 1})[:8]}")
+    return plan
+
+
+def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan):
+    """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time."""
+    for entry in plan.mapping.entries:
+        src = plan.sources[entry.megatron]
+        tensor = ckpt.read(src.key, src.index)
+        zero_source = not bool(tensor.any())
+        for name, t in plan.mapping.to_hf(entry, [tensor]):
+            t = t.to(plan.dtype)
+            if not zero_source and not bool(t.any()):
+                raise MergeError(f"{name}: all zeros after conversion from {src.describe()}, which is not all zeros")
+            yield name, t
+        del tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The merge
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _output_config(source: Path, spec: ArchSpec, head: str, dtype: torch.dtype) -> dict:
+    cfg = json.loads((source / "config.json").read_text())
+    name = str(dtype).replace("torch.", "")
+    cfg["torch_dtype"] = name
+    cfg["dtype"] = name
+    arch = cfg["architectures"][0]
+    if head == VALUE_HEAD:
+        cfg["architectures"] = [arch.replace("ForCausalLM", "ForSequenceClassification")]
+        cfg["num_labels"] = 1
+        cfg["id2label"] = {"0": "LABEL_0"}
+        cfg["label2id"] = {"LABEL_0": 0}
+        cfg["tie_word_embeddings"] = False
+    elif arch.endswith("ForSequenceClassification"):  # an actor started from a reward model's backbone
+        cfg["architectures"] = [arch.replace("ForSequenceClassification", "ForCausalLM")]
+    return cfg
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not force:
+            raise MergeError(f"--out {out}: exists and is not empty; pass --force to replace it")
+
+
+@dataclass
+class MergeReport:
+    out: Path
+    step_dir: Path
+    model: str
+    tensors: int
+    bytes: int
+    seconds: float
+    largest_tensor_bytes: int
+    dtype: str
+    checkpoint_dtype: str = ""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_config: Optional[str | Path] = None,
+          max_shard_size="5GB", dtype: Optional[str] = None, force: bool = False, progress: bool = True) -> MergeReport:
+    """Merge one model of a megarl checkpoint into an HF directory (see the module docstring)."""
+    from megarl.checkpoint.hf_writer import StreamingHFWriter, parse_size
+
+    t0 = time.perf_counter()
+    out = Path(out)
+    _check_out(out, force)
+    step = resolve_step_dir(ckpt_path)
+    meta = read_meta(step) or {}
+    if meta.get("layout") != LAYOUT_VERSION:
+        raise MergeError(f"{step}: checkpoint layout {meta.get('layout')!r}; this megarl merges {LAYOUT_VERSION!r}")
+    if model not in meta.get("models", []):
+        raise MergeError(f"{step}: holds no {model!r} model (it holds {meta.get('models')})")
+    source = find_hf_source(step, model, hf_config)
+    head = VALUE_HEAD if model == "critic" else LM_HEAD
+    spec = load_spec(source)
+    if spec.score_head and head == LM_HEAD:
+        spec = spec_from_dict({**json.loads((source / "config.json").read_text()),
+                               "architectures": [spec.architecture.replace("ForSequenceClassification",
+                                                                           "ForCausalLM")]})
+    ckpt = DistCheckpoint(step / model)
+    if dtype is not None and dtype not in _DTYPES:
+        raise MergeError(f"--dtype {dtype}: choose from {sorted(_DTYPES)}")
+    plan = plan_merge(ckpt, spec, head, _DTYPES.get(dtype) if dtype else None)
+    ckpt.check_files({s.key for s in plan.sources.values()})
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merge {model}",
+                   file=sys.stderr, dynamic_ncols=True)
+    writer = StreamingHFWriter(out, plan.hf_tensors, parse_size(max_shard_size),
+                               on_bytes=bar.update if bar is not None else None)
+    try:
+        count = 0
+        for name, tensor in stream_hf_tensors(ckpt, plan):
+            writer.write(name, tensor)
+            count += 1
+        config = _output_config(source, spec, head, plan.dtype)
+        tok = tokenizer_source(step)
+        writer.finish(source, config=config)
+        if tok is not None:
+            import shutil
+
+            from megarl.checkpoint.hf_writer import _COPIED
+
+            for fname in _COPIED:
+                if fname not in ("config.json", "generation_config.json") and (tok / fname).exists():
+                    shutil.copy2(tok / fname, out / fname)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    report = MergeReport(out, step, model, count, plan.nbytes, time.perf_counter() - t0, plan.largest_tensor_bytes(),
+                         str(plan.dtype).replace("torch.", ""), str(plan.checkpoint_dtype).replace("torch.", ""))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --verify: transformers on the output vs the megatron model loaded from the checkpoint (one process, TP1)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def megatron_outputs_rank(model_dir: str, hf_dir: str, tokens, critic: bool):
+    """On one rank: a TP1 megatron model loaded from the dist checkpoint; its logprobs (or values) of `tokens`."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.megatron.forward import token_logprobs, token_values
+    from megarl.megatron.model import build_gpt_model
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    spec = load_spec(hf_dir)
+    if spec.score_head and not critic:
+        raise MergeError("verify: an actor merged as a value model")
+    init_model_parallel(Layout(), seed=0)
+    ckpt = DistCheckpoint(model_dir)
+    rows = ckpt.shape("embedding.word_embeddings.weight")[0]
+    model = build_gpt_model(spec, value_head=critic, dtype=torch.float32, vocab_pad_multiple=rows)
+    state = dist_checkpointing.load(model.sharded_state_dict(), model_dir, strict="assume_ok_unexpected")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise MergeError(f"verify: the megatron model did not load {missing[:8]} from {model_dir}")
+    model.eval()
+    n = tokens.shape[0]
+    return token_values(model, tokens, micro_batch_size=n) if critic else token_logprobs(model, tokens,
+                                                                                       micro_batch_size=n)
+
+
+def hf_outputs(hf_dir: str | Path, tokens, critic: bool) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
+    model = cls.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        if critic:
+            hidden = model.model(input_ids=tokens).last_hidden_state
+            return model.score(hidden).squeeze(-1).float()
+        logits = model(input_ids=tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, seq: int = 32, seed: int = 0) -> float:
+    """Compare transformers on the merged directory with the checkpoint's megatron model, both computing in float32
+    from the same weights. Returns the max abs difference of logprobs (values for the critic); raises MergeError above
+    `tol`: 1e-5 by default, 2e-2 when --dtype rounded the weights to another dtype than the checkpoint's."""
+    from megarl.launch_local import run_ranks
+
+    critic = report.model == "critic"
+    spec = load_spec(report.out)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, spec.vocab_size, (n, seq), generator=g)
+    ref = run_ranks("megarl.checkpoint.merge:megatron_outputs_rank", 1,
+                    {"model_dir": str(report.step_dir / report.model), "hf_dir": str(report.out), "tokens": tokens,
+                     "critic": critic}, timeout=None)[0]
+    got = hf_outputs(report.out, tokens, critic)
+    diff = (got - ref).abs().max().item()
+    tol = tol if tol is not None else (1e-5 if report.dtype == report.checkpoint_dtype else 2e-2)
+    if not diff < tol:
+        raise MergeError(f"verify: max |{'value' if critic else 'logprob'} diff| between transformers on {report.out} "
+                         f"and the megatron model of {report.step_dir / report.model} is {diff:.3e} >= {tol}")
+    return diff
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+def add_arguments(p) -> None:
+    p.add_argument("--ckpt", required=True, help="step_<N> directory, or a run / checkpoints directory (latest)")
+    p.add_argument("--out", required=True, help="HF model directory to write")
+    p.add_argument("--model", default="actor", choices=["actor", "critic"],
+                   help="which model (critic: a *ForSequenceClassification value model, head `score.weight`)")
+    p.add_argument("--hf-config", default=None, help="HF model directory the run started from (default: the run's "
+                   "model.path)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="output dtype (default: the checkpoint's)")
+    p.add_argument("--verify", action="store_true", help="compare transformers logprobs with the checkpoint's "
+                   "megatron model")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    try:
+        report = merge(args.ckpt, args.out, model=args.model, hf_config=args.hf_config,
+                       max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
+                       progress=not args.no_progress)
+        print(f"merged {report.step_dir / report.model} -> {report.out}: {report.tensors} tensors, "
+              f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)",
+              file=sys.stderr)
+        if args.verify:
+            diff = verify_merge(report)
+            print(f"verify: max |{'value' if report.model == 'critic' else 'logprob'} diff| transformers vs megatron "
+                  f"= {diff:.2e}", file=sys.stderr)
+    except (MergeError, BridgeError) as exc:
+        print(f"megarl merge: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="megarl merge", description="Merge a megarl checkpoint (any TP/PP/EP layout) "
+                                "into a Hugging Face model directory, streaming, on one process without GPUs.")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
