@@ -118,11 +118,11 @@ def train(cfg: MegarlConfig) -> dict:
                 sync_metrics = steps.sync_weights(actor, engine, cfg, rt)
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
-                   **rollout.metrics, **timer.metrics(), "train/epoch": loader.epoch}
+                   **rollout.metrics, "train/epoch": loader.epoch}
         if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
             with timer("val"):
                 metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
-        logger.log(step, metrics)
+        logger.log(step, {**metrics, **timer.metrics()})
         if ckpt.after_step(step):  # saves when due (save_freq, last step, SIGTERM); True: stop after a SIGTERM
             break
     ckpt.close()
