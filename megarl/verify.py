@@ -163,7 +163,7 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
     for i, n, d, mean in rows:
         print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
     ok = max_diff <= args.tol
-    print(f"max abs logprob difference {other} vs {reference} {max_diff:.3e} (tolerance {args.tol:.1e}): "
+    print(f"max abs logprob difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
           f"{'OK' if ok else 'FAILED'}", file=out)
     if not ok:
         print(f"error: {other}'s logprobs differ from {reference}'s by {max_diff:.3e} > --tol {args.tol:.1e}; the "
