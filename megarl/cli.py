@@ -8,15 +8,11 @@ from typing import Optional, Sequence
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from megarl.config import ConfigError, load_config, to_yaml
+    from megarl.config import to_yaml
 
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    cfg = _load(args)
+    if cfg is None:
         return 1
-    for warning in cfg._warnings:
-        print(f"warning: {warning.render()}", file=sys.stderr)
     print(to_yaml(cfg), end="")
     print(f"# {args.recipe}: valid", file=sys.stderr)
     return 0

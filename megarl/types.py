@@ -129,34 +129,3 @@ class RolloutBatch:
                    truncated=torch.cat([b.truncated for b in batches]), prompt_index=torch.cat(groups),
                    prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
                    weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics))
-
-    # -- transport: everything as tensors, so rank 0 can broadcast a batch to the other ranks -------------------------
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Pack into a dict of tensors (prompts flattened with their lengths; finish reasons as codes)."""
-        out = {
-            "prompt_flat": torch.tensor([t for p in self.prompt_ids for t in p], dtype=torch.long),
-            "prompt_lengths": torch.tensor([len(p) for p in self.prompt_ids], dtype=torch.long),
-            "response_ids": self.response_ids, "response_lengths": self.response_lengths,
-            "finish_codes": torch.tensor([FINISH_REASONS.index(r) for r in self.finish_reasons], dtype=torch.long),
-            "truncated": self.truncated, "prompt_index": self.prompt_index, "prompt_truncated": self.prompt_truncated,
-            "scalars": torch.tensor([self.weight_version, self.pad_token_id], dtype=torch.long),
-        }
-        if self.rollout_logprobs is not None:
-            out["rollout_logprobs"] = self.rollout_logprobs
-        return out
-
-    @classmethod
-    def from_tensors(cls, t: dict[str, torch.Tensor], metrics: Optional[dict[str, float]] = None) -> "RolloutBatch":
-        """Inverse of `to_tensors`."""
-        lengths = t["prompt_lengths"].tolist()
-        flat = t["prompt_flat"].tolist()
-        prompts, start = [], 0
-        for n in lengths:
-            prompts.append(flat[start:start + n])
-            start += n
-        version, pad = t["scalars"].tolist()
-        return cls(prompt_ids=prompts, response_ids=t["response_ids"], response_lengths=t["response_lengths"],
-                   rollout_logprobs=t.get("rollout_logprobs"),
-                   finish_reasons=[FINISH_REASONS[c] for c in t["finish_codes"].tolist()],
-                   truncated=t["truncated"], prompt_index=t["prompt_index"], prompt_truncated=t["prompt_truncated"],
-                   weight_version=int(version), pad_token_id=int(pad), metrics=dict(metrics or {}))

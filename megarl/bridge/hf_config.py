@@ -20,6 +20,18 @@ class BridgeError(ValueError):
     """A checkpoint, config or layout that megarl cannot convert exactly; the message names the tensor or field."""
 
 
+def name_sample(names, limit: int = 8) -> str:
+    """The first `limit` names, with ' ...' when there are more (error messages about long tensor lists)."""
+    names = list(names)
+    return f"{names[:limit]}{' ...' if len(names) > limit else ''}"
+
+
+def problem_report(header: str, problems: list, limit: int = 20) -> str:
+    """`header (N problems):` then one problem per indented line, at most `limit` of them."""
+    return (f"{header} ({len(problems)} problems):\n  " + "\n  ".join(problems[:limit])
+            + ("\n  ..." if len(problems) > limit else ""))
+
+
 # HF architecture class -> family. A family fixes the tensor names and the per-layer structure.
 CAUSAL_LM = {
     "LlamaForCausalLM": "llama",

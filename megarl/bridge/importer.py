@@ -15,7 +15,7 @@ from typing import Optional, Union
 
 import torch
 
-from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec
+from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec, name_sample, problem_report
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping
 from megarl.bridge.sharding import local_params, unwrap
 
@@ -112,10 +112,9 @@ def check_checkpoint(mapping: Mapping, ckpt: SafetensorsCheckpoint, strict: bool
         extra = [n for n in ckpt.names() if n not in expected and n not in allowed and not n.endswith(IGNORED_SUFFIXES)]
         if extra:
             problems.append(f"{len(extra)} tensors in {ckpt.dir} have no place in a {spec.architecture} with this "
-                            f"config.json: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+                            f"config.json: {name_sample(extra)}")
     if problems:
-        raise BridgeError(f"checkpoint {ckpt.dir} does not match its config.json ({len(problems)} problems):\n  "
-                          + "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else ""))
+        raise BridgeError(problem_report(f"checkpoint {ckpt.dir} does not match its config.json", problems))
     return optional_absent
 
 

@@ -40,7 +40,8 @@ from typing import Optional
 
 import torch
 
-from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec, spec_from_dict
+from megarl.bridge.hf_config import (ArchSpec, BridgeError, load_spec, name_sample, problem_report,
+                                      spec_from_dict)
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping, canonical_name
 from megarl.checkpoint.state import LAYOUT_VERSION, checkpoints_dir, complete_checkpoints, is_complete, read_meta
 
@@ -302,10 +303,9 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
     extra = sorted(n for n in sources if n not in used and n not in tied_copy)
     if extra:
         problems.append(f"{len(extra)} checkpoint tensors have no place in a {spec.architecture} with this config: "
-                        f"{extra[:8]}{' ...' if len(extra) > 8 else ''}")
+                        f"{name_sample(extra)}")
     if problems:
-        raise MergeError(f"checkpoint {ckpt.dir} does not match {spec.architecture} ({len(problems)} problems):\n  "
-                         + "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else ""))
+        raise MergeError(problem_report(f"checkpoint {ckpt.dir} does not match {spec.architecture}", problems))
     # megatron keeps some tensors (norm weights of the local spec) in float32 next to bfloat16 weights: the
     # checkpoint's dtype is the one holding most bytes, and an HF model has one dtype
     ckpt_dtype = max(dtypes, key=dtypes.get)

@@ -27,14 +27,12 @@ def causal_inputs(tokens: torch.Tensor) -> tuple:
     return pos, mask
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                         temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[targets] from this TP rank's vocab shard, differentiable.
-
-    logits: [..., V_padded / TP] (this rank's vocab columns); targets: [...] token ids < vocab_size.
-    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded from the softmax."""
+def scaled_local_logits(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                        pad_fill: Optional[float] = None) -> torch.Tensor:
+    """This TP rank's vocab shard [..., V_padded / TP] in float32 divided by temperature, with megatron's vocab padding
+    columns (ids >= vocab_size; they are not tokens) set to `pad_fill` (default: the most negative float). It may be
+    `logits` itself when there is nothing to change."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     local = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * local
@@ -43,8 +41,20 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size
         x = x / temperature
     if start + local > vocab_size:
         cols = torch.arange(start, start + local, device=x.device)
-        x = x.masked_fill(cols >= vocab_size, torch.finfo(x.dtype).min)
-    else:
+        x = x.masked_fill(cols >= vocab_size, torch.finfo(x.dtype).min if pad_fill is None else pad_fill)
+    return x
+
+
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[targets] from this TP rank's vocab shard, differentiable.
+
+    logits: [..., V_padded / TP] (this rank's vocab columns); targets: [...] token ids < vocab_size.
+    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded from the softmax."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    x = scaled_local_logits(logits, vocab_size, temperature)
+    if x is logits:
         x = x.clone()  # vocab_parallel_cross_entropy works in place on its input
     return -vocab_parallel_cross_entropy(x, targets)
 

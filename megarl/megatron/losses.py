@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megarl import algo
-from megarl.megatron.forward import logprobs_from_logits
+from megarl.megatron.forward import logprobs_from_logits, scaled_local_logits
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,7 @@ def _tp_reductions():
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Entropy [...] of softmax(logits / temperature) over the full vocabulary from this rank's shard [..., V/TP]."""
-    from megatron.core import parallel_state as ps
-
-    local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * local
-    x = logits.float() / temperature
-    if start + local > vocab_size:  # megatron's vocab padding columns are not tokens
-        cols = torch.arange(start, start + local, device=x.device)
-        x = x.masked_fill(cols >= vocab_size, float("-inf"))
+    x = scaled_local_logits(logits, vocab_size, temperature, pad_fill=float("-inf"))
     reduce_max, reduce_sum = _tp_reductions()
     return algo.entropy_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
 

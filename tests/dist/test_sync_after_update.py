@@ -48,7 +48,12 @@ def update_then_sync(hf_dir, tp, pp, ep):
                             load_format="dummy", update_weights_bucket_megabytes=1)
         engine = EngineProcess(cfg, hf_dir, seed=0)
     buckets = export_hf_weights(trainable.chunks, spec, 64 << 10)  # small buckets: tensors split across many
-    sync = engine.update_weights(buckets, verify=True) if engine else [b for b in buckets] and None
+    sync = None
+    if engine:
+        sync = engine.update_weights(buckets, verify=True)
+    else:
+        for _ in buckets:  # the export is collective: every rank drains it
+            pass
     prompts = sample_tokens(2, PROMPT_LEN, vocab_size=spec.vocab_size, seed=3, min_len=PROMPT_LEN)[0].tolist()
     rollout = engine.generate(prompts) if engine else None
     rollout = [rollout]
