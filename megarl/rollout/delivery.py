@@ -1,0 +1,304 @@
+"""Per-rank weight delivery: every engine worker receives only its own shard, from the trainer ranks that hold it.
+
+    trainer rank k ──(its HF chunks, cut to the pieces each worker needs)──► rank hosting the worker (p2p, gloo)
+    hosting rank ──(pieces written into a sparse shared-memory bucket file)──► its engine worker (megarl_load)
+
+The plan (megarl.rollout.shards) is computed once from the bridge mapping, the trainer's parameters and the layout
+each engine worker reports; every rank derives the same moves and buckets from it, so no metadata travels per step.
+A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing gathers whole
+tensors, nothing is broadcast to the world. Bucket files are per (sync, bucket, receiving rank) and are unlinked by
+the worker once mapped.
+
+Engine placement (`EngineTopology`): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine TP); worker w of the
+replica is hosted by rank r*T + w, and the replica's first rank owns the engine process and issues its calls.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.mapping import Mapping
+from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
+                                   plan_moves, relative_slices, traffic, trainer_holdings)
+from megarl.rollout.worker_ext import region
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class EngineTopology:
+    """Where engine replicas run over the trainer's ranks (colocated)."""
+
+    world: int
+    engine_tp: int
+    replicas: int
+
+    def __post_init__(self):
+        if self.replicas * self.engine_tp > self.world:
+            raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
+                             f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
+
+    @property
+    def hosts(self) -> list:
+        return list(range(self.replicas * self.engine_tp))
+
+    def replica_of(self, rank: int) -> Optional[int]:
+        return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
+
+    def owner(self, replica: int) -> int:
+        return replica * self.engine_tp
+
+    def members(self, replica: int) -> list:
+        return list(range(replica * self.engine_tp, (replica + 1) * self.engine_tp))
+
+    def prompt_slice(self, replica: int, num_prompts: int) -> slice:
+        """Replica r's contiguous share of a step's prompts (balanced; the first replicas take the remainder)."""
+        base, extra = divmod(num_prompts, self.replicas)
+        start = replica * base + min(replica, extra)
+        return slice(start, start + base + (replica < extra))
+
+
+def shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass
+class BucketFile:
+    """One receiving rank's file of one bucket: {hf_name: (offset, dtype, shape)} regions plus the metadata its
+    worker reads."""
+
+    path: str
+    size: int
+    regions: dict
+    meta: dict
+
+
+def layout_bucket(moves: Sequence[Move], dst: int, path: str, shapes: dict, dtypes: dict, needs: dict) -> BucketFile:
+    """The file of rank `dst` for one bucket: one full-shape region per tensor (sparse: only `dst`'s boxes are
+    written), in the order the tensors appear in the bucket."""
+    regions, boxes, offset = {}, {}, 0
+    for mv in moves:
+        if mv.dst != dst:
+            continue
+        if mv.hf not in regions:
+            dt = getattr(torch, dtypes[mv.hf])
+            regions[mv.hf] = (offset, dtypes[mv.hf], tuple(shapes[mv.hf]))
+            nbytes = box_numel(full_box(shapes[mv.hf])) * torch.empty((), dtype=dt).element_size()
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+            boxes[mv.hf] = []
+        boxes[mv.hf].append([list(b) for b in mv.box])
+    tensors = [[name, dt, list(shape), off, [list(b) for b in needs[name]], boxes[name]]
+               for name, (off, dt, shape) in regions.items()]
+    return BucketFile(path, max(offset, _ALIGN), regions, {"path": path, "size": max(offset, _ALIGN),
+                                                            "tensors": tensors})
+
+
+class WeightSync:
+    """The live weight sync of one trainer (every rank builds one, with the same arguments).
+
+    model: this rank's megatron model chunks; mapping: the bridge mapping of the model; owners: {megatron name:
+    [(rank, tp rank, tp size)]} over all ranks; dtypes: {megatron name: dtype name}; layouts: {hosting rank: what its
+    engine worker reported (megarl_layout)}."""
+
+    def __init__(self, mapping: Mapping, local: dict, owners: dict, dtypes: dict, layouts: dict,
+                 topology: EngineTopology, bucket_bytes: int, rank: int, group=None):
+        self.mapping, self.local, self.topology, self.rank, self.group = mapping, local, topology, rank, group
+        self.shapes = mapping.hf_shapes()
+        self.dtypes = {h: dtypes[e.megatron] for e in mapping.entries if e.megatron in dtypes for h in e.hf}
+        self.needs = {host: engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in lay["modules"].items()},
+                                         lay.get("packed"))
+                      for host, lay in layouts.items()}
+        holdings = trainer_holdings(mapping, owners)
+        sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in self.dtypes.items()}
+        self.moves = plan_moves(mapping.hf_names(), self.needs, holdings, sizes)
+        self.buckets = bucket_moves(self.moves, bucket_bytes)
+        self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
+        self.token = secrets.token_hex(4)
+        self.syncs = 0
+        self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
+                                for r in range(topology.replicas)] if dist.is_initialized() else []
+
+    # -- one sync -----------------------------------------------------------------------------------------------------
+    def run(self, engine: Any, verify: bool = False) -> dict:
+        """Deliver the current weights. `engine` is this rank's engine handle if it owns a replica, else None."""
+        self.syncs += 1
+        t0 = time.perf_counter()
+        stats = {"sent": 0, "received": 0, "loaded": 0, "exchange_s": 0.0, "load_s": 0.0}
+        replica = self.topology.replica_of(self.rank)
+        if engine is not None:
+            engine.begin_update(verify=verify)
+        try:
+            for b, moves in enumerate(self.buckets):
+                self._deliver_bucket(b, moves, stats)
+                if replica is not None and self.topology.engine_tp > 1:
+                    dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
+                if engine is not None:
+                    t1 = time.perf_counter()
+                    engine.load_bucket(self.metas(replica, b))
+                    stats["load_s"] += time.perf_counter() - t1
+        except BaseException:
+            if engine is not None:
+                engine.abort_update()
+            raise
+        finally:
+            self._remove_leftovers()
+        result = engine.end_update() if engine is not None else {}
+        seconds = time.perf_counter() - t0
+        return {**result, **self._metrics(stats, seconds)}
+
+    def _deliver_bucket(self, b: int, moves: Sequence[Move], stats: dict) -> None:
+        t0 = time.perf_counter()
+        chunks: dict = {}
+        ops, received = [], []
+        for mv in moves:
+            if mv.src == self.rank and mv.dst != self.rank:
+                piece = self._piece(mv, chunks).contiguous()
+                ops.append(dist.P2POp(dist.isend, piece, mv.dst, self.group))
+                stats["sent"] += mv.nbytes
+            elif mv.dst == self.rank and mv.src != self.rank:
+                buf = torch.empty(box_shape(mv.box), dtype=getattr(torch, self.dtypes[mv.hf]))
+                ops.append(dist.P2POp(dist.irecv, buf, mv.src, self.group))
+                received.append((mv, buf))
+                stats["received"] += mv.nbytes
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        mine = [mv for mv in moves if mv.dst == self.rank]
+        if mine:
+            f = self.bucket_file(b, self.rank, moves)
+            buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+            for mv in mine:
+                if mv.src == self.rank:
+                    self._write(buf, f, mv, self._piece(mv, chunks))
+        for req in requests:
+            req.wait()
+        if mine:
+            for mv, piece in received:
+                self._write(buf, f, mv, piece)
+            stats["loaded"] += sum(mv.nbytes for mv in mine)
+            del buf
+        stats["exchange_s"] += time.perf_counter() - t0
+
+    def _piece(self, mv: Move, chunks: dict) -> torch.Tensor:
+        if mv.hf not in chunks:
+            entry = self.mapping.by_hf[mv.hf]
+            lp = self.local[entry.megatron]
+            split = entry.tp_dim is not None and lp.tp_size > 1
+            chunks.update(self.mapping.shard_to_hf(entry, lp.param.detach(), lp.tp_rank if split else 0,
+                                                   lp.tp_size if split else 1))
+        return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
+
+    def _write(self, buf: torch.Tensor, f: BucketFile, mv: Move, piece: torch.Tensor) -> None:
+        offset, dtype, shape = f.regions[mv.hf]
+        region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
+
+    # -- files --------------------------------------------------------------------------------------------------------
+    def _path(self, b: int, dst: int) -> str:
+        return os.path.join(shm_dir(), f"megarl-{self.token}-s{self.syncs}-b{b}-r{dst}")
+
+    def bucket_file(self, b: int, dst: int, moves: Optional[Sequence[Move]] = None) -> BucketFile:
+        return layout_bucket(self.buckets[b] if moves is None else moves, dst, self._path(b, dst), self.shapes,
+                             self.dtypes, self.needs.get(dst, {}))
+
+    def metas(self, replica: int, b: int) -> list:
+        """What each worker of `replica` reads of bucket b (None where it has nothing in it)."""
+        out = []
+        for host in self.topology.members(replica):
+            has = any(mv.dst == host for mv in self.buckets[b])
+            out.append(self.bucket_file(b, host).meta if has else None)
+        return out
+
+    def _remove_leftovers(self) -> None:
+        """Bucket files a failed load never opened (the worker unlinks the ones it maps)."""
+        for b in range(len(self.buckets)):
+            try:
+                os.unlink(self._path(b, self.rank))
+            except FileNotFoundError:
+                pass
+
+    # -- metrics ------------------------------------------------------------------------------------------------------
+    def _metrics(self, stats: dict, seconds: float) -> dict:
+        mine = torch.tensor([stats["sent"], stats["received"], stats["loaded"]], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, mine, group=self.group)
+        else:
+            every = [mine]
+        every = torch.stack(every)
+        out = {"weight_sync/seconds": seconds, "weight_sync/exchange_seconds": stats["exchange_s"],
+               "weight_sync/engine_load_seconds": stats["load_s"], "weight_sync/num_buckets": float(len(self.buckets))}
+        for i, kind in enumerate(("sent", "received", "loaded")):
+            plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}[kind]
+            out[f"weight_sync/{kind}_bytes_max"] = float(every[:, i].max())
+            out[f"weight_sync/{kind}_bytes_rank0"] = float(every[0, i])
+            out[f"weight_sync/plan_{kind}_bytes_max"] = float(max(plan.values(), default=0))
+            out[f"weight_sync/plan_{kind}_bytes_rank0"] = float(plan.get(0, 0))
+        out["weight_sync/bytes"] = float(every[:, 2].sum())
+        out["weight_sync/gbps"] = out["weight_sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
+        return out
+
+
+def gather_owners(local: dict, tp_info: dict, dtypes: dict, group=None) -> tuple:
+    """Every rank's {megatron name: (tp rank, tp size)} and dtypes, merged: ({name: [(rank, tp rank, tp size)]},
+    {name: dtype})."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = {name: (rank,) + tp_info[name] for name in local}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (mine, dtypes), group=group)
+    else:
+        every = [(mine, dtypes)]
+    owners: dict = {}
+    all_dtypes: dict = {}
+    for per_rank, dts in every:
+        for name, owner in per_rank.items():
+            owners.setdefault(name, []).append(owner)
+        all_dtypes.update(dts)
+    return owners, all_dtypes
+
+
+def local_holdings(model, mapping: Mapping) -> tuple:
+    """This rank's parameters by megatron name, their (tp rank, tp size) as the mapping splits them, and dtypes."""
+    from megarl.bridge.sharding import local_params
+
+    local, tp_info, dtypes = {}, {}, {}
+    for lp in local_params(model):
+        entry = mapping.entry(lp.name)
+        if entry.megatron in local:
+            continue
+        split = entry.tp_dim is not None and lp.tp_size > 1
+        local[entry.megatron] = lp
+        tp_info[entry.megatron] = (lp.tp_rank if split else 0, lp.tp_size if split else 1)
+        dtypes[entry.megatron] = str(lp.param.dtype).replace("torch.", "")
+    return local, tp_info, dtypes
+
+
+def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mapping, prefix: str) -> list:
+    """Single process: the bucket files of every worker of one engine for a bucket of full HF tensors [(name,
+    tensor)]; returns the metas for megarl_load (tests, `megarl verify`, engines fed from a whole-tensor stream)."""
+    named = list(named)
+    metas = []
+    for w, lay in enumerate(layouts):
+        needs = engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in lay["modules"].items()},
+                             lay.get("packed"))
+        moves = [Move(name, 0, w, needs[name], full_box(t.shape), box_numel(needs[name]) * t.element_size())
+                 for name, t in named if name in needs]
+        if not moves:
+            metas.append(None)
+            continue
+        dtypes = {name: str(t.dtype).replace("torch.", "") for name, t in named}
+        shapes = {name: tuple(t.shape) for name, t in named}
+        f = layout_bucket(moves, w, f"{prefix}-w{w}", shapes, dtypes, needs)
+        buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+        tensors = dict(named)
+        for mv in moves:
+            offset, dtype, shape = f.regions[mv.hf]
+            sl = relative_slices(mv.box, full_box(shape))
+            region(buf, dtype, shape, offset)[sl].copy_(tensors[mv.hf][sl])
+        metas.append(f.meta)
+    return metas

