@@ -144,12 +144,12 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     engine_dtype = "float32" if r.dtype == "float32" else "bfloat16" if r.dtype in ("auto", "bfloat16") else "float16"
     total_gpus = nodes * gpus_per_node
     ray_mode = r.mode == "ray"
-    engine_gpus = r.data_parallel_size * etp_engine if ray_mode else 0
+    engine_gpus = (r.data_parallel_size or 1) * etp_engine if ray_mode else 0
     world = cfg.world_size if ray_mode else total_gpus
     reasons: list[str] = []
     if ray_mode and world + engine_gpus > total_gpus:
         reasons.append(f"GPUs: the trainer's {world} ranks (trainer.nnodes * n_gpus_per_node) plus "
-                       f"{r.data_parallel_size} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
+                       f"{r.data_parallel_size or 1} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
                        f"{world + engine_gpus} GPUs; the cluster has {total_gpus}")
     if world % (tp * pp) or (world // (tp * pp)) % ep:
         raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "

@@ -1,7 +1,8 @@
 """The process side of a run: distributed and megatron setup, each rank's role, and the collectives the loop uses.
 
-Every rank runs the same loop (SPMD). Global rank 0 hosts the rollout engine, scores rewards and writes metrics; it
-broadcasts rollouts and scores so every rank holds the whole step's batch. Model forwards split the batch over DP
+Every rank runs the same loop (SPMD). Engine replicas run over the ranks (megarl.rollout.replicas: the first rank of
+each group of rollout.tensor_model_parallel_size ranks owns one); each generates its share of the prompts and
+broadcasts it as tensors, so every rank holds the whole step's batch. Global rank 0 scores rewards and writes metrics. Model forwards split the batch over DP
 ranks; results come from the last pipeline stage and are gathered so every rank again holds the whole batch.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from megarl.config import MegarlConfig
 from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
+from megarl.rollout.replicas import EngineTopology
 
 log = logging.getLogger("megarl")
 
@@ -28,6 +30,7 @@ class Runtime:
     dp_rank: int
     dp_size: int
     run_dir: Path
+    engines: EngineTopology = EngineTopology(1, 1, 1)
 
     @property
     def is_rank0(self) -> bool:
@@ -63,14 +66,26 @@ def start(cfg: MegarlConfig) -> Runtime:
     logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s %(levelname)s %(message)s")
     if dist.get_rank() != 0:
         logging.getLogger("megarl").setLevel(logging.WARNING)
+    r = cfg.rollout
+    engines = EngineTopology(world, r.tensor_model_parallel_size if r.mode == "colocated" else 1,
+                             cfg.engine_replicas if r.mode == "colocated" else 1)
     return Runtime(rank=dist.get_rank(), world_size=world, dp_rank=ps.get_data_parallel_rank(),
-                   dp_size=ps.get_data_parallel_world_size(), run_dir=Path(cfg.trainer.run_dir))
+                   dp_size=ps.get_data_parallel_world_size(), run_dir=Path(cfg.trainer.run_dir), engines=engines)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+def all_gather_objects(obj: Any) -> list:
+    """Every rank's `obj` (small, picklable: plans and layouts, never step data)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier() -> None:

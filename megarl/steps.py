@@ -13,7 +13,8 @@ from megarl import algo
 from megarl.config import MegarlConfig
 from megarl.data import PromptRecord
 from megarl.reward.compute import RewardInput, compute_rewards
-from megarl.runtime import Runtime, broadcast_object
+from megarl.rollout.replicas import broadcast_rollout, combine
+from megarl.runtime import Runtime, all_gather_objects, broadcast_object
 from megarl.types import RolloutBatch
 
 
@@ -35,12 +36,25 @@ class Timer:
 
 def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
              seed: Optional[int] = None) -> RolloutBatch:
-    """Sample responses on rank 0's engine; every rank returns the same RolloutBatch."""
-    batch = None
-    if rt.is_rank0:
-        batch = engine.generate([r.prompt_ids for r in records], validate=validate,
-                                prompt_index=list(range(len(records))), seed=seed)
-    return broadcast_object(batch)
+    """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
+    whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent)."""
+    topo = rt.engines
+    shares = []
+    for replica in range(topo.replicas):
+        part = topo.prompt_slice(replica, len(records))
+        batch = None
+        if engine is not None and topo.replica_of(rt.rank) == replica:
+            batch = engine.generate([r.prompt_ids for r in records[part]], validate=validate,
+                                    prompt_index=list(range(part.start, part.stop)), seed=seed)
+        shares.append(batch)
+    # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
+    return combine([broadcast_rollout(b, topo.owner(r)) for r, b in enumerate(shares)])
+
+
+def engine_sleep(engine) -> None:
+    """After the step's rollouts: the engine frees its memory for training (rollout.enable_sleep_mode)."""
+    if engine is not None and getattr(engine, "sleeps", False):
+        engine.sleep()
 
 
 def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig,
@@ -106,16 +120,47 @@ def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
     return metrics
 
 
-def sync_weights(actor, engine, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
-    """Stream the actor's HF-named weights into rank 0's engine (every rank takes part in the export)."""
-    buckets = actor.export(cfg.rollout.update_weights_bucket_megabytes << 20)
-    if rt.is_rank0:
-        metrics = engine.update_weights(buckets, verify=verify)
-    else:
-        for _ in buckets:  # the gather is collective: drain it on every rank
-            pass
-        metrics = {}
-    return metrics
+def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
+    """The live weight sync, planned once (a collective): every engine owner reports its workers' layouts, every
+    rank its parameters; see megarl.rollout.delivery. None in Ray mode (the bucket stream through rank 0)."""
+    if cfg.rollout.mode == "ray":
+        return None
+    from megarl.bridge.importer import model_mapping
+    from megarl.rollout.delivery import WeightSync, gather_owners, local_holdings
+
+    mapping = model_mapping(actor.chunks, actor.spec)
+    local, tp_info, dtypes = local_holdings(actor.chunks, mapping)
+    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
+    mine = {}
+    if engine is not None:
+        first = rt.engines.owner(rt.engines.replica_of(rt.rank))
+        mine = {first + w: layout for w, layout in enumerate(engine.layouts)}
+    layouts = {}
+    for part in all_gather_objects(mine):
+        layouts.update(part)
+    return WeightSync(mapping, local, owners, all_dtypes, layouts, rt.engines,
+                      cfg.rollout.update_weights_bucket_megabytes << 20, rt.rank)
+
+
+def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
+    """Deliver the actor's weights to every engine worker (every rank takes part). With sleep mode the engine wakes
+    its weights only, receives them, then wakes its KV cache."""
+    sleeping = engine is not None and getattr(engine, "sleeps", False)
+    if sleeping:
+        engine.wake_up(["weights"])
+    if sync is not None:
+        metrics = sync.run(engine, verify=verify)
+    else:  # Ray mode: rank 0 streams whole tensors to its engine handle
+        buckets = actor.export(cfg.rollout.update_weights_bucket_megabytes << 20)
+        if rt.is_rank0:
+            metrics = engine.update_weights(buckets, verify=verify)
+        else:
+            for _ in buckets:  # the gather is collective: drain it on every rank
+                pass
+            metrics = {}
+    if sleeping:
+        engine.wake_up(["kv_cache"])
+    return metrics if rt.is_rank0 else {}
 
 
 def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> dict:

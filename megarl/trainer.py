@@ -41,14 +41,17 @@ def make_kl_controller(cfg: MegarlConfig):
 
 
 def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
-    """Rank 0's handle on the rollout engine: a child process (colocated) or Ray actors (rollout.mode=ray)."""
-    if not rt.is_rank0:
-        return None
+    """This rank's engine handle: the owner of each engine replica (the first rank of its group) runs one in a child
+    process (colocated); in Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
     if cfg.rollout.mode == "ray":
+        if not rt.is_rank0:
+            return None
         from megarl.rollout.ray_engine import RayEngine
 
         return RayEngine(cfg.rollout, model_path, seed=seed)
+    if not rt.engines.owns(rt.rank):
+        return None
     from megarl.rollout.process import EngineProcess
 
     return EngineProcess(cfg.rollout, model_path, seed=seed)
@@ -86,8 +89,9 @@ def train(cfg: MegarlConfig) -> dict:
                         states={"loader": loader, "kl_ctrl": kl_ctrl})
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
+    sync = steps.weight_sync(actor, engine, cfg, rt)
     if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
-        steps.sync_weights(actor, engine, cfg, rt)
+        steps.sync_weights(actor, engine, sync, cfg, rt)
     logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
                            enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
@@ -99,6 +103,7 @@ def train(cfg: MegarlConfig) -> dict:
         with timer("step"):
             records, rollout, scores, reward_metrics = steps.sample_batch(
                 engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
+            steps.engine_sleep(engine)
             batch = build_train_batch(rollout, scores, pad_id)
             with timer("old_log_prob"):
                 batch["old_log_probs"] = actor.log_probs(batch, rt)
@@ -115,7 +120,7 @@ def train(cfg: MegarlConfig) -> dict:
                 if step > cfg.critic.warmup_steps or critic is None:
                     train_metrics.update(actor.update(batch, rt, step))
             with timer("sync"):
-                sync_metrics = steps.sync_weights(actor, engine, cfg, rt)
+                sync_metrics = steps.sync_weights(actor, engine, sync, cfg, rt)
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
                    **rollout.metrics, "train/epoch": loader.epoch}

@@ -253,8 +253,45 @@ def check_reward_fn(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
+def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
+    """Engine replicas over the trainer's ranks (colocated) and the engine's TP/EP against the model."""
+    r, R = cfg.rollout, "rollout."
+    tp, issues = r.tensor_model_parallel_size, []
+    if r.pipeline_model_parallel_size > 1:
+        issues.append(Issue(R + "pipeline_model_parallel_size", r.pipeline_model_parallel_size, "engine pipeline "
+                            "parallelism is not supported (weights are delivered per engine tensor-parallel rank)",
+                            "set it to 1 and use rollout.tensor_model_parallel_size", keys=(R + "pipeline_model_parallel_size",)))
+    if r.expert_model_parallel_size > 1 and r.expert_model_parallel_size != tp:
+        issues.append(Issue(R + "expert_model_parallel_size", r.expert_model_parallel_size, "vLLM forms the engine's "
+                            f"expert-parallel group from its tensor-parallel ranks, so it must equal "
+                            f"rollout.tensor_model_parallel_size = {tp}", f"set it to {tp} (or 1: experts split over TP)",
+                            keys=(R + "expert_model_parallel_size", R + "tensor_model_parallel_size")))
+    if r.mode == "colocated":
+        world = cfg.world_size
+        if r.data_parallel_size is None and world % tp:
+            issues.append(Issue(R + "tensor_model_parallel_size", tp, f"must divide the world size {world}: each engine "
+                                "replica spans that many consecutive trainer ranks", "pick a divisor of the world size, "
+                                "or set rollout.data_parallel_size", keys=(R + "tensor_model_parallel_size",)))
+        elif cfg.engine_replicas * tp > world:
+            issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"{r.data_parallel_size} replicas x "
+                                f"engine TP {tp} need {r.data_parallel_size * tp} ranks, the trainer has {world}",
+                                f"at most {world // tp} replicas (the default)", keys=(R + "data_parallel_size",)))
+    shape = model_shape(cfg)
+    if shape is not None:
+        heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+        if heads % tp or (kv % tp and tp % kv):
+            issues.append(Issue(R + "tensor_model_parallel_size", tp, f"vLLM needs it to divide num_attention_heads = "
+                                f"{heads} and to divide or be a multiple of num_key_value_heads = {kv} ({shape.source})",
+                                "pick another engine TP", keys=(R + "tensor_model_parallel_size",)))
+        if r.expert_model_parallel_size > 1 and (not shape.num_experts or shape.num_experts % r.expert_model_parallel_size):
+            issues.append(Issue(R + "expert_model_parallel_size", r.expert_model_parallel_size, f"needs an MoE model "
+                                f"whose {shape.num_experts} experts it divides ({shape.source})", "set it to 1",
+                                keys=(R + "expert_model_parallel_size",)))
+    return issues
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
-    check_model_source, check_layout, check_model_layout, check_batches, check_lengths, check_algorithm_names,
+    check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths, check_algorithm_names,
     check_data_files, check_reward_fn, check_not_yet_supported)
 
 

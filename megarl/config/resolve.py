@@ -28,6 +28,7 @@ def derived(cfg: MegarlConfig) -> dict:
         "clip_ratio_low": a.clip_low,
         "clip_ratio_high": a.clip_high,
         "max_model_len": cfg.rollout.resolved_max_model_len,
+        "engine_replicas": cfg.engine_replicas,
         "critic_enabled": cfg.critic_enabled,
         "ref_enabled": cfg.ref_enabled,
     }

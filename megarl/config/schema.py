@@ -196,12 +196,15 @@ class RolloutConfig(_Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="Fraction of GPU memory for the engine.")
     kv_cache_memory_bytes: Optional[int] = Field(256 << 20, ge=1, description="Explicit KV cache size (CPU engine).")
     enforce_eager: bool = Field(True, description="Disable CUDA graphs in the engine.")
-    free_cache_engine: bool = Field(True, description="Free the KV cache between rollouts (sleep mode, GPU).")
+    free_cache_engine: bool = Field(True, description="With enable_sleep_mode: after each rollout the engine drops its "
+                                    "KV cache and weights (the next sync replaces them) while the trainer works.")
     enable_sleep_mode: bool = Field(False, description="Let the engine release GPU memory between rollouts.")
     tensor_model_parallel_size: int = Field(1, ge=1, description="Engine TP size.")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="Engine PP size.")
     expert_model_parallel_size: int = Field(1, ge=1, description="Engine EP size.")
-    data_parallel_size: int = Field(1, ge=1, description="Engine replicas.")
+    data_parallel_size: Optional[int] = Field(None, ge=1, description="Engine replicas. Colocated: each spans "
+                                              "tensor_model_parallel_size consecutive trainer ranks; None: world size / "
+                                              "engine TP (every rank generates). Ray: Ray actors; None: 1.")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")
@@ -362,6 +365,14 @@ class MegarlConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.trainer.nnodes * self.trainer.n_gpus_per_node
+
+    @property
+    def engine_replicas(self) -> int:
+        """rollout.data_parallel_size, resolved: colocated engines cover every rank by default."""
+        r = self.rollout
+        if r.data_parallel_size is not None:
+            return r.data_parallel_size
+        return max(1, self.world_size // r.tensor_model_parallel_size) if r.mode == "colocated" else 1
 
     @property
     def critic_enabled(self) -> bool:

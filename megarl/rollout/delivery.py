@@ -9,8 +9,8 @@ A rank sends only pieces of its own parameters and receives only pieces its work
 tensors, nothing is broadcast to the world. Bucket files are per (sync, bucket, receiving rank) and are unlinked by
 the worker once mapped.
 
-Engine placement (`EngineTopology`): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine TP); worker w of the
-replica is hosted by rank r*T + w, and the replica's first rank owns the engine process and issues its calls.
+Engine placement (megarl.rollout.replicas.EngineTopology): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine
+TP); worker w of the replica is hosted by rank r*T + w, and the replica's first rank owns the engine process.
 """
 from __future__ import annotations
 
@@ -27,42 +27,10 @@ import torch.distributed as dist
 from megarl.bridge.mapping import Mapping
 from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
                                    plan_moves, relative_slices, traffic, trainer_holdings)
+from megarl.rollout.replicas import EngineTopology
 from megarl.rollout.worker_ext import region
 
 _ALIGN = 64
-
-
-@dataclass(frozen=True)
-class EngineTopology:
-    """Where engine replicas run over the trainer's ranks (colocated)."""
-
-    world: int
-    engine_tp: int
-    replicas: int
-
-    def __post_init__(self):
-        if self.replicas * self.engine_tp > self.world:
-            raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
-                             f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
-
-    @property
-    def hosts(self) -> list:
-        return list(range(self.replicas * self.engine_tp))
-
-    def replica_of(self, rank: int) -> Optional[int]:
-        return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
-
-    def owner(self, replica: int) -> int:
-        return replica * self.engine_tp
-
-    def members(self, replica: int) -> list:
-        return list(range(replica * self.engine_tp, (replica + 1) * self.engine_tp))
-
-    def prompt_slice(self, replica: int, num_prompts: int) -> slice:
-        """Replica r's contiguous share of a step's prompts (balanced; the first replicas take the remainder)."""
-        base, extra = divmod(num_prompts, self.replicas)
-        start = replica * base + min(replica, extra)
-        return slice(start, start + base + (replica < extra))
 
 
 def shm_dir() -> str:
@@ -302,3 +270,49 @@ def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mappin
             region(buf, dtype, shape, offset)[sl].copy_(tensors[mv.hf][sl])
         metas.append(f.meta)
     return metas
+
+
+def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: bool = False) -> dict:
+    """Load a stream of buckets of FULL HF-named tensors [(name, tensor)] (the bridge's `export_hf_weights`, a state
+    dict) into an engine in one process: each worker still receives only its own shard of each tensor, through the
+    same bucket files and worker extension as the trainer's per-rank delivery. For `megarl verify`, tests, benches.
+    `engine` has layouts / begin_update / load_bucket / end_update / abort_update (VLLMEngine or EngineProcess)."""
+    from megarl.bridge.hf_config import load_spec
+
+    mapping = Mapping(load_spec(model_path))
+    layouts = engine.layouts
+    prefix = os.path.join(shm_dir(), f"megarl-feed-{secrets.token_hex(4)}")
+    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+    t0 = time.perf_counter()
+    engine.begin_update(verify=verify)
+    try:
+        it = iter(buckets)
+        while True:
+            t_pull = time.perf_counter()
+            bucket = next(it, None)
+            stats["source_s"] += time.perf_counter() - t_pull
+            if bucket is None:
+                break
+            size = sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["bytes"] += size
+            stats["buckets"] += 1
+            stats["max_bucket"] = max(stats["max_bucket"], size)
+            metas = write_worker_files(bucket, layouts, mapping, f"{prefix}-b{stats['buckets']}")
+            try:
+                engine.load_bucket(metas)
+            finally:
+                for meta in metas:  # a worker unlinks what it maps; remove what a failed load left
+                    if meta and os.path.exists(meta["path"]):
+                        os.unlink(meta["path"])
+    except BaseException:
+        engine.abort_update()
+        raise
+    metrics = engine.end_update()
+    seconds = time.perf_counter() - t0
+    metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
+                    "weight_sync/source_seconds": stats["source_s"],
+                    "weight_sync/load_seconds": seconds - stats["source_s"],
+                    "weight_sync/num_buckets": float(stats["buckets"]),
+                    "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
+                    "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})
+    return metrics

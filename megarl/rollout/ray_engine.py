@@ -205,7 +205,7 @@ class RayEngine:
 
         self._ray = ray
         self.config = config
-        self.replicas = int(config.data_parallel_size)
+        self.replicas = int(config.data_parallel_size or 1)
         self.max_buckets_in_flight = max(1, int(max_buckets_in_flight))
         self._started_ray = False
         self._actors: list = []

@@ -1,0 +1,119 @@
+"""Engine replicas over the trainer's ranks, and how their rollouts reach every rank as tensors.
+
+Replica r (of rollout.data_parallel_size) spans trainer ranks [r*T, (r+1)*T) with T = rollout.tensor_model_parallel_size;
+its first rank owns the engine process. A step's prompts are split into contiguous shares, one per replica, and
+each sample's sampling seed is a function of its global prompt index, so the samples do not depend on how many
+replicas there are. Each owner then broadcasts its share as a few tensors (token ids, lengths, logprobs, codes),
+never as a pickled object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.types import FINISH_REASONS, RolloutBatch
+
+# rollout metrics that add up over replicas; seconds take the slowest replica; the rest is recomputed
+_SUMMED = ("rollout/num_prompts", "rollout/num_samples", "rollout/prompts_truncated", "rollout/prompts_filtered",
+           "rollout/response_tokens", "rollout/num_aborted")
+_SLOWEST = ("rollout/generate_seconds",)
+METRIC_KEYS = _SUMMED + _SLOWEST
+
+
+@dataclass(frozen=True)
+class EngineTopology:
+    """Where engine replicas run over the trainer's ranks (colocated)."""
+
+    world: int
+    engine_tp: int
+    replicas: int
+
+    def __post_init__(self):
+        if self.replicas * self.engine_tp > self.world:
+            raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
+                             f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
+
+    @property
+    def hosts(self) -> list:
+        return list(range(self.replicas * self.engine_tp))
+
+    def replica_of(self, rank: int) -> Optional[int]:
+        return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
+
+    def owner(self, replica: int) -> int:
+        return replica * self.engine_tp
+
+    def owns(self, rank: int) -> bool:
+        return rank in [self.owner(r) for r in range(self.replicas)]
+
+    def members(self, replica: int) -> list:
+        return list(range(replica * self.engine_tp, (replica + 1) * self.engine_tp))
+
+    def prompt_slice(self, replica: int, num_prompts: int) -> slice:
+        """Replica r's contiguous share of a step's prompts (balanced; the first replicas take the remainder)."""
+        base, extra = divmod(num_prompts, self.replicas)
+        start = replica * base + min(replica, extra)
+        return slice(start, start + base + (replica < extra))
+
+
+def _broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast(t, src=src, group=group)
+    return t
+
+
+def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> RolloutBatch:
+    """`batch` (on rank src; None elsewhere) on every rank, sent as tensors."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me == src:
+        n, width = batch.response_ids.shape
+        header = torch.tensor([n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),
+                               batch.weight_version, batch.pad_token_id], dtype=torch.long)
+    else:
+        header = torch.empty(6, dtype=torch.long)
+    n, width, has_lp, prompt_tokens, version, pad = _broadcast(header, src, group).tolist()
+
+    def field(make, value):
+        return _broadcast(value() if me == src else make(), src, group)
+
+    response = field(lambda: torch.empty((n, width), dtype=torch.long), lambda: batch.response_ids.contiguous())
+    logprobs = field(lambda: torch.empty((n, width), dtype=torch.float32),
+                     lambda: batch.rollout_logprobs.contiguous()) if has_lp else None
+    rows = field(lambda: torch.empty((5, n), dtype=torch.long), lambda: torch.stack([
+        batch.response_lengths, batch.prompt_index, batch.truncated.long(), batch.prompt_truncated.long(),
+        torch.tensor([FINISH_REASONS.index(r) for r in batch.finish_reasons], dtype=torch.long)]).reshape(5, n))
+    prompt_lens = field(lambda: torch.empty(n, dtype=torch.long),
+                        lambda: torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.long))
+    prompts = field(lambda: torch.empty(prompt_tokens, dtype=torch.long),
+                    lambda: torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.long))
+    metrics = field(lambda: torch.empty(len(METRIC_KEYS), dtype=torch.float64), lambda: torch.tensor(
+        [float(batch.metrics.get(k, 0.0)) for k in METRIC_KEYS], dtype=torch.float64))
+    if me == src:
+        return batch
+    return RolloutBatch(prompt_ids=[p.tolist() for p in prompts.split(prompt_lens.tolist())], response_ids=response,
+                        response_lengths=rows[0].clone(), rollout_logprobs=logprobs,
+                        finish_reasons=[FINISH_REASONS[c] for c in rows[4].tolist()], truncated=rows[2].bool(),
+                        prompt_index=rows[1].clone(), prompt_truncated=rows[3].bool(), weight_version=int(version),
+                        pad_token_id=int(pad), metrics=dict(zip(METRIC_KEYS, metrics.tolist())))
+
+
+def combine(batches: list) -> RolloutBatch:
+    """The replicas' shares as one batch, in prompt order, with metrics over all of them."""
+    if len(batches) == 1:
+        return batches[0]
+    out = RolloutBatch.concat(batches)
+    m = {k: sum(b.metrics.get(k, 0.0) for b in batches) for k in _SUMMED}
+    m.update({k: max(b.metrics.get(k, 0.0) for b in batches) for k in _SLOWEST})
+    out.metrics = {**m, **rollout_rates(out, m)}
+    return out
+
+
+def rollout_rates(batch: RolloutBatch, m: dict) -> dict:
+    n = len(batch)
+    seconds = m.get("rollout/generate_seconds", 0.0)
+    return {"rollout/response_length_mean": float(batch.response_lengths.float().mean()) if n else 0.0,
+            "rollout/truncated_fraction": float(batch.truncated.float().mean()) if n else 0.0,
+            "rollout/tokens_per_second": m.get("rollout/response_tokens", 0.0) / seconds if seconds > 0 else 0.0}
