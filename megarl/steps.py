@@ -14,7 +14,7 @@ from megarl.config import MegarlConfig
 from megarl.data import PromptRecord
 from megarl.reward.compute import RewardInput, compute_rewards
 from megarl.rollout.replicas import broadcast_rollout, combine
-from megarl.runtime import Runtime, all_gather_objects, broadcast_object
+from megarl.runtime import Runtime, broadcast_object
 from megarl.types import RolloutBatch
 
 
@@ -125,21 +125,9 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     rank its parameters; see megarl.rollout.delivery. None in Ray mode (the bucket stream through rank 0)."""
     if cfg.rollout.mode == "ray":
         return None
-    from megarl.bridge.importer import model_mapping
-    from megarl.rollout.delivery import WeightSync, gather_owners, local_holdings
+    from megarl.rollout.delivery import plan_sync
 
-    mapping = model_mapping(actor.chunks, actor.spec)
-    local, tp_info, dtypes = local_holdings(actor.chunks, mapping)
-    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
-    mine = {}
-    if engine is not None:
-        first = rt.engines.owner(rt.engines.replica_of(rt.rank))
-        mine = {first + w: layout for w, layout in enumerate(engine.layouts)}
-    layouts = {}
-    for part in all_gather_objects(mine):
-        layouts.update(part)
-    return WeightSync(mapping, local, owners, all_dtypes, layouts, rt.engines,
-                      cfg.rollout.update_weights_bucket_megabytes << 20, rt.rank)
+    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20)
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:

@@ -76,7 +76,7 @@ class WeightSync:
     engine worker reported (megarl_layout)}."""
 
     def __init__(self, mapping: Mapping, local: dict, owners: dict, dtypes: dict, layouts: dict,
-                 topology: EngineTopology, bucket_bytes: int, rank: int, group=None):
+                 topology: EngineTopology, bucket_bytes: int, rank: int, token: str, group=None):
         self.mapping, self.local, self.topology, self.rank, self.group = mapping, local, topology, rank, group
         self.shapes = mapping.hf_shapes()
         self.dtypes = {h: dtypes[e.megatron] for e in mapping.entries if e.megatron in dtypes for h in e.hf}
@@ -88,7 +88,7 @@ class WeightSync:
         self.moves = plan_moves(mapping.hf_names(), self.needs, holdings, sizes)
         self.buckets = bucket_moves(self.moves, bucket_bytes)
         self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
-        self.token = secrets.token_hex(4)
+        self.token = token  # the same on every rank: it names the bucket files a host writes and its worker reads
         self.syncs = 0
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
@@ -209,6 +209,27 @@ class WeightSync:
         out["weight_sync/bytes"] = float(every[:, 2].sum())
         out["weight_sync/gbps"] = out["weight_sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         return out
+
+
+def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:
+    """Plan the live sync of a model (a collective, once per run): every engine owner reports its workers' layouts,
+    every rank its parameters. `engine`: this rank's engine handle if it owns a replica, else None."""
+    from megarl.bridge.importer import model_mapping
+    from megarl.runtime import all_gather_objects
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mapping = model_mapping(chunks, spec)
+    local, tp_info, dtypes = local_holdings(chunks, mapping)
+    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
+    mine = {}
+    if engine is not None:
+        first = topology.owner(topology.replica_of(rank))
+        mine = {first + w: layout for w, layout in enumerate(engine.layouts)}
+    layouts, tokens = {}, []
+    for part, token in all_gather_objects((mine, secrets.token_hex(4))):
+        layouts.update(part)
+        tokens.append(token)
+    return WeightSync(mapping, local, owners, all_dtypes, layouts, topology, bucket_bytes, rank, tokens[0])
 
 
 def gather_owners(local: dict, tp_info: dict, dtypes: dict, group=None) -> tuple:

@@ -77,7 +77,9 @@ class EngineProcess:
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow),
-                                     daemon=True, name="megarl-vllm-engine")
+                                     # vLLM's workers (engine TP > 1) are children of this process: a daemonic
+                                     # process may not have any; the engine dies with the trainer either way
+                                     daemon=config.tensor_model_parallel_size == 1, name="megarl-vllm-engine")
             self._proc.start()
         finally:
             os.environ.update(saved)

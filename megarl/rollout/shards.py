@@ -271,14 +271,15 @@ def plan_moves(order: Sequence[str], needs: TMapping[int, TMapping[str, Box]], h
     needs: {receiving rank: {hf_name: box}}; holdings: trainer_holdings(...); element_bytes: {hf_name: bytes}."""
     load: dict = {}
     moves = []
+    wanted: dict = {}
+    for dst in sorted(needs):
+        for hf_name, want in needs[dst].items():
+            wanted.setdefault(hf_name, []).append((dst, want))
     for hf_name in order:
         distinct: dict = {}
         for rank, box in holdings.get(hf_name, ()):
             distinct.setdefault(box, []).append(rank)
-        for dst in sorted(needs):
-            want = needs[dst].get(hf_name)
-            if want is None:
-                continue
+        for dst, want in wanted.get(hf_name, ()):
             covered = 0
             for held, ranks in distinct.items():
                 piece = intersect(want, held)

@@ -131,6 +131,9 @@ def describe_modules(model: torch.nn.Module) -> dict:
 
 
 def _open_bucket(path: str, size: int) -> torch.Tensor:
+    if not os.path.isfile(path) or os.path.getsize(path) != size:
+        raise FileNotFoundError(f"weight bucket file {path} of {size} bytes is missing (the trainer rank hosting this "
+                                "worker did not write it)")
     buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
     os.unlink(path)  # the mapping stays valid; nothing is left in shared memory once the tensors are released
     return buf

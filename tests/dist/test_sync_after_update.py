@@ -1,8 +1,10 @@
 """After a real optimizer step on the megatron actor, the weight sync makes vLLM sample from the actor's distribution.
 
-TP2 and PP2 on a dense model, EP2 on an MoE model: one PPO update, export -> engine (bucketed, checksum-verified),
-then the engine samples continuations of prompts longer than one KV block (128 tokens on CPU) and its logprobs of
-the sampled tokens must equal the updated actor's within 1e-4.
+Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2: one PPO
+update, then the trainer's per-rank delivery (every engine worker receives only its shard, in small buckets so that
+tensors straddle buckets and the largest are cut; checksums verified on every worker), then the engine samples
+continuations of prompts longer than one KV block (128 tokens on CPU) and its logprobs of the sampled tokens must
+equal the updated actor's within 1e-4. The bytes each rank sent, received and loaded equal the plan's.
 """
 import pytest
 import torch
@@ -13,7 +15,7 @@ from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 PROMPT_LEN, RESPONSE_LEN = 150, 12
 
 
-def update_then_sync(hf_dir, tp, pp, ep):
+def update_then_sync(hf_dir, tp, pp, ep, engine_tp):
     import torch.distributed as dist
 
     from megarl.config.schema import OptimConfig, RolloutConfig
@@ -23,7 +25,6 @@ def update_then_sync(hf_dir, tp, pp, ep):
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
     from megarl.rollout.process import EngineProcess
-    from megarl.bridge.exporter import export_hf_weights
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=0)
@@ -42,18 +43,18 @@ def update_then_sync(hf_dir, tp, pp, ep):
     train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
         [m["response_mask"] for m in micro], "token-mean")))
 
+    from megarl.rollout.delivery import plan_sync
+    from megarl.rollout.replicas import EngineTopology
+
+    world = dist.get_world_size()
+    topology = EngineTopology(world, engine_tp, 1)
     engine = None
     if dist.get_rank() == 0:
         cfg = RolloutConfig(n=2, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, ignore_eos=True,
-                            load_format="dummy", update_weights_bucket_megabytes=1)
+                            load_format="dummy", tensor_model_parallel_size=engine_tp, max_num_seqs=8)
         engine = EngineProcess(cfg, hf_dir, seed=0)
-    buckets = export_hf_weights(trainable.chunks, spec, 64 << 10)  # small buckets: tensors split across many
-    sync = None
-    if engine:
-        sync = engine.update_weights(buckets, verify=True)
-    else:
-        for _ in buckets:  # the export is collective: every rank drains it
-            pass
+    delivery = plan_sync(trainable.chunks, spec, engine, topology, 64 << 10)  # small buckets: tensors straddle them
+    sync = delivery.run(engine, verify=True)
     prompts = sample_tokens(2, PROMPT_LEN, vocab_size=spec.vocab_size, seed=3, min_len=PROMPT_LEN)[0].tolist()
     rollout = engine.generate(prompts) if engine else None
     rollout = [rollout]
@@ -63,19 +64,28 @@ def update_then_sync(hf_dir, tp, pp, ep):
     actor = token_logprobs(trainable.chunks, seqs, micro_batch_size=1)
     if engine:
         engine.shutdown()
-    if actor is None or ps.get_tensor_model_parallel_rank() != 0:
-        return None
-    actor_resp = actor[:, PROMPT_LEN - 1:]  # logprobs of the sampled tokens
-    return {"diff": (actor_resp - rollout.rollout_logprobs).abs().max().item(), "sync": sync,
-            "moved": rollout.rollout_logprobs.abs().mean().item()}
+    out = {"sync": sync if dist.get_rank() == 0 else None, "diff": None}
+    if actor is not None and ps.get_tensor_model_parallel_rank() == 0:
+        actor_resp = actor[:, PROMPT_LEN - 1:]  # logprobs of the sampled tokens
+        out["diff"] = (actor_resp - rollout.rollout_logprobs).abs().max().item()
+    return out
 
 
-@pytest.mark.parametrize("arch,tp,pp,ep", [("qwen2", 2, 1, 1), ("llama", 1, 2, 1), ("qwen3_moe", 1, 1, 2)],
-                         ids=["tp2-dense", "pp2-dense", "ep2-moe"])
-def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep):
+CASES = [("qwen2", 2, 1, 1, 1), ("llama", 1, 2, 1, 1), ("qwen3_moe", 1, 1, 2, 1), ("qwen2", 2, 1, 1, 2),
+         pytest.param("llama", 1, 1, 1, 2, marks=pytest.mark.slow), pytest.param("llama", 1, 2, 1, 2, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("arch,tp,pp,ep,engine_tp", CASES, ids=["tp2-dense", "pp2-dense", "ep2-moe", "tp2-engine-tp2",
+                                                                 "dp2-engine-tp2", "pp2-engine-tp2"])
+def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp):
     hf_dir = make_tiny_model(arch, tmp_path / arch)
-    results = [r for r in run_ranks(f"{__name__}:update_then_sync", tp * pp * ep,
-                                    {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep}, timeout=600) if r]
-    assert results
-    for r in results:
-        assert r["diff"] < 1e-4, r
+    world = max(tp * pp * ep, engine_tp)
+    results = run_ranks(f"{__name__}:update_then_sync", world,
+                        {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep, "engine_tp": engine_tp}, timeout=600)
+    diffs = [r["diff"] for r in results if r["diff"] is not None]
+    assert diffs and max(diffs) < 1e-4, diffs
+    sync = results[0]["sync"]
+    assert sync["weight_sync/verified_tensors"] > 0
+    for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
+        assert sync[f"weight_sync/{kind}_bytes_max"] == sync[f"weight_sync/plan_{kind}_bytes_max"], sync
+        assert sync[f"weight_sync/{kind}_bytes_rank0"] == sync[f"weight_sync/plan_{kind}_bytes_rank0"], sync
