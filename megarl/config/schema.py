@@ -80,8 +80,8 @@ class ModelConfig(_Section):
         None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
-    use_transformer_engine: Literal["auto", "true", "false"] = Field(
-        "auto", description="Transformer Engine layer spec: auto uses it when CUDA and TE are available.")
+    use_transformer_engine: Union[Literal["auto"], bool] = Field(
+        "auto", description="Transformer Engine layer spec (true/false); auto uses it when CUDA and TE are available.")
 
 
 class ParallelismConfig(_Section):
