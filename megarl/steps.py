@@ -241,7 +241,8 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)
     rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
-    metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")}, "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
+    metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")},
+               "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
                "dapo/kept_group_frac": len(kept) / max(1, seen_groups),
                "dapo/constant_groups": float(final["num_groups"] - final["num_groups_kept"])}
     return [k[0] for k in kept], rollout, scores, metrics

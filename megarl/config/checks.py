@@ -257,9 +257,14 @@ def check_rollout_logprobs(cfg: MegarlConfig) -> list[Issue]:
     users = [name for name, on in (("is_level", rc.is_level is not None),
                                    ("rejection_level", rc.rejection_level is not None),
                                    ("use_rollout_log_probs", rc.use_rollout_log_probs)) if on]
-    if cfg.rollout.calculate_log_probs or not users:
-        return []
     named = ", ".join(f"algorithm.rollout_correction.{u}" for u in users)
+    r = cfg.rollout
+    if users and r.logprobs_mode == "raw_logprobs" and r.temperature not in (0, 1):
+        return [Issue("rollout.logprobs_mode", r.logprobs_mode, f"raw logprobs are at temperature 1 while the "
+                      f"trainer's are at rollout.temperature={r.temperature}; {named} would weigh every token by "
+                      "that difference", "use processed_logprobs", keys=("rollout.logprobs_mode", "rollout.temperature"))]
+    if r.calculate_log_probs or not users:
+        return []
     return [Issue("rollout.calculate_log_probs", False, f"{named} read the engine's logprobs of the sampled tokens, "
                   "which calculate_log_probs=false does not compute (they would be zeros)",
                   f"set rollout.calculate_log_probs=true, or turn off {named}",
@@ -307,8 +312,9 @@ def check_device(cfg: MegarlConfig) -> list[Issue]:
                             "the run is on CPU", "set it to false on CPU",
                             keys=(P + "use_distributed_optimizer", "trainer.device")))
     if device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):
-        issues.append(Issue("model.dtype", cfg.model.dtype, "the CPU training path is built and tested in float32 only "
-                            "(and in bf16 the CPU engine's logprobs differ from the trainer's by tenths of a nat)", "use auto or float32 on CPU",
+        issues.append(Issue("model.dtype", cfg.model.dtype, "the CPU training path is built and tested in float32 "
+                            "only (and in bf16 the CPU engine's logprobs differ from the trainer's by tenths of a nat)",
+                            "use auto or float32 on CPU",
                             keys=("model.dtype", "trainer.device")))
     return issues
 
@@ -332,6 +338,17 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
                             "DAPO dynamic sampling (algorithm.filter_groups.enable=true)",
                             "set it to 0, or enable algorithm.filter_groups",
                             keys=("rollout.over_sample_rate", "algorithm.filter_groups.enable")))
+    kl_users = [k for k, on in (("actor.use_kl_loss", cfg.actor.use_kl_loss),
+                                ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward)) if on]
+    if cfg.ref.enable is False and kl_users:
+        issues.append(Issue("ref.enable", False, f"{' and '.join(kl_users)} compare the actor with the reference "
+                            "model, which ref.enable=false does not load", "unset ref.enable (or set it to true), or "
+                            f"turn off {' and '.join(kl_users)}", keys=("ref.enable", *kl_users)))
+    if cfg.critic.warmup_steps and not cfg.critic_enabled:
+        issues.append(Issue("critic.warmup_steps", cfg.critic.warmup_steps, "critic warm-up steps hold back the actor "
+                            "while a critic trains, and this run has no critic", "set it to 0, or use "
+                            "algorithm.adv_estimator=gae (or critic.enable=true)",
+                            keys=("critic.warmup_steps", "critic.enable", "algorithm.adv_estimator")))
     if cfg.trainer.total_epochs is not None and fg.enable:
         issues.append(Issue("trainer.total_epochs", cfg.trainer.total_epochs, "DAPO dynamic sampling draws a varying "
                             "number of prompts per step, so epochs do not map to a number of steps",

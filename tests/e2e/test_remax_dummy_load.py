@@ -1,5 +1,5 @@
-"""The tiny loop with rollout.load_format=dummy (the engine starts from random weights and must receive the actor's before
-the first rollout), ReMax greedy baselines and saved rollouts."""
+"""The tiny loop with rollout.load_format=dummy (the engine starts from random weights and must receive the actor's
+before the first rollout), ReMax greedy baselines and saved rollouts."""
 import json
 from pathlib import Path
 

@@ -69,6 +69,14 @@ def test_rollout_logprob_consumers_need_rollout_logprobs(consumer):
     _accepted(["rollout.calculate_log_probs=false"])
 
 
+def test_raw_rollout_logprobs_at_another_temperature_with_rollout_correction():
+    issue = _refused(["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7",
+                      "algorithm.rollout_correction.is_level=token"])["rollout.logprobs_mode"]
+    assert "temperature 1" in issue.rule and issue.fix == "use processed_logprobs"
+    _accepted(["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=1.0",
+               "algorithm.rollout_correction.is_level=token"])
+
+
 @pytest.mark.parametrize("value", ["fp8", "awq", "anything"])
 def test_quantization_on_cpu(value):
     issue = _refused([f"rollout.quantization={value}", "trainer.device=cpu"])["rollout.quantization"]
@@ -91,6 +99,18 @@ def test_over_sample_rate_needs_dynamic_sampling():
 def test_total_epochs_with_dynamic_sampling():
     assert "trainer.total_epochs" in _refused(["trainer.total_epochs=1", "algorithm.filter_groups.enable=true"])
     _accepted(["trainer.total_epochs=1"])
+
+
+@pytest.mark.parametrize("kl", ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"])
+def test_kl_terms_need_the_reference_model(kl):
+    issue = _refused(["ref.enable=false", kl])["ref.enable"]
+    assert kl.split("=")[0] in issue.rule
+    assert _accepted([kl]).ref_enabled  # unset: the reference is loaded because a KL term needs it
+
+
+def test_critic_warmup_needs_a_critic():
+    assert "critic.warmup_steps" in _refused(["critic.warmup_steps=5"])
+    _accepted(["critic.warmup_steps=5", "algorithm.adv_estimator=gae"])
 
 
 def test_sequence_parallel_needs_tensor_parallelism():
