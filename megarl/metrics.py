@@ -80,7 +80,6 @@ def combine_round_metrics(rounds: list[tuple[dict, int]]) -> dict:
     """One set of metrics for several generation rounds of a step (DAPO dynamic sampling), given each round's metrics
     and sample count: means and fractions weighted by samples, counts and seconds summed, tokens per second as total
     tokens over total generation time."""
-    total = sum(n for _, n in rounds)
     out: dict = {}
     for key in dict.fromkeys(k for metrics, _ in rounds for k in metrics):
         present = [(float(m[key]), n) for m, n in rounds if key in m]
@@ -92,8 +91,6 @@ def combine_round_metrics(rounds: list[tuple[dict, int]]) -> dict:
     if "rollout/tokens_per_second" in out:
         seconds = out.get("rollout/generate_seconds", 0.0)
         out["rollout/tokens_per_second"] = out.get("rollout/response_tokens", 0.0) / seconds if seconds > 0 else 0.0
-    if total == 0:
-        out = {k: 0.0 if k.endswith(_MEAN_SUFFIXES) else v for k, v in out.items()}
     return out
 
 
