@@ -174,3 +174,17 @@ def test_forward_micro_batch_is_not_shrunk_to_a_divisor():
 
     assert _micro(7, 4) == 4  # 7 rows (prime): two forwards of 4 (the last padded), not seven of 1
     assert _micro(3, 32) == 3 and _micro(64, 32) == 32
+
+
+def test_model_and_parallelism_settings_reach_the_model_build():
+    from megarl.megatron.workers import build_options
+
+    cfg = load_config(data=TINY, overrides=["rollout.n=2", "trainer.device=cuda", "model.dtype=bfloat16",
+                                            "model.use_transformer_engine=false", "model.recompute=full",
+                                            "parallelism.sequence_parallel=true", "trainer.n_gpus_per_node=2",
+                                            "parallelism.tensor_model_parallel_size=2"])
+    opts = build_options(cfg)
+    assert (opts["dtype"], opts["use_te"], opts["sequence_parallel"]) == (torch.bfloat16, False, True)
+    assert opts["recompute_granularity"] == "full"
+    defaults = build_options(load_config(data=TINY, overrides=["rollout.n=2"]))
+    assert (defaults["dtype"], defaults["use_te"], defaults["sequence_parallel"]) == (None, None, None)
