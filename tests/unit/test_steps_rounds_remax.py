@@ -188,3 +188,19 @@ def test_model_and_parallelism_settings_reach_the_model_build():
     assert opts["recompute_granularity"] == "full"
     defaults = build_options(load_config(data=TINY, overrides=["rollout.n=2"]))
     assert (defaults["dtype"], defaults["use_te"], defaults["sequence_parallel"]) == (None, None, None)
+
+
+def test_no_mismatch_metrics_without_rollout_logprobs():
+    """rollout.calculate_log_probs=false: nothing is compared against the zeros that stand in for engine logprobs."""
+    from megarl.batching import build_train_batch
+
+    rollout = _batch([[3, 4], [5]], [[1, 2], [1, 2]], [0, 0])
+    batch = build_train_batch(rollout, torch.tensor([1.0, 0.0]), 0)
+    batch["old_log_probs"] = torch.full_like(batch["rollout_log_probs"], -0.5)
+    batch["advantages"] = torch.zeros_like(batch["old_log_probs"])
+    with_engine = steps.batch_metrics(batch, rollout, torch.tensor([1.0, 0.0]))
+    assert with_engine["rollout/logprob_abs_diff_mean"] == 0.5  # -0.5 against the engine's 0.0 logprobs
+    rollout.rollout_logprobs = None
+    without = steps.batch_metrics(batch, rollout, torch.tensor([1.0, 0.0]))
+    assert not [k for k in without if k.startswith(("rollout/", "rollout_", "training_", "mismatch_"))]
+    assert without["train/reward_mean"] == 0.5
