@@ -204,3 +204,16 @@ def test_no_mismatch_metrics_without_rollout_logprobs():
     without = steps.batch_metrics(batch, rollout, torch.tensor([1.0, 0.0]))
     assert not [k for k in without if k.startswith(("rollout/", "rollout_", "training_", "mismatch_"))]
     assert without["train/reward_mean"] == 0.5
+
+
+def test_trainer_device_is_applied_at_start(monkeypatch):
+    from megarl.runtime import use_device
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    use_device("cpu")
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # hidden from this process and the engine child it starts
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="trainer.device=cuda but no CUDA device"):
+            use_device("cuda")
