@@ -1,6 +1,7 @@
 """Stages of a step on a fake engine (one gloo rank): ReMax greedy baselines, DAPO metrics over every generation round,
 validation in val_batch_size batches, saved rollouts, the epoch limit, forward micro-batch sizes."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -211,8 +212,6 @@ def test_trainer_device_is_applied_at_start(monkeypatch):
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     use_device("cpu")
-    import os
-
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""  # hidden from this process and the engine child it starts
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="trainer.device=cuda but no CUDA device"):
