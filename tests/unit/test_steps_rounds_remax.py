@@ -106,8 +106,13 @@ def test_dapo_metrics_cover_every_generation_round(rt):
                                             "data.train_batch_size=2", "actor.ppo_mini_batch_size=2"])
     loader = PromptLoader(_records([1, 4, 1, 6]), seed=0, shuffle=False)
     engine = FakeEngine(constant={1})
-    _, rollout, scores, metrics = steps.sample_batch(engine, loader, length_reward, Tokenizer(), cfg, rt,
-                                                     steps.Timer())
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):  # acc: 1 for a 4-token response
+        n = len(solution_str.split())
+        return {"score": float(n), "acc": float(n == 4)}
+
+    _, rollout, scores, metrics = steps.sample_batch(engine, loader, reward, Tokenizer(), cfg, rt, steps.Timer())
+    assert metrics["reward/acc_mean"] == 1 / 8  # one 4-token response among the 8 generated (the last round has 0)
     assert metrics["dapo/gen_rounds"] == 2.0 and scores.tolist() == [4.0, 5.0, 6.0, 7.0]  # the kept groups
     assert rollout.metrics["rollout/num_samples"] == 8.0  # 4 per round, not the last round's 4
     # tokens generated: round 1: 1, 1, 4, 5; round 2: 1, 1, 6, 7
