@@ -70,3 +70,44 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+# Per-round metrics whose name says they are an average over samples; every other one is a count or a duration.
+_MEAN_SUFFIXES = ("_mean", "_frac", "_fraction")
+
+
+def combine_round_metrics(rounds: list[tuple[dict, int]]) -> dict:
+    """One set of metrics for several generation rounds of a step (DAPO dynamic sampling), given each round's metrics
+    and sample count: means and fractions weighted by samples, counts and seconds summed, tokens per second as total
+    tokens over total generation time."""
+    out: dict = {}
+    for key in dict.fromkeys(k for metrics, _ in rounds for k in metrics):
+        present = [(float(m[key]), n) for m, n in rounds if key in m]
+        if key.endswith(_MEAN_SUFFIXES):
+            weight = sum(n for _, n in present)
+            out[key] = sum(v * n for v, n in present) / weight if weight else 0.0
+        else:
+            out[key] = sum(v for v, _ in present)
+    if "rollout/tokens_per_second" in out:
+        seconds = out.get("rollout/generate_seconds", 0.0)
+        out["rollout/tokens_per_second"] = out.get("rollout/response_tokens", 0.0) / seconds if seconds > 0 else 0.0
+    return out
+
+
+def write_rollouts(path: Path, records, rollout, batch: dict, scores, tokenizer) -> None:
+    """logging.save_rollouts: one JSON line per sample of the step with the prompt and response text, the reward, the
+    per-token advantages of the response tokens, and what identifies the prompt (data_source, ground_truth, uid)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for i in range(len(rollout)):
+            rec = records[int(rollout.prompt_index[i])]
+            mask = batch["response_mask"][i].bool()
+            row = {"prompt_index": int(rollout.prompt_index[i]), "uid": rec.uid, "data_source": rec.data_source,
+                   "prompt": tokenizer.decode(list(rollout.prompt_ids[i]), skip_special_tokens=True),
+                   "response": tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True),
+                   "ground_truth": rec.ground_truth, "reward": float(scores[i]),
+                   "advantages": [round(float(a), 6) for a in batch["advantages"][i][mask]],
+                   "response_length": int(rollout.response_lengths[i]), "finish_reason": rollout.finish_reasons[i]}
+            f.write(json.dumps(row, default=str) + "\n")
+    tmp.replace(path)

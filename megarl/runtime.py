@@ -8,6 +8,7 @@ ranks; results come from the last pipeline stage and are gathered so every rank 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def use_device(setting: str) -> None:
+    """trainer.device: cpu hides CUDA from this process and its children (before anything initialises CUDA); cuda
+    stops the run where no CUDA device is visible."""
+    if setting == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but no CUDA device is visible to this process; run on a GPU machine "
+                           "or set trainer.device=auto (or cpu)")
+
+
 def start(cfg: MegarlConfig) -> Runtime:
     """Initialise torch.distributed and megatron's parallel state for the recipe's layout."""
+    use_device(cfg.trainer.device)
     init_distributed()
     world = dist.get_world_size()
     if world != cfg.world_size:

@@ -61,7 +61,8 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     from megarl.runtime import dp_row_range
 
     s, d = cfg.sft, cfg.data
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
+                                              trust_remote_code=cfg.model.trust_remote_code)
     records = load_prompts(s.train_files, setting="sft.train_files", prompt_key=d.prompt_key,
                            response_key=d.response_key, ground_truth_key=d.ground_truth_key,
                            data_source_key=d.data_source_key, extra_info_key=d.extra_info_key,

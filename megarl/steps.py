@@ -11,7 +11,8 @@ import torch
 
 from megarl import algo
 from megarl.config import MegarlConfig
-from megarl.data import PromptRecord
+from megarl.data import PromptRecord, val_batches
+from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
 from megarl.rollout.replicas import broadcast_rollout, combine
 from megarl.runtime import Runtime, broadcast_object
@@ -35,9 +36,10 @@ class Timer:
 
 
 def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-             seed: Optional[int] = None) -> RolloutBatch:
+             seed: Optional[int] = None, greedy: bool = False) -> RolloutBatch:
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
-    whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent)."""
+    whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
+    greedy: one greedy response per prompt (ReMax baselines)."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
@@ -45,7 +47,8 @@ def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: boo
         batch = None
         if engine is not None and topo.replica_of(rt.rank) == replica:
             batch = engine.generate([r.prompt_ids for r in records[part]], validate=validate,
-                                    prompt_index=list(range(part.start, part.stop)), seed=seed)
+                                    prompt_index=list(range(part.start, part.stop)), seed=seed,
+                                    greedy=greedy)
         shares.append(batch)
     # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
     return combine([broadcast_rollout(b, topo.owner(r)) for r, b in enumerate(shares)])
@@ -112,12 +115,21 @@ def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
             kwargs.update(norm_adv_by_std=a.norm_adv_by_std_in_grpo)
     elif a.adv_estimator == "reinforce_plus_plus":
         kwargs.update(gamma=a.gamma)
-    else:
-        raise ValueError(f"algorithm.adv_estimator={a.adv_estimator!r} is not supported by the trainer yet (remax "
-                         "needs greedy baseline rollouts); use grpo, drgrpo, rloo, reinforce_plus_plus, "
-                         "reinforce_plus_plus_baseline or gae")
+    elif a.adv_estimator == "remax":
+        kwargs.update(reward_baselines=batch["reward_baselines"])
     batch["advantages"], batch["returns"] = algo.ADV_ESTIMATORS[a.adv_estimator](**kwargs)
     return metrics
+
+
+def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout: RolloutBatch, tokenizer,
+                    cfg: MegarlConfig, rt: Runtime) -> tuple[torch.Tensor, dict]:
+    """ReMax's baseline [N]: for each sample, the reward of the greedy response to its prompt (one greedy rollout per
+    prompt, scored like the samples). Returns (baselines, metrics)."""
+    greedy = generate(engine, records, rt, greedy=True)
+    greedy_scores, _ = score(reward_fn, greedy, records, tokenizer, cfg, rt)
+    per_prompt = torch.zeros(len(records), dtype=torch.float32)
+    per_prompt[greedy.prompt_index] = greedy_scores
+    return per_prompt[rollout.prompt_index], {"remax/baseline_reward_mean": greedy_scores.mean().item()}
 
 
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
@@ -154,15 +166,17 @@ def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bo
 def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> dict:
     mask = batch["response_mask"]
     lengths = rollout.response_lengths.float()
-    diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
     metrics = {
         "train/reward_mean": scores.mean().item(), "train/reward_max": scores.max().item(),
         "train/reward_min": scores.min().item(), "train/response_length_mean": lengths.mean().item(),
         "train/response_length_max": lengths.max().item(), "train/truncated_frac": rollout.truncated.float().mean().item(),
         "train/advantage_mean": algo.masked_mean(batch["advantages"], mask).item(),
-        "rollout/logprob_abs_diff_mean": algo.masked_mean(diff, mask).item(),
-        "rollout/logprob_abs_diff_max": diff[mask].max().item() if mask.any() else 0.0,
     }
+    if rollout.rollout_logprobs is None:  # rollout.calculate_log_probs=false: no engine logprobs to compare with
+        return metrics
+    diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+    metrics.update({"rollout/logprob_abs_diff_mean": algo.masked_mean(diff, mask).item(),
+                    "rollout/logprob_abs_diff_max": diff[mask].max().item() if mask.any() else 0.0})
     metrics.update({k: float(v) for k, v in algo.rollout_mismatch_metrics(
         batch["old_log_probs"], batch["rollout_log_probs"], mask).items()})
     return metrics
@@ -175,13 +189,19 @@ def actor_summary(metrics: dict) -> dict:
 
 
 def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
-    """Greedy (val_kwargs) rollouts on the validation set; val/reward_mean and per data_source means."""
+    """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
+    val/reward_mean and per data_source means."""
     if not records:
         return {}
-    rollout = generate(engine, records, rt, validate=True, seed=cfg.trainer.seed)
-    scores, _ = score(reward_fn, rollout, records, tokenizer, cfg, rt)
+    parts, sources, start = [], [], 0
+    for chunk in val_batches(records, cfg.data.val_batch_size):
+        # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
+        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n)
+        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt)[0])
+        sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
+        start += len(chunk)
+    scores = torch.cat(parts)
     metrics = {"val/reward_mean": scores.mean().item()}
-    sources = [records[int(i)].data_source for i in rollout.prompt_index]
     for source in sorted(set(sources)):
         picked = torch.tensor([s == source for s in sources])
         metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
@@ -222,6 +242,7 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     draw = int(math.ceil(target * (1 + cfg.rollout.over_sample_rate))) if fg.enable else target
     kept: list[tuple[PromptRecord, RolloutBatch, torch.Tensor]] = []
     rounds, seen_groups = 0, 0
+    generated: list[tuple[dict, int]] = []  # each round's rollout/* and reward/* metrics with its sample count
     while True:
         records = loader.next_batch(draw)
         with timer("rollout"):
@@ -232,6 +253,7 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
         rounds += 1
         if not fg.enable:
             return records, rollout, scores, reward_metrics
+        generated.append(({**rollout.metrics, **reward_metrics}, len(rollout)))
         metric = extras.get("acc", scores) if fg.metric == "acc" else scores
         keep, m = algo.filter_groups_by_metric(metric, rollout.prompt_index)
         seen_groups += m["num_groups"]
@@ -250,7 +272,11 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     rollout = RolloutBatch.concat([k[1] for k in kept], prompt_index=list(range(len(kept))))
     scores = torch.cat([k[2] for k in kept])
     _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
-    metrics = {**reward_metrics, "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
+    # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
+    every_round = combine_round_metrics(generated)
+    rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
+    metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")},
+               "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
                "dapo/kept_group_frac": len(kept) / max(1, seen_groups),
                "dapo/constant_groups": float(final["num_groups"] - final["num_groups_kept"])}
     return [k[0] for k in kept], rollout, scores, metrics

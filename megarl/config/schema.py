@@ -36,7 +36,8 @@ class DataConfig(_Section):
     data_source_key: str = Field("data_source", description="Column naming the reward function for each row.")
     extra_info_key: str = Field("extra_info", description="Column with per-row extra info passed to the reward.")
     train_batch_size: int = Field(8, ge=1, description="Prompts per RL step (each sampled rollout.n times).")
-    val_batch_size: Optional[int] = Field(None, ge=1, description="Prompts per validation batch; None: all at once.")
+    val_batch_size: Optional[int] = Field(None, ge=1, description="Prompts per validation generate call; None: all "
+                                          "at once (the results do not depend on it).")
     apply_chat_template: bool = Field(True, description="Render chat-message prompts with the tokenizer's template.")
     truncation: Literal["error", "filter", "left", "right"] = Field(
         "error", description="What to do with prompts longer than rollout.prompt_length: raise, drop them "
@@ -44,7 +45,8 @@ class DataConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle training prompts every epoch (deterministic from trainer.seed).")
     drop_last: bool = Field(True, description="Skip an epoch's last prompts when fewer than train_batch_size remain "
                             "(every batch full); false: return them as a short batch.")
-    dataloader_num_workers: int = Field(0, ge=0, description="Worker processes for reading data.")
+    dataloader_num_workers: int = Field(0, ge=0, description="Accepted for verl recipes; only 0: prompts are read "
+                                        "into memory once at start.")
     synthetic: Optional[SyntheticDataConfig] = Field(None, description="Generate a synthetic task; its files fill "
                                                      "train_files, val_files and sft.train_files when those are empty.")
 
@@ -74,14 +76,16 @@ class ModelConfig(_Section):
     config_path: Optional[str] = Field(None, description="A config.json describing the model, used by `validate` and "
                                        "`plan` where model.path is not available (e.g. planning on a laptop).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Training parameter dtype; auto: float32 on CPU, bfloat16 on GPU.")
-    trust_remote_code: bool = Field(False, description="Allow custom model code from the model directory.")
+        "auto", description="Training parameter dtype of actor, reference and critic; auto: float32 on CPU, bfloat16 "
+        "on GPU (CPU: float32 only).")
+    trust_remote_code: bool = Field(False, description="Let the tokenizer run custom code from its directory (model "
+                                    "code is never run: megarl builds the supported architectures itself).")
     create_tiny: Optional[TinyModelSpec] = Field(
         None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
-    use_transformer_engine: Literal["auto", "true", "false"] = Field(
-        "auto", description="Transformer Engine layer spec: auto uses it when CUDA and TE are available.")
+    use_transformer_engine: Union[Literal["auto"], bool] = Field(
+        "auto", description="Transformer Engine layer spec (true/false); auto uses it when CUDA and TE are available.")
 
 
 class ParallelismConfig(_Section):
@@ -94,7 +98,8 @@ class ParallelismConfig(_Section):
     context_parallel_size: int = Field(1, ge=1, description="Context parallel size (CP).")
     expert_model_parallel_size: int = Field(1, ge=1, description="Expert parallel size (EP) for MoE layers.")
     expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, description="TP size inside experts; None: TP.")
-    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (required for MoE with TP>1).")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism over the TP ranks (needs TP > 1; "
+                                    "required for MoE with TP > 1).")
     use_distributed_optimizer: bool = Field(False, description="Shard optimizer states over DP (GPU only).")
 
 
@@ -154,7 +159,8 @@ class CriticConfig(_Section):
 
 class RefConfig(_Section):
     enable: Optional[bool] = Field(None, description="Keep a frozen reference model; None: on when a KL term is used.")
-    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reference forward on one rank.")
+    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reference forward on one rank "
+                                                   "(the actor's use rollout.log_prob_micro_batch_size_per_gpu).")
 
 
 class ValKwargs(_Section):
@@ -183,8 +189,8 @@ class RolloutConfig(_Section):
     do_sample: bool = Field(True, description="False means greedy decoding.")
     n: int = Field(1, ge=1, description="Samples per prompt.")
     repetition_penalty: float = Field(1.0, gt=0, description="Penalty for repeated tokens; 1 disables.")
-    over_sample_rate: float = Field(0.0, ge=0, description="Extra prompts drawn per step, as a fraction (DAPO dynamic "
-                                    "sampling).")
+    over_sample_rate: float = Field(0.0, ge=0, description="Extra prompts drawn per generation round, as a fraction "
+                                    "(only with DAPO dynamic sampling, algorithm.filter_groups.enable).")
     prompt_length: int = Field(512, ge=1, description="Maximum prompt tokens.")
     response_length: int = Field(512, ge=1, description="Maximum generated tokens.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings.")
@@ -212,7 +218,8 @@ class RolloutConfig(_Section):
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     load_format: Literal["dummy", "auto", "safetensors"] = Field("auto", description="How the engine loads weights at "
                                                                  "start; they are replaced by the actor's anyway.")
-    quantization: Optional[str] = Field(None, description="Engine weight quantization method, e.g. fp8; None: none.")
+    quantization: Optional[str] = Field(None, description="Engine weight quantization: fp8 (GPU only: online "
+                                        "quantization of the synced weights); None: none.")
     calculate_log_probs: bool = Field(True, description="Return rollout logprobs of sampled tokens.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
         "processed_logprobs", description="processed: logprobs of the sampling distribution (after temperature, "
@@ -221,7 +228,8 @@ class RolloutConfig(_Section):
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per trainer forward when "
                                                    "recomputing old logprobs.")
     log_prob_use_dynamic_bsz: bool = Field(False, description="Pack logprob micro-batches by token budget.")
-    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per logprob micro-batch.")
+    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per logprob micro-batch "
+                                                "(log_prob_use_dynamic_bsz; not supported yet).")
     update_weights_bucket_megabytes: int = Field(512, ge=1, description="Weight-sync bucket size.")
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling overrides for validation.")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn rollout settings.")
@@ -301,14 +309,16 @@ class AlgorithmConfig(_Section):
 class TrainerConfig(_Section):
     run_dir: str = Field("runs/default", description="Where metrics.jsonl, tensorboard events, the resolved config and "
                          "checkpoints go.")
-    total_steps: int = Field(10, ge=1, description="RL steps to run.")
-    total_epochs: Optional[int] = Field(None, ge=1, description="Stop after this many passes over the data.")
+    total_steps: int = Field(10, ge=1, description="RL steps to run (fewer when total_epochs ends the run first).")
+    total_epochs: Optional[int] = Field(None, ge=1, description="Stop after this many passes over the training "
+                                        "prompts (caps total_steps); None: total_steps alone.")
     seed: int = Field(1, description="Seed for data order, sampling and initialisation.")
     test_freq: int = Field(0, ge=0, description="Validate every N steps; 0: never.")
     val_before_train: bool = Field(True, description="Validate once before the first step.")
     nnodes: int = Field(1, ge=1, description="Number of nodes.")
     n_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs, or processes on CPU).")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU; cpu "
+                                                   "hides CUDA from the run; cuda stops a run that finds no GPU.")
 
 
 class CheckpointConfig(_Section):
@@ -325,7 +335,8 @@ class LoggingConfig(_Section):
     tensorboard: bool = Field(True, description="Tensorboard event files in run_dir.")
     jsonl: bool = Field(True, description="run_dir/metrics.jsonl, one object per step.")
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
-    save_rollouts: bool = Field(False, description="Write every step's rollouts to run_dir/rollouts.")
+    save_rollouts: bool = Field(False, description="Write every step's samples to run_dir/rollouts/step_<N>.jsonl "
+                                "(prompt, response, reward, per-token advantages).")
 
 
 class SFTConfig(_Section):

@@ -29,6 +29,19 @@ def recompute_overrides(recompute: str) -> dict:
     return {}
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_options(cfg: MegarlConfig) -> dict:
+    """build_and_load keywords from model.* and parallelism.*: None leaves megarl's defaults (float32 on CPU and
+    bfloat16 on GPU; Transformer Engine when CUDA and TE are available; sequence parallelism for MoE with TP > 1)."""
+    m, p = cfg.model, cfg.parallelism
+    return {"dtype": _DTYPES.get(m.dtype),
+            "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
+            "sequence_parallel": p.sequence_parallel or None,
+            **recompute_overrides(m.recompute)}
+
+
 def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width: int) -> torch.Tensor:
     rows = dp_row_range(ids.shape[0], rt)
     local = fn(ids[rows])
@@ -42,8 +55,7 @@ def _average(metrics: list[dict]) -> dict:
 class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
                  total_steps: int):
-        self.model, self.spec = build_and_load(hf_dir, value_head=value_head,
-                                               **recompute_overrides(cfg.model.recompute))
+        self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
         self.trainable: Optional[Trainable] = None
         if optim is not None:
             self.trainable = make_trainable(self.model, optim, total_steps,
@@ -82,10 +94,11 @@ class PolicyWorker(_Worker):
 
     def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
         """Logprobs [N, T] of every token given its prefix, at the rollout temperature."""
-        micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
+        micro = (self.cfg.rollout.log_prob_micro_batch_size_per_gpu if self.trainable is not None
+                 else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
         t = self.loss_settings.temperature
         ids = batch["input_ids"]
-        return _forward_rows(rt, ids, lambda x: token_logprobs(self.chunks, x, _divisor(x.shape[0], micro), t),
+        return _forward_rows(rt, ids, lambda x: token_logprobs(self.chunks, x, _micro(x.shape[0], micro), t),
                              ids.shape[1] - 1)
 
     def update(self, batch: dict, rt: Runtime, step: int) -> dict:
@@ -113,7 +126,7 @@ class CriticWorker(_Worker):
         micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
         ids = batch["input_ids"]
         s = ids.shape[1]
-        return _forward_rows(rt, ids, lambda x: _cut(token_values(self.chunks, x, _divisor(x.shape[0], micro)), s - 1),
+        return _forward_rows(rt, ids, lambda x: _cut(token_values(self.chunks, x, _micro(x.shape[0], micro)), s - 1),
                              s - 1)
 
     def update(self, batch: dict, rt: Runtime, step: int) -> dict:
@@ -129,6 +142,7 @@ def _cut(values: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:
     return None if values is None else values[:, :width]
 
 
-def _divisor(n: int, at_most: int) -> int:
-    """The largest micro-batch size <= at_most that divides n (forward passes need equal micro-batches)."""
-    return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)
+def _micro(n: int, at_most: int) -> int:
+    """Forward micro-batch size for n rows: at_most, or n when fewer (run_microbatches pads the last micro-batch, so
+    n need not divide by it)."""
+    return max(1, min(n, at_most))

@@ -2,7 +2,7 @@
 
 Interface (duck-typed; `VLLMEngine` is the one implementation, so there is no base class to inherit):
 
-    generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None) -> RolloutBatch
+    generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, greedy=False) -> RolloutBatch
     update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
     weight_version: int                                        # 0 = the weights loaded at start
     checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
@@ -54,13 +54,17 @@ def resolve_dtype(cfg: RolloutConfig, on_gpu: bool) -> str:
     return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
 
 
-def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None) -> dict[str, Any]:
+def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None,
+                    greedy: bool = False) -> dict[str, Any]:
     """Keyword arguments of vllm.SamplingParams for a training (or, with validate=True, validation) rollout.
 
     Validation takes temperature, top_k, top_p, n and do_sample from rollout.val_kwargs; everything else (length,
-    stop tokens, penalties, logprobs) is shared. do_sample=False means greedy: temperature 0, no top-k/top-p."""
+    stop tokens, penalties, logprobs) is shared. do_sample=False means greedy: temperature 0, no top-k/top-p.
+    greedy=True: one greedy response per prompt whatever the config says (ReMax's baseline)."""
     src = cfg.val_kwargs if validate else cfg
-    greedy = not src.do_sample or src.temperature == 0
+    if greedy:
+        n = 1
+    greedy = greedy or not src.do_sample or src.temperature == 0
     kw: dict[str, Any] = {
         "n": n if n is not None else src.n,
         "temperature": 0.0 if greedy else float(src.temperature),
@@ -306,10 +310,12 @@ class VLLMEngine:
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
-                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None) -> RolloutBatch:
+                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
+                 greedy: bool = False) -> RolloutBatch:
         """Sample responses for token-id prompts.
 
         n: samples per prompt (default rollout.n, or val_kwargs.n when validate). validate: use rollout.val_kwargs.
+        greedy: one greedy response per prompt (see sampling_kwargs).
         prompt_index: group ids to record per sample (default 0..P-1). seed: when given, prompt i's samples use seeds
         seed + i*n + j, so a batch is reproducible whatever else the engine ran before (and across resumes)."""
         from vllm import SamplingParams
@@ -320,7 +326,7 @@ class VLLMEngine:
         if len(ids) != len(prompt_token_ids):
             raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
         prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
-        kw = sampling_kwargs(cfg, validate=validate, n=n)
+        kw = sampling_kwargs(cfg, validate=validate, n=n, greedy=greedy)
         n_eff = kw["n"]
         if seed is None:
             params: Any = SamplingParams(**kw)

