@@ -1,8 +1,8 @@
 """`megarl plan`: will a recipe fit on a cluster? Per-GPU memory of every term, weight-sync bytes and time, a verdict.
 
 Pure arithmetic on the recipe and the model's config.json (no GPU, no weights). The parameter bytes each Megatron rank
-holds and the bytes each engine rank receives per weight sync come from the resharding plan
-(megarl.rollout.plan.build_plan), so the planner and the weight sync never disagree about who holds what.
+holds and the bytes each GPU sends, receives and loads into its engine worker per weight sync come from the sync
+plan (megarl.rollout.plan.build_plan, the plan the live sync runs), so the two never disagree about who holds what.
 
 The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
 * Trainable model (actor; critic with a 1-wide value head instead of the LM head):
@@ -28,9 +28,10 @@ Phases (the peak is their maximum): rollout (states + engine), logprob forwards 
 if it does not sleep]), training (states + activations [+ engine]), weight sync (states + engine weights + buffers).
 "States" are the parameters, gradients and optimizer states of actor, critic and reference, always resident.
 
-Weight sync: each engine rank receives its shard (plan.bytes_received); at a link bandwidth B the sync takes at
-least max(received) / B. The current transport gathers the full HF tensors on trainer rank 0 first, so the whole
-model passes through it: total / B is the bound for that step.
+Weight sync: each engine worker loads its own shard; the GPU hosting it receives from other GPUs only the pieces
+of that shard it does not hold itself. At a link bandwidth B the sync takes at least max(received) / B.
+Engines (colocated): rollout.data_parallel_size replicas of engine TP GPUs each, by default every GPU; with
+enable_sleep_mode and free_cache_engine they release their memory between a rollout and the next weight sync.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from megarl.rollout.plan import ModelShape, ReshardPlan, build_plan
+from megarl.rollout.plan import DTYPE_BYTES, build_plan
 
 GIB = 1024 ** 3
 RESERVE_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
@@ -91,29 +92,36 @@ def _read_hf_config(cfg) -> dict:
                     "that exists on this machine")
 
 
-def _held_per_rank(plan: ReshardPlan, expert_of: dict[str, bool]) -> tuple[dict[int, int], dict[int, int]]:
-    """(dense bytes, expert bytes) each rank of one Megatron model replica (TP*EP*PP ranks) holds, from the plan's
-    senders: a TP shard is held by its sender; a replicated tensor by every TP rank of its stage; a dense tensor by
-    every EP rank (the plan lets ep == 0 send it); an expert by the one EP rank that sends it."""
-    tp, ep = plan.tp, plan.ep
-    ranks = tp * ep * plan.pp
-    dense, expert = {r: 0 for r in range(ranks)}, {r: 0 for r in range(ranks)}
-    for m in plan.moves:
-        if expert_of[m.name]:
-            for r, b in m.senders.items():
-                expert[r] += b
-            continue
-        for r, b in m.senders.items():
-            t, stage = r % tp, r // (tp * ep)
-            holders = range(tp) if m.kind == "replicated" else (t,)
-            for t2 in holders:
-                for e in range(ep):
-                    dense[t2 + tp * (e + ep * stage)] += b
-    return dense, expert
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a model that the activation and KV-cache estimates use."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    experts: int = 0
+    moe_ffn: int = 0
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelShape":
+        heads = int(cfg["num_attention_heads"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        return cls(hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]), heads=heads,
+                   kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                   ffn=int(cfg.get("intermediate_size") or 0), vocab=int(cfg["vocab_size"]), experts=experts,
+                   moe_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") if experts else 0)
+                               or 0))
 
 
-def _per_stage_max(values: dict[int, int], tp: int, ep: int, pp: int) -> list[int]:
-    return [max(values[r] for r in range(s * tp * ep, (s + 1) * tp * ep)) for s in range(pp)]
+def _per_stage_max(values: dict[int, int], world: int, pp: int) -> list[int]:
+    """The most loaded rank of each pipeline stage (megatron-core order: stage = rank // (world / PP))."""
+    per = world // pp
+    return [max(values[r] for r in range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, tp: int, sp: bool, recompute: str, top_k: int) -> int:
@@ -156,18 +164,17 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                         "data-parallel size; change the node count or the layout")
     dp = world // (tp * pp)
     edp = world // (tp * ep * pp)  # expert TP = TP
+    replicas = 1 if ray_mode else cfg.engine_replicas
     try:
-        plan = build_plan(shape, tp, pp, ep, etp_engine, eep_engine, dtype)
-        engine_plan = plan if engine_dtype == dtype else build_plan(shape, tp, pp, ep, etp_engine, eep_engine,
-                                                                    engine_dtype)
+        plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas if not ray_mode else 1, dtype)
     except ValueError as exc:
-        raise PlanError(f"the resharding plan refuses this layout: {exc}") from None
-    expert_of = {m.name: ".experts." in m.name for m in plan.moves}
-    dense, expert = _held_per_rank(plan, expert_of)
-    lm_head = {m.name: m for m in plan.moves}.get("lm_head.weight")
-    stage_dense = _per_stage_max(dense, tp, ep, pp)
-    stage_expert = _per_stage_max(expert, tp, ep, pp)
-    stage_all = _per_stage_max({k: dense[k] + expert[k] for k in dense}, tp, ep, pp)
+        raise PlanError(f"the weight-sync plan refuses this layout: {exc}") from None
+    dense, expert = plan.held_bytes()
+    stage_dense = _per_stage_max(dense, world, pp)
+    stage_expert = _per_stage_max(expert, world, pp)
+    stage_all = _per_stage_max({k: dense[k] + expert[k] for k in dense}, world, pp)
+    sent, received, loaded = plan.traffic()
+    ebytes_ratio = DTYPE_BYTES[engine_dtype] / DTYPE_BYTES[dtype]
 
     # micro-batches and tokens
     seq_len = r.prompt_length + r.response_length
@@ -221,7 +228,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                       a.ppo_max_token_len_per_gpu, True)
     models = [actor]
     if cfg.critic_enabled:  # the LM head becomes a 1-wide value head on the last stage
-        head = (max(lm_head.senders.values()) if lm_head is not None else 0) - shape.hidden * pbytes
+        untied = "lm_head.weight" in plan.mapping.by_hf
+        head = (shape.vocab * shape.hidden // tp * pbytes if untied else 0) - shape.hidden * pbytes
         critic_dense = [b - (head if s == pp - 1 else 0) for s, b in enumerate(stage_dense)]
         models.append(trainable("critic", critic_dense, stage_expert, cfg.critic.ppo_micro_batch_size_per_gpu,
                                 a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, False))
@@ -240,7 +248,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     # engine
     gpu_bytes = int(gpu_mem_gib * GIB)
     engine_reserve = int(r.gpu_memory_utilization * gpu_bytes)
-    engine_weights = max(engine_plan.bytes_received().values())
+    engine_weights = int(max(loaded.values()) * ebytes_ratio)  # the largest engine worker's shard
     ebytes = 2 if engine_dtype != "float32" else 4
     eng_ffn = (top_k * shape.moe_ffn) if shape.experts else shape.ffn
     engine_act = r.max_num_batched_tokens * ebytes * (4 * shape.hidden + 2 * eng_ffn // etp_engine) + \
@@ -259,15 +267,18 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     sync_buffers = 2 * (r.update_weights_bucket_megabytes << 20)
     reserve = int(RESERVE_GIB * GIB)
 
-    # phases on the most loaded GPU: each stage's GPU; with a colocated engine, stage 0's first engine-TP GPUs
-    sleeps = r.enable_sleep_mode and not ray_mode
+    # phases on the most loaded GPU of each stage, as the trainer runs them: rollout -> the engine sleeps (KV cache
+    # and weights freed) -> logprob forwards -> training -> it wakes its weights -> sync -> it wakes its KV cache
+    sleeps = r.enable_sleep_mode and r.free_cache_engine and not ray_mode
     colocated = not ray_mode
+    generating = replicas * etp_engine if colocated else engine_gpus
     best = None
     for s in range(pp):
         states = sum(m.state(s) for m in models)
         train_act = max(m.activations[s] for m in models if m.activations)
         fwd = fwd_logits if s == pp - 1 else 0
-        engine_here = colocated and s == 0  # the engine runs on the first GPUs of the node of rank 0 (stage 0)
+        # colocated replicas cover the first replicas * engine TP ranks (by default all of them; stage 0 first)
+        engine_here = colocated and (generating == world or s == 0)
         eng_busy = engine_reserve if engine_here else 0
         eng_idle = 0 if sleeps or not engine_here else engine_reserve
         phases = {
@@ -320,17 +331,15 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         reasons.append(f"engine GPU: gpu_memory_utilization {r.gpu_memory_utilization} plus the reserve exceeds "
                        f"{gpu_mem_gib:g} GiB")
 
-    recv = max(engine_plan.bytes_received().values())
+    recv = int(max(received.values(), default=0) * ebytes_ratio)  # from other ranks, per GPU and sync
     bw = link_gbps * 1e9
     sync_lb = recv / bw
-    total_sync = engine_plan.total_bytes
-
-    n_params = sum(math.prod(m.shape) for m in plan.moves)
-    n_expert = sum(math.prod(m.shape) for m in plan.moves if expert_of[m.name])
+    n_params = plan.total_bytes // plan.element_bytes
+    n_expert = sum(math.prod(shp) for h, shp in plan.mapping.hf_shapes().items() if ".experts." in h)
     actor_tokens, actor_mbs = tokens_and_micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                                a.ppo_max_token_len_per_gpu)
-    where = (f"Ray actors, {r.data_parallel_size} replica(s) on {engine_gpus} own GPUs" if ray_mode
-             else "colocated on trainer GPUs (rank 0 node)")
+    where = (f"Ray actors, {r.data_parallel_size or 1} replica(s) on {engine_gpus} own GPUs" if ray_mode
+             else f"colocated, {replicas} replica(s) x TP{etp_engine}: {generating} of {world} GPUs generate")
     lines = [
         f"megarl plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_mem_gib:g} GiB = {total_gpus} GPUs",
         f"model: {(hf.get('architectures') or ['?'])[0]}, {n_params / 1e9:.2f} B parameters"
@@ -342,8 +351,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         f"  actor micro-batch: {actor_tokens} tokens, {actor_mbs} micro-batch(es) per mini-batch per rank; models: "
         + ", ".join(m.name for m in models),
         f"engine: {where}, TP{etp_engine} EP{eep_engine}, gpu_memory_utilization {r.gpu_memory_utilization}, "
-        "sleep mode "
-        f"{r.enable_sleep_mode}",
+        "sleeps between rollouts "
+        f"{sleeps}",
         f"  weights {engine_weights / GIB:.2f} GiB/GPU, activations ~{engine_act / GIB:.2f} GiB, KV cache "
         f"{max(0, kv_budget) / GIB:.2f} GiB = {kv_tokens:,} tokens = {kv_tokens / max_len:.1f} sequences of "
         f"{max_len} (max_num_seqs {r.max_num_seqs})",
@@ -367,15 +376,18 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         lines.append(f"  {k:46s} {v:8.2f} GiB")
     lines.append(f"  {'total':46s} {peak / GIB:8.2f} GiB of {gpu_mem_gib:g}")
     lines.append("  phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in phases.items()) + " GiB")
-    lines += ["", f"weight sync ({engine_dtype}): {total_sync / GIB:.2f} GiB per sync; each engine rank receives "
-              f"{recv / GIB:.2f} GiB: >= {sync_lb:.2f} s at {link_gbps:g} GB/s; through trainer rank 0 (the current "
-              f"gather-then-send transport): >= {total_sync / bw:.2f} s",
+    lines += ["", f"weight sync ({engine_dtype}), per sync: each engine worker loads its shard, at most "
+              f"{engine_weights / GIB:.2f} GiB; a GPU receives at most {recv / GIB:.2f} GiB from other GPUs "
+              f"(>= {sync_lb:.2f} s at {link_gbps:g} GB/s) and sends at most "
+              f"{max(sent.values(), default=0) * ebytes_ratio / GIB:.2f} GiB; no GPU gathers the model",
               f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
+    if ray_mode:
+        lines[-2] += " (Ray mode: the whole model streams through trainer rank 0)"
     fits = not reasons
     verdict = "FITS" if fits else "DOES NOT FIT"
     lines += ["", f"verdict: {verdict} (peak {peak / GIB:.1f} of {gpu_mem_gib:g} GiB per GPU)"]
     lines += [f"  - {x}" for x in reasons]
-    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, recv, sync_lb)
+    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, engine_weights, sync_lb)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,59 +1,114 @@
-"""ReshardPlan: hand-computed byte counts for a tiny config, MoE placement, the CLI."""
+"""The weight-sync plan: hand-computed byte counts for a tiny config, engine facts (padded vocab, replicated KV heads,
+experts under EP), buckets, the CLI. No processes."""
 import json
 
 import pytest
 
-from megarl.rollout.plan import ModelShape, build_plan, main
+from megarl.bridge.hf_config import spec_from_dict
+from megarl.bridge.mapping import Mapping
+from megarl.rollout.plan import build_plan, main
+from megarl.rollout.shards import (Move, box_numel, bucket_moves, engine_needs, intersect, plan_moves,
+                                   predict_engine_modules, split_rows)
 
-# hidden 8, 2 heads x head_dim 4, 1 KV head, ffn 16, vocab 32, 2 layers, untied. Elements per layer:
-# q 64 + k 32 + v 32 + o 64 + gate 128 + up 128 + down 128 = 576 split, 2 norms x 8 = 16 replicated.
-# embed 256 + lm_head 256 (vocab split) + final norm 8. Total 2*592 + 520 = 1704 elements.
+# hidden 8, 2 heads x head_dim 4, 2 KV heads, ffn 16, vocab 32, 2 layers, untied. Elements per layer:
+# q 64 + k 64 + v 64 + o 64 + gate 128 + up 128 + down 128 = 640 split, 2 norms x 8 = 16 replicated.
+# embed 256 + lm_head 256 (vocab split) + final norm 8 = 520. Total 2 * 656 + 520 = 1832 elements.
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16, "vocab_size": 32,
-        "tie_word_embeddings": False}
+        "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 16, "vocab_size": 32,
+        "tie_word_embeddings": False, "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
 
 
-def test_total_bytes_is_the_sum_of_parameter_sizes():
-    plan = build_plan(ModelShape.from_hf_config(TINY), dtype="float32")
-    assert plan.total_bytes == 1704 * 4
-    assert sum(plan.bytes_sent().values()) == plan.total_bytes == plan.bytes_received()[0]
+def test_one_rank_one_engine_loads_the_whole_model_locally():
+    plan = build_plan(TINY, dtype="float32")
+    sent, received, loaded = plan.traffic()
+    assert plan.total_bytes == 1832 * 4 and loaded == {0: 1832 * 4}
+    assert not sent and not received
 
 
-def test_tp2_pp2_to_engine_tp2_hand_counts():
-    plan = build_plan(ModelShape.from_hf_config(TINY), tp=2, pp=2, engine_tp=2, dtype="float32")
-    # rank = tp + 2 * pp. Stage 0: embed + layer 0; stage 1: layer 1 + final norm + lm_head.
-    # rank 0: embed/2 128 + layer0 split/2 288 + layer0 norms 16 = 432; rank 1: 128 + 288 = 416
-    # rank 2: layer1 288 + norms 16 + final norm 8 + lm_head/2 128 = 440; rank 3: 288 + 128 = 416
-    assert plan.bytes_sent() == {0: 432 * 4, 1: 416 * 4, 2: 440 * 4, 3: 416 * 4}
-    # each engine rank: half of every split tensor (2*576 + 512) / 2 = 832, plus all replicated 2*16 + 8 = 40
-    assert plan.bytes_received() == {0: 872 * 4, 1: 872 * 4}
-    q = next(m for m in plan.moves if m.name == "model.layers.1.self_attn.q_proj.weight")
-    assert q.pp_stage == 1 and q.senders == {2: 128, 3: 128}
-    assert q.receivers == {0: (0, 0, 4, 128), 1: (0, 4, 8, 128)}
-    o = next(m for m in plan.moves if m.name == "model.layers.0.self_attn.o_proj.weight")
-    assert o.receivers[1][:3] == (1, 4, 8)  # row-parallel: split on the input dim
+def test_trainer_tp2_into_engine_tp2_moves_nothing_between_ranks():
+    # each TP rank holds exactly its engine worker's shard (same head and row splits); megatron's padded vocab (128
+    # rows, 64 per rank) puts all 32 real rows on rank 0, as does vLLM's (64 rows, 32 per rank)
+    plan = build_plan(TINY, tp=2, engine_tp=2, dtype="float32")
+    sent, received, loaded = plan.traffic()
+    assert not sent and not received
+    assert loaded == {0: (2 * (320 + 16) + 256 + 256 + 8) * 4, 1: (2 * (320 + 16) + 8) * 4}
 
 
-def test_moe_ep2_places_experts_and_engine_ep():
+def test_pp2_into_engine_tp2_hand_counts():
+    # rank 0 = stage 0 (embed, layer 0), rank 1 = stage 1 (layer 1, final norm, lm_head); worker w on rank w
+    plan = build_plan(TINY, pp=2, engine_tp=2, dtype="float32")
+    sent, received, loaded = plan.traffic()
+    # worker 0 needs from rank 1: layer 1's first halves 320 + its norms 16 + final norm 8 + lm_head rows 0-31 256
+    # worker 1 needs from rank 0: layer 0's second halves 320 + its norms 16 (no vocab rows: 32..63 are padding)
+    assert received == {0: 600 * 4, 1: 336 * 4} and sent == {1: 600 * 4, 0: 336 * 4}
+    assert loaded == {0: 1192 * 4, 1: 680 * 4}
+    o = [mv for mv in plan.moves if mv.hf == "model.layers.0.self_attn.o_proj.weight"]
+    assert {(mv.dst, mv.box) for mv in o} == {(0, ((0, 8), (0, 4))), (1, ((0, 8), (4, 8)))}  # row-parallel: dim 1
+
+
+def test_two_replicas_receive_only_their_shard():
+    # trainer TP2 over 2 ranks, engine TP1: two replicas, each worker needs the whole model; its rank holds half
+    plan = build_plan(TINY, tp=2, engine_tp=1, dtype="float32")
+    sent, received, loaded = plan.traffic()
+    assert plan.replicas == 2 and loaded == {0: 1832 * 4, 1: 1832 * 4}
+    assert received == {0: 640 * 4, 1: (640 + 512) * 4}  # rank 1 holds no vocabulary row (all on rank 0)
+    assert all(received[r] <= loaded[r] for r in received)
+
+
+def test_engine_facts_padded_vocab_and_replicated_kv_heads():
+    # 4 query heads, a single KV head, a prime vocabulary, engine TP4: vLLM pads 307 to 320 (80 rows per rank) and
+    # replicates the KV head on every rank
+    spec = spec_from_dict(dict(TINY, num_attention_heads=4, num_key_value_heads=1, head_dim=4, hidden_size=16,
+                               vocab_size=307))
+    mapping = Mapping(spec)
+    needs = [engine_needs(mapping, predict_engine_modules(mapping, 4, 1, w)) for w in range(4)]
+    assert [n["lm_head.weight"][0] for n in needs] == [(0, 80), (80, 160), (160, 240), (240, 307)]
+    assert [n["model.layers.0.self_attn.q_proj.weight"][0] for n in needs] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert all(n["model.layers.0.self_attn.k_proj.weight"] == ((0, 4), (0, 16)) for n in needs)
+
+
+def test_experts_under_engine_ep_and_tp():
     cfg = dict(TINY, architectures=["Qwen3MoeForCausalLM"], num_experts=4, moe_intermediate_size=8,
-               num_experts_per_tok=2)
-    plan = build_plan(ModelShape.from_hf_config(cfg), tp=1, pp=1, ep=2, engine_tp=2, engine_ep=2, dtype="float32")
-    e3 = next(m for m in plan.moves if m.name == "model.layers.0.mlp.experts.3.up_proj.weight")
-    assert e3.senders == {1: 64 * 4} and e3.receivers == {1: (None, 0, 0, 64 * 4)}
-    assert sum(plan.bytes_sent().values()) == plan.total_bytes
-    # experts are split evenly between the two EP ranks; dense tensors come from ep rank 0
-    experts_bytes = 2 * 4 * 3 * 64 * 4
-    assert plan.bytes_sent()[1] == experts_bytes // 2
-    with pytest.raises(ValueError, match="engine_ep=2 must equal engine_tp=1"):
-        build_plan(ModelShape.from_hf_config(cfg), ep=2, engine_ep=2)
-    with pytest.raises(ValueError, match="needs a MoE model"):
-        build_plan(ModelShape.from_hf_config(TINY), ep=2)
+               num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    mapping = Mapping(spec_from_dict(cfg))
+    ep = [engine_needs(mapping, predict_engine_modules(mapping, 2, 2, w)) for w in range(2)]
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in ep[1] and "model.layers.0.mlp.experts.3.up_proj.weight" \
+        not in ep[0]
+    assert ep[1]["model.layers.0.mlp.experts.3.down_proj.weight"] == ((0, 8), (0, 8))  # whole expert
+    tp = [engine_needs(mapping, predict_engine_modules(mapping, 2, 1, w)) for w in range(2)]
+    assert tp[1]["model.layers.0.mlp.experts.3.down_proj.weight"] == ((0, 8), (4, 8))  # split on the expert's ffn
+    assert tp[1]["model.layers.0.mlp.experts.3.gate_proj.weight"] == ((4, 8), (0, 8))
+    plan = build_plan(cfg, ep=2, engine_tp=2, engine_ep=2, dtype="float32")
+    sent, received, loaded = plan.traffic()
+    assert sum(loaded.values()) == sum(mv.nbytes for mv in plan.moves)
+    with pytest.raises(ValueError, match="must equal the engine's tensor parallel size"):
+        build_plan(cfg, world=2, engine_ep=2)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        build_plan(TINY, ep=2)
+
+
+def test_pieces_cover_every_need_exactly_and_buckets_are_bounded():
+    holdings = {"w": [(0, ((0, 4), (0, 6))), (1, ((4, 8), (0, 6))), (2, ((0, 4), (0, 6))), (3, ((4, 8), (0, 6)))]}
+    needs = {0: {"w": ((0, 8), (0, 6))}, 2: {"w": ((2, 6), (0, 6))}}
+    moves = plan_moves(["w"], needs, holdings, {"w": 4})
+    for dst, want in ((0, ((0, 8), (0, 6))), (2, ((2, 6), (0, 6)))):
+        mine = [mv for mv in moves if mv.dst == dst]
+        assert sum(box_numel(mv.box) for mv in mine) == box_numel(want)
+        assert all(intersect(mv.box, mv.holding) == mv.box for mv in mine)
+    assert {mv.src for mv in moves if mv.dst == 2} == {2, 3}  # the receiver's own rows first, then a peer's
+    with pytest.raises(ValueError, match="hold 24 of the 48 elements"):
+        plan_moves(["w"], {0: {"w": ((0, 8), (0, 6))}}, {"w": holdings["w"][:1]}, {"w": 4})
+    big = [Move("e", 0, 0, ((0, 100), (0, 10)), ((0, 100), (0, 10)), 4000), Move("n", 0, 0, ((0, 10),), ((0, 10),), 40)]
+    buckets = bucket_moves(big, 1000)
+    assert all(sum(mv.nbytes for mv in b) <= 1000 for b in buckets)
+    assert sum(box_numel(mv.box) for b in buckets for mv in b if mv.hf == "e") == 1000
+    assert split_rows(((0, 5), (0, 3)), 6) == [((0, 2), (0, 3)), ((2, 4), (0, 3)), ((4, 5), (0, 3))]
 
 
 def test_cli_prints_plan(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY))
-    assert main(["--hf-config", str(path), "--tp", "2", "--pp", "2", "--engine-tp", "2", "--dtype", "float32"]) == 0
+    assert main(["--hf-config", str(path), "--pp", "2", "--engine-tp", "2", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
-    assert "Megatron TP2 PP2 EP1 -> engine TP2" in out and "1,728 B" in out and "3,488 B" in out
+    assert "trainer TP1 PP2 EP1 on 2 ranks -> 1 engine replica(s) of TP2" in out and "2,400 B" in out, out
     assert main(["--hf-config", str(tmp_path / "missing.json")]) == 1
