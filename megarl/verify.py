@@ -28,9 +28,13 @@ TEXTS = [
 ]
 
 
-def world_size_for(tp: int, pp: int, ep: int) -> int:
-    """Ranks a plain `megarl verify` starts: TP * PP * EP (data parallel = EP)."""
-    return tp * pp * ep
+def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1) -> int:
+    """Ranks a plain `megarl verify` starts: TP * PP * EP (data parallel = EP), or more when the engine's TP needs
+    more ranks to host its workers (the extra ranks are data-parallel replicas)."""
+    world = tp * pp * ep
+    while world < engine_tp:
+        world += tp * pp * ep
+    return world
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -49,6 +53,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["megatron", "vllm"], default="megatron",
                    help="megatron: compare megarl's logprobs with HF transformers; vllm: also push megarl's weights "
                    "into a vLLM engine started with random weights and compare vLLM's logprobs with megarl's")
+    p.add_argument("--engine-tp", type=int, default=1, help="with --engine vllm: the engine's tensor parallel size "
+                   "(its workers are hosted by trainer ranks 0..engine_tp-1 and each receives only its shard)")
+    p.add_argument("--engine-ep", type=int, default=1, help="with --engine vllm: the engine's expert parallel size "
+                   "(1, or equal to --engine-tp)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the started ranks are killed")
     args = p.parse_args(argv)
     if args.tol is None:
@@ -86,7 +94,7 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
-                      lengths: Optional[torch.Tensor] = None) -> dict:
+                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1) -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
     (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
     logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
@@ -104,35 +112,38 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None}
     if engine == "vllm":
-        result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype))
+        result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype, engine_tp, engine_ep))
     return result
 
 
-def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor, dtype: str) -> dict:
-    """Rank 0 starts a vLLM engine with random (dummy) weights; every rank exports megarl's weights into it through
-    the trainer's weight-sync path (with checksum verification); rank 0 returns vLLM's logprobs of the batch."""
+def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor, dtype: str,
+                     engine_tp: int = 1, engine_ep: int = 1) -> dict:
+    """Rank 0 starts a vLLM engine (TP engine_tp, EP engine_ep) with random (dummy) weights; every rank delivers
+    megarl's weights into it through the trainer's weight sync (each engine worker receives its own shard from the
+    ranks that hold it; checksums verified on every worker); rank 0 returns vLLM's logprobs of the batch."""
     import torch.distributed as dist
 
-    from megarl.bridge.exporter import export_hf_weights
     from megarl.config.schema import RolloutConfig
+    from megarl.rollout.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
+    from megarl.rollout.replicas import EngineTopology
 
     engine = None
     if dist.get_rank() == 0:
         cfg = RolloutConfig(prompt_length=tokens.shape[1], response_length=1, load_format="dummy", dtype=dtype,
-                            enable_prefix_caching=False)
+                            enable_prefix_caching=False, tensor_model_parallel_size=engine_tp,
+                            expert_model_parallel_size=engine_ep)
         engine = EngineProcess(cfg, hf_dir, seed=0)
-    buckets = export_hf_weights(model, spec, 64 << 20)
-    if engine is None:
-        for _ in buckets:
-            pass
-        return {}
     try:
-        sync = engine.update_weights(buckets, verify=True)
+        sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), engine_tp, 1), 64 << 20).run(
+            engine, verify=True)
+        if engine is None:
+            return {}
         seqs = [tokens[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
         return {"vllm": engine.sequence_logprobs(seqs), "sync": sync}
     finally:
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
 
 
 def hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -157,7 +168,8 @@ def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -
 
 def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl") -> int:
     out = out or sys.stdout
-    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={args.engine}  "
+    engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
+    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}", file=out)
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
     for i, n, d, mean in rows:
@@ -190,7 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
-                  micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths)
+                  micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep)
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -207,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(code.item())
     from megarl.launch_local import RankFailure, run_ranks
 
-    world = world_size_for(args.tp, args.pp, args.ep)
+    world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine == "vllm" else 1)
     try:
         results = run_ranks("megarl.verify:_rank_body", world, kwargs, timeout=args.timeout)
     except RankFailure as exc:
@@ -228,8 +241,10 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
         vllm[i, : len(row)] = torch.tensor(row)
     hf_diff, _ = compare(hf_logprobs(args.hf, tokens), got, lengths)
     sync = engine["sync"]
-    print(f"weight sync into vLLM: {sync['weight_sync/num_tensors']:.0f} tensors, "
-          f"{sync['weight_sync/bytes'] / 2**20:.1f} MiB in {sync['weight_sync/seconds']:.2f} s, checksums verified; "
+    print(f"weight sync into vLLM (engine TP{args.engine_tp} EP{args.engine_ep}): "
+          f"{sync['weight_sync/num_tensors']:.0f} tensors, {sync['weight_sync/bytes'] / 2**20:.1f} MiB in "
+          f"{sync['weight_sync/seconds']:.2f} s, {sync['weight_sync/verified_tensors']:.0f} engine tensors' checksums "
+          f"verified; "
           f"megarl vs HF transformers: {hf_diff:.3e}")
     max_diff, rows = compare(got, vllm, lengths)  # reference: megarl's own logprobs
     return report(args, rows, max_diff, source, reference="megarl", other="vLLM")

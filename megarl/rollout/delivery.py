@@ -114,9 +114,8 @@ class WeightSync:
         except BaseException:
             if engine is not None:
                 engine.abort_update()
+                self._remove_leftovers(self.topology.members(replica))
             raise
-        finally:
-            self._remove_leftovers()
         result = engine.end_update() if engine is not None else {}
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
@@ -181,13 +180,15 @@ class WeightSync:
             out.append(self.bucket_file(b, host).meta if has else None)
         return out
 
-    def _remove_leftovers(self) -> None:
-        """Bucket files a failed load never opened (the worker unlinks the ones it maps)."""
+    def _remove_leftovers(self, hosts: Sequence[int]) -> None:
+        """After a failed sync: the bucket files of a replica that its workers never opened (a worker unlinks each
+        file it maps, so a successful sync leaves none)."""
         for b in range(len(self.buckets)):
-            try:
-                os.unlink(self._path(b, self.rank))
-            except FileNotFoundError:
-                pass
+            for host in hosts:
+                try:
+                    os.unlink(self._path(b, host))
+                except FileNotFoundError:
+                    pass
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def _metrics(self, stats: dict, seconds: float) -> dict:
