@@ -441,7 +441,9 @@ class VLLMEngine:
         metrics = {"weight_sync/version": float(self.weight_version),
                    "weight_sync/num_tensors": float(sum(r["tensors"] for r in results)),
                    "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
-                   "weight_sync/num_moe_reprocessed": float(sum(r["moe_reprocessed"] for r in results))}
+                   "weight_sync/num_moe_reprocessed": float(sum(r["moe_reprocessed"] for r in results)),
+                   # tied LM heads re-processed from the embedding, per worker (each holds its shard of one head)
+                   "weight_sync/num_tied_reloaded": float(max(r["tied_reloaded"] for r in results))}
         if getattr(self, "_verify", False):
             reports = [r["verify"] for r in results]
             metrics["weight_sync/verified_tensors"] = float(sum(r["checked"] for r in reports))

