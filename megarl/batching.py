@@ -26,23 +26,26 @@ def build_train_batch(rollout: RolloutBatch, scores: torch.Tensor, pad_token_id:
     if scores.shape != (n,):
         raise ValueError(f"scores has shape {tuple(scores.shape)}; expected ({n},), one reward per sample")
     lengths = rollout.response_lengths
-    total = [len(p) + int(r) for p, r in zip(rollout.prompt_ids, lengths.tolist())]
-    s = max(total)
+    prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
+    s = int((prompt_lengths + lengths).max())
+    # [N, S] masks of where each row's prompt and response tokens go; boolean indexing fills them in row-major order,
+    # the order of the flattened prompts and of the valid response entries
+    cols = torch.arange(s).unsqueeze(0)
+    in_prompt = cols < prompt_lengths.unsqueeze(1)
+    in_response = (cols >= prompt_lengths.unsqueeze(1)) & (cols < (prompt_lengths + lengths).unsqueeze(1))
+    valid = torch.arange(rollout.response_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
     ids = torch.full((n, s), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(n, s - 1, dtype=torch.bool)
+    ids[in_prompt] = torch.tensor([t for p in rollout.prompt_ids for t in p], dtype=torch.long)
+    ids[in_response] = rollout.response_ids[valid]
+    # logprob position t scores token t+1: a response token at column c is scored at c - 1
+    mask = in_response[:, 1:].clone()
     rollout_lp = torch.zeros(n, s - 1)
+    if rollout.rollout_logprobs is not None:
+        rollout_lp[mask] = rollout.rollout_logprobs[valid].float()
+    # the reward sits on the last response token; an empty response has none and contributes nothing to the loss
     token_scores = torch.zeros(n, s - 1)
-    for i, prompt in enumerate(rollout.prompt_ids):
-        p, r = len(prompt), int(lengths[i])
-        ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
-        ids[i, p:p + r] = rollout.response_ids[i, :r]
-        if r == 0:  # an empty response has no token to credit: it contributes nothing to the loss
-            continue
-        # logprob position t scores token t+1: the response tokens p..p+r-1 are scored at p-1..p+r-2
-        mask[i, p - 1:p - 1 + r] = True
-        if rollout.rollout_logprobs is not None:
-            rollout_lp[i, p - 1:p - 1 + r] = rollout.rollout_logprobs[i, :r]
-        token_scores[i, p + r - 2] = scores[i]
+    rows = (lengths > 0).nonzero().flatten()
+    token_scores[rows, prompt_lengths[rows] + lengths[rows] - 2] = scores[rows].float()
     return {"input_ids": ids, "response_mask": mask, "rollout_log_probs": rollout_lp,
             "token_level_scores": token_scores, "prompt_index": rollout.prompt_index.clone(),
             "response_lengths": lengths.clone()}

@@ -95,12 +95,24 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
     return scores, metrics
 
 
+def old_log_probs_from_update(cfg: MegarlConfig, actor_updates: bool) -> bool:
+    """True when the separate old-logprob pass can be skipped: the actor updates this step and the batch gets exactly
+    one optimizer step (ppo_epochs 1, one mini-batch), so the policy trained is still the one that sampled, and nothing
+    reads the old logprobs before the update (no KL penalty in the reward, no rollout correction). The update then
+    takes them from its own forward, detached (PPO ratio exactly 1, as verl and TRL do)."""
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
+    read_before = (cfg.kl_in_reward_active or rc.is_level is not None or rc.rejection_level is not None
+                   or rc.use_rollout_log_probs)
+    return actor_updates and one_step and not read_before
+
+
 def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
     """token_level_rewards, advantages and returns ([N, T]) on every rank (pure, identical everywhere)."""
     a = cfg.algorithm
     metrics = {}
     rewards = batch["token_level_scores"]
-    if a.use_kl_in_reward:
+    if cfg.kl_in_reward_active:
         rewards, m = algo.apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"],
                                            batch["response_mask"], kl_ctrl.value, a.kl_penalty)
         kl_ctrl.update(float(m["kl"]), n_steps=cfg.data.train_batch_size)

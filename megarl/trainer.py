@@ -125,8 +125,11 @@ def train(cfg: MegarlConfig) -> dict:
                         engine, reward_fn, records, rollout, tokenizer, cfg, rt)
                 reward_metrics.update(baseline_metrics)
             steps.engine_sleep(engine)
-            with timer("old_log_prob"):
-                batch["old_log_probs"] = actor.log_probs(batch, rt)
+            actor_updates = critic is None or step > cfg.critic.warmup_steps
+            on_policy = steps.old_log_probs_from_update(cfg, actor_updates)  # else a separate pass computes them
+            if not on_policy:
+                with timer("old_log_prob"):
+                    batch["old_log_probs"] = actor.log_probs(batch, rt)
             if ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"] = ref.log_probs(batch, rt)
@@ -137,8 +140,8 @@ def train(cfg: MegarlConfig) -> dict:
             adv_metrics = steps.compute_advantages(cfg, batch, kl_ctrl)
             with timer("train"):
                 train_metrics = critic.update(batch, rt, step) if critic is not None else {}
-                if step > cfg.critic.warmup_steps or critic is None:
-                    train_metrics.update(actor.update(batch, rt, step))
+                if actor_updates:
+                    train_metrics.update(actor.update(batch, rt, step, on_policy))
             with timer("sync"):
                 sync_metrics = steps.sync_weights(actor, engine, sync, cfg, rt)
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,

@@ -158,7 +158,8 @@ class CriticConfig(_Section):
 
 
 class RefConfig(_Section):
-    enable: Optional[bool] = Field(None, description="Keep a frozen reference model; None: on when a KL term is used.")
+    enable: Optional[bool] = Field(None, description="Keep a frozen reference model; None: on when a KL term with a "
+                                   "positive coefficient is used.")
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reference forward on one rank "
                                                    "(the actor's use rollout.log_prob_micro_batch_size_per_gpu).")
 
@@ -390,7 +391,18 @@ class MegarlConfig(_Section):
         return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
 
     @property
+    def kl_loss_active(self) -> bool:
+        """The actor loss has a KL(actor || ref) term: use_kl_loss with a positive kl_loss_coef (0 adds nothing)."""
+        return self.actor.use_kl_loss and self.actor.kl_loss_coef > 0
+
+    @property
+    def kl_in_reward_active(self) -> bool:
+        """The rewards carry a KL penalty: use_kl_in_reward with a positive kl_coef (a controller started at 0 stays
+        at 0, so the penalty would be 0 throughout)."""
+        return self.algorithm.use_kl_in_reward and self.algorithm.kl_ctrl.kl_coef > 0
+
+    @property
     def ref_enabled(self) -> bool:
         if self.ref.enable is not None:
             return self.ref.enable
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return self.kl_loss_active or self.kl_in_reward_active

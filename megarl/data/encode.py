@@ -31,18 +31,41 @@ def _as_id_list(out: Any, uid: str) -> list[int]:
     return out
 
 
-def encode_one(record: PromptRecord, tokenizer: Any, apply_chat_template: bool = True) -> list[int]:
-    """Token ids of one prompt (no length policy)."""
-    if isinstance(record.prompt, str):
-        return _as_id_list(tokenizer(record.prompt, add_special_tokens=True), record.uid)
+def _check_chat(record: PromptRecord, tokenizer: Any, apply_chat_template: bool) -> None:
     if not apply_chat_template:
         raise DataError(f"prompt {record.uid} is a list of chat messages but data.apply_chat_template=false; set "
                         f"data.apply_chat_template=true or store the prompt as plain text")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"prompt {record.uid} is a list of chat messages but the tokenizer has no chat_template; "
                         f"use a tokenizer with one (tokenizer_config.json / chat_template.jinja) or plain-text prompts")
+
+
+def encode_one(record: PromptRecord, tokenizer: Any, apply_chat_template: bool = True) -> list[int]:
+    """Token ids of one prompt (no length policy)."""
+    if isinstance(record.prompt, str):
+        return _as_id_list(tokenizer(record.prompt, add_special_tokens=True), record.uid)
+    _check_chat(record, tokenizer, apply_chat_template)
     out = tokenizer.apply_chat_template(list(record.prompt), add_generation_prompt=True, tokenize=True)
     return _as_id_list(out, record.uid)
+
+
+def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_template: bool = True) -> list[list[int]]:
+    """encode_one of every record, with one tokenizer call for the chat prompts and one for the plain-text ones:
+    batched calls cost a fraction of one call per prompt (a dataset's start-up time), and give the same ids."""
+    encoded: list = [None] * len(records)
+    chat = [i for i, r in enumerate(records) if not isinstance(r.prompt, str)]
+    text = [i for i, r in enumerate(records) if isinstance(r.prompt, str)]
+    if chat:
+        _check_chat(records[chat[0]], tokenizer, apply_chat_template)
+        out = tokenizer.apply_chat_template([list(records[i].prompt) for i in chat], add_generation_prompt=True,
+                                            tokenize=True)
+        for i, ids in zip(chat, out["input_ids"] if hasattr(out, "keys") else out):
+            encoded[i] = _as_id_list(ids, records[i].uid)
+    if text:
+        out = tokenizer([records[i].prompt for i in text], add_special_tokens=True)
+        for i, ids in zip(text, out["input_ids"]):
+            encoded[i] = _as_id_list(ids, records[i].uid)
+    return encoded
 
 
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_length: int,
@@ -60,7 +83,7 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_lengt
         raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
     if truncation not in ("error", "filter", "left", "right"):
         raise ValueError(f"data.truncation must be one of error, filter, left, right; got {truncation!r}")
-    encoded = [encode_one(r, tokenizer, apply_chat_template) for r in records]
+    encoded = encode_many(records, tokenizer, apply_chat_template)
     too_long = [i for i, ids in enumerate(encoded) if len(ids) > prompt_length]
     if too_long and truncation == "error":
         first = too_long[0]

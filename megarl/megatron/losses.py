@@ -39,7 +39,7 @@ class PolicyLossSettings:
         a = cfg.actor
         return cls(vocab_size=vocab_size, policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
                    clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
-                   entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                   entropy_coeff=a.entropy_coeff, use_kl_loss=cfg.kl_loss_active, kl_loss_coef=a.kl_loss_coef,
                    kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0)
 
 
@@ -68,25 +68,35 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: f
     return algo.entropy_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
 
 
-def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None):
+def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None,
+                        on_policy_log_probs: Optional[list] = None):
     """loss_fn(micro_batch, logits [b, S, V/TP]) -> (loss, metrics) for train_mini_batch.
 
     `denominator` is the global token or sequence count of the mini-batch (see train_step.loss_denominator), so the
-    micro-batch losses add up to the mini-batch loss. pg_loss/kl_loss/entropy_loss metrics are such shares."""
+    micro-batch losses add up to the mini-batch loss. pg_loss/kl_loss/entropy_loss metrics are such shares.
+
+    With `on_policy_log_probs` (a list) the weights are still those that sampled the batch (its only optimizer step):
+    the old logprobs are this forward's own, detached (PPO ratio exactly 1), so micro-batches need no old_log_probs;
+    each appends (mb["row_index"] [b], logprobs [b, T]) to the list for the caller."""
     policy_loss = algo.POLICY_LOSSES[s.policy_loss]
 
     def loss_fn(mb: dict, logits: torch.Tensor):
         ids, mask = mb["input_ids"], mb["response_mask"]
         logits = logits[:, : ids.shape[1] - 1]
         log_prob = logprobs_from_logits(logits, ids[:, 1:], s.vocab_size, s.temperature)
+        if on_policy_log_probs is None:
+            old_log_prob = mb["old_log_probs"]
+        else:
+            old_log_prob = log_prob.detach()
+            on_policy_log_probs.append((mb["row_index"], old_log_prob))
         agg = dict(loss_agg_mode=s.loss_agg_mode, denominator=denominator, max_response_length=max_response_length)
         pg_loss, pg_metrics = policy_loss(
-            mb["old_log_probs"], log_prob, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
+            old_log_prob, log_prob, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
             clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
             rollout_is_weights=mb.get("rollout_is_weights"), **agg)
         loss = pg_loss
         # how far this update is off-policy: exactly 0 on the first mini-batch of a step (same weights as rollout)
-        log_ratio = (log_prob.detach() - mb["old_log_probs"]).abs()
+        log_ratio = (log_prob.detach() - old_log_prob).abs()
         metrics = {"pg_loss": pg_loss.detach(), **pg_metrics,
                    "log_ratio_abs_max": log_ratio[mask].max() if mask.any() else torch.zeros(())}
         with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):

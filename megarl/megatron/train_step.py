@@ -77,7 +77,8 @@ def global_count(local: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     total = local.detach().double().clone()
-    dist.all_reduce(total, group=_dp_group())
+    if dist.get_world_size(_dp_group()) > 1:
+        dist.all_reduce(total, group=_dp_group())
     return total
 
 
@@ -147,17 +148,20 @@ def _reduce_metrics(results: list[dict], n_micro: int) -> dict:
     from megatron.core import parallel_state as ps
 
     keys = sorted(results[0]) if results else []
-    # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
-    holder = [keys]
+    pipeline = ps.get_pipeline_model_parallel_world_size() > 1
     last = ps.get_pipeline_model_parallel_last_rank()
-    dist.broadcast_object_list(holder, src=last, group=ps.get_pipeline_model_parallel_group())
-    keys = holder[0]
+    if pipeline:  # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
+        holder = [keys]
+        dist.broadcast_object_list(holder, src=last, group=ps.get_pipeline_model_parallel_group())
+        keys = holder[0]
     values = torch.zeros(len(keys), dtype=torch.float64)
     if results:
         for i, k in enumerate(keys):
             total = sum(r[k].double() for r in results)
             values[i] = total if k.endswith("loss") else total / n_micro
-    dist.broadcast(values, src=last, group=ps.get_pipeline_model_parallel_group())
-    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    if pipeline:
+        dist.broadcast(values, src=last, group=ps.get_pipeline_model_parallel_group())
     dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
     return {k: float(values[i] if k.endswith("loss") else values[i] / dp) for i, k in enumerate(keys)}

@@ -74,7 +74,7 @@ class _Worker:
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(shuffle_seed + epoch) if shuffle_seed is not None else None
             for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen):
-                share = select_rows(batch, rows)
+                share = {**select_rows(batch, rows), "row_index": rows}
                 micro = (split_by_token_budget(share, max_tokens) if max_tokens
                          else split_micro(share, micro_batch_size))
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
@@ -101,13 +101,28 @@ class PolicyWorker(_Worker):
         return _forward_rows(rt, ids, lambda x: token_logprobs(self.chunks, x, _micro(x.shape[0], micro), t),
                              ids.shape[1] - 1)
 
-    def update(self, batch: dict, rt: Runtime, step: int) -> dict:
+    def update(self, batch: dict, rt: Runtime, step: int, on_policy: bool = False) -> dict:
+        """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
+
+        on_policy: the batch gets exactly one optimizer step (see steps.old_log_probs_from_update), so it needs no
+        old_log_probs: the update's own forward gives them, and they are added to `batch` ([N, T] on every rank) for
+        what reads them after the update."""
         a, n = self.cfg.actor, self.cfg.rollout.n
+        num_samples = batch["input_ids"].shape[0]
+        if on_policy and (a.ppo_epochs != 1 or a.ppo_mini_batch_size * n != num_samples):
+            raise ValueError(f"an on-policy update needs exactly one optimizer step, but actor.ppo_epochs="
+                             f"{a.ppo_epochs} and {num_samples} samples in mini-batches of {a.ppo_mini_batch_size * n}"
+                             " give more; compute old_log_probs with log_probs() first")
         seed = self.cfg.trainer.seed * 100_003 + step if a.shuffle else None
+        kept = [] if on_policy else None
         metrics = self._update(batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
                                seed, a.loss_agg_mode,
-                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length),
+                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length,
+                                                             kept),
                                a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+        if on_policy:
+            device = next(self.chunks[0].parameters()).device
+            batch["old_log_probs"] = _assemble_rows(kept, batch["response_mask"], device)
         return {f"actor/{k}": v for k, v in metrics.items()}
 
     def export(self, bucket_bytes: int) -> Iterator[list]:
@@ -136,6 +151,26 @@ class CriticWorker(_Worker):
                                lambda d: make_value_loss_fn(c.cliprange_value, c.loss_agg_mode, d,
                                                             self.cfg.rollout.response_length))
         return {f"critic/{k}": v for k, v in metrics.items()}
+
+
+def _assemble_rows(parts: list, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole batch's [N, T] float tensor (shaped and placed like `like`) on every rank, from the
+    (row_index [b], values [b, t <= T]) parts computed on this rank's last pipeline stage (none on other stages).
+    `device` is the model's: the collectives run there.
+
+    Every row comes from exactly one DP rank and is 0 on the others, so a sum over DP assembles the batch exactly."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = torch.zeros(like.shape, dtype=torch.float32, device=device)
+    for rows, values in parts:
+        out[rows.to(device), : values.shape[1]] = values.float()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(out, group=ps.get_data_parallel_group())
+    return out.to(like.device)
 
 
 def _cut(values: Optional[torch.Tensor], width: int) -> Optional[torch.Tensor]:

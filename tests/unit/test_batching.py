@@ -23,6 +23,34 @@ def test_prompt_and_response_are_concatenated_and_aligned_with_logprob_positions
     assert b["token_level_scores"].tolist() == [[0, 0, 0, 1.0], [0, 0, 0.5, 0]]
 
 
+def test_random_ragged_rollout_with_empty_responses_matches_a_row_by_row_build():
+    g = torch.Generator().manual_seed(0)
+    n, width = 12, 6
+    prompts = [torch.randint(1, 50, (int(k),), generator=g).tolist() for k in torch.randint(1, 9, (n,), generator=g)]
+    lengths = torch.randint(0, width + 1, (n,), generator=g)
+    lengths[3] = 0  # an empty response: no logprob position, no reward
+    rollout = RolloutBatch(
+        prompt_ids=prompts, response_ids=torch.randint(1, 50, (n, width), generator=g), response_lengths=lengths,
+        rollout_logprobs=-torch.rand(n, width, generator=g), finish_reasons=["stop"] * n,
+        truncated=torch.zeros(n, dtype=torch.bool), prompt_index=torch.arange(n) // 3,
+        prompt_truncated=torch.zeros(n, dtype=torch.bool))
+    scores = torch.rand(n, generator=g)
+    b = build_train_batch(rollout, scores, pad_token_id=99)
+    s = max(len(p) + int(r) for p, r in zip(prompts, lengths))
+    assert b["input_ids"].shape == (n, s)
+    for i, (p, r) in enumerate(zip(prompts, lengths.tolist())):
+        response = rollout.response_ids[i, :r].tolist()
+        assert b["input_ids"][i].tolist() == p + response + [99] * (s - len(p) - r)
+        positions = list(range(len(p) - 1, len(p) - 1 + r))  # position t scores token t+1
+        assert b["response_mask"][i].nonzero().flatten().tolist() == positions
+        assert b["rollout_log_probs"][i, positions].tolist() == rollout.rollout_logprobs[i, :r].tolist()
+        assert b["rollout_log_probs"][i].count_nonzero() == r
+        expected = torch.zeros(s - 1)
+        if r:
+            expected[len(p) + r - 2] = scores[i]
+        assert b["token_level_scores"][i].tolist() == expected.tolist()
+
+
 def test_scores_must_be_one_per_sample():
     with pytest.raises(ValueError, match="one reward per sample"):
         build_train_batch(_rollout(), torch.tensor([1.0]), pad_token_id=0)

@@ -75,6 +75,18 @@ def test_chat_template_renders_messages_and_generation_prompt(tokenizer):
                                                     "<|assistant|>"]
 
 
+def test_a_mixed_batch_encodes_like_each_prompt_alone(tokenizer):
+    from megarl.data.encode import encode_many
+
+    records = [PromptRecord(index=i, uid=f"m#{i}", prompt=[{"role": "user", "content": f"What is {i} + 2 ?"}]
+                            if i % 3 else f"What is {i} + {i} ?") for i in range(7)]
+    expected = [tokenizer(r.prompt)["input_ids"] if isinstance(r.prompt, str) else
+                tokenizer.apply_chat_template(r.prompt, add_generation_prompt=True, tokenize=False) for r in records]
+    expected = [e if isinstance(e, list) else tokenizer(e, add_special_tokens=False)["input_ids"] for e in expected]
+    assert encode_many(records, tokenizer) == expected
+    assert tokenizer.convert_ids_to_tokens(expected[1])[-1] == "<|assistant|>"  # chat rows really are chats
+
+
 def _records(n_short, n_long):
     short = [PromptRecord(index=i, uid=f"f#{i}", prompt="What is 1 + 2 ?") for i in range(n_short)]  # 7 tokens w/ BOS
     long = [PromptRecord(index=n_short + i, uid=f"f#{n_short + i}", prompt="What is 1 + 2 ? " * 3)  # 19 tokens
