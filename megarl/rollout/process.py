@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config.schema import RolloutConfig
+from megarl.rollout.threads import apply_engine_threads, available_cores
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -36,6 +37,7 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
+        apply_engine_threads(available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
         from megarl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
