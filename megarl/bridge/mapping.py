@@ -243,17 +243,24 @@ class Mapping:
         return torch.cat([q.reshape((groups, per * hd) + tail), k.reshape((groups, hd) + tail),
                           v.reshape((groups, hd) + tail)], dim=1).reshape((-1,) + tail)
 
-    def to_hf(self, entry: Entry, shards: list) -> list:
-        """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order)."""
+    def to_hf(self, entry: Entry, shards: list, views: bool = False) -> list:
+        """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order).
+
+        views: with a single shard, return views of it where the layout allows (q/k/v need a copy when there are
+            several KV groups) instead of fresh copies."""
         tp = len(shards)
+
+        def cat(parts, dim=0):
+            return parts[0] if views and len(parts) == 1 else torch.cat(parts, dim=dim)
+
         if entry.kind == PLAIN:
-            full = shards[0] if entry.tp_dim is None else torch.cat(shards, dim=entry.tp_dim)
+            full = shards[0] if entry.tp_dim is None else cat(shards, entry.tp_dim)
             return [(entry.hf[0], full)]
         if entry.kind == VOCAB:
-            return [(entry.hf[0], torch.cat(shards, dim=0)[: self.spec.vocab_size])]
+            return [(entry.hf[0], cat(shards)[: self.spec.vocab_size])]
         if entry.kind == GATE_UP:
             halves = [s.chunk(2, dim=0) for s in shards]
-            return [(entry.hf[0], torch.cat([g for g, _ in halves], 0)), (entry.hf[1], torch.cat([u for _, u in halves], 0))]
+            return [(entry.hf[0], cat([g for g, _ in halves])), (entry.hf[1], cat([u for _, u in halves]))]
         groups = self.spec.num_key_value_heads // tp
         hd, per = self.spec.head_dim, self.spec.heads_per_group
         qs, ks, vs = [], [], []
@@ -263,7 +270,7 @@ class Mapping:
             qs.append(g[:, : per * hd].reshape((-1,) + tail))
             ks.append(g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail))
             vs.append(g[:, (per + 1) * hd:].reshape((-1,) + tail))
-        return [(entry.hf[0], torch.cat(qs)), (entry.hf[1], torch.cat(ks)), (entry.hf[2], torch.cat(vs))]
+        return [(entry.hf[0], cat(qs)), (entry.hf[1], cat(ks)), (entry.hf[2], cat(vs))]
 
 
 def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:
