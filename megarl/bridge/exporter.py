@@ -90,13 +90,14 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
         if rank in group:
             lp = mine[entry.megatron]
             shard = lp.param.detach()
-            if len(group) > 1:
-                shards = [torch.empty_like(shard) for _ in group]
-                dist.all_gather(shards, shard.contiguous(), group=lp.tp_group)
+            if len(group) > 1:  # gathered back to back into one buffer: dim-0 splits need no further copy
+                gathered = torch.empty((len(group),) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+                dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
+                shards = list(gathered.unbind(0))
             else:
                 shards = [shard]
             if rank == src or (local and receive):
-                hf = mapping.to_hf(entry, shards)
+                hf = mapping.to_hf(entry, shards, views=True)
         if distributed and not local:
             if rank == src:
                 flat = torch.cat([t.reshape(-1) for _, t in hf])
@@ -111,7 +112,8 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
             if receive:
                 hf = [(h, t.view(s)) for h, t, s in zip(entry.hf, flat.split(numels), shapes)]
         elif receive:  # converted here: never hand out a view of a parameter
-            hf = [(h, t.clone() if t.data_ptr() == shard.data_ptr() else t) for h, t in hf]
+            param = shard.untyped_storage().data_ptr()
+            hf = [(h, t.clone() if t.untyped_storage().data_ptr() == param else t) for h, t in hf]
         size += nbytes
         if receive:
             bucket.extend((h, t if dtype is None else t.to(dtype)) for h, t in hf)

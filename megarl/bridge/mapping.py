@@ -246,12 +246,13 @@ class Mapping:
     def to_hf(self, entry: Entry, shards: list, views: bool = False) -> list:
         """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order).
 
-        views: with a single shard, return views of it where the layout allows (q/k/v need a copy when there are
-            several KV groups) instead of fresh copies."""
+        views: return views of the shards where the layout allows instead of fresh copies: a single shard, or
+            shards lying back to back in one buffer joined along dim 0 (q/k/v, gate/up and splits of a later
+            dimension still need a copy)."""
         tp = len(shards)
 
         def cat(parts, dim=0):
-            return parts[0] if views and len(parts) == 1 else torch.cat(parts, dim=dim)
+            return _joined_view(parts) if views and dim == 0 and _back_to_back(parts) else torch.cat(parts, dim=dim)
 
         if entry.kind == PLAIN:
             full = shards[0] if entry.tp_dim is None else cat(shards, entry.tp_dim)
@@ -271,6 +272,21 @@ class Mapping:
             ks.append(g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail))
             vs.append(g[:, (per + 1) * hd:].reshape((-1,) + tail))
         return [(entry.hf[0], cat(qs)), (entry.hf[1], cat(ks)), (entry.hf[2], cat(vs))]
+
+
+def _back_to_back(parts: list) -> bool:
+    """Contiguous tensors of one storage, each starting where the previous one ends (so dim-0 concatenation is a
+    view)."""
+    first = parts[0]
+    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+               and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts) and \
+        all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:]))
+
+
+def _joined_view(parts: list) -> torch.Tensor:
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:

@@ -11,9 +11,11 @@ How
   `decoder.layers.{L}.mlp.experts.experts.linear_fc{1,2}.weight` with a leading expert dimension.
   So a global checkpoint tensor is exactly the TP=1 megatron tensor, and the bridge's `Mapping.to_hf` (the same
   mapping import, export and weight sync use) turns it into HF tensors.
-- Each megatron tensor is read alone (experts one expert at a time: only the chunks overlapping that expert's slice are
-  read) into a buffer of its size, converted, written into the open safetensors shard and dropped. Peak memory is
-  about two copies of the largest tensor (one expert's weight for MoE layers), never the model.
+- Each megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping that
+  expert's slice are read, straight from the shard files into place), converted (views where the HF layout allows),
+  and handed to a background writer that appends it to the open safetensors shard while the next tensor is read.
+  At most the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the largest
+  tensor (one expert's weight for MoE layers), never the model.
 - Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
   and long enough, every tensor the HF architecture expects present exactly once with the shape the config implies,
   the chunks of each tensor covering it. Shards are planned from the expected names, shapes and dtype; the index is
@@ -451,10 +453,16 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
     return plan
 
 
-def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan):
-    """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time."""
+def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
+    """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time.
+
+    before_read(nbytes): called with the output bytes of each megatron tensor before it is read (a writer that still
+    holds earlier tensors waits there until they fit)."""
+    sizes = {h: math.prod(shape) * torch.tensor([], dtype=d).element_size() for h, shape, d in plan.hf_tensors}
     for entry in plan.mapping.entries:
         src = plan.sources[entry.megatron]
+        if before_read is not None:
+            before_read(sum(sizes[h] for h in entry.hf))
         tensor = ckpt.read(src.key, src.index)
         for name, t in plan.mapping.to_hf(entry, [tensor], views=True):  # views: no copy the writer does not need
             t = t.to(plan.dtype)
@@ -549,11 +557,13 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
 
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merge {model}",
                    file=sys.stderr, dynamic_ncols=True)
+    # written in the background while the next tensors are read, with at most the largest tensor's bytes queued
     writer = StreamingHFWriter(out, plan.hf_tensors, parse_size(max_shard_size),
-                               on_bytes=bar.update if bar is not None else None)
+                               on_bytes=bar.update if bar is not None else None,
+                               pending_bytes=plan.largest_tensor_bytes())
     try:
         count = 0
-        for name, tensor in stream_hf_tensors(ckpt, plan):
+        for name, tensor in stream_hf_tensors(ckpt, plan, before_read=writer.wait_for_room):
             writer.write(name, tensor)
             count += 1
         config = _output_config(source, spec, head, plan.dtype)
