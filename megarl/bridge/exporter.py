@@ -91,9 +91,10 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
             lp = mine[entry.megatron]
             shard = lp.param.detach()
             if len(group) > 1:  # gathered back to back into one buffer: dim-0 splits need no further copy
-                gathered = torch.empty((len(group),) + tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+                gathered = torch.empty((len(group) * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
+                                       device=shard.device)
                 dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
-                shards = list(gathered.unbind(0))
+                shards = list(gathered.chunk(len(group)))
             else:
                 shards = [shard]
             if rank == src or (local and receive):

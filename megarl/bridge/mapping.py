@@ -252,7 +252,9 @@ class Mapping:
         tp = len(shards)
 
         def cat(parts, dim=0):
-            return _joined_view(parts) if views and dim == 0 and _back_to_back(parts) else torch.cat(parts, dim=dim)
+            if views and (len(parts) == 1 or (dim == 0 and _back_to_back(parts))):
+                return _joined_view(parts)
+            return torch.cat(parts, dim=dim)
 
         if entry.kind == PLAIN:
             full = shards[0] if entry.tp_dim is None else cat(shards, entry.tp_dim)

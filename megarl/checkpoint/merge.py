@@ -681,7 +681,7 @@ def run(args) -> int:
                        max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
                        progress=not args.no_progress)
         print(f"merged {report.step_dir / report.model} -> {report.out}: {report.tensors} tensors, "
-              f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)",
+              f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.3f} s ({report.gb_per_s:.2f} GB/s)",
               file=sys.stderr)
         if args.verify:
             diff = verify_merge(report)
