@@ -93,11 +93,15 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
             if len(group) > 1:  # gathered back to back into one buffer: dim-0 splits need no further copy
                 gathered = torch.empty((len(group) * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
                                        device=shard.device)
-                dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
                 shards = list(gathered.chunk(len(group)))
+                if dst_rank is not None and local:  # only dst_rank needs the shards: gather, not all-gather
+                    dist.gather(shard.contiguous(), shards if rank == dst_rank else None, dst=dst_rank,
+                                group=lp.tp_group)
+                else:
+                    dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
             else:
                 shards = [shard]
-            if rank == src or (local and receive):
+            if (rank == src and not local) or (local and receive):  # who uses the converted tensors
                 hf = mapping.to_hf(entry, shards, views=True)
         if distributed and not local:
             if rank == src:
