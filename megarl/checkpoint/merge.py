@@ -198,6 +198,29 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
         done += n
 
 
+def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill `out`, a view whose last dim is contiguous (a column block of a bigger tensor), with the file's
+    row-major bytes at `offset`: one scatter read per 1024 rows, no intermediate buffer."""
+    rows = out.view(-1, out.shape[-1]) if out.stride(-1) == 1 else None
+    if rows is None or rows.shape[1] * rows.element_size() < 256:  # odd layouts, tiny rows: read, then place
+        part = torch.empty(out.shape, dtype=out.dtype)
+        _pread_into(fd, part, offset)
+        out.copy_(part)
+        return
+    flat = rows.view(torch.uint8) if rows.element_size() == 1 else rows.view(_SAME_SIZE_INT[rows.element_size()])
+    arrays = flat.numpy()
+    row_bytes = rows.shape[1] * rows.element_size()
+    for start in range(0, rows.shape[0], 1024):  # IOV_MAX
+        views = [memoryview(a) for a in arrays[start:start + 1024]]
+        want = len(views) * row_bytes
+        if os.preadv(fd, views, offset + start * row_bytes) != want:  # a short read: rare, redo it row by row
+            for i, v in enumerate(views):
+                _pread_into(fd, rows[start + i], offset + (start + i) * row_bytes)
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class DistCheckpoint:
     """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads.
 
@@ -311,10 +334,8 @@ class DistCheckpoint:
                 byte = c.data_offset + src[0] * target.element_size()
                 if dst.is_contiguous():
                     _pread_into(fd, dst, byte)
-                else:  # TP split of a later dimension: read the chunk's rows, then place them
-                    part = torch.empty(box, dtype=target.dtype)
-                    _pread_into(fd, part, byte)
-                    dst.copy_(part)
+                else:  # TP split of a later dimension: each of the chunk's rows is read into its row of the result
+                    _pread_rows_into(fd, dst, byte)
                 covered += src[1]
         except MergeError:
             raise
@@ -561,6 +582,10 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
     writer = StreamingHFWriter(out, plan.hf_tensors, parse_size(max_shard_size),
                                on_bytes=bar.update if bar is not None else None,
                                pending_bytes=plan.largest_tensor_bytes())
+    threads = torch.get_num_threads()
+    # the tensor work is copies, bound by memory, and the writer thread needs a core: torch's thread pool would only
+    # add barriers (which, on a busy machine, cost more than the copies themselves)
+    torch.set_num_threads(1)
     try:
         count = 0
         for name, tensor in stream_hf_tensors(ckpt, plan, before_read=writer.wait_for_room):
@@ -581,6 +606,7 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
         writer.abort()
         raise
     finally:
+        torch.set_num_threads(threads)
         ckpt.close()
         if bar is not None:
             bar.close()
