@@ -5,8 +5,9 @@
 
 1. Two local ranks build a randomly initialised model from an ArchSpec and save it with megatron dist_checkpointing
    (weights only) as a megarl `step_0` checkpoint; config.json is written next to it (no HF weights needed).
-2. `megarl merge` runs in a fresh process (python -m megarl.checkpoint.merge); its wall time, its own time (the
-   report line) and peak RSS (getrusage of the child) are measured, --repeats times, alternating with the copy. A second fresh process that only imports the same modules gives the RSS
+2. `megarl merge` runs in a fresh process (python -m megarl.checkpoint.merge); its wall time and peak RSS
+   (getrusage of the child) are measured, and merge() alone in a fresh process that imported its modules first;
+   --repeats times, alternating with the copy. A second fresh process that only imports the same modules gives the RSS
    baseline (python + torch + megatron), so `peak RSS - baseline` is what the merge itself held.
 3. A plain file copy (shutil.copyfile) of the checkpoint's model files, the same bytes read and written, is timed in
    a fresh process too (right after each merge, so both read from the same page-cache state).
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# what a merge imports: the RSS baseline, and imported ahead of the timed merge() call
+IMPORTS = ("import torch, megarl.checkpoint.merge, megarl.checkpoint.hf_writer, torch.distributed.checkpoint, tqdm, "
+           "yaml, safetensors")
 sys.path.insert(0, str(ROOT))
 
 
@@ -112,8 +115,7 @@ def main() -> None:
     ckpt_bytes = sum(f.stat().st_size for f in model_files)
 
     # baseline RSS: the merge's imports, nothing merged
-    base_s, base_rss, _ = _child(["-c", "import torch, megarl.checkpoint.merge, megarl.checkpoint.hf_writer, "
-                                        "torch.distributed.checkpoint, tqdm, yaml, safetensors"])
+    _, base_rss, _ = _child(["-c", IMPORTS])
     out = work / "hf_out"
     copy_dir = work / "copy"
     shutil.rmtree(copy_dir, ignore_errors=True)
@@ -127,9 +129,12 @@ def main() -> None:
         seconds, rss, err = _child(["-m", "megarl.checkpoint.merge", "--ckpt", str(step), "--out", str(out),
                                     "--max-shard-size", args.max_shard_size, "--force", "--no-progress"])
         merge_s, merge_rss = min(merge_s, seconds), max(merge_rss, rss)
-        # the merge's own time, from the report line (printed to the millisecond below), without the interpreter and
-        # import start-up, which are the same for a 1 MB or a 1 TB model
-        merge_work_s = min(merge_work_s, float(re.search(r" in ([0-9.]+) s ", err).group(1)))
+        # the merge's own time, without the interpreter and import start-up (the same for a 1 MB or a 1 TB model)
+        _, _, work_err = _child(["-c", f"{IMPORTS}\nfrom megarl.checkpoint.merge import merge\nimport sys\n"
+                                 "r = merge(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3], force=True, "
+                                 "progress=False)\nprint(r.seconds, file=sys.stderr)\n",
+                                 str(step), str(out), args.max_shard_size])
+        merge_work_s = min(merge_work_s, float(work_err.strip().splitlines()[-1]))
         seconds, _, copy_err = _child(["-c", copy_code, str(copy_dir)] + [str(f) for f in model_files])
         copy_s, copy_work_s = min(copy_s, seconds), min(copy_work_s, float(copy_err.strip().splitlines()[-1]))
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -146,13 +151,12 @@ def main() -> None:
     largest = max(math.prod(mapping.megatron_shape(e, 1)) for e in mapping.entries) * esize
     largest_hf = max(math.prod(s) for s in mapping.hf_shapes().values()) * esize
 
-    import_s = base_s  # a fresh interpreter importing the same modules: the merge's fixed start-up cost
 
     result = {
         "params": params, "dtype": args.dtype, "tp": args.tp,
         "hf_bytes": hf_bytes, "checkpoint_model_bytes": ckpt_bytes, "save_s": round(save_s, 2),
         "merge_s": round(merge_s, 2), "merge_gb_per_s": round(hf_bytes / merge_s / 1e9, 3),
-        "merge_gb_per_s_excl_startup": round(hf_bytes / max(merge_s - import_s, 1e-9) / 1e9, 3),
+        "merge_gb_per_s_excl_startup": round(hf_bytes / merge_work_s / 1e9, 3),
         "copy_s": round(copy_s, 2), "copy_gb_per_s": round(ckpt_bytes / copy_s / 1e9, 3),
         "merge_vs_copy": round((hf_bytes / merge_s) / (ckpt_bytes / copy_s), 3),
         "merge_work_s": round(merge_work_s, 3), "copy_work_s": round(copy_work_s, 3),

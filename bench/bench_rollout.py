@@ -131,7 +131,8 @@ def main() -> int:
               f"best of {args.gen_repeats}; engine threads {plan.threads} on cores {plan.omp_bind}: "
               f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), vLLM 1 thread {rate['vllm_1_thread']:.0f} tok/s "
               f"({best['vllm_1_thread']:.2f}s), HF generate {rate['hf']:.0f} tok/s ({best['hf']:.2f}s); "
-              f"ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x (1 thread: {rate['vllm_1_thread'] / rate['hf']:.2f}x); "
+              f"ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x "
+              f"(1 thread: {rate['vllm_1_thread'] / rate['hf']:.2f}x); "
               f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
     return 0

@@ -14,8 +14,8 @@ How
 - Each megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping that
   expert's slice are read, straight from the shard files into place), converted (views where the HF layout allows),
   and handed to a background writer that appends it to the open safetensors shard while the next tensor is read.
-  At most the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the largest
-  tensor (one expert's weight for MoE layers), never the model.
+  At most half the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the
+  largest tensor (one expert's weight for MoE layers), never the model.
 - Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
   and long enough, every tensor the HF architecture expects present exactly once with the shape the config implies,
   the chunks of each tensor covering it. Shards are planned from the expected names, shapes and dtype; the index is
@@ -578,10 +578,11 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
 
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merge {model}",
                    file=sys.stderr, dynamic_ncols=True)
-    # written in the background while the next tensors are read, with at most the largest tensor's bytes queued
+    # written in the background while the next tensors are read; at most half the largest tensor's bytes queued, so
+    # the largest tensor, read while the writer drains, keeps the peak under two of it
     writer = StreamingHFWriter(out, plan.hf_tensors, parse_size(max_shard_size),
                                on_bytes=bar.update if bar is not None else None,
-                               pending_bytes=plan.largest_tensor_bytes())
+                               pending_bytes=plan.largest_tensor_bytes() // 2)
     threads = torch.get_num_threads()
     # the tensor work is copies, bound by memory, and the writer thread needs a core: torch's thread pool would only
     # add barriers (which, on a busy machine, cost more than the copies themselves)
