@@ -4,9 +4,9 @@
    buckets, against the floor: copying the same bytes into preallocated in-memory buffers.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
    (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
-   the trainer's engine process (megarl.rollout.threads: every core this process may use); vLLM with one thread (what
-   the engine ran with when left to vLLM's and torchrun's defaults) is timed beside it. The runs alternate and the
-   best of --gen-repeats is kept, so load from other processes hits every contender alike.
+   the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
+   one thread (what the engine ran with when left to vLLM's and torchrun's defaults). The runs alternate and the best
+   of --gen-repeats is kept, so load from other processes hits every contender alike.
 
     .venv/bin/python bench/bench_rollout.py                  # ~110M params, fp32 on CPU (about 2 minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --hidden 256 --layers 2 --vocab 4096   # a quick smoke run
@@ -108,12 +108,13 @@ def main() -> int:
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
         engine.generate(prompts[:1].tolist(), n=1)  # warm-up
-        best = {"vllm": float("inf"), "vllm_1_thread": float("inf"), "hf": float("inf")}
+        contenders = (("vllm", plan.threads), ("hf", plan.threads), ("vllm_1_thread", 1), ("hf_1_thread", 1))
+        best = {name: float("inf") for name, _ in contenders}
         for _ in range(args.gen_repeats):
-            for name, threads in (("vllm", plan.threads), ("vllm_1_thread", 1), ("hf", plan.threads)):
+            for name, threads in contenders:
                 SET_THREADS(threads)
                 t0 = time.perf_counter()
-                if name == "hf":
+                if name.startswith("hf"):
                     with torch.no_grad():
                         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
                                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
@@ -129,10 +130,11 @@ def main() -> int:
         rate = {k: args.prompts * args.new_tokens / v for k, v in best.items()}
         print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens (greedy), "
               f"best of {args.gen_repeats}; engine threads {plan.threads} on cores {plan.omp_bind}: "
-              f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), vLLM 1 thread {rate['vllm_1_thread']:.0f} tok/s "
-              f"({best['vllm_1_thread']:.2f}s), HF generate {rate['hf']:.0f} tok/s ({best['hf']:.2f}s); "
-              f"ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x "
-              f"(1 thread: {rate['vllm_1_thread'] / rate['hf']:.2f}x); "
+              f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), HF generate {rate['hf']:.0f} tok/s "
+              f"({best['hf']:.2f}s), ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x; at 1 thread each: vLLM "
+              f"{rate['vllm_1_thread']:.0f} tok/s, HF {rate['hf_1_thread']:.0f} tok/s, ratio "
+              f"{rate['vllm_1_thread'] / rate['hf_1_thread']:.2f}x; vLLM with the plan vs vLLM at 1 thread "
+              f"{rate['vllm'] / rate['vllm_1_thread']:.2f}x; "
               f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
     return 0
