@@ -214,8 +214,8 @@ def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
         views = [memoryview(a) for a in arrays[start:start + 1024]]
         want = len(views) * row_bytes
         if os.preadv(fd, views, offset + start * row_bytes) != want:  # a short read: rare, redo it row by row
-            for i, v in enumerate(views):
-                _pread_into(fd, rows[start + i], offset + (start + i) * row_bytes)
+            for i in range(start, start + len(views)):
+                _pread_into(fd, rows[i], offset + i * row_bytes)
 
 
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -225,9 +225,9 @@ class DistCheckpoint:
     """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads.
 
     Chunks are read straight from the shard files: their byte ranges come from the metadata and each chunk's
-    torch.save header, and the requested slice of each chunk is read into its place in the result, so every byte is
-    read once with no intermediate copy when chunks split the leading dimensions (one copy when TP splits a later
-    dimension). Chunks stored any other way go through torch.distributed.checkpoint's reader."""
+    torch.save header, and the requested slice of each chunk is read into its place in the result (row by row, in
+    one scatter read, when TP splits a later dimension), so every byte is read once, with no intermediate copy.
+    Chunks stored any other way go through torch.distributed.checkpoint's reader."""
 
     def __init__(self, directory: str | Path):
         from torch.distributed.checkpoint import FileSystemReader
