@@ -15,9 +15,10 @@ Contract
   an MLP) never straddles buckets, so a group larger than bucket_bytes comes alone. Tensors are fresh copies (never
   views of parameters), in the model's parameter dtype unless `dtype` is given, on the model's device.
 - How: for each megatron tensor the lowest global rank holding TP shard 0 is the source; its TP (expert-TP for
-  routed experts) group all-gathers the shards, the source converts them to HF layout (split QKV, split gate/up,
-  strip vocab padding) and broadcasts (or sends to dst_rank); receivers inside that group (all of them at pure TP)
-  convert their own copy instead. Other PP stages and EP ranks only receive.
+  routed experts) group all-gathers the shards back to back into one buffer (gathers them to dst_rank when it is in
+  the group), the source converts them to HF layout (split QKV, split gate/up, strip vocab padding; row splits need
+  no copy) and broadcasts (or sends to dst_rank); receivers inside that group (all of them at pure TP) convert their
+  own copy instead. Other PP stages and EP ranks only receive.
 Memory per rank: one bucket plus one gathered tensor group.
 """
 from __future__ import annotations
