@@ -3,7 +3,10 @@
 1. weight sync: `VLLMEngine.update_weights` of a >= 100M-parameter Llama in rollout.update_weights_bucket_megabytes
    buckets, against the floor: copying the same bytes into preallocated in-memory buffers.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
-   (greedy, ignore EOS, the same number of new tokens).
+   (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
+   the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
+   one thread (what the engine ran with when left to vLLM's and torchrun's defaults). The runs alternate and the best
+   of --gen-repeats is kept, so load from other processes hits every contender alike.
 
     .venv/bin/python bench/bench_rollout.py                  # ~110M params, fp32 on CPU (about 2 minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --hidden 256 --layers 2 --vocab 4096   # a quick smoke run
@@ -22,6 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+SET_THREADS = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op once started
 
 
 def make_model(path: Path, hidden: int, layers: int, ffn: int, vocab: int, heads: int) -> int:
@@ -54,10 +59,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="weight syncs timed (best is reported)")
+    ap.add_argument("--gen-repeats", type=int, default=2, help="generation rounds timed (best is reported)")
     args = ap.parse_args()
 
     from megarl.config.schema import RolloutConfig
     from megarl.rollout import VLLMEngine, iter_buckets
+    from megarl.rollout.threads import apply_engine_threads, available_cores
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
@@ -67,6 +74,7 @@ def main() -> int:
         cfg = RolloutConfig(prompt_length=args.prompt_len, response_length=args.new_tokens, dtype="float32",
                             kv_cache_memory_bytes=128 << 20, max_num_seqs=max(args.prompts, 1), do_sample=False,
                             ignore_eos=True, update_weights_bucket_megabytes=args.bucket_mb)
+        plan = apply_engine_threads(available_cores())
         engine = VLLMEngine(cfg, str(path), seed=0, device="cpu")
         print(f"vLLM engine start: {engine.start_seconds:.1f}s", flush=True)
 
@@ -100,21 +108,34 @@ def main() -> int:
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
         engine.generate(prompts[:1].tolist(), n=1)  # warm-up
-        batch = engine.generate(prompts.tolist(), n=1)
-        v_tok = int(batch.response_lengths.sum())
-        v_s = batch.metrics["rollout/generate_seconds"]
-        threads = torch.get_num_threads()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.new_tokens,
-                              min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=1)
-        h_s = time.perf_counter() - t0
-        h_tok = (out.shape[1] - args.prompt_len) * out.shape[0]
+        contenders = (("vllm", plan.threads), ("hf", plan.threads), ("vllm_1_thread", 1), ("hf_1_thread", 1))
+        best = {name: float("inf") for name, _ in contenders}
+        for _ in range(args.gen_repeats):
+            for name, threads in contenders:
+                SET_THREADS(threads)
+                t0 = time.perf_counter()
+                if name.startswith("hf"):
+                    with torch.no_grad():
+                        out = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
+                                          max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                          do_sample=False, pad_token_id=1)
+                    tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
+                else:
+                    batch = engine.generate(prompts.tolist(), n=1)
+                    tokens = int(batch.response_lengths.sum())
+                best[name] = min(best[name], time.perf_counter() - t0)
+                assert tokens == args.prompts * args.new_tokens, (name, tokens)
+        SET_THREADS(plan.threads)
         same = sum(out[i, args.prompt_len:].tolist() == batch.response(i) for i in range(args.prompts))
-        print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens (greedy); "
-              f"vLLM {v_tok / v_s:.0f} tok/s ({v_s:.2f}s), HF generate {h_tok / h_s:.0f} tok/s ({h_s:.2f}s), "
-              f"ratio vLLM/HF = {(v_tok / v_s) / (h_tok / h_s):.1f}x; identical greedy outputs {same}/{args.prompts}; "
-              f"torch threads {threads}", flush=True)
+        rate = {k: args.prompts * args.new_tokens / v for k, v in best.items()}
+        print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens (greedy), "
+              f"best of {args.gen_repeats}; engine threads {plan.threads} on cores {plan.omp_bind}: "
+              f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), HF generate {rate['hf']:.0f} tok/s "
+              f"({best['hf']:.2f}s), ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x; at 1 thread each: vLLM "
+              f"{rate['vllm_1_thread']:.0f} tok/s, HF {rate['hf_1_thread']:.0f} tok/s, ratio "
+              f"{rate['vllm_1_thread'] / rate['hf_1_thread']:.2f}x; vLLM with the plan vs vLLM at 1 thread "
+              f"{rate['vllm'] / rate['vllm_1_thread']:.2f}x; "
+              f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
     return 0
 

@@ -8,6 +8,7 @@ Every rank runs this function (SPMD); see megarl.runtime for who does what.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from megarl import algo, steps
@@ -64,8 +65,16 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     if not rt.engines.owns(rt.rank):
         return None
     from megarl.rollout.process import EngineProcess
+    from megarl.rollout.replicas import replica_cores
+    from megarl.rollout.threads import available_cores
 
-    return EngineProcess(cfg.rollout, model_path, seed=seed)
+    # the replicas on this machine split its cores (the trainer's ranks wait while they generate)
+    local = int(os.environ.get("LOCAL_RANK", rt.rank))
+    first = rt.rank - local
+    on_node = [r for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
+               if rt.engines.owns(r)]
+    cores = replica_cores(available_cores(), on_node.index(rt.rank), len(on_node), cfg.rollout.tensor_model_parallel_size)
+    return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores)
 
 
 def train(cfg: MegarlConfig) -> dict:

@@ -15,9 +15,10 @@ Contract
   an MLP) never straddles buckets, so a group larger than bucket_bytes comes alone. Tensors are fresh copies (never
   views of parameters), in the model's parameter dtype unless `dtype` is given, on the model's device.
 - How: for each megatron tensor the lowest global rank holding TP shard 0 is the source; its TP (expert-TP for
-  routed experts) group all-gathers the shards, the source converts them to HF layout (split QKV, split gate/up,
-  strip vocab padding) and broadcasts (or sends to dst_rank); receivers inside that group (all of them at pure TP)
-  convert their own copy instead. Other PP stages and EP ranks only receive.
+  routed experts) group all-gathers the shards back to back into one buffer (gathers them to dst_rank when it is in
+  the group), the source converts them to HF layout (split QKV, split gate/up, strip vocab padding; row splits need
+  no copy) and broadcasts (or sends to dst_rank); receivers inside that group (all of them at pure TP) convert their
+  own copy instead. Other PP stages and EP ranks only receive.
 Memory per rank: one bucket plus one gathered tensor group.
 """
 from __future__ import annotations
@@ -90,13 +91,19 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
         if rank in group:
             lp = mine[entry.megatron]
             shard = lp.param.detach()
-            if len(group) > 1:
-                shards = [torch.empty_like(shard) for _ in group]
-                dist.all_gather(shards, shard.contiguous(), group=lp.tp_group)
+            if len(group) > 1:  # gathered back to back into one buffer: dim-0 splits need no further copy
+                gathered = torch.empty((len(group) * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
+                                       device=shard.device)
+                shards = list(gathered.chunk(len(group)))
+                if dst_rank is not None and local:  # only dst_rank needs the shards: gather, not all-gather
+                    dist.gather(shard.contiguous(), shards if rank == dst_rank else None, dst=dst_rank,
+                                group=lp.tp_group)
+                else:
+                    dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
             else:
                 shards = [shard]
-            if rank == src or (local and receive):
-                hf = mapping.to_hf(entry, shards)
+            if (rank == src and not local) or (local and receive):  # who uses the converted tensors
+                hf = mapping.to_hf(entry, shards, views=True)
         if distributed and not local:
             if rank == src:
                 flat = torch.cat([t.reshape(-1) for _, t in hf])
@@ -111,7 +118,8 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
             if receive:
                 hf = [(h, t.view(s)) for h, t, s in zip(entry.hf, flat.split(numels), shapes)]
         elif receive:  # converted here: never hand out a view of a parameter
-            hf = [(h, t.clone() if t.data_ptr() == shard.data_ptr() else t) for h, t in hf]
+            param = shard.untyped_storage().data_ptr()
+            hf = [(h, t.clone() if t.untyped_storage().data_ptr() == param else t) for h, t in hf]
         size += nbytes
         if receive:
             bucket.extend((h, t if dtype is None else t.to(dtype)) for h, t in hf)

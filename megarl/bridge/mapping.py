@@ -265,19 +265,44 @@ class Mapping:
         return [("q", g[:, : per * hd].reshape((-1,) + tail)), ("k", g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail)),
                 ("v", g[:, (per + 1) * hd:].reshape((-1,) + tail))]
 
-    def to_hf(self, entry: Entry, shards: list) -> list:
-        """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order)."""
+    def to_hf(self, entry: Entry, shards: list, views: bool = False) -> list:
+        """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order).
+
+        views: return views of the shards where the layout allows instead of fresh copies: a single shard, or
+            shards lying back to back in one buffer joined along dim 0 (q/k/v, gate/up and splits of a later
+            dimension still need a copy)."""
         tp = len(shards)
+
+        def cat(parts, dim=0):
+            if views and (len(parts) == 1 or (dim == 0 and _back_to_back(parts))):
+                return _joined_view(parts)
+            return torch.cat(parts, dim=dim)
+
         if entry.kind == PLAIN:
-            full = shards[0] if entry.tp_dim is None else torch.cat(shards, dim=entry.tp_dim)
+            full = shards[0] if entry.tp_dim is None else cat(shards, entry.tp_dim)
             return [(entry.hf[0], full)]
         if entry.kind == VOCAB:
-            return [(entry.hf[0], torch.cat(shards, dim=0)[: self.spec.vocab_size])]
+            return [(entry.hf[0], cat(shards)[: self.spec.vocab_size])]
         if entry.kind == GATE_UP:
             halves = [s.chunk(2, dim=0) for s in shards]
-            return [(entry.hf[0], torch.cat([g for g, _ in halves], 0)), (entry.hf[1], torch.cat([u for _, u in halves], 0))]
+            return [(entry.hf[0], cat([g for g, _ in halves])), (entry.hf[1], cat([u for _, u in halves]))]
         parts = [[t for _, t in self._split_qkv(s, tp)] for s in shards]
-        return [(h, torch.cat([p[i] for p in parts])) for i, h in enumerate(entry.hf)]
+        return [(h, cat([p[i] for p in parts])) for i, h in enumerate(entry.hf)]
+
+
+def _back_to_back(parts: list) -> bool:
+    """Contiguous tensors of one storage, each starting where the previous one ends (so dim-0 concatenation is a
+    view)."""
+    first = parts[0]
+    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape[1:] == first.shape[1:]
+               and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts) and \
+        all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(parts, parts[1:]))
+
+
+def _joined_view(parts: list) -> torch.Tensor:
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows,) + tuple(first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -81,11 +83,23 @@ class StreamingHFWriter:
     max_shard_bytes; a bigger tensor gets a shard of its own), so every shard's safetensors header is written first
     and the data streams after it. `finish` refuses to write the index unless every planned tensor was written exactly
     once with its planned shape and dtype. Everything goes to `<out>.tmp`, renamed to `<out>` at the end.
+
+    pending_bytes > 0: the file writes happen in a background thread, so the caller reads and converts the next
+    tensors while earlier ones are written; `write` returns once the tensor is queued, and at most pending_bytes of
+    queued tensors are held (one tensor always fits). The caller must not change a tensor after passing it to `write`.
+    `wait_for_room(n)` blocks until n more bytes fit, for callers that want to bound memory before building a tensor.
     """
 
-    def __init__(self, out_dir, plan: Sequence[tuple], max_shard_bytes: int = 5 * 10 ** 9, on_bytes=None):
+    def __init__(self, out_dir, plan: Sequence[tuple], max_shard_bytes: int = 5 * 10 ** 9, on_bytes=None,
+                 pending_bytes: int = 0):
         self.out, self.tmp = Path(out_dir), Path(str(out_dir) + ".tmp")
         self.on_bytes = on_bytes
+        self.pending_bytes = pending_bytes
+        self._queue: deque = deque()
+        self._pending = 0  # bytes queued or being written
+        self._error: Optional[BaseException] = None
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         shards, current, size = [], [], 0
@@ -130,16 +144,75 @@ class StreamingHFWriter:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} {tensor.dtype}, planned {shape} {dtype}")
         if name in self.written:
             raise ValueError(f"{name}: written twice")
-        if fname != self._file:
-            self._open(fname, self.shards[self.files.index(fname)])
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._fh.write(data.data)
         self.written[name] = fname
         self.position += 1
+        if not self.pending_bytes:
+            self._emit(fname, data, nbytes)
+            return
+        self.wait_for_room(nbytes)
+        with self._cond:
+            self._queue.append((fname, data, nbytes))
+            self._pending += nbytes
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain_queue, name="hf-writer", daemon=True)
+            self._thread.start()
+
+    def wait_for_room(self, nbytes: int) -> None:
+        """Block until `nbytes` more fit in pending_bytes (or nothing is pending); re-raise a failed write."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or not self._pending
+                                or self._pending + nbytes <= self.pending_bytes)
+            if self._error is not None:
+                raise self._error
+
+    def _emit(self, fname: str, data, nbytes: int) -> None:
+        if fname != self._file:
+            self._open(fname, self.shards[self.files.index(fname)])
+        self._fh.write(data.data)
         if self.on_bytes is not None:
             self.on_bytes(nbytes)
 
+    def _drain_queue(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                item = self._queue.popleft()
+                if item is None:
+                    return
+            try:
+                self._emit(*item)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                with self._cond:
+                    self._error = exc
+                    self._queue.clear()
+                    self._pending = 0
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._pending = max(0, self._pending - item[2])  # abort() may have zeroed it meanwhile
+                self._cond.notify_all()
+
+    def _join(self) -> None:
+        """Wait for the queued writes; re-raise the first failure."""
+        if self._thread is not None:
+            with self._cond:
+                self._queue.append(None)
+                self._cond.notify_all()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
     def abort(self) -> None:
+        with self._cond:  # drop what is queued; a write in progress finishes
+            self._queue.clear()
+            self._pending = 0
+        try:
+            self._join()
+        except BaseException:  # noqa: BLE001 - aborting anyway
+            pass
         if self._fh is not None:
             self._fh.close()
             self._fh = None
@@ -149,6 +222,11 @@ class StreamingHFWriter:
         """Check completeness, write the index and the non-weight files, rename `<out>.tmp` to `<out>`.
 
         config: written as config.json instead of copying the source's; extra_files: {name: text} written as well."""
+        try:
+            self._join()
+        except BaseException:
+            self.abort()
+            raise
         if self._fh is not None:
             self._fh.close()
             self._fh = None

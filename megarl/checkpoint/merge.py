@@ -11,9 +11,11 @@ How
   `decoder.layers.{L}.mlp.experts.experts.linear_fc{1,2}.weight` with a leading expert dimension.
   So a global checkpoint tensor is exactly the TP=1 megatron tensor, and the bridge's `Mapping.to_hf` (the same
   mapping import, export and weight sync use) turns it into HF tensors.
-- Each megatron tensor is read alone (experts one expert at a time: only the chunks overlapping that expert's slice are
-  read) into a buffer of its size, converted, written into the open safetensors shard and dropped. Peak memory is
-  about two copies of the largest tensor (one expert's weight for MoE layers), never the model.
+- Each megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping that
+  expert's slice are read, straight from the shard files into place), converted (views where the HF layout allows),
+  and handed to a background writer that appends it to the open safetensors shard while the next tensor is read.
+  At most half the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the
+  largest tensor (one expert's weight for MoE layers), never the model.
 - Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
   and long enough, every tensor the HF architecture expects present exactly once with the shape the config implies,
   the chunks of each tensor covering it. Shards are planned from the expected names, shapes and dtype; the index is
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -139,8 +142,92 @@ class _SlicePlanner:
         raise MergeError(f"{item.storage_index.fqn}: expected a tensor, found bytes")
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """One saved chunk of a tensor: its box in the global tensor and where its raw bytes lie (None: not raw)."""
+
+    offsets: tuple
+    sizes: tuple
+    path: str  # relative file name
+    data_offset: Optional[int]  # byte offset of the chunk's row-major data in the file
+
+
+def _raw_data_offset(f, offset: int, length: int, chunk: tuple, dtype: torch.dtype) -> Optional[int]:
+    """Where the row-major bytes of a chunk saved by torch.save (as torch_dist does) start in the file, or None when
+    the record is anything else (another byte order, a view into a bigger storage, not contiguous): those chunks are
+    read through torch.distributed.checkpoint instead."""
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    with torch.serialization.skip_data():  # only the pickle: size, stride, dtype, storage size
+        saved = torch.load(_create_file_view(f, offset, length), weights_only=True)
+    if not (isinstance(saved, torch.Tensor) and tuple(saved.shape) == chunk and saved.dtype == dtype
+            and saved.is_contiguous() and saved.storage_offset() == 0
+            and saved.untyped_storage().nbytes() == saved.numel() * saved.element_size()):
+        return None
+    archive = torch._C.PyTorchFileReader(_create_file_view(f, offset, length))
+    records = archive.get_all_records()
+    data = [r for r in records if r.startswith("data/")]
+    if len(data) != 1 or ("byteorder" in records and bytes(archive.get_record("byteorder")) != b"little"):
+        return None
+    return offset + archive.get_record_offset(data[0])
+
+
+def _box_range(shape: tuple, start: tuple, size: tuple) -> Optional[tuple]:
+    """(first element, count) of box [start, start + size) of a row-major array of `shape` when the box is one
+    contiguous run of elements, else None."""
+    d = 0
+    while d < len(shape) and size[d] == 1:  # leading dims of extent 1
+        d += 1
+    if any(size[k] != shape[k] for k in range(d + 1, len(shape))):  # after the first wider dim: whole dims only
+        return None
+    first, stride = 0, 1
+    for k in reversed(range(len(shape))):
+        first += start[k] * stride
+        stride *= shape[k]
+    return first, math.prod(size)
+
+
+def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous tensor `out` with the file's bytes at `offset` (one kernel copy, no intermediate)."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += n
+
+
+def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
+    """Fill `out`, a view whose last dim is contiguous (a column block of a bigger tensor), with the file's
+    row-major bytes at `offset`: one scatter read per 1024 rows, no intermediate buffer."""
+    rows = out.view(-1, out.shape[-1]) if out.stride(-1) == 1 else None
+    if rows is None or rows.shape[1] * rows.element_size() < 256:  # odd layouts, tiny rows: read, then place
+        part = torch.empty(out.shape, dtype=out.dtype)
+        _pread_into(fd, part, offset)
+        out.copy_(part)
+        return
+    flat = rows.view(torch.uint8) if rows.element_size() == 1 else rows.view(_SAME_SIZE_INT[rows.element_size()])
+    arrays = flat.numpy()
+    row_bytes = rows.shape[1] * rows.element_size()
+    for start in range(0, rows.shape[0], 1024):  # IOV_MAX
+        views = [memoryview(a) for a in arrays[start:start + 1024]]
+        want = len(views) * row_bytes
+        if os.preadv(fd, views, offset + start * row_bytes) != want:  # a short read: rare, redo it row by row
+            for i in range(start, start + len(views)):
+                _pread_into(fd, rows[i], offset + i * row_bytes)
+
+
+_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class DistCheckpoint:
-    """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads."""
+    """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads.
+
+    Chunks are read straight from the shard files: their byte ranges come from the metadata and each chunk's
+    torch.save header, and the requested slice of each chunk is read into its place in the result (row by row, in
+    one scatter read, when TP splits a later dimension), so every byte is read once, with no intermediate copy.
+    Chunks stored any other way go through torch.distributed.checkpoint's reader."""
 
     def __init__(self, directory: str | Path):
         from torch.distributed.checkpoint import FileSystemReader
@@ -160,6 +247,18 @@ class DistCheckpoint:
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
+        self._files: dict = {}  # relative path -> open file
+        self._chunks: dict = {}  # key -> [_Chunk]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def _file(self, rel: str):
+        if rel not in self._files:
+            self._files[rel] = open(self.dir / rel, "rb")
+        return self._files[rel]
 
     def check_files(self, keys: Optional[set] = None) -> None:
         """Every file the metadata names (for `keys`, default all) exists and holds the byte ranges it lists."""
@@ -189,33 +288,84 @@ class DistCheckpoint:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
+    def chunks(self, key: str) -> list:
+        """The saved chunks of `key` with the location of their raw bytes (located once, on first use)."""
+        if key not in self._chunks:
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+
+            md = self.tensors[key]
+            out = []
+            for c in md.chunks:
+                info = self.metadata.storage_data[MetadataIndex(key, c.offsets)]
+                data = None
+                if not info.transform_descriptors:
+                    data = _raw_data_offset(self._file(info.relative_path), info.offset, info.length,
+                                            tuple(c.sizes), md.properties.dtype)
+                out.append(_Chunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, data))
+            self._chunks[key] = out
+        return self._chunks[key]
+
     def read(self, key: str, index: tuple = ()) -> torch.Tensor:
         """The global tensor `key`, or only `key[i0, i1, ...]` (leading dimensions: a stacked layer, an expert):
-        reads only the chunks overlapping that slice."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
+        reads only the chunks overlapping that slice, and of each only the overlapping bytes."""
         md = self.tensors[key]
         shape = tuple(md.size)
         k = len(index)
         offsets, sizes = tuple(index) + (0,) * (len(shape) - k), (1,) * k + shape[k:]
         target = torch.empty(sizes, dtype=md.properties.dtype)
-        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets),
-                                                                                torch.Size(sizes))])
-        planner = _SlicePlanner(target)
         try:
-            self.reader.read_data(LoadPlan(items), planner).wait()
+            chunks = self.chunks(key)
+            if any(c.data_offset is None for c in chunks):
+                return self._read_with_torch(key, index, target).reshape(shape[k:])
+            covered = 0
+            for c in chunks:
+                lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
+                hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
+                if any(h <= lo_ for lo_, h in zip(lo, hi)):
+                    continue
+                box = tuple(h - lo_ for lo_, h in zip(lo, hi))
+                src = _box_range(c.sizes, tuple(lo_ - co for lo_, co in zip(lo, c.offsets)), box)
+                if src is None:  # not reached for slices of leading dims; kept exact for any other box
+                    return self._read_with_torch(key, index, target).reshape(shape[k:])
+                dst = target
+                for d, (lo_, n) in enumerate(zip(lo, box)):
+                    dst = dst.narrow(d, lo_ - offsets[d], n)
+                fd = self._file(c.path).fileno()
+                byte = c.data_offset + src[0] * target.element_size()
+                if dst.is_contiguous():
+                    _pread_into(fd, dst, byte)
+                else:  # TP split of a later dimension: each of the chunk's rows is read into its row of the result
+                    _pread_rows_into(fd, dst, byte)
+                covered += src[1]
         except MergeError:
             raise
         except Exception as exc:
-            files = sorted({self.metadata.storage_data[i.storage_index].relative_path for i in items})
+            files = sorted({info.relative_path for i, info in self.metadata.storage_data.items() if i.fqn == key})
             raise MergeError(f"{key}: cannot be read from {self.dir} files {files} ({type(exc).__name__}: {exc}); "
                              "the checkpoint is corrupted") from exc
-        if planner.covered != target.numel():
-            raise MergeError(f"{key}{list(index) if index else ''}: the checkpoint's chunks cover "
-                             f"{planner.covered} of {target.numel()} elements (a rank's shards are missing)")
+        _check_covered(key, index, covered, target)
         return target.reshape(shape[k:])
+
+    def _read_with_torch(self, key: str, index: tuple, target: torch.Tensor) -> torch.Tensor:
+        """The slice through torch.distributed.checkpoint's reader (loads whole chunks; any storage format)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.tensors[key]
+        offsets = tuple(index) + (0,) * (target.dim() - len(index))
+        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets),
+                                                                                target.shape)])
+        planner = _SlicePlanner(target)
+        self.reader.read_data(LoadPlan(items), planner).wait()
+        _check_covered(key, index, planner.covered, target)
+        return target
+
+
+def _check_covered(key: str, index: tuple, covered: int, target: torch.Tensor) -> None:
+    if covered != target.numel():
+        raise MergeError(f"{key}{list(index) if index else ''}: the checkpoint's chunks cover "
+                         f"{covered} of {target.numel()} elements (a rank's shards are missing)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -324,18 +474,30 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
     return plan
 
 
-def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan):
-    """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time."""
+def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
+    """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time.
+
+    before_read(nbytes): called with the output bytes of each megatron tensor before it is read (a writer that still
+    holds earlier tensors waits there until they fit)."""
+    sizes = {h: math.prod(shape) * torch.tensor([], dtype=d).element_size() for h, shape, d in plan.hf_tensors}
     for entry in plan.mapping.entries:
         src = plan.sources[entry.megatron]
+        if before_read is not None:
+            before_read(sum(sizes[h] for h in entry.hf))
         tensor = ckpt.read(src.key, src.index)
-        zero_source = not bool(tensor.any())
-        for name, t in plan.mapping.to_hf(entry, [tensor]):
+        for name, t in plan.mapping.to_hf(entry, [tensor], views=True):  # views: no copy the writer does not need
             t = t.to(plan.dtype)
-            if not zero_source and not bool(t.any()):
+            if not _any_nonzero(t) and _any_nonzero(tensor):
                 raise MergeError(f"{name}: all zeros after conversion from {src.describe()}, which is not all zeros")
             yield name, t
         del tensor
+
+
+def _any_nonzero(t: torch.Tensor) -> bool:
+    """t.any(), looking at a short prefix first: a weight is rarely zero at its start, and a full any() over bfloat16
+    costs several times a copy."""
+    flat = t.reshape(-1)
+    return bool(flat[:4096].any()) or bool(flat.any())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -416,11 +578,18 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
 
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"merge {model}",
                    file=sys.stderr, dynamic_ncols=True)
+    # written in the background while the next tensors are read; at most half the largest tensor's bytes queued, so
+    # the largest tensor, read while the writer drains, keeps the peak under two of it
     writer = StreamingHFWriter(out, plan.hf_tensors, parse_size(max_shard_size),
-                               on_bytes=bar.update if bar is not None else None)
+                               on_bytes=bar.update if bar is not None else None,
+                               pending_bytes=plan.largest_tensor_bytes() // 2)
+    threads = torch.get_num_threads()
+    # the tensor work is copies, bound by memory, and the writer thread needs a core: torch's thread pool would only
+    # add barriers (which, on a busy machine, cost more than the copies themselves)
+    torch.set_num_threads(1)
     try:
         count = 0
-        for name, tensor in stream_hf_tensors(ckpt, plan):
+        for name, tensor in stream_hf_tensors(ckpt, plan, before_read=writer.wait_for_room):
             writer.write(name, tensor)
             count += 1
         config = _output_config(source, spec, head, plan.dtype)
@@ -438,6 +607,8 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
         writer.abort()
         raise
     finally:
+        torch.set_num_threads(threads)
+        ckpt.close()
         if bar is not None:
             bar.close()
     report = MergeReport(out, step, model, count, plan.nbytes, time.perf_counter() - t0, plan.largest_tensor_bytes(),
@@ -537,7 +708,7 @@ def run(args) -> int:
                        max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
                        progress=not args.no_progress)
         print(f"merged {report.step_dir / report.model} -> {report.out}: {report.tensors} tensors, "
-              f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.1f} s ({report.gb_per_s:.2f} GB/s)",
+              f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.3f} s ({report.gb_per_s:.2f} GB/s)",
               file=sys.stderr)
         if args.verify:
             diff = verify_merge(report)

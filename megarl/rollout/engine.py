@@ -117,19 +117,6 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) 
     return kw
 
 
-def cpu_binding(cores: Sequence[int], workers: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `workers` engine workers sharing `cores`: contiguous groups ("0|1", "0-3|4-7");
-    with fewer cores than workers, workers share them round-robin."""
-    if not cores:
-        raise ValueError("no CPU cores to bind the engine workers to")
-    groups = []
-    for w in range(workers):
-        part = list(cores[w * len(cores) // workers:(w + 1) * len(cores) // workers]) or [cores[w % len(cores)]]
-        groups.append(str(part[0]) if len(part) == 1 else f"{part[0]}-{part[-1]}" if part == list(
-            range(part[0], part[-1] + 1)) else ",".join(map(str, part)))
-    return "|".join(groups)
-
-
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
     """KV cache bytes one token takes across all layers (K and V)."""
     layers = int(hf_config["num_hidden_layers"])
@@ -278,8 +265,10 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if not self.on_gpu and cfg.tensor_model_parallel_size > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             # vllm-cpu's workers assert on NUMA nodes unless each is given its cores
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)),
-                                                                  cfg.tensor_model_parallel_size)
+            from megarl.rollout.threads import available_cores, engine_thread_plan
+
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_thread_plan(available_cores(),
+                                                                         cfg.tensor_model_parallel_size).omp_bind
         t0 = time.perf_counter()
         try:
             from vllm import LLM

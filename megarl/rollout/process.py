@@ -20,6 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config.schema import RolloutConfig
+from megarl.rollout.threads import apply_engine_threads, available_cores
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -30,12 +31,14 @@ class EngineProcessError(RuntimeError):
     """The engine child process failed; the message carries its traceback."""
 
 
-def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str) -> None:
+def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str,
+           cores: Optional[Sequence[int]] = None) -> None:
     # A scheduler's SIGTERM to the whole process tree must not kill the engine mid-step: the trainer finishes the
     # step, saves, and shuts the engine down itself. If the trainer dies, the pipe closes and this loop ends.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
+        apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
         from megarl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
@@ -68,7 +71,7 @@ class EngineProcess:
     """A VLLMEngine living in a child process; the same methods as VLLMEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 start_timeout_s: float = 600):
+                 start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None):
         self.model_path = str(model_path)
         self._calls = 0
         self._layouts = None
@@ -76,7 +79,7 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
-            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow),
+            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow, cores),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name="megarl-vllm-engine")

@@ -59,6 +59,15 @@ class EngineTopology:
         return slice(start, start + base + (replica < extra))
 
 
+def replica_cores(cores: list, index: int, count: int, workers: int) -> list:
+    """The cores of the `index`-th of `count` engine replicas on one machine: an equal contiguous share, or all of
+    them when a share would give a worker no core of its own (the replicas then share the cores)."""
+    per = len(cores) // max(1, count)
+    if per < workers:
+        return list(cores)
+    return list(cores[index * per:(index + 1) * per])
+
+
 def _broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(t, src=src, group=group)

@@ -189,6 +189,20 @@ def test_partial_checkpoint_is_refused(ckpt_copy, tmp_path):
         _merge(step, tmp_path / "out")
 
 
+def test_direct_chunk_reads_equal_torch_dcp_reads(moe_saved, tmp_path, monkeypatch):
+    """The merger reads chunk bytes straight from the shard files; torch.distributed.checkpoint's own reader (the
+    fallback for chunks not stored as plain torch.save records) must give byte-identical output files."""
+    from megarl.checkpoint import merge as merge_mod
+
+    root, (hf_dir, batch, run_dir, last) = moe_saved
+    direct = _merge(run_dir, tmp_path / "direct", model="critic")
+    monkeypatch.setattr(merge_mod, "_raw_data_offset", lambda *a, **k: None)
+    via_torch = _merge(run_dir, tmp_path / "torch", model="critic")
+    names = sorted(p.name for p in direct.out.iterdir())
+    assert names == sorted(p.name for p in via_torch.out.iterdir()) and len(names) > 3
+    assert all((direct.out / n).read_bytes() == (via_torch.out / n).read_bytes() for n in names)
+
+
 def test_nonempty_out_needs_force(moe_saved, tmp_path):
     from megarl.cli import main
     from megarl.checkpoint.merge import MergeError

@@ -118,6 +118,26 @@ def test_shard_and_unshard_is_identity(tiny_dirs, arch, tp):
     assert all(torch.equal(out[n], ref[n]) for n in ref)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_to_hf_views_match_the_checkpoint_and_share_memory_where_they_can(tiny_dirs, tp):
+    """views=True on shards gathered back to back into one buffer (as the exporter gathers, and a single shard as
+    the merger reads): the same values as the checkpoint; dim-0 joins and single shards are views, not copies."""
+    spec = load_spec(tiny_dirs["llama"])
+    m = Mapping(spec, padded_vocab=padded_vocab_size(spec.vocab_size, tp))
+    ckpt = SafetensorsCheckpoint(tiny_dirs["llama"])
+    ref = read_checkpoint(str(tiny_dirs["llama"]))
+    for entry in m.entries:
+        n = tp if entry.tp_dim is not None else 1
+        parts = [m.to_megatron(entry, [ckpt.read(h, m.hf_chunk_range(entry, i, r, n)) for i, h in enumerate(entry.hf)],
+                               n) for r in range(n)]
+        buffer = torch.stack(parts)  # shard r at buffer[r]: back to back
+        for name, t in m.to_hf(entry, list(buffer.unbind(0)), views=True):
+            assert torch.equal(t, ref[name]), name
+            shares = t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            expect = entry.kind != "qkv" and (n == 1 or (entry.tp_dim == 0 and entry.kind != "gate_up"))
+            assert shares == expect, (name, entry.kind, entry.tp_dim)
+
+
 def _rewrite(src, dst, drop=(), reshape=None, add=None):
     """Copy an HF dir, rewriting its safetensors (keeping the index consistent)."""
     from safetensors.torch import save_file

@@ -53,3 +53,32 @@ def test_refuses_wrong_order_shape_and_incomplete(tmp_path):
     with pytest.raises(ValueError, match="never written"):
         w.finish()
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
+def test_background_writes_give_the_same_files(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    tensors = {n: torch.randn(s, generator=g).to(d) for n, s, d in _plan()}
+    outs = []
+    for name, pending in (("sync", 0), ("background", 64)):  # 64 bytes: the queue holds about one tensor
+        w = StreamingHFWriter(tmp_path / name, _plan(), max_shard_bytes=140, pending_bytes=pending)
+        for n, t in tensors.items():
+            w.write(n, t)
+        outs.append(w.finish())
+    for f in sorted(p.name for p in outs[0].iterdir()):
+        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
+
+
+def test_background_write_failure_reaches_the_caller(tmp_path):
+    w = StreamingHFWriter(tmp_path / "out", _plan(), pending_bytes=1 << 20)
+    w.write("a.weight", torch.zeros(4, 8))
+    w.wait_for_room(1 << 20)  # nothing pending: a.weight is written and the shard file is open
+    w._fh.close()  # the writer thread's next write fails
+    with pytest.raises(ValueError, match="closed file"):
+        try:
+            w.write("b.weight", torch.zeros(16, dtype=torch.bfloat16))
+            w.write("c.weight", torch.zeros(3, 5))
+            w.finish()
+        except BaseException:
+            w.abort()
+            raise
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
