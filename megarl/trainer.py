@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megarl import algo, steps
+from megarl import algo, lifecycle, steps
 from megarl.batching import build_train_batch
 from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
@@ -18,7 +18,7 @@ from megarl.data import PromptLoader, encode_prompts, format_report, load_prompt
 from megarl.metrics import MetricsLogger
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
-from megarl.runtime import Runtime, barrier, start
+from megarl.runtime import Runtime, barrier, start, stop
 
 log = logging.getLogger("megarl")
 
@@ -55,13 +55,20 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
 
 def train(cfg: MegarlConfig) -> dict:
-    """Run the recipe; return the last step's metrics (on rank 0; {} elsewhere)."""
+    """Run the recipe; return the last step's metrics (on rank 0; {} elsewhere). However the run ends (its last step,
+    an error on any rank, a signal), the engine is shut down and the process group torn down; an error also stops the
+    other ranks within seconds (megarl.lifecycle)."""
+    rt = start(cfg)
+    with lifecycle.supervised(teardown=stop) as cleanups:
+        return _train(cfg, rt, cleanups)
+
+
+def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     from transformers import AutoTokenizer
 
     from megarl.megatron.workers import CriticWorker, PolicyWorker
     from megarl.sft import run_sft, sft_output_dir
 
-    rt = start(cfg)
     cfg = prepare(cfg, rt.is_rank0)
     barrier()
     if rt.is_rank0:
@@ -86,6 +93,8 @@ def train(cfg: MegarlConfig) -> dict:
                         states={"loader": loader, "kl_ctrl": kl_ctrl})
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
+    if engine is not None:
+        cleanups.callback(engine.shutdown)  # idempotent: also runs after the normal shutdown below
     if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
         steps.sync_weights(actor, engine, cfg, rt)
     logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,

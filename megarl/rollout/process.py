@@ -11,13 +11,13 @@ Weight sync streams: the parent sends buckets one at a time while the child feed
 from __future__ import annotations
 
 import os
-import signal
 import traceback
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
+from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
@@ -30,10 +30,11 @@ class EngineProcessError(RuntimeError):
     """The engine child process failed; the message carries its traceback."""
 
 
-def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str) -> None:
-    # A scheduler's SIGTERM to the whole process tree must not kill the engine mid-step: the trainer finishes the
-    # step, saves, and shuts the engine down itself. If the trainer dies, the pipe closes and this loop ends.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int) -> None:
+    # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
+    # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
+    # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
+    lifecycle.bind_to_parent(parent)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from megarl.rollout.engine import VLLMEngine
@@ -86,9 +87,10 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
-            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow),
-                                     daemon=True, name="megarl-vllm-engine")
+            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
+                                                          os.getpid()), daemon=True, name="megarl-vllm-engine")
             self._proc.start()
+            lifecycle.kill_at_exit(self._proc)
         finally:
             os.environ.update(saved)
         child.close()
@@ -107,8 +109,15 @@ class EngineProcess:
             raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
                                      "see its log above for the reason") from None
 
+    def _send(self, obj) -> None:
+        try:
+            self._conn.send(obj)
+        except (BrokenPipeError, ConnectionResetError):
+            self._recv()  # the engine is gone: EOF, raised as EngineProcessError with its exit code
+            raise
+
     def _call(self, method: str, *args, **kwargs) -> Any:
-        self._conn.send((method, args, kwargs))
+        self._send((method, args, kwargs))
         status, payload = self._recv()
         if status == "error":
             raise EngineProcessError(payload)
@@ -121,10 +130,10 @@ class EngineProcess:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        self._conn.send(("update_weights", (), {"verify": verify}))
+        self._send(("update_weights", (), {"verify": verify}))
         for bucket in buckets:
-            self._conn.send([(name, t.detach().contiguous()) for name, t in bucket])
-        self._conn.send(_END)
+            self._send([(name, t.detach().contiguous()) for name, t in bucket])
+        self._send(_END)
         status, payload = self._recv()
         if status == "error":
             raise EngineProcessError(payload)
@@ -160,7 +169,7 @@ class EngineProcess:
                 pass
             self._proc.join(timeout=timeout_s)
         if self._proc.is_alive():
-            self._proc.kill()
+            lifecycle.kill_tree(self._proc.pid)
 
     def __del__(self):  # best effort: never leave an engine behind
         proc: Optional[Any] = getattr(self, "_proc", None)
