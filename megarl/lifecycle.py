@@ -87,21 +87,45 @@ def kill_at_exit(proc) -> None:
 
 
 def kill_tree(pid: int, timeout_s: float = 5.0) -> None:
-    """SIGKILL `pid` and all its descendants, then wait up to timeout_s for them to be gone. The descendants are
-    listed before anything is killed, so none escapes by being re-parented."""
+    """SIGKILL `pid` and all its descendants, then wait up to timeout_s for them to be gone. The tree is stopped
+    (SIGSTOP) and listed before anything is killed, so none escapes by forking or by being re-parented."""
     import psutil
 
     try:
         root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
+        root.suspend()
     except psutil.NoSuchProcess:
         return
+    procs = [root]
+    for _ in range(2):  # a second pass finds what was forked while the first one stopped the tree
+        for p in root.children(recursive=True):
+            try:
+                p.suspend()
+            except psutil.NoSuchProcess:
+                continue
+            if p not in procs:
+                procs.append(p)
     for p in procs:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=timeout_s)
+    try:
+        root.wait(timeout=timeout_s)  # reaps it when it is our child
+    except (psutil.TimeoutExpired, psutil.NoSuchProcess, ChildProcessError):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while any(_running(p) for p in procs) and time.monotonic() < deadline:  # orphans are reaped by init, or not at all
+        time.sleep(0.02)
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def kill_children(timeout_s: float = 5.0) -> None:

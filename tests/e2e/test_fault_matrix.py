@@ -160,7 +160,7 @@ def test_reward_function_that_raises(tmp):
     out = run.output()
     assert code != 0
     assert "the reward file's own error" in out and "ZeroDivisionError" in out
-    assert out.count("the reward file's own error") == 1, out[-3000:]  # printed once
+    assert out.count("ZeroDivisionError: the reward file's own error") == 1, out[-3000:]  # printed once
     assert run.steps_logged() == []
 
 
