@@ -90,7 +90,8 @@ def megarl_step_seconds(cfg: dict, batch: dict, micro_batch: int, warmup: int, s
         model.cuda()
     trainable = make_trainable(model, OptimConfig(lr=1e-6, weight_decay=0.0), total_steps=warmup + steps,
                                use_distributed_optimizer=distributed_optimizer)
-    micro = [{k: v[i:i + micro_batch] for k, v in batch.items()} for i in range(0, len(batch["input_ids"]), micro_batch)]
+    rows = range(0, len(batch["input_ids"]), micro_batch)
+    micro = [{k: v[i:i + micro_batch] for k, v in batch.items()} for i in rows]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
     loss_fn = make_policy_loss_fn(settings, denominator)

@@ -177,12 +177,15 @@ class Watchdog:
     def report_failure(self, message: str) -> Optional[str]:
         """Publish this rank's failure so that every other rank stops. Returns the failure another rank published
         first (this rank's error is then most likely a consequence of it), or None if this one is the first."""
-        mine = f"rank {self.rank} failed: {message}"
+        self._stop.set()  # this rank ends by itself, printing its own error: its watchdog must not end it first
+        return self._publish(f"rank {self.rank} failed: {message}")
+
+    def _publish(self, message: str) -> Optional[str]:
         try:
-            current = self.store.compare_set(self.ABORT, "", mine).decode()
+            current = self.store.compare_set(self.ABORT, "", message).decode()
         except Exception:  # noqa: BLE001 - the store's host is gone: the peers learn it from the store themselves
             return None
-        return None if current == mine else current
+        return None if current == message else current
 
     def stop(self) -> None:
         self._stop.set()
@@ -221,8 +224,7 @@ class Watchdog:
             elif now - seen_at > self.stale_s:
                 message = (f"rank {neighbour} stopped responding (no heartbeat for {now - seen_at:.0f} s; killed, "
                            "or stuck without releasing the GIL)")
-                self.report_failure(message)
-                return self._abort(message)
+                return self._abort(self._publish(message) or message)
 
     def _abort(self, message: str) -> None:
         if not self._stop.is_set():

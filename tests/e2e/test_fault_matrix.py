@@ -62,8 +62,8 @@ class Run:
                 f"data.synthetic.output_dir={tmp / 'data'}", f"reward.reward_fn={reward_file}", *overrides]
         full_env = {**os.environ, **(env or {}), MARKER: self.marker}
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(RECIPE), *args], env=full_env,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen([sys.executable, "-m", "megarl.cli", "train", str(RECIPE), *args],
+                                         env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
