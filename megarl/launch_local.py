@@ -34,9 +34,10 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def _wait_all(procs: list, timeout: float, grace: float = 5.0) -> tuple[list, Optional[int]]:
+def _wait_all(procs: list, timeout: float, grace: float = 5.0, peer_grace: float = 25.0) -> tuple[list, Optional[int]]:
     """Wait for every process; once one fails (or time runs out) give the rest `grace` seconds, then kill them (with
-    their children: a rank's engine).
+    their children: a rank's engine). A rank that stopped because another one failed (lifecycle.PEER_FAILED_EXIT)
+    gives the failing rank `peer_grace` seconds to clean up and print its error.
 
     A crashed rank leaves its peers blocked in a collective (their watchdogs normally end them sooner), so waiting for
     each in turn would hang until the timeout. Returns each exit code, or "timeout"/"killed after rank N failed", and
@@ -51,7 +52,8 @@ def _wait_all(procs: list, timeout: float, grace: float = 5.0) -> tuple[list, Op
                 codes[i] = p.returncode
                 if p.returncode != 0 and (first_failure is None or codes[first_failure] == lifecycle.PEER_FAILED_EXIT):
                     first_failure = i
-                    deadline = min(deadline, time.monotonic() + grace)
+                    wait = peer_grace if p.returncode == lifecycle.PEER_FAILED_EXIT else grace
+                    deadline = min(deadline, time.monotonic() + wait)
         if time.monotonic() > deadline:
             for i, p in enumerate(procs):
                 if codes[i] is None:

@@ -156,7 +156,7 @@ class Watchdog:
     store: a torch.distributed Store shared by all ranks (the process group's rendezvous store). Every interval_s the
     thread writes this rank's heartbeat, reads the abort key and checks rank (rank + 1) % world's heartbeat; a
     heartbeat unchanged for stale_s seconds, or a store that stays unreachable that long (its host, rank 0 or the
-    launcher, is gone), ends the run. Call stop() on every rank before the final barrier: a stopped rank marks its
+    launcher, is gone), ends the run. Call stop() when the rank's part of the run is over: a stopped rank marks its
     heartbeat as done so that its watcher does not take the end of the run for a death.
     """
 

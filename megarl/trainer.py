@@ -94,7 +94,7 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
     if engine is not None:
-        cleanups.callback(engine.shutdown)  # idempotent: also runs after the normal shutdown below
+        cleanups.callback(engine.shutdown, timeout_s=5)  # after a failure; a no-op after the shutdown below
     if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
         steps.sync_weights(actor, engine, cfg, rt)
     logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
