@@ -265,6 +265,8 @@ class SignalWatcher:
             if not data:
                 return
             for signum in data:
+                if signum == 0:  # close()
+                    return
                 if signum in self.SIGNALS:
                     self._handle(signum)
 
@@ -281,8 +283,9 @@ class SignalWatcher:
         signal.set_wakeup_fd(self._previous_fd)
         for s, handler in self._previous.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        os.close(self._write)  # ends the thread's read
+        os.write(self._write, b"\0")  # ends the thread (a forked child may hold the pipe open: no EOF to count on)
         self._thread.join(timeout=5)
+        os.close(self._write)
         os.close(self._read)
 
 

@@ -211,7 +211,7 @@ def test_sigterm_at_step_2_saves_exits_0_and_resumes_exactly(tmp):
     run = Run(tmp, "sigterm", [f"trainer.total_steps={total}"], reward=SLOW_REWARD)
     run.wait_for_step(1)
     os.killpg(run.proc.pid, signal.SIGTERM)  # a scheduler's preemption: every process of the job gets it
-    code, elapsed = run.finish(since=time.monotonic())
+    code, elapsed = run.finish(since=time.monotonic(), limit=180)  # it finishes the step and saves first
     assert code == 0, run.output()[-3000:]
     stopped = run.steps_logged()[-1]
     assert 2 <= stopped < total, run.steps_logged()
@@ -236,3 +236,16 @@ def test_a_second_sigint_stops_at_once(tmp):
     assert code == 128 + signal.SIGINT, run.output()[-3000:]
     assert "SIGINT received (a second signal): stopping now" in run.output()
     print(f"second SIGINT: exit {code} after {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launcher_leaves_no_rank_or_engine(tmp):
+    """`megarl train` itself SIGKILLed (no chance to clean up): its ranks, and rank 0's engine, die with it."""
+    run = Run(tmp, "kill-launcher", [*TP2, "trainer.total_steps=50"])
+    run.wait_for_step(1)
+    children = run.processes()
+    assert len(children) >= 3, children  # two ranks and the engine at least
+    os.kill(run.proc.pid, signal.SIGKILL)
+    code, elapsed = run.finish(since=time.monotonic())
+    assert code == -signal.SIGKILL
+    print(f"kill -9 of the launcher: {len(children) - 1} processes gone after {elapsed:.1f} s")
