@@ -20,6 +20,7 @@ import torch
 
 from megarl import runtime
 
+
 def causal_inputs(tokens: torch.Tensor) -> tuple:
     """(position_ids [B, S], attention_mask [1, 1, S, S] with True = masked) for a right-padded batch."""
     b, s = tokens.shape
