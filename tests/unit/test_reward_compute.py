@@ -109,6 +109,7 @@ def test_no_reward_worker_outlives_its_timeout(tmp_path):
         return 1.0
 
     threads_before = threading.active_count()
+    children_before = set(psutil.Process().children(recursive=True))  # e.g. a checkpoint writer of an earlier test
     t0 = time.monotonic()
     scores, _, report = compute_rewards(stuck, _samples("a", "b"), timeout_s=0.5, num_workers=2)
     assert time.monotonic() - t0 < 10  # not the 60 s of the call
@@ -118,7 +119,7 @@ def test_no_reward_worker_outlives_its_timeout(tmp_path):
     alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     assert threading.active_count() == threads_before
-    assert psutil.Process().children(recursive=True) == []
+    assert set(psutil.Process().children(recursive=True)) <= children_before
 
 
 def test_worker_that_dies_is_a_named_failure():
