@@ -111,11 +111,13 @@ def test_no_reward_worker_outlives_its_timeout(tmp_path):
     threads_before = threading.active_count()
     children_before = set(psutil.Process().children(recursive=True))  # e.g. a checkpoint writer of an earlier test
     t0 = time.monotonic()
-    scores, _, report = compute_rewards(stuck, _samples("a", "b"), timeout_s=0.5, num_workers=2)
-    assert time.monotonic() - t0 < 10  # not the 60 s of the call
+    scores, _, report = compute_rewards(stuck, _samples("a", "b"), timeout_s=2, num_workers=2)
+    assert time.monotonic() - t0 < 30  # not the 60 s of the calls
     assert scores == [0.0, 0.0] and report["timed_out_indices"] == [0, 1]
     started = [int(p) for line in pids.read_text().splitlines() for p in line.split()]
-    assert len(started) == 4 and os.getpid() not in started  # the calls ran in workers of their own
+    # each call that got as far as starting its child within the limit (on a loaded machine maybe not both) ran in a
+    # worker of its own
+    assert len(started) in (2, 4) and os.getpid() not in started
     alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     assert threading.active_count() == threads_before
