@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import logging
 import os
 import signal
 import sys
@@ -29,8 +28,6 @@ import time
 import weakref
 from contextlib import ExitStack, contextmanager
 from typing import Callable, Iterator, Optional
-
-log = logging.getLogger("megarl")
 
 PEER_FAILED_EXIT = 75
 _PR_SET_PDEATHSIG = 1

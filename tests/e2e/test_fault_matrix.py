@@ -150,10 +150,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _first_error_line(text: str) -> str:
-    return next(line for line in text.splitlines() if "Error" in line or "error" in line)
-
-
 def test_reward_function_that_raises(tmp):
     run = Run(tmp, "reward-raises", reward=RAISING_REWARD)
     code, elapsed = run.finish(since=time.monotonic(), limit=300)  # the fault comes at step 1, after start-up
