@@ -32,9 +32,13 @@ def _load(args: argparse.Namespace):
 
 
 def _run_job(cfg, entry: str) -> int:
-    """Run `entry` (a megarl function taking cfg_dict) here, under torchrun's ranks, or on ranks started locally."""
+    """Run `entry` (a megarl function taking cfg_dict) here, under torchrun's ranks, or on ranks started locally.
+
+    Exit code 0, or 1 with the error printed once: errors a user acts on as one message, others with their traceback;
+    lifecycle.PEER_FAILED_EXIT for a torchrun rank that stopped because another rank failed."""
     import importlib
 
+    from megarl import lifecycle
     from megarl.data import DataError
     from megarl.launch_local import RankFailure, run_ranks
     from megarl.reward.registry import RewardError
@@ -43,11 +47,16 @@ def _run_job(cfg, entry: str) -> int:
     module, fn = entry.split(":")
     try:
         if "WORLD_SIZE" in os.environ or cfg.world_size == 1:
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: never outlive its agent
+                lifecycle.die_with_parent(os.getppid())
             getattr(importlib.import_module(module), fn)(cfg.model_dump())
         else:
             print(f"megarl: starting {cfg.world_size} local ranks (rank 0 logs here; the others in the run's "
                   "temporary log folder named on failure)", file=sys.stderr)
             run_ranks(entry, cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=None, stream_rank0=True)
+    except lifecycle.PeerFailure as exc:
+        print(f"megarl: stopping: {exc}", file=sys.stderr)
+        return lifecycle.PEER_FAILED_EXIT
     except (DataError, RewardError, EngineProcessError, RankFailure) as exc:
         print(f"megarl: {exc}", file=sys.stderr)
         return 1

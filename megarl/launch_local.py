@@ -10,14 +10,19 @@ import faulthandler
 import importlib
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
+from megarl import lifecycle
 from megarl.megatron.parallel import free_port
+
+_LAUNCHER_PID = "MEGARL_LAUNCHER_PID"
 
 
 class RankFailure(RuntimeError):
@@ -29,11 +34,14 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def _wait_all(procs: list, timeout: float, grace: float = 10.0) -> list:
-    """Wait for every process; once one fails (or time runs out) give the rest `grace` seconds, then kill them.
+def _wait_all(procs: list, timeout: float, grace: float = 5.0, peer_grace: float = 25.0) -> tuple[list, Optional[int]]:
+    """Wait for every process; once one fails (or time runs out) give the rest `grace` seconds, then kill them (with
+    their children: a rank's engine). A rank that stopped because another one failed (lifecycle.PEER_FAILED_EXIT)
+    gives the failing rank `peer_grace` seconds to clean up and print its error.
 
-    A crashed rank leaves its peers blocked in a collective, so waiting for each in turn would hang until the timeout.
-    Returns each exit code, or "timeout"/"killed after rank N failed".
+    A crashed rank leaves its peers blocked in a collective (their watchdogs normally end them sooner), so waiting for
+    each in turn would hang until the timeout. Returns each exit code, or "timeout"/"killed after rank N failed", and
+    the rank that failed first, not counting ranks that only stopped because another one failed.
     """
     deadline = time.monotonic() + timeout
     codes: list = [None] * len(procs)
@@ -42,17 +50,52 @@ def _wait_all(procs: list, timeout: float, grace: float = 10.0) -> list:
         for i, p in enumerate(procs):
             if codes[i] is None and p.poll() is not None:
                 codes[i] = p.returncode
-                if p.returncode != 0 and first_failure is None:
+                if p.returncode != 0 and (first_failure is None or codes[first_failure] == lifecycle.PEER_FAILED_EXIT):
                     first_failure = i
-                    deadline = min(deadline, time.monotonic() + grace)
+                    wait = peer_grace if p.returncode == lifecycle.PEER_FAILED_EXIT else grace
+                    deadline = min(deadline, time.monotonic() + wait)
         if time.monotonic() > deadline:
             for i, p in enumerate(procs):
                 if codes[i] is None:
-                    p.kill()
+                    lifecycle.kill_tree(p.pid)
                     p.wait()
                     codes[i] = "timeout" if first_failure is None else f"killed after rank {first_failure} failed"
         time.sleep(0.05)
-    return codes
+    return codes, first_failure
+
+
+@contextmanager
+def _forwarding_signals(procs: list):
+    """While the ranks run, pass SIGINT/SIGTERM sent to the launcher on to them (they run in sessions of their own, so a
+    terminal's Ctrl-C reaches them only this way, once): each rank then saves and stops, or stops at once."""
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    try:
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: the caller keeps its own handling
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _failure_report(target: str, codes: list, first: Optional[int], logs: Path) -> str:
+    """The rank that failed first with its log tail, then one line per rank that followed it."""
+    order = sorted((r for r, c in enumerate(codes) if c != 0), key=lambda r: r != first)
+    lines = [f"{len(order)} of {len(codes)} ranks of {target} failed:"]
+    for r in order:
+        log = logs / f"rank{r}.log"
+        if r == first or first is None:
+            lines.append(f"--- rank {r} exited with {codes[r]}; last lines of {log}:\n{_tail(log)}")
+        else:
+            why = " (stopped because another rank failed)" if codes[r] == lifecycle.PEER_FAILED_EXIT else ""
+            lines.append(f"--- rank {r} exited with {codes[r]}{why}; its log: {log}")
+    return "\n".join(lines)
 
 
 def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: Optional[float] = 600,
@@ -74,19 +117,18 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
         rank_env = dict(os.environ, **(env or {}))
         rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=rank_env.get(
-                            "OMP_NUM_THREADS", "1"))
+                            "OMP_NUM_THREADS", "1"), **{_LAUNCHER_PID: str(os.getpid())})
         log = open(logs / f"rank{rank}.log", "w")
         out = None if (stream_rank0 and rank == 0) else log
         cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
-        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None),
-                      log))
-    codes = _wait_all([p for p, _ in procs], float("inf") if timeout is None else timeout)
+        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                       start_new_session=True), log))
+    with _forwarding_signals([p for p, _ in procs]):
+        codes, first = _wait_all([p for p, _ in procs], float("inf") if timeout is None else timeout)
     for _, log in procs:
         log.close()
-    failed = [f"--- rank {r} exited with {code}; last lines of {logs / f'rank{r}.log'}:\n" + _tail(logs / f"rank{r}.log")
-              for r, code in enumerate(codes) if code != 0]
-    if failed:
-        raise RankFailure(f"{len(failed)} of {nprocs} ranks of {target} failed:\n" + "\n".join(failed))
+    if any(code != 0 for code in codes):
+        raise RankFailure(_failure_report(target, codes, first, logs))
     return [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
 
 
@@ -95,17 +137,24 @@ def _rank_main(target: str, work: str) -> None:
 
     from megarl.megatron import parallel
 
+    if os.environ.get(_LAUNCHER_PID):  # a SIGKILLed launcher must not leave its ranks running
+        lifecycle.die_with_parent(int(os.environ[_LAUNCHER_PID]))
     module_name, fn_name = target.split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     kwargs = pickle.loads((Path(work) / "kwargs.pkl").read_bytes())
     if os.environ.get("MEGARL_HANG_DUMP_S"):  # print every thread's stack if a rank hangs this long, then exit
         faulthandler.dump_traceback_later(float(os.environ["MEGARL_HANG_DUMP_S"]), exit=True)
     parallel.init_distributed()
+    rank = parallel.rank()
     try:
         result = fn(**kwargs)
-        (Path(work) / f"result{parallel.rank()}.pkl").write_bytes(pickle.dumps(result))
+        (Path(work) / f"result{rank}.pkl").write_bytes(pickle.dumps(result))
         # A rank that returns early (a first pipeline stage) must not tear down the group under an async send.
-        torch.distributed.barrier()
+        if torch.distributed.is_initialized():  # a supervised job (the trainer) has torn it down itself
+            torch.distributed.barrier()
+    except lifecycle.PeerFailure as exc:  # the root cause is printed by the rank where it happened
+        print(f"megarl: rank {rank} stopping: {exc}", file=sys.stderr)
+        sys.exit(lifecycle.PEER_FAILED_EXIT)
     finally:
         parallel.destroy()
 

@@ -4,6 +4,13 @@ Every rank runs the same loop (SPMD). Engine replicas run over the ranks (megarl
 each group of rollout.tensor_model_parallel_size ranks owns one); each generates its share of the prompts and
 broadcasts it as tensors, so every rank holds the whole step's batch. Global rank 0 scores rewards and writes metrics. Model forwards split the batch over DP
 ranks; results come from the last pipeline stage and are gathered so every rank again holds the whole batch.
+
+Devices: `compute_device()` is the one decision of where tensors meet the model and the collectives (the rank's CUDA
+device under NCCL, else the CPU). The step's batch lives on the CPU; `to_device` moves a micro-batch just before the
+model, and whole-batch results come back to the CPU. Tensor collectives go through the wrappers below, which check
+their tensors against that device (`check_device`), so a CPU tensor headed for an NCCL-only collective fails on any
+machine, CPU included, when a test declares another device (`declare_device`). Pickled Python objects travel over a
+gloo group next to NCCL, never through GPU memory.
 """
 from __future__ import annotations
 
@@ -12,12 +19,13 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.config import MegarlConfig
+from megarl.megatron import parallel
 from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
 from megarl.rollout.replicas import EngineTopology
 
@@ -75,6 +83,9 @@ def start(cfg: MegarlConfig) -> Runtime:
     init_model_parallel(layout_of(cfg), seed=cfg.trainer.seed)
     from megatron.core import parallel_state as ps
 
+    global _object_group
+    _object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
     logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s %(levelname)s %(message)s")
     if dist.get_rank() != 0:
         logging.getLogger("megarl").setLevel(logging.WARNING)
@@ -85,9 +96,91 @@ def start(cfg: MegarlConfig) -> Runtime:
                    dp_size=ps.get_data_parallel_world_size(), run_dir=Path(cfg.trainer.run_dir), engines=engines)
 
 
+def stop() -> None:
+    """Tear down megatron's and torch.distributed's groups (no collective: after a failure the peers may be gone)."""
+    global _object_group
+    _object_group = None
+    parallel.destroy()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Devices and collectives
+# ---------------------------------------------------------------------------------------------------------------------
+
+_object_group = None  # a gloo group over the world when the default group is NCCL
+_declared_device: Optional[torch.device] = None
+
+
+class DeviceMismatch(RuntimeError):
+    """A tensor given to the model or to a collective is not on the runtime's compute device."""
+
+
+def declare_device(device: Optional[str | torch.device]) -> None:
+    """Override compute_device() (None: back to the real decision). For tests: declaring a device the tensors cannot
+    be on by accident ('meta') makes every missing move to the device fail check_device on a CPU machine."""
+    global _declared_device
+    _declared_device = None if device is None else torch.device(device)
+
+
+def compute_device() -> torch.device:
+    """Where this rank's model computes and its tensor collectives run."""
+    return _declared_device if _declared_device is not None else parallel.device()
+
+
+def check_device(where: str, tensors: Iterable[torch.Tensor]) -> None:
+    want = compute_device()
+    for t in tensors:
+        if t.device.type != want.type or (want.index is not None and t.device.index not in (None, want.index)):
+            raise DeviceMismatch(f"{where}: a {tuple(t.shape)} {t.dtype} tensor is on {t.device}, the runtime computes "
+                                 f"on {want}; move it with megarl.runtime.to_device")
+
+
+def to_device(batch: dict) -> dict:
+    """A micro-batch (dict of tensors and other values) with every tensor on compute_device()."""
+    device = compute_device()
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
+    check_device("model input", (input_ids, position_ids, attention_mask))
+    return model(input_ids, position_ids, attention_mask)
+
+
+def all_reduce(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
+    check_device("all_reduce", (t,))
+    if dist.get_world_size(group) > 1:  # a group of one: nothing to reduce (and no collective's latency)
+        dist.all_reduce(t, op=op, group=group)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None) -> None:
+    check_device("broadcast", (t,))
+    dist.broadcast(t, src=src, group=group)
+
+
+def all_gather(parts: list, t: torch.Tensor, group=None) -> None:
+    check_device("all_gather", [t, *parts])
+    dist.all_gather(parts, t, group=group)
+
+
+def broadcast_strings(strings: Optional[list[str]], src: int, group=None) -> list[str]:
+    """`strings` from global rank src to every rank of `group` (src's value is used; others may pass None), as byte
+    tensors on the compute device: no pickled object through an NCCL group."""
+    device = compute_device()
+    data = torch.tensor(list("\n".join(strings or []).encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    broadcast(size, src, group)
+    if dist.get_rank(group=None) != src:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if int(size.item()):
+        broadcast(data, src, group)
+    text = bytes(data.cpu().tolist()).decode()
+    return text.split("\n") if text else []
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """A picklable object from global rank src to every rank, over gloo (CPU memory) also when training on NCCL."""
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=_object_group)
     return holder[0]
 
 
@@ -116,16 +209,18 @@ def gather_model_output(local: Optional[torch.Tensor], shape_per_rank: tuple, dt
     """Assemble a per-row model output computed on DP shards into the whole batch, on every rank.
 
     `local` is this rank's [n/DP, ...] result on the last pipeline stage (None on other stages). The last stage
-    shares it with its pipeline group, then DP ranks all-gather their shares in row order."""
+    shares it with its pipeline group, then DP ranks all-gather their shares in row order. The result is on the CPU,
+    with the rest of the step's batch."""
     from megatron.core import parallel_state as ps
 
-    buf = local.to(dtype).contiguous() if local is not None else torch.empty(shape_per_rank, dtype=dtype)
+    device = compute_device()
+    buf = (local.to(device=device, dtype=dtype).contiguous() if local is not None
+           else torch.empty(shape_per_rank, dtype=dtype, device=device))
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        broadcast(buf, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     dp = ps.get_data_parallel_world_size()
     if dp == 1:
-        return buf
+        return buf.cpu()
     parts = [torch.empty_like(buf) for _ in range(dp)]
-    dist.all_gather(parts, buf, group=ps.get_data_parallel_group())
-    return torch.cat(parts, dim=0)
+    all_gather(parts, buf, group=ps.get_data_parallel_group())
+    return torch.cat(parts, dim=0).cpu()

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from megarl import algo, steps
+from megarl import algo, lifecycle, steps
 from megarl.batching import build_train_batch
 from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
@@ -19,7 +19,7 @@ from megarl.data import PromptLoader, encode_prompts, format_report, load_prompt
 from megarl.metrics import MetricsLogger, write_rollouts
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
-from megarl.runtime import Runtime, barrier, start
+from megarl.runtime import Runtime, barrier, start, stop
 
 log = logging.getLogger("megarl")
 
@@ -78,13 +78,20 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
 
 def train(cfg: MegarlConfig) -> dict:
-    """Run the recipe; return the last step's metrics (on rank 0; {} elsewhere)."""
+    """Run the recipe; return the last step's metrics (on rank 0; {} elsewhere). However the run ends (its last step,
+    an error on any rank, a signal), the engine is shut down and the process group torn down; an error also stops the
+    other ranks within seconds (megarl.lifecycle)."""
+    rt = start(cfg)
+    with lifecycle.supervised(teardown=stop) as cleanups:
+        return _train(cfg, rt, cleanups)
+
+
+def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     from transformers import AutoTokenizer
 
     from megarl.megatron.workers import CriticWorker, PolicyWorker
     from megarl.sft import run_sft, sft_output_dir
 
-    rt = start(cfg)
     cfg = prepare(cfg, rt.is_rank0)
     barrier()
     if rt.is_rank0:
@@ -111,6 +118,8 @@ def train(cfg: MegarlConfig) -> dict:
                         states={"loader": loader, "kl_ctrl": kl_ctrl})
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
+    if engine is not None:
+        cleanups.callback(engine.shutdown, timeout_s=5)  # after a failure; a no-op after the shutdown below
     sync = steps.weight_sync(actor, engine, cfg, rt)
     # The engine holds the HF model's weights (or random ones with load_format=dummy): give it the actor's before the
     # first rollout and before val_before_train when they differ (a resume, or dummy weights).

@@ -27,6 +27,7 @@ resumed run samples exactly what an uninterrupted one would.
 Test hooks (environment variables, read at save time; never set them in real runs):
   MEGARL_TEST_SIGKILL_IN_SAVE=<N>   every rank SIGKILLs itself in the middle of saving step N (after the model files)
   MEGARL_TEST_SIGTERM_AT_STEP=<N>   rank 0 sends itself SIGTERM at the end of step N (as a scheduler would)
+  MEGARL_TEST_RAISE_AT_STEP=<N>:<R> rank R raises RuntimeError at the end of step N (a fault on one rank)
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+
+from megarl.lifecycle import SignalWatcher, die_with_parent
 
 log = logging.getLogger("megarl")
 
@@ -201,18 +204,6 @@ def sharded_state_dict(trainable, with_optimizer: bool, is_loading: bool) -> dic
     return state
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Initializer of the writer's Manager process: die with the rank that started it (Linux prctl PDEATHSIG)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the rank died before prctl took effect
-        os._exit(0)
-
-
 _WRITER_MANAGERS: list = []
 
 
@@ -230,7 +221,7 @@ def _writer_queue_dies_with_rank() -> None:
     if not sys.platform.startswith("linux") or getattr(filesystem_async, "_results_queue", True) is not None:
         return
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     _WRITER_MANAGERS.append(manager)  # keep it (and its queue) alive for the process's lifetime
     filesystem_async._results_queue = manager.Queue()
 
@@ -274,36 +265,38 @@ def load_trainable(trainable, directory: Path, load_optimizer: bool = True) -> N
 
 
 class StopRequest:
-    """A SIGTERM handler that only sets a flag; `agreed()` all-reduces it so every rank stops after the same step."""
+    """SIGTERM and SIGINT during a run. With save_on_sigterm the first one only sets a flag, and `agreed()`
+    all-reduces it so every rank saves and stops after the same step; without it, or on a second signal, the process
+    ends at once (see megarl.lifecycle.SignalWatcher: this works also while a rank is blocked in a collective)."""
 
     def __init__(self, enabled: bool):
         self.requested = False
-        self._previous = None
-        if enabled:
-            try:
-                self._previous = signal.signal(signal.SIGTERM, self._handle)
-            except ValueError:  # not the main thread (an embedding application): it keeps its own handling
-                log.warning("checkpoint.save_on_sigterm: not in the main thread, no SIGTERM handler installed")
+        self._watcher = None
+        try:
+            self._watcher = SignalWatcher(on_first=self._handle if enabled else None)
+        except ValueError:  # not the main thread (an embedding application): it keeps its own handling
+            log.warning("not in the main thread: SIGTERM/SIGINT keep the application's handling")
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int) -> None:
         self.requested = True
-        log.warning("SIGTERM received: saving a checkpoint at the end of this step, then stopping")
+        log.warning("%s received: saving a checkpoint at the end of this step, then stopping (send it again to stop "
+                    "now, without saving)", signal.Signals(signum).name)
 
     def agreed(self) -> bool:
-        """Collective: True on every rank when any rank received SIGTERM."""
+        """Collective: True on every rank when any rank received a stop signal."""
         import torch.distributed as dist
 
-        from megarl.megatron.parallel import device
+        from megarl.runtime import all_reduce, compute_device
 
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device())
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=compute_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
     def close(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,9 +324,13 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _test_hook(name: str, step: int) -> bool:
+def _test_hook(name: str, step: int, rank: Optional[int] = None) -> bool:
+    """The hook `name` is set for `step` (value "N", or "N:R" to also match rank R)."""
     value = os.environ.get(name)
-    return value is not None and value.strip() == str(step)
+    if value is None:
+        return False
+    at_step, _, at_rank = value.strip().partition(":")
+    return at_step == str(step) and (rank is None or at_rank == str(rank))
 
 
 class Checkpointer:
@@ -376,6 +373,8 @@ class Checkpointer:
         """Collective, once per step: save when due (save_freq, the last step, a SIGTERM). True: stop the run now."""
         if self.rt.is_rank0 and _test_hook("MEGARL_TEST_SIGTERM_AT_STEP", step):
             os.kill(os.getpid(), signal.SIGTERM)
+        if _test_hook("MEGARL_TEST_RAISE_AT_STEP", step, self.rt.rank):
+            raise RuntimeError(f"MEGARL_TEST_RAISE_AT_STEP: injected fault at step {step} on rank {self.rt.rank}")
         stopping = self.stop.agreed()
         if self.should_save(step, stopping) and self.last_saved != step:
             self.save(step)

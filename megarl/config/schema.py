@@ -260,8 +260,8 @@ class RewardConfig(_Section):
                                           description="Extra keyword arguments for the reward function.")
     timeout_s: float = Field(10.0, gt=0, description="Per-sample time limit; a sample over it scores 0 and is "
                              "counted as timed out.")
-    num_workers: int = Field(4, ge=0, description="Threads scoring responses in parallel; 0: inline in the trainer "
-                             "thread with no time limit (for debugging).")
+    num_workers: int = Field(4, ge=0, description="Worker processes scoring responses in parallel; 0: inline in the "
+                             "trainer thread with no time limit (for debugging).")
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig,
                                                   description="DAPO overlong reward shaping.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megarl import runtime
+
 
 def causal_inputs(tokens: torch.Tensor) -> tuple:
     """(position_ids [B, S], attention_mask [1, 1, S, S] with True = masked) for a right-padded batch."""
@@ -90,7 +92,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     if spec is not None and spec.sliding_window and s > spec.sliding_window:
         raise ValueError(f"sequence length {s} exceeds the model's sliding_window={spec.sliding_window}; megarl's "
                          "megatron attention is full causal and would differ from the HF model beyond the window")
-    device = next(chunks[0].parameters()).device
+    device = runtime.compute_device()
     seq_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     padded = _pad_batch(tokens.to(device), micro_batch_size, seq_multiple)
     micro = list(padded.split(micro_batch_size))
@@ -98,7 +100,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     def step(data_iterator, m):
         mb = next(data_iterator)
         pos, mask = causal_inputs(mb)
-        out = m(mb, pos, mask)
+        out = runtime.call_model(m, mb, pos, mask)
         return out, partial(_collect, mb)
 
     def _collect(mb, output):

@@ -9,6 +9,8 @@ it multiplied by num_microbatches * dp_size, which cancels megatron's two averag
 
 A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded); the
 loss function receives it together with the model output ([b, S, V/TP] logits, or [b, S, 1] values for a critic).
+Micro-batches arrive on the CPU; the forward step moves each to the runtime's compute device just before the model, and
+every tensor a collective sees is on that device too (megarl.runtime checks both).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megarl import runtime
 from megarl.config.schema import OptimConfig
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
@@ -73,12 +76,10 @@ def _dp_group():
 
 
 def global_count(local: torch.Tensor) -> torch.Tensor:
-    """Sum of a local count over data-parallel ranks (the denominator every micro-batch divides by)."""
-    import torch.distributed as dist
-
-    total = local.detach().double().clone()
-    if dist.get_world_size(_dp_group()) > 1:
-        dist.all_reduce(total, group=_dp_group())
+    """Sum of a local count over data-parallel ranks (the denominator every micro-batch divides by), on the compute
+    device."""
+    total = local.detach().to(device=runtime.compute_device(), dtype=torch.float64, copy=True)
+    runtime.all_reduce(total, group=_dp_group())
     return total
 
 
@@ -101,11 +102,8 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     ending in "loss", which are summed over micro-batches (they are shares of the global mini-batch loss) and DP.
     Every rank of the model-parallel group must pass the same micro-batches.
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megarl.megatron.forward import causal_inputs
 
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
@@ -115,21 +113,11 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     if len(shapes) > 1:  # token-budget micro-batches: the pipeline must send each activation's shape first
         trainable.chunks[0].config.variable_seq_lengths = True
 
-    def step(data_iterator, model):
-        mb = next(data_iterator)
-        pos, mask = causal_inputs(mb["input_ids"])
-        output = model(mb["input_ids"], pos, mask)
-        return output, partial(_scaled_loss, mb)
-
-    def _scaled_loss(mb, output):
-        loss, metrics = loss_fn(mb, output)
-        return loss * scale, {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
-
     for chunk in trainable.chunks:
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
     results = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(micro_batches),
+        forward_step_func=partial(forward_step, loss_fn, scale), data_iterator=iter(micro_batches),
         model=trainable.chunks if len(trainable.chunks) > 1 else trainable.chunks[0],
         num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
     update_ok, grad_norm, _ = trainable.optimizer.step()
@@ -142,26 +130,38 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     return metrics
 
 
+def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
+    """Megatron's forward-step contract for one training micro-batch: (output, loss_func) with the loss scaled by
+    `scale` (see the module docstring) and its metrics as float tensors."""
+    from megarl.megatron.forward import causal_inputs
+
+    mb = runtime.to_device(next(data_iterator))
+    pos, mask = causal_inputs(mb["input_ids"])
+    output = runtime.call_model(model, mb["input_ids"], pos, mask)
+    return output, partial(_scaled_loss, loss_fn, scale, mb)
+
+
+def _scaled_loss(loss_fn: LossFn, scale: float, mb: dict, output: torch.Tensor):
+    loss, metrics = loss_fn(mb, output)
+    return loss * scale, {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
+
+
 def _reduce_metrics(results: list[dict], n_micro: int) -> dict:
     """Average (or, for *loss keys, sum) metrics over micro-batches; then over DP; shared from the last PP stage."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     keys = sorted(results[0]) if results else []
-    pipeline = ps.get_pipeline_model_parallel_world_size() > 1
-    last = ps.get_pipeline_model_parallel_last_rank()
-    if pipeline:  # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
-        holder = [keys]
-        dist.broadcast_object_list(holder, src=last, group=ps.get_pipeline_model_parallel_group())
-        keys = holder[0]
-    values = torch.zeros(len(keys), dtype=torch.float64)
+    # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
+    last, pp_group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        keys = runtime.broadcast_strings(keys, src=last, group=pp_group)
+    values = torch.zeros(len(keys), dtype=torch.float64, device=runtime.compute_device())
     if results:
         for i, k in enumerate(keys):
             total = sum(r[k].double() for r in results)
             values[i] = total if k.endswith("loss") else total / n_micro
-    if pipeline:
-        dist.broadcast(values, src=last, group=ps.get_pipeline_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        runtime.broadcast(values, src=last, group=pp_group)
+    runtime.all_reduce(values, group=ps.get_data_parallel_group())
     dp = ps.get_data_parallel_world_size()
-    if dp > 1:
-        dist.all_reduce(values, group=ps.get_data_parallel_group())
     return {k: float(values[i] if k.endswith("loss") else values[i] / dp) for i, k in enumerate(keys)}

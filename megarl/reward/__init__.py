@@ -42,7 +42,7 @@ Batched scoring
                                               timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
                                               reward_kwargs=cfg.reward.reward_kwargs)
 A sample running longer than timeout_s scores 0.0 (metrics None) and is counted in report["num_timed_out"];
-see megarl.reward.compute for why threads are used and what that cannot interrupt.
+its worker process is killed (see megarl.reward.compute).
 """
 from megarl.reward import rules
 from megarl.reward.compute import RewardInput, check_reward_kwargs, compute_rewards, to_score

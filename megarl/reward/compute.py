@@ -1,11 +1,13 @@
 """Batched reward evaluation with a per-sample time limit and loud, specific failures.
 
-Timeouts use threads: each sample runs in a daemon worker thread and the caller waits at most timeout_s from the
-moment that sample started. A sample over the limit scores 0.0, its metrics are None, and it is counted in
-report["num_timed_out"]. Python cannot kill a thread, so the slow call keeps running in the background (its result is
-discarded, a fresh worker takes its place, and being a daemon it never blocks exit). Threads, not processes, because
-custom reward functions loaded from files and closures need not be picklable and rule-based rewards are short;
-the limit: a call that never releases the GIL (one huge C-level regex match) stalls every thread, timer included.
+Timeouts use worker processes: each sample runs in a worker forked from the caller, and the caller waits at most
+timeout_s from the moment that sample started. A sample over the limit scores 0.0, its metrics are None, and it is
+counted in report["num_timed_out"]; its worker (with anything it started) is killed and a fresh one takes its place,
+so no call outlives its limit. Python cannot stop a thread, hence processes; forked, so reward functions loaded from
+files and closures need not be picklable (only their return values travel back). A worker dies with the trainer
+(parent-death signal) and ignores the SIGINT/SIGTERM meant for the trainer. What a worker changes in its own memory
+(a counter in the reward function, say) does not reach the caller. Reward functions must not use CUDA (a forked child
+cannot).
 
 A reward function that raises, or returns NaN/inf/None/a non-number/a dict without "score", raises RewardError
 naming the sample: a silently zeroed reward would train the policy on a bug.
@@ -14,14 +16,17 @@ from __future__ import annotations
 
 import inspect
 import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import numbers
-import threading
+import os
 import time
 import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from megarl import lifecycle
 from megarl.reward.registry import RewardError, RewardFn, RewardRouter
 
 
@@ -83,58 +88,100 @@ def to_score(value: Any, index: int, sample: RewardInput) -> tuple[float, dict[s
 
 
 def _call(fn: RewardFn, sample: RewardInput, kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """(True, the return value) or (False, the exception's traceback summary)."""
     try:
         return True, fn(sample.data_source, sample.solution_str, sample.ground_truth, sample.extra_info, **kwargs)
     except BaseException as e:  # noqa: BLE001 - a SystemExit in user code must not kill the worker silently either
-        return False, e
+        return False, _traceback_summary(e)
+
+
+def _serve(conn, fns: Sequence[RewardFn], samples: Sequence[RewardInput], kwargs: dict[str, Any], parent: int) -> None:
+    """A forked worker: score the sample indices it is sent until it receives None."""
+    import signal
+
+    lifecycle.bind_to_parent(parent)
+    signal.set_wakeup_fd(-1)  # the parent's signal pipe is not ours to write to
+    while True:
+        i = conn.recv()
+        if i is None:
+            return
+        ok, value = _call(fns[i], samples[i], kwargs)
+        try:
+            conn.send((i, ok, value))
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable return value
+            conn.send((i, False, f"  the return value {value!r:.200} cannot be sent back: {type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, fns, samples, kwargs):
+        ctx = mp.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, fns, samples, kwargs, os.getpid()), daemon=True,
+                                name="megarl-reward")
+        self.proc.start()
+        child.close()
+        self.sample: Optional[int] = None
+        self.started = 0.0
+
+    def give(self, i: int) -> None:
+        self.sample, self.started = i, time.monotonic()
+        self.conn.send(i)
+
+    def kill(self) -> None:
+        lifecycle.kill_tree(self.proc.pid)
+        self.proc.join()
+        self.conn.close()
+
+    def close(self) -> None:
+        """Ask an idle worker to end; kill it if it does not (or is busy)."""
+        if self.proc.is_alive() and self.sample is None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(timeout=1)
+        if self.proc.is_alive():
+            self.kill()
+        self.conn.close()
 
 
 def _run_with_timeouts(fns: Sequence[RewardFn], samples: Sequence[RewardInput], kwargs: dict[str, Any],
                        timeout_s: float, num_workers: int) -> tuple[dict[int, tuple[bool, Any]], list[int]]:
-    """Run fns[i](samples[i]) on worker threads; returns (outcomes by index, indices that timed out)."""
-    cond = threading.Condition()
+    """Run fns[i](samples[i]) on forked worker processes; returns (outcomes by index, indices that timed out). Every
+    worker has ended when this returns (or raises)."""
     pending = deque(range(len(samples)))
-    running: dict[int, tuple[float, threading.Thread]] = {}
     outcomes: dict[int, tuple[bool, Any]] = {}
     timed_out: list[int] = []
-    abandoned: set[threading.Thread] = set()
-
-    def worker() -> None:
-        me = threading.current_thread()
-        while True:
-            with cond:
-                if me in abandoned or not pending:
-                    return
-                i = pending.popleft()
-                running[i] = (time.monotonic(), me)
-                cond.notify_all()  # the timer must learn this sample's deadline now, not at its next wake-up
-            outcome = _call(fns[i], samples[i], kwargs)
-            with cond:
-                if i in running:  # not already given up on by the timer
-                    del running[i]
-                    outcomes[i] = outcome
-                cond.notify_all()
-
-    def start_worker() -> None:
-        threading.Thread(target=worker, name="megarl-reward", daemon=True).start()
-
-    with cond:
-        for _ in range(min(num_workers, len(samples))):
-            start_worker()
-        while True:
+    workers = [_Worker(fns, samples, kwargs) for _ in range(min(num_workers, len(samples)))]
+    try:
+        while len(outcomes) + len(timed_out) < len(samples):
+            for k, w in enumerate(workers):
+                if w.sample is None and pending:
+                    if not w.proc.is_alive():  # replaced after a timeout or a crash
+                        w = workers[k] = _Worker(fns, samples, kwargs)
+                    w.give(pending.popleft())
+            busy = [w for w in workers if w.sample is not None]
             now = time.monotonic()
-            for i, (t0, thread) in list(running.items()):
-                if now - t0 >= timeout_s:
-                    del running[i]
-                    timed_out.append(i)
-                    abandoned.add(thread)
-                    if pending:
-                        start_worker()
-            if len(outcomes) + len(timed_out) == len(samples):
-                break
-            deadlines = [t0 + timeout_s for t0, _ in running.values()]
-            # the 1 s cap is only a safety net; workers notify on every result
-            cond.wait(timeout=min([d - now for d in deadlines] + [1.0]) if deadlines else 1.0)
+            wait = max(0.0, min(w.started + timeout_s for w in busy) - now)
+            for conn in mp_connection.wait([w.conn for w in busy], timeout=wait):
+                w = next(w for w in busy if w.conn is conn)
+                try:
+                    i, ok, value = conn.recv()
+                except EOFError:  # the function ended its worker (os._exit, a crash)
+                    w.proc.join(timeout=1)
+                    i, ok, value = w.sample, False, f"  the worker process died (exit code {w.proc.exitcode})"
+                    w.kill()
+                outcomes[i] = (ok, value)
+                w.sample = None
+            now = time.monotonic()
+            for w in busy:
+                if w.sample is not None and now - w.started >= timeout_s:
+                    timed_out.append(w.sample)
+                    w.sample = None
+                    w.kill()
+    finally:
+        for w in workers:
+            w.close()
     return outcomes, sorted(timed_out)
 
 
@@ -173,8 +220,7 @@ def compute_rewards(fn: RewardFn, samples: Sequence[RewardInput], timeout_s: flo
     if failed:
         i = failed[0]
         more = f" ({len(failed) - 1} more samples also failed)" if len(failed) > 1 else ""
-        raise RewardError(f"reward function raised for {_describe(i, samples[i])}{more}:\n"
-                          f"{_traceback_summary(outcomes[i][1])}") from outcomes[i][1]
+        raise RewardError(f"reward function raised for {_describe(i, samples[i])}{more}:\n{outcomes[i][1]}")
 
     scores: list[float] = [0.0] * len(samples)
     per_sample: list[dict[str, Any]] = [{} for _ in samples]

@@ -12,13 +12,13 @@ names the files (megarl.rollout.delivery).
 from __future__ import annotations
 
 import os
-import signal
 import traceback
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
+from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.threads import apply_engine_threads, available_cores
 
@@ -31,11 +31,12 @@ class EngineProcessError(RuntimeError):
     """The engine child process failed; the message carries its traceback."""
 
 
-def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str,
+def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
            cores: Optional[Sequence[int]] = None) -> None:
-    # A scheduler's SIGTERM to the whole process tree must not kill the engine mid-step: the trainer finishes the
-    # step, saves, and shuts the engine down itself. If the trainer dies, the pipe closes and this loop ends.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
+    # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
+    # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
+    lifecycle.bind_to_parent(parent)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
@@ -79,11 +80,13 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
-            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow, cores),
+            self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
+                                                          os.getpid(), cores),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name="megarl-vllm-engine")
             self._proc.start()
+            lifecycle.kill_at_exit(self._proc)
         finally:
             os.environ.update(saved)
         child.close()
@@ -102,9 +105,16 @@ class EngineProcess:
             raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
                                      "see its log above for the reason") from None
 
+    def _send(self, obj) -> None:
+        try:
+            self._conn.send(obj)
+        except (BrokenPipeError, ConnectionResetError):
+            self._recv()  # the engine is gone: EOF, raised as EngineProcessError with its exit code
+            raise
+
     def _call(self, method: str, *args, **kwargs) -> Any:
         self._calls += 1
-        self._conn.send((self._calls, method, args, kwargs))
+        self._send((self._calls, method, args, kwargs))
         call_id, status, payload = self._recv()
         if call_id != self._calls:
             raise EngineProcessError(f"the engine answered call {call_id} while call {self._calls} ({method}) was "
@@ -180,7 +190,7 @@ class EngineProcess:
                 pass
             self._proc.join(timeout=timeout_s)
         if self._proc.is_alive():
-            self._proc.kill()
+            lifecycle.kill_tree(self._proc.pid)
 
     def __del__(self):  # best effort: never leave an engine behind
         proc: Optional[Any] = getattr(self, "_proc", None)

@@ -33,7 +33,7 @@ def test_timeout_scores_zero_and_is_counted():
     t0 = time.monotonic()
     scores, metrics, report = compute_rewards(slow_on_odd, _samples(*"abcd"), timeout_s=0.2, num_workers=2)
     release.set()
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 4.5  # the slow calls were not waited for (5 s)
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert report["num_timed_out"] == 2 and report["timed_out_indices"] == [1, 3]
 
@@ -89,3 +89,46 @@ def test_reward_kwargs_passed_and_checked():
     with pytest.raises(RewardError, match=r"reward.reward_kwargs \['formatscore'\] do not fit reward function "
                                           r"arithmetic.*unexpected keyword"):
         compute_rewards(RewardRouter(), _samples("#### 20"), reward_kwargs={"formatscore": 0.1})
+
+
+def test_no_reward_worker_outlives_its_timeout(tmp_path):
+    """A call over the limit is stopped with its worker process (and what it started), not left running: Python
+    cannot stop a thread, so a thread-based timeout would leave this sleep going for a minute."""
+    import os
+    import subprocess
+
+    import psutil
+
+    pids = tmp_path / "pids"
+
+    def stuck(data_source, solution_str, ground_truth, extra_info=None):
+        child = subprocess.Popen(["sleep", "60"])  # something the call started is stopped too
+        with open(pids, "a") as f:
+            f.write(f"{os.getpid()} {child.pid}\n")
+        time.sleep(60)
+        return 1.0
+
+    threads_before = threading.active_count()
+    children_before = set(psutil.Process().children(recursive=True))  # e.g. a checkpoint writer of an earlier test
+    t0 = time.monotonic()
+    scores, _, report = compute_rewards(stuck, _samples("a", "b"), timeout_s=2, num_workers=2)
+    assert time.monotonic() - t0 < 30  # not the 60 s of the calls
+    assert scores == [0.0, 0.0] and report["timed_out_indices"] == [0, 1]
+    started = [int(p) for line in pids.read_text().splitlines() for p in line.split()]
+    # each call that got as far as starting its child within the limit (on a loaded machine maybe not both) ran in a
+    # worker of its own
+    assert len(started) in (2, 4) and os.getpid() not in started
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert threading.active_count() == threads_before
+    assert set(psutil.Process().children(recursive=True)) <= children_before
+
+
+def test_worker_that_dies_is_a_named_failure():
+    import os
+
+    def exits(data_source, solution_str, ground_truth, extra_info=None):
+        os._exit(3)
+
+    with pytest.raises(RewardError, match=r"(?s)sample 0 .*worker process died \(exit code 3\)"):
+        compute_rewards(exits, _samples("a"), num_workers=1)
