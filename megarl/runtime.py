@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import MegarlConfig
+from megarl.console import setup_logging
 from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
 
 log = logging.getLogger("megarl")
@@ -60,9 +61,7 @@ def start(cfg: MegarlConfig) -> Runtime:
     init_model_parallel(layout_of(cfg), seed=cfg.trainer.seed)
     from megatron.core import parallel_state as ps
 
-    logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s %(levelname)s %(message)s")
-    if dist.get_rank() != 0:
-        logging.getLogger("megarl").setLevel(logging.WARNING)
+    setup_logging(cfg.logging.level, dist.get_rank() == 0)
     return Runtime(rank=dist.get_rank(), world_size=world, dp_rank=ps.get_data_parallel_rank(),
                    dp_size=ps.get_data_parallel_world_size(), run_dir=Path(cfg.trainer.run_dir))
 

@@ -88,8 +88,7 @@ def train(cfg: MegarlConfig) -> dict:
     engine = start_engine(cfg, model_path, rt)
     if start_step:  # the engine loaded the HF model: give it the resumed actor before the first rollout
         steps.sync_weights(actor, engine, cfg, rt)
-    logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
-                           enabled=rt.is_rank0, resume_step=start_step)
+    logger = MetricsLogger.for_run(cfg, enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
         logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
 

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config.schema import RolloutConfig
+from megarl.console import capture_engine_output
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -34,6 +35,7 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
     # A scheduler's SIGTERM to the whole process tree must not kill the engine mid-step: the trainer finishes the
     # step, saves, and shuts the engine down itself. If the trainer dies, the pipe closes and this loop ends.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    capture_engine_output()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from megarl.rollout.engine import VLLMEngine
