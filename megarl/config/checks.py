@@ -253,9 +253,18 @@ def check_reward_fn(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
+def check_wandb(cfg: MegarlConfig) -> list[Issue]:
+    import importlib.util
+
+    if cfg.logging.wandb.enable and importlib.util.find_spec("wandb") is None:
+        return [Issue("logging.wandb.enable", True, "the wandb package is not installed",
+                      "pip install 'megarl[wandb]', or set logging.wandb.enable=false", keys=("logging.wandb.enable",))]
+    return []
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_batches, check_lengths, check_algorithm_names,
-    check_data_files, check_reward_fn, check_not_yet_supported)
+    check_data_files, check_reward_fn, check_not_yet_supported, check_wandb)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:
