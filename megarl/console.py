@@ -51,6 +51,16 @@ def say(line: str) -> None:
     print(line, file=terminal(), flush=True)
 
 
+def log_tail(name: str, lines: int = 20) -> str:
+    """The last lines of a process's log file of this job, for an error message; "" when output is not captured."""
+    directory = os.environ.get(LOG_DIR_ENV)
+    path = Path(directory) / f"{name}.log" if directory else None
+    if path is None or not path.is_file():
+        return ""
+    tail = path.read_text(errors="replace").splitlines()[-lines:]
+    return f"the last lines of {path}:\n" + "\n".join(tail)
+
+
 def _redirect(path: Path, tee: bool) -> tuple[int, int, Optional[subprocess.Popen]]:
     """Point fds 1 and 2 at `path` (appending), or at a `tee` into it and the terminal; return what restores them."""
     path.parent.mkdir(parents=True, exist_ok=True)

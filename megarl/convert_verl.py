@@ -166,16 +166,6 @@ def _is(value: Any, choices: tuple) -> bool:
     return any(value is c or (type(value) is type(c) and value == c) for c in choices)
 
 
-def _off_only(why_off: str, why_refused: str, off: tuple = (None, False, 0, "", [])):
-    """Keys whose off value is what megarl does anyway; anything else is refused."""
-    def rule(c: Conversion, verl_key: str, value: Any) -> None:
-        if _is(value, off):
-            c.drop(verl_key, value, why_off)
-        else:
-            c.refuse(verl_key, value, why_refused)
-    return rule
-
-
 def _no_effect(why: str):
     def rule(c: Conversion, verl_key: str, value: Any) -> None:
         c.drop(verl_key, value, why)
@@ -183,12 +173,18 @@ def _no_effect(why: str):
 
 
 def _accept(allowed: tuple, why: str, refused: str):
+    """Keys whose allowed values ask for what megarl does anyway (dropped, with why); anything else is refused."""
     def rule(c: Conversion, verl_key: str, value: Any) -> None:
         if _is(value, allowed):
             c.drop(verl_key, value, why)
         else:
             c.refuse(verl_key, value, refused)
     return rule
+
+
+def _off_only(why_off: str, why_refused: str, off: tuple = (None, False, 0, "", [])):
+    """Keys whose off value is what megarl does anyway."""
+    return _accept(off, why_off, why_refused)
 
 
 def _freq(key: str):
@@ -211,7 +207,6 @@ def _truncation(c: Conversion, verl_key: str, value: Any) -> None:
 
 def _filter_overlong(c: Conversion, verl_key: str, value: Any) -> None:
     if value:
-        c.sources.pop("data.truncation", None)  # filtering wins over truncation's 'error'
         c.set(verl_key, value, "data.truncation", "filter")
     else:
         c.drop(verl_key, value, "off: prompts over data.max_prompt_length follow data.truncation")

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.config.schema import RolloutConfig
-from megarl.console import capture_engine_output
+from megarl.console import capture_engine_output, log_tail
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -107,7 +107,7 @@ class EngineProcess:
             return self._conn.recv()
         except EOFError:
             raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
-                                     "see its log above for the reason") from None
+                                     f"{log_tail('vllm-engine') or 'see its log above for the reason'}") from None
 
     def _call(self, method: str, *args, **kwargs) -> Any:
         self._conn.send((method, args, kwargs))

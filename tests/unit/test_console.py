@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from megarl import console
 from megarl.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_engine_process_logs_to_its_own_file(tmp_path):
+def test_engine_process_logs_to_its_own_file(tmp_path, monkeypatch):
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     env = dict(os.environ, MEGARL_LOG_DIR=str(tmp_path / "logs"), MEGARL_VERBOSE="0")
@@ -97,6 +98,12 @@ def test_engine_process_logs_to_its_own_file(tmp_path):
     log = (tmp_path / "logs" / "vllm-engine.log").read_text()
     assert "INFO vllm engine start-up" in log and "W engine C++ warning" in log
     assert "engine" not in proc.stdout + proc.stderr
+    # what the trainer quotes when the engine process dies
+    monkeypatch.setenv("MEGARL_LOG_DIR", str(tmp_path / "logs"))
+    tail = console.log_tail("vllm-engine", lines=1)
+    assert tail == f"the last lines of {tmp_path / 'logs' / 'vllm-engine.log'}:\nW engine C++ warning"
+    monkeypatch.delenv("MEGARL_LOG_DIR")
+    assert console.log_tail("vllm-engine") == ""
 
 
 WANDB_SCRIPT = textwrap.dedent("""
