@@ -48,7 +48,9 @@ def terminal() -> TextIO:
 
 
 def say(line: str) -> None:
-    print(line, file=terminal(), flush=True)
+    out = terminal()
+    # on a terminal, first erase a live progress line the metrics logger may have left
+    print(("\r\x1b[K" if out.isatty() else "") + line, file=out, flush=True)
 
 
 def log_tail(name: str, lines: int = 20) -> str:
@@ -153,7 +155,7 @@ class _TerminalHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            print(self.format(record), file=terminal(), flush=True)
+            say(self.format(record))
         except ValueError:  # the terminal stream was closed by the end of the job
             pass
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from megarl import console
+from megarl.console import say, terminal
 from megarl.report import summary_lines
 
 # The terminal line shows these, in this order, when present, under their full names (train/ vs val/ is explicit).
@@ -114,21 +114,20 @@ class MetricsLogger:
 
     def _print(self, step: int, clean: dict) -> None:
         line = console_line(step, self.total_steps, clean)
-        out = console.terminal()
-        live = out.isatty()
+        out = terminal()
         if self._reported(step, clean):
             self._last_reported = step
-            out.write(("\r\x1b[K" if live else "") + line + "\n")
-        elif live:  # a progress line rewritten in place until the next reported step
+            say(line)
+        elif out.isatty():  # a progress line rewritten in place until the next reported step
             out.write("\r\x1b[K" + line[:200])
-        out.flush()
+            out.flush()
 
     def close(self) -> None:
         if self.console and self._history:
             for line in summary_lines(self._history, time.monotonic() - self._start):
-                console.say(line)
+                say(line)
             if (self.run_dir / "metrics.jsonl").exists():
-                console.say(f"curves: megarl report {self.run_dir}")
+                say(f"curves: megarl report {self.run_dir}")
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

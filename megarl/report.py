@@ -65,7 +65,8 @@ def summary_lines(rows: Sequence[dict], seconds: Optional[float] = None) -> list
         parts = [f"{p} {fmean(r.get(f'timing/{p}_s', 0.0) for r in steps):.3f}" for p in PHASES
                  if any(f"timing/{p}_s" in r for r in steps)]
         took = f" in {seconds:.0f} s" if seconds is not None else ""
-        lines.append(f"{len(steps)} steps{took}: {per_step:.3f} s/step ({', '.join(parts)})")
+        split = f" ({', '.join(parts)})" if parts else ""
+        lines.append(f"{len(steps)} steps{took}: {per_step:.3f} s/step{split}")
     val = series(rows, "val/reward_mean")
     train = series(rows, "train/reward_mean")
     trend = []
