@@ -50,12 +50,13 @@ def start_wandb(wandb_cfg, run_dir: Path, config: Optional[dict]):
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, jsonl: bool = True, tensorboard: bool = True, console: bool = True,
                  enabled: bool = True, resume_step: int = 0, total_steps: Optional[int] = None, wandb=None,
-                 config: Optional[dict] = None):
+                 config: Optional[dict] = None, summary: bool = True):
         """total_steps paces the terminal lines (None: a line per step); wandb: a WandbConfig (logging.wandb);
-        config: the resolved recipe, recorded with the wandb run."""
+        config: the resolved recipe, recorded with the wandb run; summary: print the run's summary at close."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.console = console and enabled
+        self.summary = summary
         self.total_steps = total_steps
         self._every = max(1, total_steps // REPORTS_PER_RUN) if total_steps else 1
         self._last_reported: Optional[int] = None
@@ -123,7 +124,7 @@ class MetricsLogger:
             out.flush()
 
     def close(self) -> None:
-        if self.console and self._history:
+        if self.console and self.summary and self._history:
             for line in summary_lines(self._history, time.monotonic() - self._start):
                 say(line)
             if (self.run_dir / "metrics.jsonl").exists():

@@ -1,7 +1,7 @@
 """`megarl report RUN_DIR`: the curves of a run from its metrics.jsonl, as a PNG and as a small table in the terminal.
 
 Panels: train/val reward, response length, KL, entropy, grad norm, clip fraction and time per phase over steps.
-Drawn with Pillow (no plotting library needed). The same rows also give the end-of-run summary the trainer prints.
+Drawn with Pillow (no plotting library needed). `summary_lines` gives the end-of-run summary the trainer prints.
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"megarl report: {exc}", file=sys.stderr)
         return 1
-    for line in table_lines(rows, args.columns) + summary_lines(rows):
+    for line in table_lines(rows, args.columns):
         print(line)
     print(f"report: {path}")
     return 0
