@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
+from megarl.config.loader import parse_value as override_value
+
 DESCRIPTION = ("Turn a verl Hydra config (YAML) or a verl command line (key=value overrides, or a .sh script that "
                "runs verl.trainer.main_ppo) into a megarl recipe. Prints every key it mapped and refuses, by name, "
                "each it cannot; the recipe goes to stdout or --out.")
@@ -86,10 +88,7 @@ def _get(tree: dict, key: str, default: Any = None) -> Any:
 
 def parse_value(text: str) -> Any:
     """A Hydra override value: YAML (true, null, [a,b], 'quoted'), plus numbers YAML 1.1 leaves as text (1e-6)."""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+    value = override_value(text)
     if isinstance(value, str):
         for cast in (int, float):
             try:
@@ -134,7 +133,9 @@ def read_inputs(items: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         if "=" not in item and path.suffix in (".yaml", ".yml") and path.is_file():
             settings.update(flatten(yaml.safe_load(path.read_text()) or {}))
         elif "=" not in item and path.is_file():
-            settings.update(read_inputs(script_overrides(path.read_text()))[0])
+            from_script, script_notes = read_inputs(script_overrides(path.read_text()))
+            settings.update(from_script)
+            notes += script_notes
         elif "=" in item:
             key, _, text = item.partition("=")
             if key.startswith("~"):
