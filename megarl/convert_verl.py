@@ -294,6 +294,7 @@ def _lr_schedule(c: Conversion, verl_key: str, value: Any) -> None:
 
 _OFFLOAD = "megarl trains with Megatron and keeps parameters, gradients and optimizer states in accelerator " \
            "memory (no offload); drop it and check the memory with `megarl plan`"
+_NO_PADDING_SWITCH = "megarl masks padding out of every loss; there is no padded/unpadded switch"
 _FSDP = "an FSDP setting; megarl trains with Megatron (set parallelism.* instead)"
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
@@ -303,15 +304,10 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     # data
     "data.train_files": _to("data.train_files", _files),
     "data.val_files": _to("data.val_files", _files),
-    "data.train_batch_size": _to("data.train_batch_size"),
-    "data.val_batch_size": _to("data.val_batch_size"),
     "data.max_prompt_length": _to("rollout.prompt_length"),
     "data.max_response_length": _to("rollout.response_length"),
-    "data.prompt_key": _to("data.prompt_key"),
     "data.reward_fn_key": _to("data.data_source_key"),
-    "data.shuffle": _to("data.shuffle"),
     "data.seed": _to("trainer.seed"),
-    "data.dataloader_num_workers": _to("data.dataloader_num_workers"),
     "data.truncation": _truncation,
     "data.filter_overlong_prompts": _filter_overlong,
     "data.filter_overlong_prompts_workers": _no_effect("megarl filters prompts in the loading process"),
@@ -322,27 +318,11 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     AR + "model.path": _to("model.path"),
     AR + "model.trust_remote_code": _to("model.trust_remote_code"),
     AR + "model.enable_gradient_checkpointing": _recompute,
-    AR + "model.use_remove_padding": _no_effect("megarl's Megatron forward never computes on padding positions "
-                                                "that affect the loss; there is no switch"),
+    AR + "model.use_remove_padding": _no_effect(_NO_PADDING_SWITCH),
     AR + "model.use_fused_kernels": _off_only("off", "megarl has no fused-kernel switch; drop it"),
     AR + "model.lora_rank": _off_only("no LoRA", "LoRA is not supported by megarl; full fine-tuning only"),
     AR + "model.use_shm": _off_only("off", "megarl reads the model from model.path; drop it"),
     # actor
-    AR + "actor.ppo_mini_batch_size": _to("actor.ppo_mini_batch_size"),
-    AR + "actor.ppo_micro_batch_size_per_gpu": _to("actor.ppo_micro_batch_size_per_gpu"),
-    AR + "actor.use_dynamic_bsz": _to("actor.use_dynamic_bsz"),
-    AR + "actor.ppo_max_token_len_per_gpu": _to("actor.ppo_max_token_len_per_gpu"),
-    AR + "actor.ppo_epochs": _to("actor.ppo_epochs"),
-    AR + "actor.shuffle": _to("actor.shuffle"),
-    AR + "actor.clip_ratio": _to("actor.clip_ratio"),
-    AR + "actor.clip_ratio_low": _to("actor.clip_ratio_low"),
-    AR + "actor.clip_ratio_high": _to("actor.clip_ratio_high"),
-    AR + "actor.clip_ratio_c": _to("actor.clip_ratio_c"),
-    AR + "actor.loss_agg_mode": _to("actor.loss_agg_mode"),
-    AR + "actor.entropy_coeff": _to("actor.entropy_coeff"),
-    AR + "actor.use_kl_loss": _to("actor.use_kl_loss"),
-    AR + "actor.kl_loss_coef": _to("actor.kl_loss_coef"),
-    AR + "actor.kl_loss_type": _to("actor.kl_loss_type"),
     AR + "actor.grad_clip": _to("actor.optim.clip_grad"),
     AR + "actor.policy_loss.loss_mode": _policy_loss,
     AR + "actor.strategy": _accept(("megatron",), "megarl's trainer is Megatron", "megarl trains with Megatron "
@@ -354,31 +334,8 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     # rollout
     AR + "rollout.name": _rollout_name,
     AR + "rollout.mode": _no_effect("megarl's engine serves every request of a step together"),
-    AR + "rollout.n": _to("rollout.n"),
-    AR + "rollout.temperature": _to("rollout.temperature"),
-    AR + "rollout.top_p": _to("rollout.top_p"),
-    AR + "rollout.top_k": _to("rollout.top_k"),
-    AR + "rollout.do_sample": _to("rollout.do_sample"),
-    AR + "rollout.ignore_eos": _to("rollout.ignore_eos"),
-    AR + "rollout.dtype": _to("rollout.dtype"),
-    AR + "rollout.gpu_memory_utilization": _to("rollout.gpu_memory_utilization"),
-    AR + "rollout.tensor_model_parallel_size": _to("rollout.tensor_model_parallel_size"),
-    AR + "rollout.data_parallel_size": _to("rollout.data_parallel_size"),
     AR + "rollout.expert_parallel_size": _to("rollout.expert_model_parallel_size"),
-    AR + "rollout.pipeline_model_parallel_size": _to("rollout.pipeline_model_parallel_size"),
-    AR + "rollout.enforce_eager": _to("rollout.enforce_eager"),
-    AR + "rollout.free_cache_engine": _to("rollout.free_cache_engine"),
-    AR + "rollout.enable_chunked_prefill": _to("rollout.enable_chunked_prefill"),
-    AR + "rollout.enable_prefix_caching": _to("rollout.enable_prefix_caching"),
-    AR + "rollout.max_num_batched_tokens": _to("rollout.max_num_batched_tokens"),
-    AR + "rollout.max_num_seqs": _to("rollout.max_num_seqs"),
-    AR + "rollout.max_model_len": _to("rollout.max_model_len"),
     AR + "rollout.load_format": _load_format,
-    AR + "rollout.calculate_log_probs": _to("rollout.calculate_log_probs"),
-    AR + "rollout.log_prob_micro_batch_size_per_gpu": _to("rollout.log_prob_micro_batch_size_per_gpu"),
-    AR + "rollout.log_prob_use_dynamic_bsz": _to("rollout.log_prob_use_dynamic_bsz"),
-    AR + "rollout.log_prob_max_token_len_per_gpu": _to("rollout.log_prob_max_token_len_per_gpu"),
-    AR + "rollout.update_weights_bucket_megabytes": _to("rollout.update_weights_bucket_megabytes"),
     AR + "rollout.multi_turn.enable": _to("rollout.multi_turn.enable"),
     AR + "rollout.micro_batch_size": _no_effect("deprecated in verl and unused"),
     AR + "rollout.prompt_length": _no_effect("verl derives it from data.max_prompt_length (rollout.prompt_length)"),
@@ -387,16 +344,10 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     # reference
     AR + "ref.log_prob_micro_batch_size_per_gpu": _to("ref.log_prob_micro_batch_size_per_gpu"),
     # critic
-    "critic.enable": _to("critic.enable"),
     "critic.model.path": _to("critic.model_path"),
-    "critic.ppo_micro_batch_size_per_gpu": _to("critic.ppo_micro_batch_size_per_gpu"),
-    "critic.ppo_epochs": _to("critic.ppo_epochs"),
-    "critic.cliprange_value": _to("critic.cliprange_value"),
-    "critic.loss_agg_mode": _to("critic.loss_agg_mode"),
     "critic.grad_clip": _to("critic.optim.clip_grad"),
     "critic.model.enable_gradient_checkpointing": _recompute,
-    "critic.model.use_remove_padding": _no_effect("megarl's Megatron forward never computes on padding positions "
-                                                  "that affect the loss; there is no switch"),
+    "critic.model.use_remove_padding": _no_effect(_NO_PADDING_SWITCH),
     "critic.model.trust_remote_code": _to("model.trust_remote_code"),
     "critic.ppo_mini_batch_size": _no_effect("megarl's critic uses the actor's mini-batches "
                                              "(actor.ppo_mini_batch_size)"),
@@ -404,23 +355,7 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "reward_model.enable": _off_only("no learned reward model", "learned reward models are not supported yet; "
                                      "use a rule-based or custom reward function (reward.reward_fn)"),
     "reward_model.reward_manager": _reward_manager,
-    "reward_model.overlong_buffer.enable": _to("reward.overlong_buffer.enable"),
-    "reward_model.overlong_buffer.len": _to("reward.overlong_buffer.len"),
-    "reward_model.overlong_buffer.penalty_factor": _to("reward.overlong_buffer.penalty_factor"),
     # algorithm
-    "algorithm.adv_estimator": _to("algorithm.adv_estimator"),
-    "algorithm.gamma": _to("algorithm.gamma"),
-    "algorithm.lam": _to("algorithm.lam"),
-    "algorithm.norm_adv_by_std_in_grpo": _to("algorithm.norm_adv_by_std_in_grpo"),
-    "algorithm.use_kl_in_reward": _to("algorithm.use_kl_in_reward"),
-    "algorithm.kl_penalty": _to("algorithm.kl_penalty"),
-    "algorithm.kl_ctrl.type": _to("algorithm.kl_ctrl.type"),
-    "algorithm.kl_ctrl.kl_coef": _to("algorithm.kl_ctrl.kl_coef"),
-    "algorithm.kl_ctrl.target_kl": _to("algorithm.kl_ctrl.target_kl"),
-    "algorithm.kl_ctrl.horizon": _to("algorithm.kl_ctrl.horizon"),
-    "algorithm.filter_groups.enable": _to("algorithm.filter_groups.enable"),
-    "algorithm.filter_groups.metric": _to("algorithm.filter_groups.metric"),
-    "algorithm.filter_groups.max_num_gen_batches": _to("algorithm.filter_groups.max_num_gen_batches"),
     "algorithm.rollout_correction.bypass_mode": _to("algorithm.rollout_correction.use_rollout_log_probs"),
     "algorithm.rollout_correction.rollout_is": _level("algorithm.rollout_correction.is_level", ("token", "sequence")),
     "algorithm.rollout_correction.rollout_is_threshold": _to("algorithm.rollout_correction.is_threshold", float),
@@ -441,9 +376,6 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "trainer.total_training_steps": _to("trainer.total_steps"),
     "trainer.save_freq": _freq("checkpoint.save_freq"),
     "trainer.test_freq": _freq("trainer.test_freq"),
-    "trainer.val_before_train": _to("trainer.val_before_train"),
-    "trainer.n_gpus_per_node": _to("trainer.n_gpus_per_node"),
-    "trainer.nnodes": _to("trainer.nnodes"),
     "trainer.critic_warmup": _to("critic.warmup_steps"),
     "trainer.logger": _logger,
     "trainer.project_name": _to("logging.wandb.project"),
@@ -454,13 +386,42 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "trainer.resume_mode": _resume_mode,
     "trainer.resume_from_path": _to("checkpoint.resume"),
     "trainer.max_actor_ckpt_to_keep": _to("checkpoint.keep_last_k"),
-    "trainer.device": _to("trainer.device"),
     "trainer.balance_batch": _no_effect("a throughput option; megarl has no equivalent and results do not depend "
                                         "on it"),
     "trainer.log_val_generations": _no_effect("megarl saves rollouts with logging.save_rollouts"),
     "trainer.total_epochs": lambda c, k, v: c.refuse(k, v, "megarl counts steps: set trainer.total_steps to "
                                                      f"{v} x (training prompts / data.train_batch_size)"),
 }
+
+
+# verl keys whose megarl key has the same name under the given section: {verl prefix: (megarl prefix, names)}
+_SAME_NAMES = {
+    "data.": ("data.", (
+        "train_batch_size", "val_batch_size", "prompt_key", "shuffle", "dataloader_num_workers")),
+    AR + "actor.": ("actor.", (
+        "ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", "ppo_max_token_len_per_gpu",
+        "ppo_epochs", "shuffle", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode",
+        "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")),
+    AR + "rollout.": ("rollout.", (
+        "n", "temperature", "top_p", "top_k", "do_sample", "ignore_eos", "dtype", "gpu_memory_utilization",
+        "tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size", "enforce_eager",
+        "free_cache_engine", "enable_chunked_prefill", "enable_prefix_caching", "max_num_batched_tokens",
+        "max_num_seqs", "max_model_len", "calculate_log_probs", "log_prob_micro_batch_size_per_gpu",
+        "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "update_weights_bucket_megabytes")),
+    "critic.": ("critic.", (
+        "enable", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value", "loss_agg_mode")),
+    "reward_model.overlong_buffer.": ("reward.overlong_buffer.", (
+        "enable", "len", "penalty_factor")),
+    "algorithm.": ("algorithm.", (
+        "adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")),
+    "algorithm.kl_ctrl.": ("algorithm.kl_ctrl.", (
+        "type", "kl_coef", "target_kl", "horizon")),
+    "algorithm.filter_groups.": ("algorithm.filter_groups.", (
+        "enable", "metric", "max_num_gen_batches")),
+    "trainer.": ("trainer.", (
+        "val_before_train", "n_gpus_per_node", "nnodes", "device")),
+}
+RULES.update({verl + name: _to(megarl + name) for verl, (megarl, names) in _SAME_NAMES.items() for name in names})
 
 
 def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
