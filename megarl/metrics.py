@@ -109,8 +109,10 @@ class MetricsLogger:
             self._print(step, clean)
 
     def _reported(self, step: int, clean: dict) -> bool:
-        """First, last and validation steps, and one every total_steps / REPORTS_PER_RUN steps."""
-        return (self._last_reported is None or step == self.total_steps or step - self._last_reported >= self._every
+        """The first logged step, step 1, the last step, validation steps, and the first step logged past each
+        multiple of total_steps / REPORTS_PER_RUN (SFT logs only every few steps)."""
+        last = self._last_reported
+        return (last is None or step in (1, self.total_steps) or step // self._every > last // self._every
                 or any(k.startswith("val/") for k in clean))
 
     def _print(self, step: int, clean: dict) -> None:

@@ -90,8 +90,8 @@ def test_console_lines_paced_named_and_summarised(tmp_path, capsys):
     logger.close()
     err = capsys.readouterr().err.splitlines()
     steps = [int(line.split()[1].split("/")[0]) for line in err if line.startswith("step ")]
-    # the first line, then every 12 // 6 = 2 steps after the last printed one, validation steps, and the last step
-    assert steps == [0, 2, 4, 6, 7, 9, 11, 12]
+    # the first logged step, step 1, each multiple of 12 // 6 = 2, validation steps (7), and the last step
+    assert steps == [0, 1, 2, 4, 6, 7, 8, 10, 12]
     val_line = next(line for line in err if line.startswith("step  7/12"))
     assert "train/reward_mean 0.5" in val_line and "val/reward_mean 0.6" in val_line
     assert err[-3].startswith("12 steps in ")
@@ -110,3 +110,12 @@ def test_python_dash_m_megarl_is_the_megarl_command():
     bad = subprocess.run([sys.executable, "-m", "megarl", "no-such-command"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_sparse_logging_reports_the_first_step_past_each_mark(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, tensorboard=False, total_steps=150, summary=False)
+    for step in [1, *range(7, 150, 7), 150]:  # how SFT logs: every 150 // 20 = 7 steps
+        logger.log(step, {"sft/loss": 1.0})
+    logger.close()
+    err = capsys.readouterr().err.splitlines()
+    assert [int(line.split()[1].split("/")[0]) for line in err] == [1, 28, 56, 77, 105, 126, 150]
