@@ -23,10 +23,13 @@ $(STAMP): setup.py constraints-cpu.txt
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then echo "error: CUDA wheels found in the CPU env" >&2; exit 1; fi
 	touch $(STAMP)
 
-# The main job: the tiny CPU recipe (a synthetic task, a tiny model, SFT warm-start, then GRPO), then a summary.
+# The main job: the tiny CPU recipe (a synthetic task, a tiny model, SFT warm-start, then GRPO), then its report
+# (a table of the curves here, the PNG in the run dir). Library logs go to $(RUN_DIR)/logs/; add ARGS=--verbose to see
+# them here.
+ARGS ?=
 demo: env
-	$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR)
-	$(PY) scripts/summarize_run.py $(RUN_DIR)
+	@$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR) $(ARGS)
+	@$(VENV)/bin/megarl report $(RUN_DIR)
 
 # The default test suite (CPU, 2 cores). Exit code 5 (no tests collected) is an error, not a pass.
 test: env

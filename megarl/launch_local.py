@@ -160,4 +160,7 @@ def _rank_main(target: str, work: str) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2])
+    from megarl.console import captured
+
+    with captured(f"rank{os.environ.get('RANK', '0')}"):  # a no-op unless the job asks for log files
+        _rank_main(sys.argv[1], sys.argv[2])

@@ -1,4 +1,5 @@
-"""Metrics sinks: `<run_dir>/metrics.jsonl` (one JSON object per step), tensorboard event files, a console line.
+"""Metrics sinks: `<run_dir>/metrics.jsonl` (one JSON object per step), tensorboard event files, wandb (optional),
+and the terminal: a line for reported steps (a live progress line in between on a TTY) and a summary at the end.
 
 Only global rank 0 writes. Values must be plain numbers; tensors are converted, NaN is written as null in jsonl.
 """
@@ -6,15 +7,19 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-# The console line shows these, in this order, when present.
+from megarl.console import say, terminal
+from megarl.report import summary_lines
+
+# The terminal line shows these, in this order, when present, under their full names (train/ vs val/ is explicit).
 CONSOLE_KEYS = ("sft/loss", "train/reward_mean", "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy",
-                "actor/grad_norm", "critic/vf_loss", "train/response_length_mean", "rollout/logprob_abs_diff_mean",
-                "timing/step_s")
+                "actor/grad_norm", "critic/vf_loss", "train/response_length_mean", "timing/step_s")
+# Kept in memory for the end-of-run summary (everything else is in metrics.jsonl).
+_SUMMARY_PREFIXES = ("train/reward_mean", "val/reward_mean", "sft/loss", "timing/")
+REPORTS_PER_RUN = 6  # terminal lines per run besides the first, last and validation steps
 
 
 def _number(value) -> Optional[float]:
@@ -24,14 +29,41 @@ def _number(value) -> Optional[float]:
     return None if math.isnan(value) or math.isinf(value) else value
 
 
+def console_line(step: int, total: Optional[int], metrics: dict) -> str:
+    """`step  25/150  train/reward_mean 0.406  val/reward_mean 0.453  ...` from a step's clean metrics."""
+    where = f"{step:>{len(str(total))}}/{total}" if total else str(step)
+    shown = "  ".join(f"{k} {metrics[k]:.3g}" for k in CONSOLE_KEYS if metrics.get(k) is not None)
+    return f"step {where}  {shown}"
+
+
+def start_wandb(wandb_cfg, run_dir: Path, config: Optional[dict]):
+    """A wandb run writing under run_dir/wandb (offline with mode=offline or WANDB_MODE=offline)."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("logging.wandb.enable = true needs the wandb package: pip install 'megarl[wandb]' "
+                           "(or set logging.wandb.enable=false)") from None
+    return wandb.init(project=wandb_cfg.project, name=wandb_cfg.name or run_dir.resolve().name,
+                      entity=wandb_cfg.entity, mode=wandb_cfg.mode, dir=str(run_dir), config=config)
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, jsonl: bool = True, tensorboard: bool = True, console: bool = True,
-                 enabled: bool = True, resume_step: int = 0):
+                 enabled: bool = True, resume_step: int = 0, total_steps: Optional[int] = None, wandb=None,
+                 config: Optional[dict] = None, summary: bool = True):
+        """total_steps paces the terminal lines (None: a line per step); wandb: a WandbConfig (logging.wandb);
+        config: the resolved recipe, recorded with the wandb run; summary: print the run's summary at close."""
         self.run_dir = Path(run_dir)
         self.enabled = enabled
         self.console = console and enabled
+        self.summary = summary
+        self.total_steps = total_steps
+        self._every = max(1, total_steps // REPORTS_PER_RUN) if total_steps else 1
+        self._last_reported: Optional[int] = None
+        self._history: list[dict] = []
         self._jsonl = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +78,16 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 or None)
+        if wandb is not None and wandb.enable:
+            self._wandb = start_wandb(wandb, self.run_dir, config)
         self._start = time.monotonic()
+
+    @classmethod
+    def for_run(cls, cfg, enabled: bool, resume_step: int = 0) -> "MetricsLogger":
+        """The RL run's sinks, as the recipe's logging section asks."""
+        lg = cfg.logging
+        return cls(cfg.trainer.run_dir, lg.jsonl, lg.tensorboard, lg.console, enabled=enabled, resume_step=resume_step,
+                   total_steps=cfg.trainer.total_steps, wandb=lg.wandb, config=cfg.model_dump())
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -60,16 +101,42 @@ class MetricsLogger:
                 if value is not None:
                     self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in clean.items() if v is not None}, step=step)
+        self._history.append({"step": step, **{k: v for k, v in clean.items()
+                                               if v is not None and k.startswith(_SUMMARY_PREFIXES)}})
         if self.console:
-            shown = " ".join(f"{k.split('/', 1)[1]}={clean[k]:.4g}" for k in CONSOLE_KEYS
-                             if clean.get(k) is not None)
-            print(f"[step {step}] {shown}", file=sys.stderr, flush=True)
+            self._print(step, clean)
+
+    def _reported(self, step: int, clean: dict) -> bool:
+        """The first logged step, step 1, the last step, validation steps, and the first step logged past each
+        multiple of total_steps / REPORTS_PER_RUN (SFT logs only every few steps)."""
+        last = self._last_reported
+        return (last is None or step in (1, self.total_steps) or step // self._every > last // self._every
+                or any(k.startswith("val/") for k in clean))
+
+    def _print(self, step: int, clean: dict) -> None:
+        line = console_line(step, self.total_steps, clean)
+        out = terminal()
+        if self._reported(step, clean):
+            self._last_reported = step
+            say(line)
+        elif out.isatty():  # a progress line rewritten in place until the next reported step
+            out.write("\r\x1b[K" + line[:200])
+            out.flush()
 
     def close(self) -> None:
+        if self.console and self.summary and self._history:
+            for line in summary_lines(self._history, time.monotonic() - self._start):
+                say(line)
+            if (self.run_dir / "metrics.jsonl").exists():
+                say(f"curves: megarl report {self.run_dir}")
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 # Per-round metrics whose name says they are an average over samples; every other one is a count or a duration.

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megarl.config import MegarlConfig
 from megarl.megatron import parallel
+from megarl.console import setup_logging
 from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
 from megarl.rollout.replicas import EngineTopology
 
@@ -86,9 +87,7 @@ def start(cfg: MegarlConfig) -> Runtime:
     global _object_group
     _object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
-    logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(asctime)s %(levelname)s %(message)s")
-    if dist.get_rank() != 0:
-        logging.getLogger("megarl").setLevel(logging.WARNING)
+    setup_logging(cfg.logging.level, dist.get_rank() == 0)
     r = cfg.rollout
     engines = EngineTopology(world, r.tensor_model_parallel_size if r.mode == "colocated" else 1,
                              cfg.engine_replicas if r.mode == "colocated" else 1)

@@ -72,7 +72,8 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     total = s.total_steps or s.epochs * loader.batches_per_epoch(s.batch_size)
     worker = PolicyWorker(cfg.model.path, cfg, trainable=True, optim=s.optim, total_steps=total)
     micro = cfg.actor.ppo_micro_batch_size_per_gpu
-    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard)
+    logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard,
+                           console=cfg.logging.console, total_steps=total, summary=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log.info("sft: %d examples, %d steps of %d sequences", len(examples), total, s.batch_size)
     for step in range(1, total + 1):

@@ -74,7 +74,9 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     on_node = [r for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
                if rt.engines.owns(r)]
     cores = replica_cores(available_cores(), on_node.index(rt.rank), len(on_node), cfg.rollout.tensor_model_parallel_size)
-    return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores)
+    replica = rt.engines.replica_of(rt.rank)
+    return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores,
+                         name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))
 
 
 def train(cfg: MegarlConfig) -> dict:
@@ -125,8 +127,7 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     # first rollout and before val_before_train when they differ (a resume, or dummy weights).
     if start_step or cfg.rollout.load_format == "dummy":
         steps.sync_weights(actor, engine, sync, cfg, rt)
-    logger = MetricsLogger(cfg.trainer.run_dir, cfg.logging.jsonl, cfg.logging.tensorboard, cfg.logging.console,
-                           enabled=rt.is_rank0, resume_step=start_step)
+    logger = MetricsLogger.for_run(cfg, enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
         logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
 

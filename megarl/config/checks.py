@@ -440,10 +440,19 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_wandb(cfg: MegarlConfig) -> list[Issue]:
+    import importlib.util
+
+    if cfg.logging.wandb.enable and importlib.util.find_spec("wandb") is None:
+        return [Issue("logging.wandb.enable", True, "the wandb package is not installed",
+                      "pip install 'megarl[wandb]', or set logging.wandb.enable=false", keys=("logging.wandb.enable",))]
+    return []
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings)
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings, check_wandb)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

@@ -331,11 +331,28 @@ class CheckpointConfig(_Section):
     save_on_sigterm: bool = Field(True, description="Save a checkpoint when the job receives SIGTERM (preemption).")
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging of the same metrics (needs `pip install megarl[wandb]`)."""
+
+    enable: bool = Field(False, description="Log every step's metrics to a wandb run.")
+    project: str = Field("megarl", description="wandb project.")
+    name: Optional[str] = Field(None, description="wandb run name; None: the run directory's name.")
+    entity: Optional[str] = Field(None, description="wandb team or user; None: your default.")
+    mode: Optional[Literal["online", "offline"]] = Field(None, description="offline: write to run_dir/wandb only "
+                                                           "(upload later with `wandb sync`); None: WANDB_MODE, else "
+                                                           "online.")
+
+
 class LoggingConfig(_Section):
-    console: bool = Field(True, description="One summary line per step.")
+    console: bool = Field(True, description="A line per reported step on the terminal, and a summary at the end.")
     tensorboard: bool = Field(True, description="Tensorboard event files in run_dir.")
     jsonl: bool = Field(True, description="run_dir/metrics.jsonl, one object per step.")
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging.")
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level of megarl and the "
+                                                                "libraries; DEBUG also shows their logs on the "
+                                                                "terminal.")
+    verbose: bool = Field(False, description="Show vLLM's, Megatron's and every rank's output on the terminal too "
+                          "(`--verbose`); otherwise it goes only to run_dir/logs/.")
     save_rollouts: bool = Field(False, description="Write every step's samples to run_dir/rollouts/step_<N>.jsonl "
                                 "(prompt, response, reward, per-token advantages).")
 

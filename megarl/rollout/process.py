@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.threads import apply_engine_threads, available_cores
+from megarl.console import capture_engine_output, log_tail
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -37,6 +38,7 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
     lifecycle.bind_to_parent(parent)
+    capture_engine_output()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
@@ -72,7 +74,8 @@ class EngineProcess:
     """A VLLMEngine living in a child process; the same methods as VLLMEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None):
+                 start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
+                 name: str = "megarl-vllm-engine"):
         self.model_path = str(model_path)
         self._calls = 0
         self._layouts = None
@@ -84,7 +87,7 @@ class EngineProcess:
                                                           os.getpid(), cores),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
-                                     daemon=config.tensor_model_parallel_size == 1, name="megarl-vllm-engine")
+                                     daemon=config.tensor_model_parallel_size == 1, name=name)
             self._proc.start()
             lifecycle.kill_at_exit(self._proc)
         finally:
@@ -103,7 +106,7 @@ class EngineProcess:
             return self._conn.recv()
         except EOFError:
             raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
-                                     "see its log above for the reason") from None
+                                     f"{log_tail(self._proc.name.removeprefix('megarl-')) or 'see its log above for the reason'}") from None
 
     def _send(self, obj) -> None:
         try:
