@@ -9,10 +9,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from megarl.console import say, terminal
 from megarl.report import summary_lines
+
+if TYPE_CHECKING:
+    from megarl.config.schema import WandbConfig
 
 # The terminal line shows these, in this order, when present, under their full names (train/ vs val/ is explicit).
 CONSOLE_KEYS = ("sft/loss", "train/reward_mean", "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy",
@@ -36,7 +39,7 @@ def console_line(step: int, total: Optional[int], metrics: dict) -> str:
     return f"step {where}  {shown}"
 
 
-def start_wandb(wandb_cfg, run_dir: Path, config: Optional[dict]):
+def start_wandb(wandb_cfg: "WandbConfig", run_dir: Path, config: Optional[dict]):
     """A wandb run writing under run_dir/wandb (offline with mode=offline or WANDB_MODE=offline)."""
     try:
         import wandb

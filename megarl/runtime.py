@@ -147,8 +147,7 @@ def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, atten
 
 def all_reduce(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
     check_device("all_reduce", (t,))
-    if dist.get_world_size(group) > 1:  # a group of one: nothing to reduce (and no collective's latency)
-        dist.all_reduce(t, op=op, group=group)
+    dist.all_reduce(t, op=op, group=group)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> None:
