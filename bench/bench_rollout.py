@@ -137,6 +137,35 @@ def main() -> int:
               f"{rate['vllm'] / rate['vllm_1_thread']:.2f}x; "
               f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
+
+        # -- 3. engine TP2 sync and engine replicas, as the trainer runs them (engine child processes) -------------
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megarl.rollout.process import EngineProcess
+
+        cores = available_cores()
+        tp2 = EngineProcess(cfg.model_copy(update={"tensor_model_parallel_size": 2}), str(path), cores=cores)
+        tp2_s = min(tp2.update_weights(iter_buckets(state, cfg.update_weights_bucket_megabytes << 20))
+                    ["weight_sync/seconds"] for _ in range(args.repeats))
+        tp2.shutdown()
+        print(f"weight sync at engine TP2 (each worker receives its half): {tp2_s:.3f}s; ratio sync/floor = "
+              f"{tp2_s / f:.1f}x (engine TP1 above: {s / f:.1f}x)", flush=True)
+        shares = [cores] if len(cores) < 2 else [cores[: len(cores) // 2], cores[len(cores) // 2:]]
+        rates = {}
+        for label, groups in (("1 replica", [cores]), (f"{len(shares)} replicas", shares)):
+            engines = [EngineProcess(cfg, str(path), cores=c) for c in groups]
+            parts = [prompts[i::len(engines)].tolist() for i in range(len(engines))]
+            for e, part in zip(engines, parts):
+                e.generate(part[:1], n=1)  # warm-up
+            with ThreadPoolExecutor(len(engines)) as pool:
+                t0 = time.perf_counter()
+                done = list(pool.map(lambda ep: ep[0].generate(ep[1], n=1), zip(engines, parts)))
+                seconds = time.perf_counter() - t0
+            rates[label] = sum(int(b.response_lengths.sum()) for b in done) / seconds
+            for e in engines:
+                e.shutdown()
+        print("rollout through engine processes: " + ", ".join(f"{k} {v:.0f} tok/s" for k, v in rates.items())
+              + f" on {len(cores)} cores", flush=True)
     return 0
 
 
