@@ -77,6 +77,7 @@ class EngineProcess:
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
                  name: str = "megarl-vllm-engine"):
         self.model_path = str(model_path)
+        self._config = config
         self._calls = 0
         self._layouts = None
         ctx = mp.get_context("spawn")
@@ -104,7 +105,7 @@ class EngineProcess:
     def _recv(self):
         try:
             return self._conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # the engine is gone (a reset when it died mid-reply)
             raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
                                      f"{log_tail(self._proc.name.removeprefix('megarl-')) or 'see its log above for the reason'}") from None
 
@@ -165,7 +166,8 @@ class EngineProcess:
 
     @property
     def sleeps(self) -> bool:
-        return self._call("sleeps")
+        """As VLLMEngine.sleeps, from the config (asked every step: no round trip)."""
+        return bool(self._config.enable_sleep_mode and self._config.free_cache_engine)
 
     def checksums(self):
         return self._call("checksums")
