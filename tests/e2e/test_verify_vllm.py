@@ -9,13 +9,18 @@ from tests.helpers.tiny_models import make_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_verify_engine_vllm_at_tp2(tmp_path):
-    hf_dir = make_tiny_model("qwen2", tmp_path / "qwen2")  # tied embeddings, QKV bias
-    r = subprocess.run([sys.executable, "-m", "megarl.cli", "verify", "--hf", str(hf_dir), "--tp", "2",
-                        "--engine", "vllm"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+def verify_vllm(hf_dir, *args, timeout: int = 600) -> tuple:
+    """Run `megarl verify --engine vllm`; (stdout, max logprob difference vLLM vs megarl) after checking it passed."""
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "verify", "--hf", str(hf_dir), "--engine", "vllm", *args],
+                       capture_output=True, text=True, cwd=ROOT, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "checksums verified" in r.stdout and "(vLLM vs megarl" in r.stdout
-    diff = float(r.stdout.split("max abs logprob difference ")[1].split()[0])
+    return r.stdout, float(r.stdout.split("max abs logprob difference ")[1].split()[0])
+
+
+def test_verify_engine_vllm_at_tp2(tmp_path):
+    hf_dir = make_tiny_model("qwen2", tmp_path / "qwen2")  # tied embeddings, QKV bias
+    _, diff = verify_vllm(hf_dir, "--tp", "2")
     assert diff < 1e-4
 
 
@@ -23,9 +28,5 @@ def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
     # one KV head replicated on both engine ranks, a prime vocabulary that vLLM pads to 320 rows before splitting it;
     # trainer TP1 on two ranks (data parallel), each hosting one engine worker that receives only its shard
     hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307)
-    r = subprocess.run([sys.executable, "-m", "megarl.cli", "verify", "--hf", str(hf_dir), "--engine", "vllm",
-                        "--engine-tp", "2"], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "engine TP2 EP1" in r.stdout and "checksums verified" in r.stdout
-    diff = float(r.stdout.split("max abs logprob difference ")[1].split()[0])
-    assert diff < 1e-4
+    out, diff = verify_vllm(hf_dir, "--engine-tp", "2", timeout=900)
+    assert "engine TP2 EP1" in out and diff < 1e-4
