@@ -289,9 +289,6 @@ class VLLMEngine:
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
                  self.dtype, self.block_size, cfg.resolved_max_model_len)
 
-    def _driver_model(self):
-        return self._llm.llm_engine._get_driver_model_for_cleanup()
-
     @property
     def llm(self):
         """The underlying vllm.LLM (for diagnostics; megarl code goes through the methods here)."""

@@ -36,10 +36,6 @@ class EngineTopology:
             raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
                              f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
 
-    @property
-    def hosts(self) -> list:
-        return list(range(self.replicas * self.engine_tp))
-
     def replica_of(self, rank: int) -> Optional[int]:
         return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
 
