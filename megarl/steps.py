@@ -40,18 +40,31 @@ def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: boo
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
     whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
     greedy: one greedy response per prompt (ReMax baselines)."""
+    return finish_generate(start_generate(engine, records, rt, validate, seed, greedy), rt)
+
+
+def start_generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
+                   seed: Optional[int] = None, greedy: bool = False) -> list:
+    """The first half of `generate`, not collective: this rank's engine (if it owns one) starts on its replica's
+    share and generates while the caller goes on. Returns one entry per replica: this rank's handle, None elsewhere."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
         part = topo.prompt_slice(replica, len(records))
-        batch = None
+        handle = None
         if engine is not None and topo.replica_of(rt.rank) == replica:
-            batch = engine.generate([r.prompt_ids for r in records[part]], validate=validate,
-                                    prompt_index=list(range(part.start, part.stop)), seed=seed,
-                                    greedy=greedy)
-        shares.append(batch)
+            handle = engine.start_generate([r.prompt_ids for r in records[part]], validate=validate,
+                                           prompt_index=list(range(part.start, part.stop)), seed=seed, greedy=greedy)
+        shares.append(handle)
+    return shares
+
+
+def finish_generate(handles: list, rt: Runtime) -> RolloutBatch:
+    """The second half of `generate`, collective: wait for the replicas' shares; every rank gets the whole batch."""
+    topo = rt.engines
     # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
-    return combine([broadcast_rollout(b, topo.owner(r)) for r, b in enumerate(shares)])
+    return combine([broadcast_rollout(None if h is None else h.result(), topo.owner(r))
+                    for r, h in enumerate(handles)])
 
 
 def engine_sleep(engine) -> None:
@@ -241,30 +254,68 @@ def apply_rollout_correction(cfg: MegarlConfig, batch: dict) -> dict:
     return metrics
 
 
-def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Runtime, timer: Timer,
-                 seed: Optional[int] = None):
-    """Prompts, rollout and rewards of one step: (records, rollout, scores, metrics).
+class EngineGeneration:
+    """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation)."""
+
+    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime):
+        self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
+
+    def start(self, records: Sequence[PromptRecord], seed: int) -> list:
+        return start_generate(self.engine, records, self.rt, seed=seed)
+
+    def finish(self, handles: list) -> RolloutBatch:
+        return finish_generate(handles, self.rt)
+
+    def sync(self) -> dict:
+        return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
+
+
+def rollout_schedule(cfg: MegarlConfig, loader):
+    """trainer.mode's schedule of generations and syncs over the prompt loader; its engines are attached later
+    (`schedule.generation = EngineGeneration(...)`), since its checkpointed state loads before they start."""
+    from megarl.checkpoint.state import rollout_seed
+    from megarl.rollout.schedule import RolloutSchedule, schedule_shape
+
+    at = cfg.async_training
+    ahead, staleness = schedule_shape(cfg.trainer.mode, at.max_staleness, at.buffer_size)
+    return RolloutSchedule(None, loader, batch_size_drawn(cfg), lambda step: rollout_seed(cfg, step), ahead,
+                           staleness, cfg.trainer.total_steps)
+
+
+def batch_size_drawn(cfg: MegarlConfig) -> int:
+    """Prompts drawn per generation round: train_batch_size, more with DAPO's over-sampling."""
+    fg = cfg.algorithm.filter_groups
+    return int(math.ceil(cfg.data.train_batch_size * (1 + cfg.rollout.over_sample_rate))) if fg.enable \
+        else cfg.data.train_batch_size
+
+
+def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Runtime,
+                 timer: Timer, seed: Optional[int] = None):
+    """Prompts, rollout and rewards of one step: (records, rollout, scores, metrics). The first round's batch comes
+    from the rollout schedule (megarl.rollout.schedule: generated now, or ahead in the async modes).
 
     With algorithm.filter_groups.enable (DAPO dynamic sampling), batches of train_batch_size * (1 + over_sample_rate)
     prompts are generated until train_batch_size prompts whose samples' metric is not constant are collected: a
     group with all-equal rewards has zero advantage and only dilutes the batch. At most max_num_gen_batches rounds
     (0: no limit); the rounds are reported as dapo/gen_rounds. `seed` makes the step's sampling reproducible (each
     extra round shifts it)."""
-    fg, target = cfg.algorithm.filter_groups, cfg.data.train_batch_size
-    draw = int(math.ceil(target * (1 + cfg.rollout.over_sample_rate))) if fg.enable else target
+    fg, target, draw = cfg.algorithm.filter_groups, cfg.data.train_batch_size, batch_size_drawn(cfg)
     kept: list[tuple[PromptRecord, RolloutBatch, torch.Tensor]] = []
     rounds, seen_groups = 0, 0
     generated: list[tuple[dict, int]] = []  # each round's rollout/* and reward/* metrics with its sample count
     while True:
-        records = loader.next_batch(draw)
         with timer("rollout"):
-            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
+            if rounds == 0:
+                records, rollout, schedule_metrics = schedule.next_batch(step)
+            else:  # DAPO's extra rounds (sync mode only: the engines are idle and current)
+                records = loader.next_batch(draw)
+                rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
         extras: dict = {}
         with timer("reward"):
             scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)
         rounds += 1
         if not fg.enable:
-            return records, rollout, scores, reward_metrics
+            return records, rollout, scores, {**reward_metrics, **schedule_metrics}
         generated.append(({**rollout.metrics, **reward_metrics}, len(rollout)))
         metric = extras.get("acc", scores) if fg.metric == "acc" else scores
         keep, m = algo.filter_groups_by_metric(metric, rollout.prompt_index)
@@ -287,7 +338,7 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)
     rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
-    metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")},
+    metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")}, **schedule_metrics,
                "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
                "dapo/kept_group_frac": len(kept) / max(1, seen_groups),
                "dapo/constant_groups": float(final["num_groups"] - final["num_groups_kept"])}

@@ -116,8 +116,9 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
     kl_ctrl = make_kl_controller(cfg)
+    schedule = steps.rollout_schedule(cfg, loader)  # trainer.mode: which batch is generated when, by which weights
     ckpt = Checkpointer(cfg, rt, models={"actor": actor, "critic": critic},
-                        states={"loader": loader, "kl_ctrl": kl_ctrl})
+                        states={"loader": loader, "kl_ctrl": kl_ctrl, "schedule": schedule})  # schedule after loader
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
     if engine is not None:
@@ -127,6 +128,8 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     # first rollout and before val_before_train when they differ (a resume, or dummy weights).
     if start_step or cfg.rollout.load_format == "dummy":
         steps.sync_weights(actor, engine, sync, cfg, rt)
+    schedule.generation = steps.EngineGeneration(engine, actor, sync, cfg, rt)
+    schedule.resumed(start_step)
     logger = MetricsLogger.for_run(cfg, enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
         logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
@@ -136,7 +139,7 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
         timer = steps.Timer()
         with timer("step"):
             records, rollout, scores, reward_metrics = steps.sample_batch(
-                engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
+                schedule, step, engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
             batch = build_train_batch(rollout, scores, pad_id)
             if cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is each prompt's baseline
                 with timer("remax_baseline"):
@@ -161,13 +164,14 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                 train_metrics = critic.update(batch, rt, step) if critic is not None else {}
                 if actor_updates:
                     train_metrics.update(actor.update(batch, rt, step, on_policy))
-            with timer("sync"):
-                sync_metrics = steps.sync_weights(actor, engine, sync, cfg, rt)
+            with timer("sync"):  # now in sync mode; in the async modes when no generation is in flight
+                sync_metrics = schedule.updated()
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
                    **rollout.metrics, "train/epoch": loader.epoch}
         if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
-            with timer("val"):
+            with timer("val"):  # with the actor's weights: the engines finish what they generate ahead, then sync
+                metrics.update(schedule.settle())
                 metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
         logger.log(step, {**metrics, **timer.metrics()})
         if cfg.logging.save_rollouts and rt.is_rank0:

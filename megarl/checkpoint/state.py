@@ -388,6 +388,9 @@ class Checkpointer:
         from megarl.config import write_resolved
 
         t0 = time.perf_counter()
+        for s in self.states.values():  # e.g. the rollout schedule awaits its generations in flight (collective)
+            if hasattr(s, "before_save"):
+                s.before_save()
         final, tmp = step_dir(self.root, step), Path(str(step_dir(self.root, step)) + ".tmp")
         if self.rt.is_rank0:
             self.root.mkdir(parents=True, exist_ok=True)

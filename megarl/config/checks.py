@@ -440,6 +440,59 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
+    """trainer.mode one_step_off_policy / async: the engines generate while the trainer trains, so they need their own
+    compute, an engine that stays awake, and one batch per generation round."""
+    mode, at, T = cfg.trainer.mode, cfg.async_training, "async_training."
+    if at.partial_rollout == "abort_resume":
+        return [Issue(T + "partial_rollout", "abort_resume", "not supported by this version of megarl: resuming a "
+                      "response with new weights needs an engine abort that returns its partial tokens",
+                      "use finish (in-flight batches end with the weights they started with)",
+                      keys=(T + "partial_rollout",))]
+    if mode == "sync":
+        return [Issue(T + key, value, "only trainer.mode=async reads it; this run is sync", "set trainer.mode=async, "
+                      "or leave it unset", keys=(T + key, "trainer.mode"), warning=True)
+                for key, value, default in (("max_staleness", at.max_staleness, 1),
+                                            ("buffer_size", at.buffer_size, None)) if value != default]
+    keys = ("trainer.mode",)
+    issues = []
+    # the transport helper adds rollout.placement; until then every engine is colocated with the trainer's ranks
+    placement = getattr(cfg.rollout, "placement", "colocated")
+    if resolved_device(cfg.trainer.device) == "cuda" and placement == "colocated":
+        issues.append(Issue("trainer.mode", mode, "colocated engines share the trainer's GPUs (and sleep while it "
+                            "trains), so generation cannot overlap training there", "use trainer.mode=sync on GPU, or "
+                            "engines on GPUs of their own (rollout.placement=separate)",
+                            keys=keys + ("trainer.device",)))
+    if cfg.rollout.enable_sleep_mode:
+        issues.append(Issue("rollout.enable_sleep_mode", True, f"trainer.mode={mode} generates while the trainer "
+                            "trains; a sleeping engine cannot", "set rollout.enable_sleep_mode=false, or "
+                            "trainer.mode=sync", keys=keys + ("rollout.enable_sleep_mode",)))
+    if cfg.rollout.mode == "ray":
+        issues.append(Issue("rollout.mode", "ray", f"trainer.mode={mode} drives the colocated engine processes; Ray "
+                            "engines generate only in sync mode", "use rollout.mode=colocated, or trainer.mode=sync",
+                            keys=keys + ("rollout.mode",)))
+    if cfg.algorithm.filter_groups.enable:
+        issues.append(Issue("algorithm.filter_groups.enable", True, "DAPO dynamic sampling decides how many rounds "
+                            "to generate from the rewards of the last one, which cannot be generated ahead",
+                            "set trainer.mode=sync for dynamic sampling", keys=keys + ("algorithm.filter_groups.enable",)))
+    if cfg.algorithm.adv_estimator == "remax":
+        issues.append(Issue("algorithm.adv_estimator", "remax", "ReMax's greedy baselines must come from the policy "
+                            "that is trained, not from the engine's older weights", "set trainer.mode=sync for ReMax",
+                            keys=keys + ("algorithm.adv_estimator",)))
+    if mode == "one_step_off_policy" and (at.max_staleness, at.buffer_size) != (1, None):
+        issues.append(Issue(T + "max_staleness", at.max_staleness, "one_step_off_policy is async with one batch "
+                            "ahead and staleness 1; it reads neither max_staleness nor buffer_size",
+                            "use trainer.mode=async to choose them", keys=keys + (T + "max_staleness", T + "buffer_size"),
+                            warning=True))
+    rc = cfg.algorithm.rollout_correction
+    if not issues and rc.is_level is None and rc.rejection_level is None:
+        issues.append(Issue("algorithm.rollout_correction.is_level", None, f"trainer.mode={mode} trains on samples "
+                            "from older weights; without rollout correction they count as on-policy",
+                            "set algorithm.rollout_correction.is_level=token (truncated importance weights)",
+                            keys=keys + ("algorithm.rollout_correction.is_level",), warning=True))
+    return issues
+
+
 def check_wandb(cfg: MegarlConfig) -> list[Issue]:
     import importlib.util
 
@@ -452,7 +505,8 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings, check_wandb)
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
+    check_trainer_mode, check_wandb)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

@@ -320,6 +320,24 @@ class TrainerConfig(_Section):
     n_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs, or processes on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU; cpu "
                                                    "hides CUDA from the run; cuda stops a run that finds no GPU.")
+    mode: Literal["sync", "one_step_off_policy", "async"] = Field(
+        "sync", description="sync: each step generates with the latest weights, then trains; one_step_off_policy: the "
+        "next batch is generated (with the weights one update old) while the current one trains; async: the engines "
+        "generate up to async_training.buffer_size batches ahead, each sample at most async_training.max_staleness "
+        "weight versions old.")
+
+
+class AsyncTrainingConfig(_Section):
+    """Overlap of rollout and training (trainer.mode one_step_off_policy or async); see the README's "Asynchronous
+    training"."""
+
+    max_staleness: int = Field(1, ge=0, description="trainer.mode=async: how many weight versions older than the actor "
+                               "a sample may be when it is trained on (0: never generate ahead, as sync).")
+    buffer_size: Optional[int] = Field(None, ge=1, description="trainer.mode=async: batches the engines generate ahead "
+                                       "of the trainer at most; None: max_staleness.")
+    partial_rollout: Literal["finish", "abort_resume"] = Field(
+        "finish", description="When new weights are due while the engines generate: finish the in-flight batches with "
+        "the old weights (then sync), or abort them, sync, and resume each response with the new weights.")
 
 
 class CheckpointConfig(_Section):
@@ -386,6 +404,8 @@ class MegarlConfig(_Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
                                        description="Advantage estimator, KL and DAPO options.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Run length, seeds, ranks, validation.")
+    async_training: AsyncTrainingConfig = Field(default_factory=AsyncTrainingConfig,
+                                                description="Staleness bound and buffer of trainer.mode=async.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, tensorboard and jsonl metrics.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-start (`megarl sft`).")

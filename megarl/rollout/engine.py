@@ -3,6 +3,7 @@
 Interface (duck-typed; `VLLMEngine` is the one implementation, so there is no base class to inherit):
 
     generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, greedy=False) -> RolloutBatch
+    start_generate(...same...) -> handle; handle.result() -> RolloutBatch    # overlaps the caller where it can
     update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
     weight_version: int                                        # 0 = the weights loaded at start
     checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
@@ -209,6 +210,16 @@ def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: 
 # The vLLM engine
 
 
+class Finished:
+    """The handle of a call that already ran (the engine interface's start_generate where it cannot overlap)."""
+
+    def __init__(self, value: Any):
+        self._value = value
+
+    def result(self) -> Any:
+        return self._value
+
+
 def _read_hf_config(model_path: str) -> Optional[dict]:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -369,6 +380,10 @@ class VLLMEngine:
                             prompt_index=torch.tensor(groups, dtype=torch.long),
                             prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
                             weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> "Finished":
+        """As generate; in this process it cannot overlap the caller, so it generates now (EngineProcess overlaps)."""
+        return Finished(self.generate(prompt_token_ids, **kwargs))
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """The engine's logprob of every token of each given sequence after the first, given its prefix: for a

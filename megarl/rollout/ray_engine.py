@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from megarl.config.schema import RolloutConfig
+from megarl.rollout.engine import Finished
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
 from megarl.types import RolloutBatch
 
@@ -287,6 +288,10 @@ class RayEngine:
             refs.append(actor.generate.remote(prompts[start:stop], n=n, validate=validate,
                                               prompt_index=ids[start:stop], seed=chunk_seed, greedy=greedy))
         return concat_rollouts(self._get(refs, None, "generate"))
+
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Finished:
+        """As generate (Ray engines generate only in trainer.mode=sync: the call returns when it is done)."""
+        return Finished(self.generate(prompt_token_ids, **kwargs))
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
         """Stream the buckets to every replica (one object-store copy each, at most max_buckets_in_flight at a time);

@@ -58,6 +58,11 @@ class FakeEngine:
         self.calls = []
         self.constant = set(constant)
 
+    def start_generate(self, prompt_token_ids, **kwargs):
+        from megarl.rollout.engine import Finished
+
+        return Finished(self.generate(prompt_token_ids, **kwargs))
+
     def generate(self, prompt_token_ids, validate=False, prompt_index=None, seed=None, greedy=False):
         self.calls.append({"prompts": [list(p) for p in prompt_token_ids], "greedy": greedy, "seed": seed,
                            "validate": validate})
@@ -111,7 +116,10 @@ def test_dapo_metrics_cover_every_generation_round(rt):
         n = len(solution_str.split())
         return {"score": float(n), "acc": float(n == 4)}
 
-    _, rollout, scores, metrics = steps.sample_batch(engine, loader, reward, Tokenizer(), cfg, rt, steps.Timer())
+    schedule = steps.rollout_schedule(cfg, loader)
+    schedule.generation = steps.EngineGeneration(engine, None, None, cfg, rt)
+    _, rollout, scores, metrics = steps.sample_batch(schedule, 1, engine, loader, reward, Tokenizer(), cfg, rt,
+                                                     steps.Timer())
     assert metrics["reward/acc_mean"] == 1 / 8  # one 4-token response among the 8 generated (the last round has 0)
     assert metrics["dapo/gen_rounds"] == 2.0 and scores.tolist() == [4.0, 5.0, 6.0, 7.0]  # the kept groups
     assert rollout.metrics["rollout/num_samples"] == 8.0  # 4 per round, not the last round's 4
