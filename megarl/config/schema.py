@@ -212,6 +212,10 @@ class RolloutConfig(_Section):
     data_parallel_size: Optional[int] = Field(None, ge=1, description="Engine replicas. Colocated: each spans "
                                               "tensor_model_parallel_size consecutive trainer ranks; None: world size / "
                                               "engine TP (every rank generates). Ray: Ray actors; None: 1.")
+    engine_cpu_cores: Optional[int] = Field(None, ge=1, description="CPU runs: how many of a machine's cores its "
+                                            "engine replicas take for themselves (the trainer's ranks keep the "
+                                            "others); None: every core in trainer.mode=sync (the ranks wait while "
+                                            "the engines generate), half of them in the modes that overlap the two.")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")

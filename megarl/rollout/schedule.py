@@ -21,10 +21,12 @@ The rule is the same in every mode (`RolloutSchedule.next_batch`):
 Every decision depends only on step counts, never on timing, so all ranks take the same ones (the generations and
 syncs are collectives) and a run is reproducible: batch k is always loader batch k, sampled with rollout_seed(k).
 
-Resume: a checkpoint holds the buffer. Before a save the in-flight generations are awaited (`drain`), so the saved
-buffer is complete batches (their samples, logprobs and versions; the prompts are re-read from the data position each
-was drawn at). With nothing in flight, the run that saved syncs its engines at the next step; a resumed run syncs them
-at start, so both generate the following batches with the same weights, and the resume is exact.
+Resume: a checkpoint holds the buffer and the versions. Before a save the in-flight generations are awaited
+(`drain`), so the saved buffer is complete batches (their samples, logprobs and versions; the prompts are re-read from
+the data position each was drawn at). Awaiting them changes no decision, and batches start only when the engines hold
+the actor's current weights, so a resumed run (whose engines start with the checkpoint's weights) generates nothing
+before the schedule's next sync, which gives its engines the same weights as the run that saved: the resume is exact,
+and a run's batches do not depend on when it saves.
 """
 from __future__ import annotations
 
@@ -73,10 +75,10 @@ class Batch:
     loader_state: dict  # the data position its prompts were drawn at (to re-read them after a resume)
     handle: Any = None
     rollout: Optional[RolloutBatch] = None
-
-    @property
-    def in_flight(self) -> bool:
-        return self.rollout is None
+    # Started and not yet taken (or settled): what the schedule's decisions see. A save awaits the rollout but keeps
+    # the batch pending, so that saving changes no decision (a run saving at other steps, or at a SIGTERM, and a run
+    # resumed from any of its saves all generate the same batches with the same weights).
+    pending: bool = True
 
 
 @dataclass
@@ -121,11 +123,10 @@ class RolloutSchedule:
             dropped = len(batch.rollout)
             log.warning("the batch of step %d is %d versions stale (async_training.max_staleness=%d): generating it "
                         "again with the current weights", step, self.version - batch.version, self.max_staleness)
-            self.drain()
-            metrics.update(self._sync_if_behind())
+            metrics.update(self.settle())
             batch = self._regenerate(batch)
         self.dropped_samples += dropped
-        if not any(b.in_flight for b in self.buffer):
+        if not any(b.pending for b in self.buffer):
             metrics.update(self._sync_if_behind())
         self._top_up()
         metrics.update(self._staleness_metrics(batch, dropped))
@@ -134,7 +135,7 @@ class RolloutSchedule:
     def updated(self) -> dict:
         """The actor took the step's update (collective). With nothing in flight (sync mode) the engines sync now."""
         self.version += 1
-        if any(b.in_flight for b in self.buffer):
+        if any(b.pending for b in self.buffer):
             return {}
         return self._sync_if_behind()
 
@@ -142,10 +143,12 @@ class RolloutSchedule:
         """Collective: await every generation in flight and sync, so the engines hold the actor's weights (before a
         validation). The buffered batches keep their versions."""
         self.drain()
+        for b in self.buffer:
+            b.pending = False
         return self._sync_if_behind()
 
     def drain(self) -> None:
-        """Collective: await every generation in flight (they stay in the buffer, complete)."""
+        """Collective: await every generation in flight (they stay in the buffer, complete and pending)."""
         for b in self.buffer:
             self._finish(b)
 
@@ -153,7 +156,8 @@ class RolloutSchedule:
     def _sync_if_behind(self) -> dict:
         if self.engine_version == self.version:
             return {}
-        assert not any(b.in_flight for b in self.buffer), "a sync while the engines generate"
+        if any(b.rollout is None for b in self.buffer):
+            raise RuntimeError("the rollout schedule would sync the engines while they generate")
         metrics = self.generation.sync()
         self.engine_version = self.version
         return metrics
@@ -165,7 +169,7 @@ class RolloutSchedule:
                                  handle=self.generation.start(records, self.seed_of(step))))
 
     def _finish(self, batch: Batch) -> None:
-        if batch.in_flight:
+        if batch.rollout is None:
             batch.rollout = self.generation.finish(batch.handle)
             batch.handle = None
 
@@ -176,8 +180,11 @@ class RolloutSchedule:
         return again
 
     def _top_up(self) -> None:
-        """Start the next batches while the buffer has room and each will be at most max_staleness stale (the batch
-        of step k trains at version k-1 on weights of version engine_version)."""
+        """When the engines hold the actor's weights: start the next batches while the buffer has room and each will
+        be at most max_staleness stale (the batch of step k trains at version k-1). Never with older weights: after a
+        resume the engines hold the checkpoint's, not the older ones the interrupted run would have used."""
+        if self.engine_version != self.version:
+            return
         nxt = self.version + 1 + len(self.buffer) + 1  # this step's batch is out of the buffer already
         while (len(self.buffer) < self.ahead and nxt <= self.last_step
                and (nxt - 1) - self.engine_version <= self.max_staleness):
@@ -199,16 +206,21 @@ class RolloutSchedule:
         self.drain()
 
     def resumed(self, step: int) -> None:
-        """The run resumed after `step` and the engines hold the actor's weights (the trainer synced them)."""
-        self.version = self.engine_version = step
+        """The run resumed after `step`, with the buffer of the checkpoint (or none: a fresh run, a sync mode one, or
+        a checkpoint from before trainer.mode existed)."""
+        if self.version != step:  # no schedule state in the checkpoint: the engines hold the actor's weights
+            self.version = self.engine_version = step
 
     def state_dict(self) -> dict:
-        return {"dropped_samples": self.dropped_samples,
-                "buffer": [{"step": b.step, "version": b.version, "loader_state": b.loader_state,
+        return {"version": self.version, "engine_version": self.engine_version, "dropped_samples": self.dropped_samples,
+                "buffer": [{"step": b.step, "version": b.version, "loader_state": b.loader_state, "pending": b.pending,
                             "rollout": rollout_to_dict(b.rollout)} for b in self.buffer]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the buffer (after the loader's own state: each batch re-reads its prompts from its position)."""
+        # the engines' version as the schedule knows it (older than the weights the trainer gives them at start): no
+        # batch is generated until the schedule's next sync, which hands over the same weights the saving run did
+        self.version, self.engine_version = int(state["version"]), int(state["engine_version"])
         self.dropped_samples = int(state.get("dropped_samples", 0))
         self.buffer = []
         live = self.loader.state_dict()
@@ -216,7 +228,8 @@ class RolloutSchedule:
             for b in state["buffer"]:
                 self.loader.load_state_dict(b["loader_state"])
                 self.buffer.append(Batch(int(b["step"]), self.loader.next_batch(self.batch_size), int(b["version"]),
-                                         b["loader_state"], rollout=rollout_from_dict(b["rollout"])))
+                                         b["loader_state"], rollout=rollout_from_dict(b["rollout"]),
+                                         pending=bool(b["pending"])))
         finally:
             self.loader.load_state_dict(live)
 

@@ -93,7 +93,9 @@ def _run(schedule, trainer, first, last):
     ("sync", 1, None, [0] * 12),
     ("one_step_off_policy", 1, None, [0] + [1] * 11),
     ("async", 2, None, [0, 1, 2] + [1, 2] * 4 + [1]),  # sync every 2 steps, 2 batches generated ahead
-    ("async", 3, 2, [0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]),  # 2 ahead, topped up while staleness allows
+    ("async", 3, None, [0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]),
+    ("async", 3, 2, [0, 1, 2] + [1, 2] * 4 + [1]),  # the buffer bounds the staleness reached
+    ("async", 2, 4, [0, 1, 2] + [1, 2] * 4 + [1]),  # and the staleness bound the batches ahead
     ("async", 0, None, [0] * 12),  # max_staleness 0: nothing ahead, as sync
 ])
 def test_staleness_follows_the_mode_and_never_exceeds_max_staleness(mode, staleness, buffer, expected):
@@ -157,25 +159,31 @@ def test_a_batch_staler_than_allowed_is_dropped_and_regenerated_with_current_wei
 
 
 @pytest.mark.parametrize("mode,staleness", [("one_step_off_policy", 1), ("async", 2), ("async", 3)])
-def test_resume_from_a_checkpoint_continues_exactly(mode, staleness):
-    """Save after step 5 (generations in flight are awaited and saved) and go on; resume from that save into a
-    fresh schedule whose engine holds the step-5 weights: steps 6..12 get the same prompts, samples and versions."""
+@pytest.mark.parametrize("saved_at", [4, 5])
+def test_resume_from_a_checkpoint_continues_exactly(mode, staleness, saved_at):
+    """Save after step `saved_at` (generations in flight are awaited and saved); resume from that save into a fresh
+    schedule whose engine holds that step's weights: the next steps get the same prompts, samples and versions as a
+    run that never saved."""
     schedule, trainer, _ = _schedule(mode, staleness)
-    _run(schedule, trainer, 1, 5)
+    reference = _run(schedule, trainer, 1, 12)
+
+    schedule, trainer, _ = _schedule(mode, staleness)
+    _run(schedule, trainer, 1, saved_at)
     schedule.before_save()
     state = json.loads(json.dumps({"loader": schedule.loader.state_dict(), "schedule": schedule.state_dict()}))
 
     resumed, trainer2, engine2 = _schedule(mode, staleness)
     resumed.loader.load_state_dict(state["loader"])
     resumed.load_state_dict(state["schedule"])
-    trainer2.steps = 5
+    trainer2.steps = saved_at
     trainer2.sync()
-    resumed.resumed(5)
-    after = _run(resumed, trainer2, 6, 12)
-    reference = _run(schedule, trainer, 6, 12)  # the run that saved, going on
+    resumed.resumed(saved_at)
+    after = _run(resumed, trainer2, saved_at + 1, 12)
+    went_on = _run(schedule, trainer, saved_at + 1, 12)  # the run that saved, going on
     keys = ("async/staleness_max", "async/sample_version")
-    assert [(s, r, x, {k: m[k] for k in keys}) for s, r, x, m in after] == \
-           [(s, r, x, {k: m[k] for k in keys}) for s, r, x, m in reference]
+    for run in (went_on, after):
+        assert [(s, r, x, {k: m[k] for k in keys}) for s, r, x, m in run] == \
+               [(s, r, x, {k: m[k] for k in keys}) for s, r, x, m in reference[saved_at:]]
     assert max(m["async/staleness_max"] for *_, m in after) <= staleness
 
 
