@@ -269,6 +269,25 @@ class EngineGeneration:
     def sync(self) -> dict:
         return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
 
+    def abort(self) -> None:
+        if self.engine is not None:
+            self.engine.abort()
+
+    def resume(self, batch: RolloutBatch, rows: list, num_prompts: int, seed: int) -> list:
+        """Each replica continues the rows of its own share of the prompts (row order is prompt order)."""
+        topo, handles = self.rt.engines, []
+        for replica in range(topo.replicas):
+            part = topo.prompt_slice(replica, num_prompts)
+            handle = None
+            if self.engine is not None and topo.replica_of(self.rt.rank) == replica:
+                mine = [i for i in rows if part.start <= int(batch.prompt_index[i]) < part.stop]
+                handle = self.engine.start_continue([batch.prompt_ids[i] for i in mine],
+                                                    [batch.response(i) for i in mine],
+                                                    [int(batch.prompt_index[i]) for i in mine],
+                                                    [seed + i for i in mine])
+            handles.append(handle)
+        return handles
+
 
 def rollout_schedule(cfg: MegarlConfig, loader):
     """trainer.mode's schedule of generations and syncs over the prompt loader; its engines are attached later
@@ -279,7 +298,8 @@ def rollout_schedule(cfg: MegarlConfig, loader):
     at = cfg.async_training
     ahead, staleness = schedule_shape(cfg.trainer.mode, at.max_staleness, at.buffer_size)
     return RolloutSchedule(None, loader, batch_size_drawn(cfg), lambda step: rollout_seed(cfg, step), ahead,
-                           staleness, cfg.trainer.total_steps)
+                           staleness, cfg.trainer.total_steps, abort_resume=at.partial_rollout == "abort_resume",
+                           response_length=cfg.rollout.response_length)
 
 
 def batch_size_drawn(cfg: MegarlConfig) -> int:

@@ -35,6 +35,9 @@ class RolloutBatch:
         weight_version: the engine weight version that produced every sample (0 = the weights loaded at start).
         pad_token_id: the value used to pad `response_ids`.
         metrics: scalar metrics of the rollout (counts, seconds, tokens/s), names prefixed "rollout/".
+        token_versions: LongTensor [N, R] or None. The weight version (trainer steps, see megarl.rollout.schedule)
+            that sampled each token, 0 on padding; set by the rollout schedule (a response resumed after a weight
+            sync mixes versions). None: every token is `weight_version`'s.
     """
 
     prompt_ids: list[list[int]]
@@ -48,6 +51,7 @@ class RolloutBatch:
     weight_version: int = 0
     pad_token_id: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    token_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -60,13 +64,17 @@ class RolloutBatch:
         }
         if self.rollout_logprobs is not None:
             checks["rollout_logprobs"] = (self.rollout_logprobs, 2, torch.float32)
+        if self.token_versions is not None:
+            checks["token_versions"] = (self.token_versions, 2, torch.long)
         for name, (t, ndim, dtype) in checks.items():
             if t.ndim != ndim or t.shape[0] != n or t.dtype != dtype:
                 raise ValueError(f"RolloutBatch.{name}: expected a {dtype} tensor with {ndim} dims and {n} rows, "
                                  f"got {t.dtype} {tuple(t.shape)}")
-        if self.rollout_logprobs is not None and self.rollout_logprobs.shape != self.response_ids.shape:
-            raise ValueError(f"RolloutBatch.rollout_logprobs {tuple(self.rollout_logprobs.shape)} must have the shape "
-                             f"of response_ids {tuple(self.response_ids.shape)}")
+        for name in ("rollout_logprobs", "token_versions"):
+            t = getattr(self, name)
+            if t is not None and t.shape != self.response_ids.shape:
+                raise ValueError(f"RolloutBatch.{name} {tuple(t.shape)} must have the shape of response_ids "
+                                 f"{tuple(self.response_ids.shape)}")
         if len(self.finish_reasons) != n:
             raise ValueError(f"RolloutBatch.finish_reasons has {len(self.finish_reasons)} entries for {n} samples")
         bad = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
@@ -106,7 +114,8 @@ class RolloutBatch:
             rollout_logprobs=None if self.rollout_logprobs is None else self.rollout_logprobs[idx],
             finish_reasons=[self.finish_reasons[i] for i in indices], truncated=self.truncated[idx],
             prompt_index=self.prompt_index[idx], prompt_truncated=self.prompt_truncated[idx],
-            weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics))
+            weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics),
+            token_versions=None if self.token_versions is None else self.token_versions[idx])
 
     @classmethod
     def concat(cls, batches: list["RolloutBatch"], prompt_index: Optional[list[int]] = None) -> "RolloutBatch":
@@ -122,10 +131,13 @@ class RolloutBatch:
                   for k, b in enumerate(batches)]
         logprobs = None if batches[0].rollout_logprobs is None else torch.cat(
             [widen(b.rollout_logprobs, 0.0) for b in batches])
+        versions = None if any(b.token_versions is None for b in batches) else torch.cat(
+            [widen(b.token_versions, 0) for b in batches])
         return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
                    response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
                    response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
                    finish_reasons=[r for b in batches for r in b.finish_reasons],
                    truncated=torch.cat([b.truncated for b in batches]), prompt_index=torch.cat(groups),
                    prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
-                   weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics))
+                   weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics),
+                   token_versions=versions)

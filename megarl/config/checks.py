@@ -444,16 +444,11 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
     """trainer.mode one_step_off_policy / async: the engines generate while the trainer trains, so they need their own
     compute, an engine that stays awake, and one batch per generation round."""
     mode, at, T = cfg.trainer.mode, cfg.async_training, "async_training."
-    if at.partial_rollout == "abort_resume":
-        return [Issue(T + "partial_rollout", "abort_resume", "not supported by this version of megarl: resuming a "
-                      "response with new weights needs an engine abort that returns its partial tokens",
-                      "use finish (in-flight batches end with the weights they started with)",
-                      keys=(T + "partial_rollout",))]
     if mode == "sync":
         return [Issue(T + key, value, "only trainer.mode=async reads it; this run is sync", "set trainer.mode=async, "
                       "or leave it unset", keys=(T + key, "trainer.mode"), warning=True)
-                for key, value, default in (("max_staleness", at.max_staleness, 1),
-                                            ("buffer_size", at.buffer_size, None)) if value != default]
+                for key, value, default in (("max_staleness", at.max_staleness, 1), ("buffer_size", at.buffer_size, None),
+                                            ("partial_rollout", at.partial_rollout, "finish")) if value != default]
     keys = ("trainer.mode",)
     issues = []
     # the transport helper adds rollout.placement; until then every engine is colocated with the trainer's ranks

@@ -337,8 +337,39 @@ class VLLMEngine:
         seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff for k in range(len(prompts))]
         rids = [self._driver.add(p, SamplingParams(**kw, seed=s)) for p, s in zip(prompts, seeds)]
         done = self._driver.run_to_end(rids)
-        gen_s = time.perf_counter() - t0
+        batch = self._collect(rids, done, prompts, [ids[k] for k in kept], cut, t0)
+        n_over = sum(cut) + len(prompt_token_ids) - len(prompts)
+        batch.metrics.update({"rollout/num_prompts": float(len(prompt_token_ids)),
+                              "rollout/prompts_filtered": float(len(prompt_token_ids) - len(prompts))})
+        if n_over:
+            log.warning("rollout: %d prompt(s) longer than rollout.prompt_length=%d were %s", n_over,
+                        cfg.prompt_length, "dropped" if self.prompt_overflow == "filter"
+                        else f"cut on the {self.prompt_overflow}")
+        return batch
 
+    def continue_generate(self, prompt_token_ids: Sequence[Sequence[int]], partial_ids: Sequence[Sequence[int]],
+                          prompt_index: Sequence[int], seeds: Sequence[int]) -> RolloutBatch:
+        """Resume samples that an abort cut short (one continuation each): row i samples after prompt i followed by
+        its partial response, for the tokens rollout.response_length leaves it, with seeds[i]. Returns the new
+        tokens only (prompt_ids: the prompts as given), with their logprobs under the current weights."""
+        from vllm import SamplingParams
+
+        t0 = time.perf_counter()
+        kw = {**sampling_kwargs(self.config), "n": 1}
+        rids = [self._driver.add(list(p) + list(r), SamplingParams(**{**kw, "max_tokens": self.config.response_length
+                                                                      - len(r)}, seed=int(s)))
+                for p, r, s in zip(prompt_token_ids, partial_ids, seeds)]
+        done = self._driver.run_to_end(rids)
+        batch = self._collect(rids, done, [list(p) for p in prompt_token_ids], [int(i) for i in prompt_index],
+                              [False] * len(rids), t0)
+        batch.metrics["rollout/num_prompts"] = float(len(rids))
+        return batch
+
+    def _collect(self, rids: Sequence[str], done: dict, prompts: Sequence[list], groups_of: Sequence[int],
+                 cut: Sequence[bool], t0: float) -> RolloutBatch:
+        """The RolloutBatch of the ended requests `rids` (request k: prompts[k], group groups_of[k])."""
+        cfg = self.config
+        gen_s = time.perf_counter() - t0
         rows_p, rows_r, rows_lp, reasons, groups, pcut = [], [], [], [], [], []
         for k, rid in enumerate(rids):
             for c in done[rid]:
@@ -347,7 +378,7 @@ class VLLMEngine:
                 if cfg.calculate_log_probs:
                     rows_lp.append(c.logprobs)
                 reasons.append(c.finish_reason)
-                groups.append(ids[kept[k]])
+                groups.append(groups_of[k])
                 pcut.append(cut[k])
         num = len(rows_r)
         width = max((len(r) for r in rows_r), default=0)
@@ -362,10 +393,8 @@ class VLLMEngine:
         truncated = torch.tensor([r == "length" for r in reasons], dtype=torch.bool)
         tokens = int(lengths.sum())
         metrics = {
-            "rollout/num_prompts": float(len(prompt_token_ids)),
             "rollout/num_samples": float(num),
             "rollout/prompts_truncated": float(sum(cut)),
-            "rollout/prompts_filtered": float(len(prompt_token_ids) - len(prompts)),
             "rollout/response_tokens": float(tokens),
             "rollout/response_length_mean": float(lengths.float().mean()) if num else 0.0,
             "rollout/truncated_fraction": float(truncated.float().mean()) if num else 0.0,
@@ -373,11 +402,6 @@ class VLLMEngine:
             "rollout/generate_seconds": gen_s,
             "rollout/tokens_per_second": tokens / gen_s if gen_s > 0 else 0.0,
         }
-        n_over = sum(cut) + len(prompt_token_ids) - len(prompts)
-        if n_over:
-            log.warning("rollout: %d prompt(s) longer than rollout.prompt_length=%d were %s", n_over,
-                        cfg.prompt_length, "dropped" if self.prompt_overflow == "filter"
-                        else f"cut on the {self.prompt_overflow}")
         return RolloutBatch(prompt_ids=rows_p, response_ids=resp, response_lengths=lengths, rollout_logprobs=lps,
                             finish_reasons=reasons, truncated=truncated,
                             prompt_index=torch.tensor(groups, dtype=torch.long),
@@ -387,6 +411,10 @@ class VLLMEngine:
     def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> "Finished":
         """As generate; in this process it cannot overlap the caller, so it generates now (EngineProcess overlaps)."""
         return Finished(self.generate(prompt_token_ids, **kwargs))
+
+    def start_continue(self, *args, **kwargs) -> "Finished":
+        """As continue_generate, with a handle (see start_generate)."""
+        return Finished(self.continue_generate(*args, **kwargs))
 
     def sampling_kwargs(self, validate: bool = False, **overrides) -> dict[str, Any]:
         """vllm.SamplingParams keyword arguments of this engine's config (see `sampling_kwargs`), with overrides

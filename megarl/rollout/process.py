@@ -191,6 +191,14 @@ class EngineProcess:
         `.result()` waits for the RolloutBatch. Calls made meanwhile run after it, in order."""
         return PendingCall(self, self._submit("generate", [list(p) for p in prompt_token_ids], **kwargs))
 
+    def continue_generate(self, *args, **kwargs):
+        return self.start_continue(*args, **kwargs).result()
+
+    def start_continue(self, prompt_token_ids, partial_ids, prompt_index, seeds) -> "PendingCall":
+        """VLLMEngine.continue_generate without waiting (as start_generate)."""
+        return PendingCall(self, self._submit("continue_generate", [list(p) for p in prompt_token_ids],
+                                              [list(r) for r in partial_ids], list(prompt_index), list(seeds)))
+
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 

@@ -53,6 +53,14 @@ class Generation(Protocol):
     def sync(self) -> dict:
         """Deliver the actor's current weights to the engines (collective; none may be generating); metrics."""
 
+    def abort(self) -> None:
+        """End the generation running on this rank's engine (not collective): it returns what it has, the samples
+        it cut short with finish_reason "abort". Only async_training.partial_rollout=abort_resume calls it."""
+
+    def resume(self, batch: RolloutBatch, rows: list, num_prompts: int, seed: int) -> Any:
+        """Start continuing `rows` of `batch` (each its prompt + partial response, for the budget left) with the
+        engines' current weights (not collective); `finish` returns the new tokens, one row per entry of `rows`."""
+
 
 def schedule_shape(mode: str, max_staleness: int, buffer_size: Optional[int]) -> tuple[int, int]:
     """(batches generated ahead at most, largest staleness allowed) of trainer.mode."""
@@ -73,8 +81,10 @@ class Batch:
     records: list
     version: int
     loader_state: dict  # the data position its prompts were drawn at (to re-read them after a resume)
-    handle: Any = None
+    handle: Any = None  # the generation in flight (the batch's own, or the continuation of its aborted rows)
     rollout: Optional[RolloutBatch] = None
+    resumed_rows: Optional[list] = None  # rows the handle continues (abort_resume)
+    resumed_version: int = 0
     # Started and not yet taken (or settled): what the schedule's decisions see. A save awaits the rollout but keeps
     # the batch pending, so that saving changes no decision (a run saving at other steps, or at a SIGTERM, and a run
     # resumed from any of its saves all generate the same batches with the same weights).
@@ -100,6 +110,8 @@ class RolloutSchedule:
     ahead: int
     max_staleness: int
     last_step: int  # trainer.total_steps: nothing is generated for later steps
+    abort_resume: bool = False  # async_training.partial_rollout: abort in-flight generations at a sync, then resume
+    response_length: int = 0  # rollout.response_length: a resumed sample's budget is what its partial leaves
     version: int = 0  # the actor's: steps trained
     engine_version: int = 0  # the version the engines hold
     buffer: list = field(default_factory=list)  # Batch, by step
@@ -126,6 +138,8 @@ class RolloutSchedule:
             metrics.update(self.settle())
             batch = self._regenerate(batch)
         self.dropped_samples += dropped
+        if self.abort_resume and self.engine_version != self.version and any(b.pending for b in self.buffer):
+            metrics.update(self._abort_sync_resume())
         if not any(b.pending for b in self.buffer):
             metrics.update(self._sync_if_behind())
         self._top_up()
@@ -156,7 +170,7 @@ class RolloutSchedule:
     def _sync_if_behind(self) -> dict:
         if self.engine_version == self.version:
             return {}
-        if any(b.rollout is None for b in self.buffer):
+        if any(b.handle is not None for b in self.buffer):
             raise RuntimeError("the rollout schedule would sync the engines while they generate")
         metrics = self.generation.sync()
         self.engine_version = self.version
@@ -169,9 +183,33 @@ class RolloutSchedule:
                                  handle=self.generation.start(records, self.seed_of(step))))
 
     def _finish(self, batch: Batch) -> None:
-        if batch.rollout is None:
-            batch.rollout = self.generation.finish(batch.handle)
-            batch.handle = None
+        if batch.handle is None:
+            return
+        got = self.generation.finish(batch.handle)
+        batch.handle = None
+        if batch.resumed_rows is None:
+            batch.rollout = with_versions(got, batch.version)
+        else:
+            batch.rollout = merge_continuation(batch.rollout, batch.resumed_rows, got, batch.resumed_version)
+            batch.resumed_rows = None
+
+    def _abort_sync_resume(self) -> dict:
+        """abort_resume: cut the generations in flight short, sync, and resume their unfinished samples with the new
+        weights (batches queued behind the running one finish with the weights they started with)."""
+        self.generation.abort()
+        self.drain()
+        for b in self.buffer:
+            b.pending = False
+        metrics = self._sync_if_behind()
+        resumed = 0
+        for b in self.buffer:
+            rows = resumable_rows(b.rollout, self.response_length)
+            if rows:
+                b.handle = self.generation.resume(b.rollout, rows, len(b.records), self.seed_of(b.step) + 104_729 *
+                                                  self.engine_version)
+                b.resumed_rows, b.resumed_version, b.pending = rows, self.engine_version, True
+                resumed += len(rows)
+        return {**metrics, "async/resumed_samples": float(resumed)}
 
     def _regenerate(self, batch: Batch) -> Batch:
         again = Batch(batch.step, batch.records, self.engine_version, batch.loader_state,
@@ -192,10 +230,17 @@ class RolloutSchedule:
             nxt += 1
 
     def _staleness_metrics(self, batch: Batch, dropped: int) -> dict:
-        stale = self.version - batch.version
-        mask = batch.rollout.response_mask()
-        return {"async/staleness_mean": float(stale), "async/staleness_max": float(stale),
-                "async/off_policy_token_frac": float(stale > 0) if bool(mask.any()) else 0.0,
+        """Per sample, its oldest token's staleness (the batch's start version for an empty response)."""
+        rollout = batch.rollout
+        mask = rollout.response_mask()
+        oldest = torch.where(mask, rollout.token_versions, self.version).amin(-1) if rollout.response_ids.numel() \
+            else torch.full((len(rollout),), self.version)
+        oldest = torch.where(mask.any(-1), oldest, batch.version)
+        stale = (self.version - oldest).float()
+        old_tokens = (rollout.token_versions < self.version) & mask
+        return {"async/staleness_mean": float(stale.mean()) if len(stale) else 0.0,
+                "async/staleness_max": float(stale.max()) if len(stale) else 0.0,
+                "async/off_policy_token_frac": float(old_tokens.sum() / mask.sum()) if bool(mask.any()) else 0.0,
                 "async/sample_version": float(batch.version), "async/engine_version": float(self.engine_version),
                 "async/batches_ahead": float(len(self.buffer)), "async/dropped_samples": float(dropped),
                 "async/dropped_samples_total": float(self.dropped_samples)}
@@ -234,30 +279,85 @@ class RolloutSchedule:
             self.loader.load_state_dict(live)
 
 
+def with_versions(batch: RolloutBatch, version: int) -> RolloutBatch:
+    """`batch` with token_versions [N, R]: `version` on every response token, 0 on padding."""
+    batch.token_versions = torch.where(batch.response_mask(), version, 0).long()
+    return batch
+
+
+def resumable_rows(batch: RolloutBatch, response_length: int) -> list:
+    """The rows an abort cut short with budget left (a row aborted at its last token is ended as truncated)."""
+    rows = []
+    for i, reason in enumerate(batch.finish_reasons):
+        if reason == "abort":
+            if int(batch.response_lengths[i]) < response_length:
+                rows.append(i)
+            else:
+                batch.finish_reasons[i] = "length"
+                batch.truncated[i] = True
+    return rows
+
+
+def merge_continuation(batch: RolloutBatch, rows: list, cont: RolloutBatch, version: int) -> RolloutBatch:
+    """`batch` with row rows[k] extended by row k of `cont` (sampled by `version`): tokens, logprobs, versions and
+    finish reason; generation seconds and tokens add up."""
+    n = len(batch)
+    responses = [batch.response(i) for i in range(n)]
+    logprobs = None if batch.rollout_logprobs is None else [batch.logprobs(i) for i in range(n)]
+    versions = [batch.token_versions[i, :len(responses[i])].tolist() for i in range(n)]
+    reasons = list(batch.finish_reasons)
+    for k, i in enumerate(rows):
+        new = cont.response(k)
+        responses[i] = responses[i] + new
+        versions[i] = versions[i] + [version] * len(new)
+        if logprobs is not None:
+            logprobs[i] = logprobs[i] + cont.logprobs(k)
+        reasons[i] = cont.finish_reasons[k]
+    metrics = dict(batch.metrics)
+    for key in ("rollout/generate_seconds", "rollout/response_tokens"):
+        metrics[key] = metrics.get(key, 0.0) + cont.metrics.get(key, 0.0)
+    metrics["rollout/num_aborted"] = float(sum(r == "abort" for r in reasons))
+    return _assemble(batch.prompt_ids, responses, logprobs, versions, reasons, batch.prompt_index.tolist(),
+                     batch.prompt_truncated.tolist(), batch.weight_version, batch.pad_token_id, metrics)
+
+
+def _assemble(prompt_ids, responses, logprobs, versions, reasons, prompt_index, prompt_truncated, weight_version,
+              pad, metrics) -> RolloutBatch:
+    """A RolloutBatch from per-row lists (responses right-padded with `pad`)."""
+    n = len(prompt_ids)
+    width = max((len(r) for r in responses), default=0)
+    response = torch.full((n, width), int(pad), dtype=torch.long)
+    lps = None if logprobs is None else torch.zeros((n, width), dtype=torch.float32)
+    tv = torch.zeros((n, width), dtype=torch.long)
+    for i, r in enumerate(responses):
+        response[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        tv[i, :len(r)] = torch.tensor(versions[i], dtype=torch.long)
+        if lps is not None:
+            lps[i, :len(r)] = torch.tensor(logprobs[i], dtype=torch.float32)
+    reasons = [r if r in FINISH_REASONS else "abort" for r in reasons]
+    return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], response_ids=response,
+                        response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.long),
+                        rollout_logprobs=lps, finish_reasons=reasons,
+                        truncated=torch.tensor([r == "length" for r in reasons], dtype=torch.bool),
+                        prompt_index=torch.tensor(prompt_index, dtype=torch.long),
+                        prompt_truncated=torch.tensor(prompt_truncated, dtype=torch.bool),
+                        weight_version=int(weight_version), pad_token_id=int(pad), metrics=dict(metrics),
+                        token_versions=tv)
+
+
 def rollout_to_dict(batch: RolloutBatch) -> dict:
     """A RolloutBatch as JSON-ready lists (float32 logprobs round-trip exactly through Python floats)."""
     n = len(batch)
+    if batch.token_versions is None:
+        batch = with_versions(batch, batch.weight_version)
     return {"prompt_ids": batch.prompt_ids, "responses": [batch.response(i) for i in range(n)],
             "logprobs": None if batch.rollout_logprobs is None else [batch.logprobs(i) for i in range(n)],
+            "versions": [batch.token_versions[i, :int(batch.response_lengths[i])].tolist() for i in range(n)],
             "finish_reasons": batch.finish_reasons, "prompt_index": batch.prompt_index.tolist(),
             "prompt_truncated": batch.prompt_truncated.tolist(), "weight_version": batch.weight_version,
             "pad_token_id": batch.pad_token_id, "metrics": batch.metrics}
 
 
 def rollout_from_dict(d: dict) -> RolloutBatch:
-    n, pad = len(d["prompt_ids"]), int(d["pad_token_id"])
-    width = max((len(r) for r in d["responses"]), default=0)
-    response = torch.full((n, width), pad, dtype=torch.long)
-    logprobs = None if d["logprobs"] is None else torch.zeros((n, width), dtype=torch.float32)
-    for i, r in enumerate(d["responses"]):
-        response[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        if logprobs is not None:
-            logprobs[i, :len(r)] = torch.tensor(d["logprobs"][i], dtype=torch.float32)
-    reasons = [r if r in FINISH_REASONS else "abort" for r in d["finish_reasons"]]
-    return RolloutBatch(prompt_ids=[list(p) for p in d["prompt_ids"]], response_ids=response,
-                        response_lengths=torch.tensor([len(r) for r in d["responses"]], dtype=torch.long),
-                        rollout_logprobs=logprobs, finish_reasons=reasons,
-                        truncated=torch.tensor([r == "length" for r in reasons], dtype=torch.bool),
-                        prompt_index=torch.tensor(d["prompt_index"], dtype=torch.long),
-                        prompt_truncated=torch.tensor(d["prompt_truncated"], dtype=torch.bool),
-                        weight_version=int(d["weight_version"]), pad_token_id=pad, metrics=dict(d["metrics"]))
+    return _assemble(d["prompt_ids"], d["responses"], d["logprobs"], d["versions"], d["finish_reasons"],
+                     d["prompt_index"], d["prompt_truncated"], d["weight_version"], d["pad_token_id"], d["metrics"])

@@ -35,7 +35,6 @@ REFUSED = {
     "rollout.log_prob_max_token_len_per_gpu": (4096, "which is not supported yet"),
     "data.dataloader_num_workers": (2, "prompts are read into memory once at start"),
     "rollout.pipeline_model_parallel_size": (2, "use rollout.tensor_model_parallel_size"),
-    "async_training.partial_rollout": ("abort_resume", "use finish"),
 }
 
 # Section classes by the dotted path of their section, to resolve `cfg: RolloutConfig` parameters.

@@ -199,9 +199,107 @@ def test_rollout_round_trips_through_json_exactly():
                          response_lengths=torch.tensor([3, 1]), rollout_logprobs=lp,
                          finish_reasons=["length", "stop"], truncated=torch.tensor([True, False]),
                          prompt_index=torch.tensor([0, 1]), prompt_truncated=torch.tensor([False, True]),
-                         weight_version=4, pad_token_id=0, metrics={"rollout/num_samples": 2.0})
+                         weight_version=4, pad_token_id=0, metrics={"rollout/num_samples": 2.0},
+                         token_versions=torch.tensor([[3, 3, 4], [4, 0, 0]]))
     back = rollout_from_dict(json.loads(json.dumps(rollout_to_dict(batch))))
+    assert torch.equal(back.token_versions, batch.token_versions)
     assert torch.equal(back.rollout_logprobs, lp) and torch.equal(back.response_ids, batch.response_ids)
     assert back.prompt_ids == batch.prompt_ids and back.finish_reasons == batch.finish_reasons
     assert torch.equal(back.truncated, batch.truncated) and torch.equal(back.prompt_truncated, batch.prompt_truncated)
     assert back.weight_version == 4 and back.metrics == batch.metrics
+
+
+class AbortingEngine:
+    """A stand-in with abort and resume: a sample's response is [prompt, version, 7], each token sampled by the
+    version the engine holds when that token is generated. abort() cuts the running generation (the oldest not yet
+    collected) after its first token, as the real engine ends its requests early; generations queued behind it run
+    whole."""
+
+    def __init__(self):
+        self.version, self.queue, self.log = 0, [], []
+
+    def _submit(self, make):
+        version, engine = self.version, self
+
+        class Handle:
+            aborted = False
+
+            def result(self):
+                engine.queue.remove(self)
+                return make(version, self.aborted)
+
+        handle = Handle()
+        self.queue.append(handle)
+        return handle
+
+    def start_generate(self, prompts):
+        def make(version, aborted):
+            responses = [[p[0]] if aborted else [p[0], version, 7] for p in prompts]
+            return _rows(prompts, responses, "abort" if aborted else "stop")
+        return self._submit(make)
+
+    def start_continue(self, batch, rows):
+        def make(version, aborted):
+            full = [[batch.prompt_ids[i][0], version, 7] for i in rows]
+            return _rows([batch.prompt_ids[i] for i in rows],
+                         [f[int(batch.response_lengths[i]):] for f, i in zip(full, rows)], "stop")
+        return self._submit(make)
+
+    def abort(self):
+        if self.queue:
+            self.queue[0].aborted = True
+
+    def load_weights(self, version):
+        assert not self.queue, "weights changed while the engine generates"
+        self.version = version
+        self.log.append(("sync", version))
+
+
+def _rows(prompts, responses, reason):
+    n, width = len(responses), max([len(r) for r in responses] + [0])
+    ids = torch.zeros((n, width), dtype=torch.long)
+    for i, r in enumerate(responses):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return RolloutBatch(prompt_ids=[list(p) for p in prompts], response_ids=ids,
+                        response_lengths=torch.tensor([len(r) for r in responses]),
+                        rollout_logprobs=torch.full((n, width), -0.5), finish_reasons=[reason] * n,
+                        truncated=torch.zeros(n, dtype=torch.bool), prompt_index=torch.arange(n),
+                        prompt_truncated=torch.zeros(n, dtype=torch.bool), metrics={})
+
+
+class AbortingTrainer(Trainer):
+    def start(self, records, seed):
+        return self.engine.start_generate([[r] for r in records])
+
+    def abort(self):
+        self.engine.abort()
+
+    def resume(self, batch, rows, num_prompts, seed):
+        return self.engine.start_continue(batch, rows)
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 3])
+def test_abort_resume_continues_cut_samples_with_the_new_weights(staleness):
+    """At each step the generation in flight is cut short, the engine syncs, and the cut samples resume with the new
+    weights: every token records the version that sampled it, staleness (by a sample's oldest token) stays within
+    max_staleness, and the engine holds the actor's weights once each step's batch is taken."""
+    engine = AbortingEngine()
+    trainer = AbortingTrainer(engine)
+    loader = PromptLoader(list(range(100, 160)), seed=0, shuffle=False)
+    schedule = RolloutSchedule(trainer, loader, 2, lambda step: step, *schedule_shape("async", staleness, None), 12,
+                               abort_resume=True, response_length=3)
+    resumed = 0
+    for step in range(1, 13):
+        records, rollout, m = schedule.next_batch(step)
+        for i in range(len(rollout)):
+            tokens, versions = rollout.response(i), rollout.token_versions[i, :3].tolist()
+            assert tokens[0] == records[i] and tokens[2] == 7 and rollout.finish_reasons[i] == "stop"
+            assert versions[1] == tokens[1]  # the token that spells its version was sampled by that version
+            assert versions == sorted(versions)  # a resumed sample moves to newer weights, never back
+        assert m["async/staleness_max"] <= staleness
+        resumed += m.get("async/resumed_samples", 0)
+        assert schedule.engine_version == step - 1  # the engine syncs every step, whatever is in flight
+        trainer.steps += 1
+        schedule.updated()
+    assert (resumed > 0) == (staleness > 1)  # one batch ahead: nothing is in flight when the next is taken
+    assert [v for _, v in engine.log] == sorted(set(v for _, v in engine.log))  # one sync per version, in order
