@@ -156,3 +156,28 @@ def test_unknown_key_suggestions_search_every_section(typo, suggestion):
     key = typo.split("=")[0]
     issue = _refused([typo])[key]
     assert issue.fix.startswith(f"did you mean {suggestion}"), issue.fix
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["rollout.enable_sleep_mode=true"], "rollout.enable_sleep_mode", "a sleeping engine cannot"),
+    (["rollout.mode=ray"], "rollout.mode", "Ray engines generate only in sync mode"),
+    (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable", "cannot be generated ahead"),
+    (["algorithm.adv_estimator=remax"], "algorithm.adv_estimator", "greedy baselines"),
+    (["trainer.device=cuda"], "trainer.mode", "colocated engines share the trainer's GPUs"),
+])
+def test_async_modes_refuse_what_cannot_overlap(overrides, key, words):
+    for mode in ("one_step_off_policy", "async"):
+        issue = _refused([f"trainer.mode={mode}", *overrides])[key]
+        assert words in issue.rule and "sync" in issue.fix
+    if overrides != ["rollout.mode=ray"]:  # (Ray mode has checks of its own)
+        _accepted(overrides)  # sync mode takes them
+
+
+def test_async_settings_outside_async_mode_and_async_without_correction_are_warned():
+    cfg = _accepted(["async_training.max_staleness=3", "async_training.partial_rollout=abort_resume"])
+    warned = {w.key for w in cfg._warnings}
+    assert {"async_training.max_staleness", "async_training.partial_rollout"} <= warned
+    cfg = _accepted(["trainer.mode=async"])
+    assert "algorithm.rollout_correction.is_level" in {w.key for w in cfg._warnings}
+    cfg = _accepted(["trainer.mode=async", "algorithm.rollout_correction.is_level=token"])
+    assert not [w for w in cfg._warnings if w.key.startswith(("async_training", "algorithm.rollout_correction"))]
