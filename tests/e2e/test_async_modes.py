@@ -69,3 +69,51 @@ def test_sigkill_in_a_save_then_resume_is_exact(straight):
     got = _run(tmp, "killed", save)
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     _assert_same_steps(got, ref, range(1, STEPS + 1))
+
+
+def test_continue_generate_resumes_aborted_samples_on_the_real_engine(tmp_path):
+    """async_training.partial_rollout=abort_resume's engine side: samples an abort cut short continue from prompt +
+    partial response for exactly the budget left, and the continuation's rollout logprobs are the engine's own
+    logprobs of those tokens after that prefix (checked against a teacher-forced pass over the whole sequence)."""
+    import threading
+    import time
+
+    from megarl.rollout.engine import VLLMEngine
+    from tests.e2e.test_engine_requests import LONG, PROMPTS, config
+    from tests.helpers.tiny_models import make_tiny_model
+
+    engine = VLLMEngine(config(), str(make_tiny_model("qwen2", tmp_path / "qwen2")), seed=0, device="cpu")
+    try:
+        core, steps = engine._driver._engine, [0]
+        step, reached = core.step, threading.Event()
+
+        def counting_step():  # abort once the engine has taken 20 steps (see test_engine_requests)
+            steps[0] += 1
+            if steps[0] == 20:
+                reached.set()
+                time.sleep(0.2)
+            return step()
+
+        core.step = counting_step
+        aborter = threading.Thread(target=lambda: (reached.wait(60), engine.abort()))
+        aborter.start()
+        try:
+            partial = engine.generate(PROMPTS, seed=11)
+        finally:
+            aborter.join()
+            core.step = step
+        rows = list(range(len(partial)))
+        assert partial.finish_reasons == ["abort"] * len(rows)
+        cont = engine.continue_generate([partial.prompt_ids[i] for i in rows], [partial.response(i) for i in rows],
+                                        partial.prompt_index.tolist(), [500 + i for i in rows])
+        assert cont.finish_reasons == ["length"] * len(rows)
+        assert cont.prompt_index.tolist() == partial.prompt_index.tolist()
+        for i in rows:
+            assert len(partial.response(i)) + len(cont.response(i)) == LONG  # the budget left, no more
+        whole = [partial.prompt_ids[i] + partial.response(i) + cont.response(i) for i in rows]
+        forced = engine.sequence_logprobs(whole)
+        for i in rows:
+            start = len(partial.prompt_ids[i]) + len(partial.response(i)) - 1  # position t scores token t+1
+            assert cont.logprobs(i) == pytest.approx(forced[i][start:], abs=1e-4)
+    finally:
+        engine.shutdown()
