@@ -67,14 +67,14 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
         return None
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import replica_cores
-    from megarl.rollout.threads import available_cores
 
     # the replicas on this machine split the engines' cores (see engine_cores)
     local = int(os.environ.get("LOCAL_RANK", rt.rank))
     first = rt.rank - local
     on_node = [r for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
                if rt.engines.owns(r)]
-    cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node), cfg.rollout.tensor_model_parallel_size)
+    cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node),
+                          cfg.rollout.tensor_model_parallel_size)
     replica = rt.engines.replica_of(rt.rank)
     return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores,
                          name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))
