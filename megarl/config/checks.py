@@ -451,8 +451,8 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
                                             ("partial_rollout", at.partial_rollout, "finish")) if value != default]
     keys = ("trainer.mode",)
     issues = []
-    # the transport helper adds rollout.placement; until then every engine is colocated with the trainer's ranks
-    placement = getattr(cfg.rollout, "placement", "colocated")
+    # rollout.placement (engines on ranks of their own) comes with the separate transport; until then: colocated
+    placement = getattr(cfg, "engine_placement", "colocated")
     if resolved_device(cfg.trainer.device) == "cuda" and placement == "colocated":
         issues.append(Issue("trainer.mode", mode, "colocated engines share the trainer's GPUs (and sleep while it "
                             "trains), so generation cannot overlap training there", "use trainer.mode=sync on GPU, or "
