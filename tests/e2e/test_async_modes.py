@@ -117,3 +117,19 @@ def test_continue_generate_resumes_aborted_samples_on_the_real_engine(tmp_path):
             assert cont.logprobs(i) == pytest.approx(forced[i][start:], abs=1e-4)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_abort_resume_loop_keeps_the_engine_current_and_every_response_whole(tmp_path):
+    """The whole loop with partial_rollout=abort_resume and responses long enough (ignore_eos) that a generation is
+    usually still running when the next step's batch is taken: the engines sync every step, every response still
+    gets exactly its full length (the continuation takes the budget the abort left), staleness stays within 2."""
+    (tmp_path / "parity_reward.py").write_text(PARITY_REWARD)
+    metrics = _run(tmp_path, "abort", ["async_training.partial_rollout=abort_resume", "rollout.response_length=96",
+                                       "rollout.ignore_eos=true", "trainer.total_steps=5"])
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    for m in metrics:
+        assert m["async/engine_version"] == m["step"] - 1  # synced at every step, whatever was in flight
+        assert m["train/response_length_mean"] == 96 and m["rollout/num_aborted"] == 0
+        assert m["async/staleness_max"] <= 2
+    print("resumed samples per step:", [m.get("async/resumed_samples", 0) for m in metrics])
