@@ -17,6 +17,7 @@ the others; ratios are against it.
 
     .venv/bin/python bench/bench_async.py                                  # 150 SFT steps once, then 16 steps per mode
     .venv/bin/python bench/bench_async.py --steps 10 --work-dir /tmp/bench_async   # reuse a previous SFT model
+    .venv/bin/python bench/bench_async.py --set rollout.response_length=128 rollout.ignore_eos=true  # longer rollouts
 """
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ MODES = {"sync": [], "one_step_off_policy": [],
          "async": ["async_training.max_staleness=2"]}
 
 
-def run_mode(work: Path, mode: str, steps: int, warmup: int, engine_cores: int, tag: str) -> list[dict]:
+def run_mode(work: Path, mode: str, steps: int, warmup: int, engine_cores: int, tag: str, extra=()) -> list[dict]:
     """`megarl train` in `mode` for warmup + steps steps; per timed step its wall time and the phase split."""
     run_dir = work / f"run_{tag}_{int(time.time())}"
     cmd = megarl_cmd("train", str(RECIPE), f"trainer.run_dir={run_dir}", *shared_overrides(work),
                      f"trainer.total_steps={warmup + steps + 1}", "trainer.test_freq=0",
                      "trainer.val_before_train=false", "logging.tensorboard=false", f"trainer.mode={mode}",
                      f"rollout.engine_cpu_cores={engine_cores}", "algorithm.rollout_correction.is_level=token",
-                     *MODES[mode])
+                     *MODES[mode], *extra)
     metrics_path = run_dir / "metrics.jsonl"
     seen: list[float] = []
     with open(work / f"{tag}.log", "w") as log:
@@ -86,6 +87,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first in each run")
     ap.add_argument("--engine-cores", type=int, help="cores the engine takes (default: half of this machine's)")
     ap.add_argument("--work-dir", help="keeps the data and SFT model between runs (default: a temporary folder)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="recipe overrides for every mode, e.g. rollout.response_length=128 rollout.ignore_eos=true "
+                         "(a task whose rollout is a larger share of the step)")
     args = ap.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-async-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -104,12 +108,13 @@ def main() -> int:
         if n <= 0:
             continue
         print(f"bench: {mode}, {n} timed steps ...", flush=True)
-        results.setdefault(mode, []).extend(run_mode(work, mode, n, args.warmup, engine_cores, tag))
+        results.setdefault(mode, []).extend(run_mode(work, mode, n, args.warmup, engine_cores, tag, args.set))
 
     table = {mode: summary(steps) for mode, steps in results.items()}
     base = table["sync"]["wall"]
     print(f"\nseconds per GRPO step on the tiny recipe, medians of {args.steps} steps per mode; engine on "
-          f"{engine_cores} of {len(cores)} cores, trainer on the other {len(cores) - engine_cores}:")
+          f"{engine_cores} of {len(cores)} cores, trainer on the other {len(cores) - engine_cores}"
+          + (f"; with {' '.join(args.set)}" if args.set else "") + ":")
     head = ("mode", "step", "vs sync", "engine busy", "engine idle", "trainer busy", "trainer idle", "overlap",
             "staleness")
     print(f"{head[0]:<21}" + "".join(f"{h:>13}" for h in head[1:]))
