@@ -117,11 +117,21 @@ class EngineProcess:
             raise
 
     def _call(self, method: str, *args, **kwargs) -> Any:
+        return self._start(method, *args, **kwargs).result()
+
+    def _start(self, method: str, *args, **kwargs):
+        """Send a call without waiting for its reply (the next call must wait for it first): a Deferred."""
+        from megarl.rollout.remote import Deferred
+
         self._calls += 1
-        self._send((self._calls, method, args, kwargs))
+        call = self._calls
+        self._send((call, method, args, kwargs))
+        return Deferred(lambda: self._reply(call, method))
+
+    def _reply(self, call: int, method: str) -> Any:
         call_id, status, payload = self._recv()
-        if call_id != self._calls:
-            raise EngineProcessError(f"the engine answered call {call_id} while call {self._calls} ({method}) was "
+        if call_id != call:
+            raise EngineProcessError(f"the engine answered call {call_id} while call {call} ({method}) was "
                                      "waiting: the engine channel is out of step")
         if status == "error":
             raise EngineProcessError(payload)
@@ -149,6 +159,22 @@ class EngineProcess:
 
     def abort_update(self) -> None:
         self._call("abort_update")
+
+    # -- weights over a transfer group (rollout.placement=separate: megarl.rollout.remote), one engine host --------
+    def transfer_layouts(self) -> list:
+        return [self.layouts]
+
+    def start_join_transfer(self, spec, first_rank: int):
+        return self._start("join_transfer", spec, first_rank)
+
+    def set_receive_plans(self, plans: list) -> None:
+        self._call("set_receive_plan", plans[0])
+
+    def start_receive_weights(self, sync: int, verify: bool = False):
+        from megarl.rollout.remote import Deferred
+
+        call = self._start("receive_weights", sync, verify=verify)
+        return Deferred(lambda: [call.result()])
 
     @property
     def layouts(self) -> list:
