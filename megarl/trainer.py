@@ -53,8 +53,9 @@ def make_kl_controller(cfg: MegarlConfig):
 
 
 def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
-    """This rank's engine handle: the owner of each engine replica (the first rank of its group) runs one in a child
-    process (colocated); in Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
+    """This rank's engine handle, None on ranks without one. Colocated: the owner of each engine replica (the first
+    rank of its group) runs it in a child process on the cores its ranks would use. Ray mode: rank 0 holds the handle
+    on the Ray actors. placement=separate: trainer rank r starts replica r's engine process on cores of its own."""
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
     if cfg.rollout.mode == "ray":
         if not rt.is_rank0:
@@ -62,18 +63,29 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
         from megarl.rollout.ray_engine import RayEngine
 
         return RayEngine(cfg.rollout, model_path, seed=seed)
-    if not rt.engines.owns(rt.rank):
-        return None
+    import torch
+
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import replica_cores
-    from megarl.rollout.threads import available_cores
+    from megarl.rollout.threads import available_cores, separate_cores
 
-    # the replicas on this machine split its cores (the trainer's ranks wait while they generate)
+    workers = cfg.rollout.tensor_model_parallel_size
     local = int(os.environ.get("LOCAL_RANK", rt.rank))
     first = rt.rank - local
     on_node = [r for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
                if rt.engines.owns(r)]
-    cores = replica_cores(available_cores(), on_node.index(rt.rank), len(on_node), cfg.rollout.tensor_model_parallel_size)
+    cores = available_cores()
+    if cfg.engine_placement == "separate":
+        if torch.cuda.is_available():
+            raise RuntimeError("rollout.placement=separate with engine processes started by the trainer runs on CPU; "
+                               "on GPU use rollout.mode=ray (engines as Ray actors on GPUs of their own)")
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))
+        mine, cores = separate_cores(cores, ranks_here, len(on_node) * workers)
+        os.sched_setaffinity(0, mine)  # the trainer keeps off the engines' cores (both may compute at once)
+    if not rt.engines.owns(rt.rank):
+        return None
+    # the replicas on this machine split the engines' cores (colocated: the trainer's ranks wait while they generate)
+    cores = replica_cores(cores, on_node.index(rt.rank), len(on_node), workers)
     replica = rt.engines.replica_of(rt.rank)
     return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores,
                          name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))

@@ -60,6 +60,19 @@ def engine_thread_plan(cores: Sequence[int], workers: int = 1) -> EngineThreads:
     return EngineThreads(tuple(tuple(ids[i * per:(i + 1) * per]) for i in range(workers)))
 
 
+def separate_cores(cores: Sequence[int], trainer_ranks: int, engine_workers: int) -> tuple:
+    """Split one machine's cores between the trainer ranks on it and engine workers placed separately
+    (rollout.placement=separate): (trainer cores, engine cores), each a contiguous share in proportion to its
+    processes, the engines last and at least one core per worker. Fewer cores than processes: both get them all (on
+    a machine that small nothing can run apart)."""
+    ids = sorted(int(c) for c in cores)
+    if engine_workers < 1 or trainer_ranks < 1 or len(ids) < 2 or len(ids) < engine_workers + 1:
+        return list(ids), list(ids)
+    engine = max(engine_workers, round(len(ids) * engine_workers / (engine_workers + trainer_ranks)))
+    engine = min(engine, len(ids) - 1)
+    return ids[:len(ids) - engine], ids[len(ids) - engine:]
+
+
 def available_cores() -> list:
     """The cores this process may run on (its CPU affinity, which respects taskset/cgroup cpusets)."""
     return sorted(os.sched_getaffinity(0))
