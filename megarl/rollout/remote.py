@@ -165,10 +165,21 @@ class WeightReceiver:
         except BaseException:
             self.engine.abort_update()
             self._remove_files(sync)
+            self._break_group()
             raise
         metrics = self.engine.end_update()
         return {"metrics": metrics, "received": stats["received"], "loaded": stats["received"],
                 "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0}
+
+    def _break_group(self) -> None:
+        """Close this end of the transfer group after a failed sync, so that trainer ranks waiting to send to this
+        host fail at once instead of at the group's timeout (the run stops; the group is not used again)."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the error being raised says what went wrong
+                pass
 
     def _path(self, sync: int, b: int, worker: int) -> str:
         return os.path.join(shm_dir(), f"megarl-{self.plan.token}-s{sync}-b{b}-w{worker}")

@@ -6,7 +6,7 @@ and the bytes each trainer rank sent and each host received must equal the plan'
 ranks send, neither the whole model.
 """
 import multiprocessing as mp
-import os
+import time
 
 import pytest
 import torch
@@ -18,16 +18,22 @@ from tests.helpers.tiny_models import make_tiny_model, read_checkpoint
 class AssemblingEngine:
     """Stands in for VLLMEngine on the host: reads each worker's bucket files as megarl's worker extension does."""
 
-    def __init__(self, layouts):
+    def __init__(self, layouts, fail_at=None):
         self.layouts = layouts
         self.version = 0
+        self.fail_at = fail_at  # (sync, bucket): raise there, as a worker failing to load would
+        self.loads = 0
 
     def begin_update(self, verify=False):
         self.got = [{} for _ in self.layouts]
+        self.loads = 0
 
     def load_bucket(self, metas):
         from megarl.rollout.worker_ext import _open_bucket, region
 
+        self.loads += 1
+        if self.fail_at and (self.version + 1, self.loads) == self.fail_at:
+            raise RuntimeError("worker 0 failed to load bucket 2")
         for w, meta in enumerate(metas):
             if not meta:
                 continue
@@ -47,10 +53,10 @@ class AssemblingEngine:
         return {"weight_sync/version": float(self.version), "got": self.got}
 
 
-def _host(conn, layouts):
+def _host(conn, layouts, fail_at):
     from megarl.rollout.remote import WeightReceiver
 
-    receiver = WeightReceiver(AssemblingEngine(layouts))
+    receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
@@ -71,11 +77,11 @@ def _host(conn, layouts):
 class HostHandle:
     """An engine handle with one host process (the interface RayEngine and EngineProcess give remote.py)."""
 
-    def __init__(self, layouts):
+    def __init__(self, layouts, fail_at=None):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.layouts = layouts
-        self.proc = ctx.Process(target=_host, args=(child, layouts), daemon=True)
+        self.proc = ctx.Process(target=_host, args=(child, layouts, fail_at), daemon=True)
         self.proc.start()
 
     def _ask(self, *msg):
@@ -110,7 +116,7 @@ class HostHandle:
         self.proc.join(10)
 
 
-def deliver(hf_dir, tp, engine_tp, host_ranks):
+def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
     import torch.distributed as dist
 
     from megarl.bridge.mapping import Mapping
@@ -124,11 +130,15 @@ def deliver(hf_dir, tp, engine_tp, host_ranks):
     mapping = Mapping(spec)
     layouts = [{"modules": {k: v.to_dict() for k, v in predict_engine_modules(mapping, engine_tp, 1, w).items()}}
                for w in range(engine_tp)]
-    handle = HostHandle(layouts) if dist.get_rank() in host_ranks else None
+    handle = HostHandle(layouts, fail_at) if dist.get_rank() in host_ranks else None
     sync = plan_remote_sync(model, spec, handle, 16 << 10)  # small buckets: tensors straddle them and are cut
     out = {}
     for _ in range(2):  # the second sync reuses the group and the plan
-        out = sync.run(handle)
+        t0 = time.perf_counter()
+        try:
+            out = sync.run(handle)
+        except Exception as exc:  # noqa: BLE001 - the test checks who saw what, and how fast
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
     got = out.pop("got", None)
     if handle is not None:
         handle.shutdown()
@@ -169,3 +179,15 @@ def test_each_worker_receives_its_shard_from_the_ranks_holding_it(tmp_path, tp, 
         assert m["weight_sync/sent_bytes_max"] < 0.75 * model_bytes * len(host_ranks)
     if tp == 1:  # both ranks hold everything: the plan splits the sending between them
         assert m["weight_sync/sent_bytes_max"] < 0.75 * model_bytes
+
+
+def test_a_host_failing_midway_stops_every_rank_at_once(tmp_path):
+    """The host's engine fails on the second bucket of the second sync: the host aborts the update and closes its
+    end of the group, so the ranks still sending fail within seconds (not at the group's 30-minute timeout), and the
+    rank driving the host raises the host's own error."""
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    results = run_ranks(f"{__name__}:deliver", 2, {"hf_dir": str(hf_dir), "tp": 1, "engine_tp": 1, "host_ranks": [0],
+                                                   "fail_at": (2, 2)}, timeout=300)
+    assert all("error" in r for r in results), results
+    assert "worker 0 failed to load bucket 2" in results[0]["error"], results[0]
+    assert max(r["seconds"] for r in results) < 60, results
