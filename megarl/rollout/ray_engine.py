@@ -125,14 +125,14 @@ class _EngineHost:
     def verify_weights(self, expected, rtol: float):
         return self.engine.verify_weights(expected, rtol=rtol)
 
-    def sleep(self, level: int) -> None:
-        self.engine.sleep(level)
+    def sleep(self) -> None:
+        self.engine.sleep()
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
 
-    def abort(self) -> int:
-        return self.engine.abort()
+    def abort(self) -> None:
+        self.engine.abort()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -198,7 +198,9 @@ class RayEngine:
                                                             placement_group_bundle_index=r)
                 self._actors.append(host.options(
                     num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, runtime_env=runtime_env,
-                    name=f"megarl-engine-{os.getpid()}-{r}", max_concurrency=1,
+                    name=f"megarl-engine-{os.getpid()}-{r}",
+                    # two threads: abort() must run while generate() does; the driver makes every other call in turn
+                    max_concurrency=2,
                 ).remote(config, str(model_path), int(seed), prompt_overflow))
             starts = self._get([a.ready.remote() for a in self._actors], start_timeout_s, "start")
         except BaseException:
@@ -280,16 +282,20 @@ class RayEngine:
         merged["missing_in_engine"] = sorted({n for r in reports for n in r["missing_in_engine"]})
         return merged
 
-    def sleep(self, level: int = 1) -> None:
-        self._all("sleep", level)
+    @property
+    def sleeps(self) -> bool:
+        """False: Ray actors hold resources of their own (placement separate), there is nothing to make room for."""
+        return False
 
-    def wake_up(self) -> None:
-        self._all("wake_up")
+    def sleep(self) -> None:
+        self._all("sleep")
 
-    def abort(self) -> int:
-        """Abort requests in flight. The actors run one call at a time, so this takes effect between calls; use the
-        colocated engine where an abort must interrupt a running generate."""
-        return int(sum(self._all("abort")))
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        self._all("wake_up", tags)
+
+    def abort(self) -> None:
+        """End the requests in flight on every replica; a running generate returns what was generated so far."""
+        self._all("abort")
 
     def shutdown(self, timeout_s: float = 30) -> None:
         ray = self._ray
