@@ -50,3 +50,9 @@ def test_separate_engine_process_learns_on_policy(tmp_path):
 def test_two_separate_engine_replicas(tmp_path):
     """Two engine processes, one started by each trainer rank, each receiving its copy from both ranks."""
     _check(_run(tmp_path, ["rollout.data_parallel_size=2"]), replicas=2)
+
+
+@pytest.mark.slow
+def test_separate_engine_tp2(tmp_path):
+    """An engine of TP2 (vLLM's worker processes beside the host): the host writes each worker's own shard."""
+    _check(_run(tmp_path, ["rollout.tensor_model_parallel_size=2"]), replicas=1)
