@@ -4,6 +4,7 @@ of its own, and receives every update over the transfer group of the trainer ran
 first step and after every sync (logprob gap < 1e-4), and the bytes each rank sent and the engine host received are
 the plan's, the two data-parallel ranks sharing the sending."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,8 @@ def test_two_separate_engine_replicas(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="an engine of TP2 placed apart needs a core per worker "
+                    "in its half of the machine's cores")
 def test_separate_engine_tp2(tmp_path):
     """An engine of TP2 (vLLM's worker processes beside the host): the host writes each worker's own shard."""
     _check(_run(tmp_path, ["rollout.tensor_model_parallel_size=2"]), replicas=1)

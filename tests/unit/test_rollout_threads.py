@@ -62,11 +62,12 @@ def test_apply_in_a_child_process_sets_threads_and_affinity():
     assert cores == sorted(os.sched_getaffinity(0))
 
 
-def test_separate_cores_give_trainer_and_engines_disjoint_shares():
-    from megarl.rollout.threads import separate_cores
+def test_engine_and_trainer_cores_split_only_when_they_overlap():
+    from megarl.rollout.threads import split_cores
 
-    assert separate_cores([0, 1], trainer_ranks=2, engine_workers=1) == ([0], [1])
-    trainer, engine = separate_cores(range(16), trainer_ranks=6, engine_workers=2)  # 2 of 8 processes: 4 of 16 cores
-    assert (trainer, engine) == (list(range(12)), [12, 13, 14, 15])
-    assert separate_cores(range(4), trainer_ranks=1, engine_workers=3) == ([0], [1, 2, 3])  # a core per worker
-    assert separate_cores([0], trainer_ranks=1, engine_workers=1) == ([0], [0])  # one core: nothing runs apart
+    assert split_cores([0, 1, 2, 3], None, overlap=False) == ([0, 1, 2, 3], [0, 1, 2, 3])  # they take turns
+    assert split_cores([0, 1, 2, 3], None, overlap=True) == ([2, 3], [0, 1])  # half each, the engine the last ones
+    assert split_cores([0, 1], None, overlap=True) == ([1], [0])
+    assert split_cores([0, 1, 2, 3, 4], 1, overlap=False) == ([4], [0, 1, 2, 3])  # asked for: also in sync mode
+    with pytest.raises(ValueError, match="trainer needs at least one of its own"):
+        split_cores([0, 1], 2, overlap=True)
