@@ -168,7 +168,8 @@ class WeightReceiver:
             self._break_group()
             raise
         metrics = self.engine.end_update()
-        return {"metrics": metrics, "received": stats["received"], "loaded": stats["received"],
+        # loaded: what the workers report they loaded (their shards), counted apart from what arrived
+        return {"metrics": metrics, "received": stats["received"], "loaded": int(metrics["weight_sync/engine_bytes"]),
                 "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0}
 
     def _break_group(self) -> None:
@@ -315,20 +316,19 @@ class RemoteSync:
     def _metrics(self, sent: int, send_s: float, results: list, seconds: float) -> dict:
         from megarl.runtime import all_gather_objects
 
-        mine = [{k: r[k] for k in ("received", "loaded", "receive_s", "load_s")} for r in results]
-        every = all_gather_objects((sent, send_s, mine))
+        every = all_gather_objects((sent, send_s, results))
         measured = {"sent": {rank: s for rank, (s, _, _) in enumerate(every)}, "received": {}, "loaded": {}}
         host_stats = [h for _, _, hs in every for h in hs]
         for h, stats in enumerate(host_stats):
             measured["received"][self.hosts.rank(h)] = stats["received"]
             measured["loaded"][self.hosts.rank(h)] = stats["loaded"]
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
-        out = {}
-        if results:
-            out.update(results[0]["metrics"])
-            if "weight_sync/verified_tensors" in out:
-                out["weight_sync/verified_tensors"] = float(sum(r["metrics"]["weight_sync/verified_tensors"]
-                                                                for r in results))
+        out = dict(host_stats[0]["metrics"]) if host_stats else {}  # the engines' own figures, over every host
+        if host_stats:
+            out["weight_sync/version"] = min(h["metrics"]["weight_sync/version"] for h in host_stats)
+        if "weight_sync/verified_tensors" in out:
+            out["weight_sync/verified_tensors"] = float(sum(h["metrics"]["weight_sync/verified_tensors"]
+                                                            for h in host_stats))
         for kind in ("sent", "received", "loaded"):
             out[f"weight_sync/{kind}_bytes_max"] = float(max(measured[kind].values(), default=0))
             out[f"weight_sync/{kind}_bytes_rank0"] = float(measured[kind].get(0, 0))
@@ -390,14 +390,16 @@ def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: fl
     group = join_group(tspec, rank, store)
     if joining is not None:
         joining.result()
-        shapes = mapping.hf_shapes()
-        plans = []
-        for h in mine:
-            receivers = hosts.receivers(h)
-            parts = [[mv for mv in bucket if mv.dst in receivers] for bucket in buckets]
-            names = {mv.hf for part in parts for mv in part}
-            plans.append(ReceivePlan(token, receivers, parts, {n: tuple(shapes[n]) for n in names},
-                                     {n: hf_dtypes[n] for n in names}, {w: needs[w] for w in receivers},
-                                     "cuda" if backend == "nccl" else "cpu"))
-        engine.set_receive_plans(plans)
+        device = "cuda" if backend == "nccl" else "cpu"
+        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), hf_dtypes,
+                                               needs, device) for h in mine])
     return RemoteSync(mapping, local, hf_dtypes, moves, buckets, hosts, group, rank, store)
+
+
+def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,
+                 device: str) -> ReceivePlan:
+    """The part of the sync plan one host receives: its workers' moves of every bucket, and their tensors' layout."""
+    parts = [[mv for mv in bucket if mv.dst in receivers] for bucket in buckets]
+    names = {mv.hf for part in parts for mv in part}
+    return ReceivePlan(token, receivers, parts, {n: tuple(shapes[n]) for n in names}, {n: dtypes[n] for n in names},
+                       {w: needs[w] for w in receivers}, device)

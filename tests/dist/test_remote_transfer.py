@@ -26,7 +26,7 @@ class AssemblingEngine:
 
     def begin_update(self, verify=False):
         self.got = [{} for _ in self.layouts]
-        self.loads = 0
+        self.loads = self.loaded = 0
 
     def load_bucket(self, metas):
         from megarl.rollout.worker_ext import _open_bucket, region
@@ -44,13 +44,15 @@ class AssemblingEngine:
                 for box in boxes:
                     sl = tuple(slice(lo, hi) for lo, hi in box)
                     into[sl] = full[sl]
+                    self.loaded += into[sl].numel() * into.element_size()
 
     def abort_update(self):
         self.got = None
 
     def end_update(self):
         self.version += 1
-        return {"weight_sync/version": float(self.version), "got": self.got}
+        return {"weight_sync/version": float(self.version), "weight_sync/engine_bytes": float(self.loaded),
+                "got": self.got}
 
 
 def _host(conn, layouts, fail_at):
@@ -106,10 +108,15 @@ class HostHandle:
         self._ask("plan", plans[0]).result()
 
     def start_receive_weights(self, sync, verify=False):
-        call = self._ask("receive", sync, verify)
         from megarl.rollout.remote import Deferred
 
-        return Deferred(lambda: [call.result()])
+        call = self._ask("receive", sync, verify)
+
+        def result():
+            out = call.result()
+            self.got = out["metrics"].pop("got")  # what this host's workers hold
+            return [out]
+        return Deferred(result)
 
     def shutdown(self):
         self.conn.send(("stop",))
@@ -132,15 +139,15 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
                for w in range(engine_tp)]
     handle = HostHandle(layouts, fail_at) if dist.get_rank() in host_ranks else None
     sync = plan_remote_sync(model, spec, handle, 16 << 10)  # small buckets: tensors straddle them and are cut
-    out = {}
+    out, got = {}, None
     for _ in range(2):  # the second sync reuses the group and the plan
         t0 = time.perf_counter()
         try:
             out = sync.run(handle)
         except Exception as exc:  # noqa: BLE001 - the test checks who saw what, and how fast
             return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
-    got = out.pop("got", None)
     if handle is not None:
+        got = handle.got
         handle.shutdown()
     return {"metrics": out, "got": got}
 
