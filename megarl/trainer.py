@@ -55,7 +55,8 @@ def make_kl_controller(cfg: MegarlConfig):
 
 def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     """This rank's engine handle: the owner of each engine replica (the first rank of its group) runs one in a child
-    process (colocated); in Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
+    process (colocated; with rollout.placement=separate, trainer rank r starts replica r's, on cores of its own); in
+    Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
     if cfg.rollout.mode == "ray":
         if not rt.is_rank0:
@@ -65,6 +66,9 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
         return RayEngine(cfg.rollout, model_path, seed=seed)
     if not rt.engines.owns(rt.rank):
         return None
+    if cfg.engine_placement == "separate" and compute_device().type == "cuda":
+        raise RuntimeError("rollout.placement=separate with engine processes started by the trainer runs on CPU; on "
+                           "GPU use rollout.mode=ray (engines as Ray actors on GPUs of their own)")
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import replica_cores
 
@@ -82,10 +86,12 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
 def engine_cores(cfg: MegarlConfig, trainer_side: bool = False) -> list:
     """The CPU cores of this machine for its engines (or, trainer_side, for the trainer's ranks): all of them for both
-    when they take turns (sync), their own share for each when they overlap (rollout.engine_cpu_cores)."""
+    when they take turns (sync mode, colocated), their own share for each when they overlap (the async modes, or
+    engines placed separately): rollout.engine_cpu_cores, default half."""
     from megarl.rollout.threads import available_cores, split_cores
 
-    split = split_cores(available_cores(), cfg.rollout.engine_cpu_cores, cfg.trainer.mode != "sync")
+    overlap = cfg.trainer.mode != "sync" or cfg.engine_placement == "separate"
+    split = split_cores(available_cores(), cfg.rollout.engine_cpu_cores, overlap)
     return split[1] if trainer_side else split[0]
 
 

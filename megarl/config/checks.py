@@ -416,7 +416,8 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"expert-parallel group from its tensor-parallel ranks, so it must equal "
                             f"rollout.tensor_model_parallel_size = {tp}", f"set it to {tp} (or 1: experts split over TP)",
                             keys=(R + "expert_model_parallel_size", R + "tensor_model_parallel_size")))
-    if r.mode == "colocated":
+    issues += _placement_issues(cfg)
+    if cfg.engine_placement == "colocated":
         world = cfg.world_size
         if r.data_parallel_size is None and world % tp:
             issues.append(Issue(R + "tensor_model_parallel_size", tp, f"must divide the world size {world}: each engine "
@@ -451,9 +452,7 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
                                             ("partial_rollout", at.partial_rollout, "finish")) if value != default]
     keys = ("trainer.mode",)
     issues = []
-    # rollout.placement (engines on ranks of their own) comes with the separate transport; until then: colocated
-    placement = getattr(cfg, "engine_placement", "colocated")
-    if resolved_device(cfg.trainer.device) == "cuda" and placement == "colocated":
+    if resolved_device(cfg.trainer.device) == "cuda" and cfg.engine_placement == "colocated":
         issues.append(Issue("trainer.mode", mode, "colocated engines share the trainer's GPUs (and sleep while it "
                             "trains), so generation cannot overlap training there", "use trainer.mode=sync on GPU, or "
                             "engines on GPUs of their own (rollout.placement=separate)",
@@ -485,6 +484,27 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
                             "from older weights; without rollout correction they count as on-policy",
                             "set algorithm.rollout_correction.is_level=token (truncated importance weights)",
                             keys=keys + ("algorithm.rollout_correction.is_level",), warning=True))
+    return issues
+
+
+def _placement_issues(cfg: MegarlConfig) -> list[Issue]:
+    """rollout.placement against rollout.mode, the replica count and sleep mode."""
+    r, R = cfg.rollout, "rollout."
+    if r.mode == "ray" and r.placement == "colocated":
+        return [Issue(R + "placement", r.placement, "Ray actors hold resources of their own, so Ray-hosted engines "
+                      "are always placed separately", "drop rollout.placement (or set it to separate), or use "
+                      "rollout.mode=colocated", keys=(R + "placement", R + "mode"))]
+    if cfg.engine_placement != "separate":
+        return []
+    issues = []
+    if r.mode == "colocated" and cfg.engine_replicas > cfg.world_size:
+        issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"with placement separate each engine "
+                            f"replica is started by its own trainer rank; the trainer has {cfg.world_size}",
+                            f"at most {cfg.world_size} replicas, or rollout.mode=ray", keys=(R + "data_parallel_size",)))
+    if r.enable_sleep_mode:
+        issues.append(Issue(R + "enable_sleep_mode", True, "engines placed separately keep their memory: there is no "
+                            "trainer on their GPUs to make room for, and sleeping would only add a wake-up per step",
+                            "set rollout.enable_sleep_mode=false", keys=(R + "enable_sleep_mode", R + "placement")))
     return issues
 
 

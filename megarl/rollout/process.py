@@ -219,6 +219,22 @@ class EngineProcess:
     def abort_update(self) -> None:
         self._call("abort_update")
 
+    # -- weights over a transfer group (rollout.placement=separate: megarl.rollout.remote), one engine host --------
+    def transfer_layouts(self) -> list:
+        return [self.layouts]
+
+    def start_join_transfer(self, spec, first_rank: int) -> "PendingCall":
+        return PendingCall(self, self._submit("join_transfer", spec, first_rank))
+
+    def set_receive_plans(self, plans: list) -> None:
+        self._call("set_receive_plan", plans[0])
+
+    def start_receive_weights(self, sync: int, verify: bool = False):
+        from megarl.rollout.remote import Deferred
+
+        call = PendingCall(self, self._submit("receive_weights", sync, verify=verify))
+        return Deferred(lambda: [call.result()])
+
     @property
     def layouts(self) -> list:
         if self._layouts is None:
