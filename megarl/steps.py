@@ -36,19 +36,23 @@ class Timer:
 
 
 def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-             seed: Optional[int] = None, greedy: bool = False) -> RolloutBatch:
+             seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False) -> RolloutBatch:
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
     whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
-    greedy: one greedy response per prompt (ReMax baselines)."""
+    greedy: one greedy response per prompt (ReMax baselines). multi_turn: each replica runs the agent loop
+    (rollout.multi_turn, megarl.agent) for its prompts."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
         part = topo.prompt_slice(replica, len(records))
         batch = None
         if engine is not None and topo.replica_of(rt.rank) == replica:
-            batch = engine.generate([r.prompt_ids for r in records[part]], validate=validate,
-                                    prompt_index=list(range(part.start, part.stop)), seed=seed,
-                                    greedy=greedy)
+            prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
+            if multi_turn:
+                batch = engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
+                                              extra_infos=[r.extra_info for r in records[part]])
+            else:
+                batch = engine.generate(prompts, validate=validate, prompt_index=index, seed=seed, greedy=greedy)
         shares.append(batch)
     # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
     return combine([broadcast_rollout(b, topo.owner(r)) for r, b in enumerate(shares)])
@@ -76,13 +80,17 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
                                                 cfg.reward.reward_kwargs)
         scores = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"]}
+        if rollout.tool_rewards is not None:  # what the sample's tool calls contributed (multi-turn)
+            scores = scores + rollout.tool_rewards
+            metrics["reward/tool_reward_mean"] = float(rollout.tool_rewards.mean())
         for name, values in extra.items():
             present = [float(v) for v in values if isinstance(v, (int, float))]
             if present:
                 metrics[f"reward/{name}_mean"] = fmean(present)
         ob = cfg.reward.overlong_buffer
         if ob.enable:
-            penalty, m = algo.overlong_reward_penalty(rollout.response_lengths, cfg.rollout.response_length, ob.len,
+            # the model's own tokens: tool responses in a multi-turn response are not the model's verbosity
+            penalty, m = algo.overlong_reward_penalty(rollout.model_token_counts(), cfg.rollout.response_length, ob.len,
                                                       ob.penalty_factor)
             scores = scores + penalty
             metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
@@ -208,7 +216,8 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     parts, sources, start = [], [], 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
-        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n)
+        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n,
+                           multi_turn=cfg.rollout.multi_turn.enable)
         parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt)[0])
         sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
         start += len(chunk)
@@ -258,7 +267,8 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     while True:
         records = loader.next_batch(draw)
         with timer("rollout"):
-            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
+            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds,
+                               multi_turn=cfg.rollout.multi_turn.enable)
         extras: dict = {}
         with timer("reward"):
             scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)

@@ -337,21 +337,34 @@ class VLLMEngine:
                 pcut.append(cut[k])
         num = len(rows_r)
         width = max((len(r) for r in rows_r), default=0)
-        pad = int(self.eos_token_id if isinstance(self.eos_token_id, int) else 0)
-        resp = torch.full((num, width), pad, dtype=torch.long)
+        resp = torch.full((num, width), self.pad_id, dtype=torch.long)
         lps = torch.zeros((num, width), dtype=torch.float32) if cfg.calculate_log_probs else None
         for i, r in enumerate(rows_r):
             resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             if lps is not None:
                 lps[i, : len(r)] = torch.tensor(rows_lp[i], dtype=torch.float32)
         lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
+        return self._rollout_batch(len(prompt_token_ids), cut, rows_p, resp, lengths, lps, reasons, groups, pcut,
+                                   gen_s)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.eos_token_id if isinstance(self.eos_token_id, int) else 0)
+
+    def _rollout_batch(self, num_prompts: int, cut: Sequence[bool], rows_p, resp: torch.Tensor, lengths: torch.Tensor,
+                       lps: Optional[torch.Tensor], reasons: list, groups: list, pcut: list, gen_s: float,
+                       **fields) -> RolloutBatch:
+        """The RolloutBatch of generated rows, with the rollout/* metrics (cut: the overflow flags of the kept
+        prompts; fields: loss_mask, tool_rewards of multi-turn rollouts)."""
+        cfg = self.config
+        num = len(rows_p)
         truncated = torch.tensor([r == "length" for r in reasons], dtype=torch.bool)
         tokens = int(lengths.sum())
         metrics = {
-            "rollout/num_prompts": float(len(prompt_token_ids)),
+            "rollout/num_prompts": float(num_prompts),
             "rollout/num_samples": float(num),
             "rollout/prompts_truncated": float(sum(cut)),
-            "rollout/prompts_filtered": float(len(prompt_token_ids) - len(prompts)),
+            "rollout/prompts_filtered": float(num_prompts - len(cut)),
             "rollout/response_tokens": float(tokens),
             "rollout/response_length_mean": float(lengths.float().mean()) if num else 0.0,
             "rollout/truncated_fraction": float(truncated.float().mean()) if num else 0.0,
@@ -359,7 +372,7 @@ class VLLMEngine:
             "rollout/generate_seconds": gen_s,
             "rollout/tokens_per_second": tokens / gen_s if gen_s > 0 else 0.0,
         }
-        n_over = sum(cut) + len(prompt_token_ids) - len(prompts)
+        n_over = sum(cut) + num_prompts - len(cut)
         if n_over:
             log.warning("rollout: %d prompt(s) longer than rollout.prompt_length=%d were %s", n_over,
                         cfg.prompt_length, "dropped" if self.prompt_overflow == "filter"
@@ -368,7 +381,80 @@ class VLLMEngine:
                             finish_reasons=reasons, truncated=truncated,
                             prompt_index=torch.tensor(groups, dtype=torch.long),
                             prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
-                            weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+                            weight_version=self.weight_version, pad_token_id=self.pad_id, metrics=metrics, **fields)
+
+    # -- multi-turn (agentic) rollouts ---------------------------------------------------------------------------------
+    def generate_many(self, requests: Sequence) -> list:
+        """One engine call for many requests (megarl.agent.batcher.Request: prompt_ids, sampling kwargs, n, seed);
+        per request, its list of Completions."""
+        from vllm import SamplingParams
+
+        from megarl.agent.batcher import Completion
+
+        params = [SamplingParams(**{**r.sampling, "n": r.n}, **({} if r.seed is None else {"seed": int(r.seed)}))
+                  for r in requests]
+        outputs = self._llm.generate([{"prompt_token_ids": r.prompt_ids} for r in requests], params, use_tqdm=False)
+        result = []
+        for out in outputs:
+            completions = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = [int(t) for t in c.token_ids]
+                lp = [step[t].logprob for step, t in zip(c.logprobs, toks)] if c.logprobs is not None else None
+                reason = c.finish_reason if c.finish_reason in FINISH_REASONS else "abort"
+                completions.append(Completion(toks, lp, reason, [self.weight_version] * len(toks)))
+            result.append(completions)
+        return result
+
+    def _agent(self):
+        """The agent loop of this engine (tools loaded and tokenizer read once, at the first multi-turn rollout)."""
+        if getattr(self, "_agent_rollout", None) is None:
+            from transformers import AutoTokenizer
+
+            from megarl.agent.batcher import TurnBatcher
+            from megarl.agent.loop import AgentRollout
+            from megarl.agent.tools import load_tools
+
+            mt = self.config.multi_turn
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._agent_rollout = AgentRollout(self.config, tokenizer, load_tools(mt.tool_config_path))
+            self._batcher = TurnBatcher(self.generate_many)
+        return self._agent_rollout
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence[Optional[dict]]] = None
+                       ) -> RolloutBatch:
+        """Multi-turn rollouts with tool calls (rollout.multi_turn; megarl.agent.loop): the arguments of `generate`;
+        extra_infos: each prompt's extra_info, handed to stateful tools' create(). The batch carries loss_mask
+        (False on tool and template tokens), tool_rewards and tool/* metrics."""
+        import asyncio
+
+        from megarl.agent.loop import tool_rates, trajectory_counts, trajectory_tensors
+
+        cfg = self.config
+        agent = self._agent()
+        t0 = time.perf_counter()
+        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(ids) != len(prompt_token_ids):
+            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
+        prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
+        sampling = sampling_kwargs(cfg, validate=validate, n=n)
+        n_eff = sampling.pop("n")
+        seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff + j
+                 for k in range(len(prompts)) for j in range(n_eff)]
+        infos = None if extra_infos is None else [extra_infos[k] for k in kept]
+        trajs = asyncio.run(agent.run(self._batcher.agenerate, prompts, n_eff, sampling, seeds, infos))
+        t = trajectory_tensors(trajs, self.pad_id)
+        rows_p = [prompts[k] for k in range(len(prompts)) for _ in range(n_eff)]
+        groups = [ids[kept[k]] for k in range(len(prompts)) for _ in range(n_eff)]
+        pcut = [cut[k] for k in range(len(prompts)) for _ in range(n_eff)]
+        batch = self._rollout_batch(len(prompt_token_ids), cut, rows_p, t["response_ids"], t["response_lengths"],
+                                    t["rollout_logprobs"] if cfg.calculate_log_probs else None,
+                                    [tr.finish_reason for tr in trajs], groups, pcut, time.perf_counter() - t0,
+                                    loss_mask=t["loss_mask"], tool_rewards=t["tool_rewards"])
+        counts = trajectory_counts(trajs)
+        batch.metrics.update({**counts, **tool_rates(counts)})
+        return batch
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """The engine's logprob of every token of each given sequence after the first, given its prefix: for a

@@ -130,6 +130,9 @@ class EngineProcess:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
         return self._call("generate", [list(p) for p in prompt_token_ids], **kwargs)
 
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
+        return self._call("rollout_agents", [list(p) for p in prompt_token_ids], **kwargs)
+
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 
