@@ -18,14 +18,14 @@ class SyntheticDataConfig(_Section):
 
     task: Literal["arithmetic", "multiply_tool"] = Field(
         "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. multiply_tool: "
-        "'What is a * b ?' with a, b in [10, max_operand], which needs the calculator tool of a multi-turn rollout "
+        "'What is a * b ?' with a, b in [32, max_operand], which needs the calculator tool of a multi-turn rollout "
         "(its SFT targets are tool-using conversations). Both are scored by the arithmetic reward.")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
     num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
                                    "that fills sft.train_files; None: SFT reads the training prompts' targets.")
     max_operand: int = Field(20, ge=1, le=999, description="Largest operand (arithmetic: at most 60, the tokenizer has "
-                             "one token per number up to 2 * max_operand; multiply_tool: at least 10).")
+                             "one token per number up to 2 * max_operand; multiply_tool: at least 32).")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
                                                                 "targets (arithmetic).")
     output_dir: Optional[str] = Field(None, description="Where the files are written; None: <run_dir>/data.")

@@ -1,6 +1,6 @@
 """A synthetic task that needs a tool: multiply two numbers with a `calculator` (the multi-turn tiny CPU demo).
 
-    prompt        [{"role": "user", "content": "What is 37 * 48 ?"}]
+    prompt        [{"role": "user", "content": "What is 37 * 48 ?"}]   (operands in [32, 99]: 4-digit products)
     demonstration assistant  <tool_call>{"name":"calculator","arguments":{"expression":"37*48"}}</tool_call>
                   tool       1776
                   assistant  #### 1776
@@ -40,9 +40,10 @@ def tool_call_text(a: int, b: int) -> str:
                                       separators=(",", ":")) + "</tool_call>"
 
 
-def make_multiply_dataset(n: int, seed: int, min_operand: int = 10, max_operand: int = 99,
+def make_multiply_dataset(n: int, seed: int, min_operand: int = 32, max_operand: int = 99,
                           split: str = "train") -> list[dict[str, Any]]:
-    """n rows of "What is a * b ?" with a, b uniform in [min_operand, max_operand]. `response` is the text of the
+    """n rows of "What is a * b ?" with a, b uniform in [min_operand, max_operand] (the default 32..99 gives
+    four-digit products, so every digit the model copies sits at a fixed distance from its source). `response` is the text of the
     demonstration after the prompt, rendered with CHAT_TEMPLATE (tool call, tool turn, answer; the trainer appends the
     final EOS)."""
     if not 0 <= min_operand <= max_operand:
