@@ -3,6 +3,8 @@
 Interface (duck-typed; `VLLMEngine` is the one implementation, so there is no base class to inherit):
 
     generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, greedy=False) -> RolloutBatch
+    rollout_agents(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, extra_infos=None)
+        -> RolloutBatch with loss_mask and tool_rewards              # multi-turn with tools (megarl.agent)
     update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
     weight_version: int                                        # 0 = the weights loaded at start
     checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
@@ -295,6 +297,13 @@ class VLLMEngine:
         return self._llm
 
     # -- generation ---------------------------------------------------------------------------------------------------
+    def _prompts(self, prompt_token_ids: Sequence[Sequence[int]], prompt_index: Optional[Sequence[int]]):
+        """(group ids of all prompts, the prompts kept by the overflow policy, their indices, their cut flags)."""
+        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(ids) != len(prompt_token_ids):
+            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
+        return (ids, *apply_prompt_overflow(prompt_token_ids, self.config.prompt_length, self.prompt_overflow))
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
                  greedy: bool = False) -> RolloutBatch:
@@ -308,10 +317,7 @@ class VLLMEngine:
 
         cfg = self.config
         t0 = time.perf_counter()
-        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
-        if len(ids) != len(prompt_token_ids):
-            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
-        prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
+        ids, prompts, kept, cut = self._prompts(prompt_token_ids, prompt_index)
         kw = sampling_kwargs(cfg, validate=validate, n=n, greedy=greedy)
         n_eff = kw["n"]
         if seed is None:
@@ -434,10 +440,7 @@ class VLLMEngine:
         cfg = self.config
         agent = self._agent()
         t0 = time.perf_counter()
-        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
-        if len(ids) != len(prompt_token_ids):
-            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
-        prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
+        ids, prompts, kept, cut = self._prompts(prompt_token_ids, prompt_index)
         sampling = sampling_kwargs(cfg, validate=validate, n=n)
         n_eff = sampling.pop("n")
         seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff + j
