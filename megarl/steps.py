@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from megarl import algo
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config import MegarlConfig
 from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
@@ -210,15 +211,22 @@ def actor_summary(metrics: dict) -> dict:
 
 def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
     """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
-    val/reward_mean and per data_source means."""
+    val/reward_mean, per data_source means, the reward functions' extra values (val/<name>_mean, e.g. acc) and, for
+    multi-turn rollouts, the tool rates (val/tool/use_rate, ...)."""
     if not records:
         return {}
-    parts, sources, start = [], [], 0
+    parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
         rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n,
                            multi_turn=cfg.rollout.multi_turn.enable)
-        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt)[0])
+        per_sample: dict = {}
+        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt, per_sample=per_sample)[0])
+        for name, values in per_sample.items():
+            extras.setdefault(name, []).append(values)
+        for key in TOOL_COUNT_KEYS:
+            if key in rollout.metrics:
+                tool_counts[key] = tool_counts.get(key, 0.0) + rollout.metrics[key]
         sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
         start += len(chunk)
     scores = torch.cat(parts)
@@ -226,6 +234,12 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     for source in sorted(set(sources)):
         picked = torch.tensor([s == source for s in sources])
         metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
+    for name, values in extras.items():
+        values = torch.cat(values)
+        if not values.isnan().all():
+            metrics[f"val/{name}_mean"] = values.nanmean().item()
+    if tool_counts:
+        metrics.update({"val/" + k: v for k, v in tool_rates(tool_counts).items()})
     return metrics
 
 
@@ -296,6 +310,8 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)
+    if "tool/samples" in every_round:  # multi-turn: the tool/* counts add up over rounds; rates follow from them
+        every_round.update(tool_rates(every_round))
     rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
     metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")},
                "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),
