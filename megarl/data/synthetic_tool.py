@@ -43,17 +43,17 @@ def tool_call_text(a: int, b: int) -> str:
 def make_multiply_dataset(n: int, seed: int, min_operand: int = 32, max_operand: int = 99,
                           split: str = "train") -> list[dict[str, Any]]:
     """n rows of "What is a * b ?" with a, b uniform in [min_operand, max_operand] (the default 32..99 gives
-    four-digit products, so every digit the model copies sits at a fixed distance from its source). `response` is the text of the
-    demonstration after the prompt, rendered with CHAT_TEMPLATE (tool call, tool turn, answer; the trainer appends the
-    final EOS)."""
+    four-digit products, so every digit the model copies sits at a fixed distance from its source). `response` is the
+    demonstration after the prompt as messages (call, tool response, answer): SFT trains the assistant turns and
+    takes the tool turn as context."""
     if not 0 <= min_operand <= max_operand:
         raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand}, {max_operand}")
     rng = random.Random(f"megarl-multiply-tool:{seed}")
-    eos = SPECIAL_TOKENS["eos_token"]
     rows = []
     for i in range(n):
         a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
-        response = f"{tool_call_text(a, b)}{eos}<|tool|>{a * b}{eos}<|assistant|>#### {a * b}"
+        response = [{"role": "assistant", "content": tool_call_text(a, b)}, {"role": "tool", "content": str(a * b)},
+                    {"role": "assistant", "content": f"#### {a * b}"}]
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"What is {a} * {b} ?"}],
                      "response": response, "ground_truth": str(a * b),
                      "extra_info": {"index": i, "split": split, "a": a, "b": b}})

@@ -27,7 +27,7 @@ def test_rows_are_reproducible_and_four_digit():
 
 def test_tokenizer_round_trip(tok):
     row = make_multiply_dataset(1, seed=0)[0]
-    text = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False) + row["response"]
+    text = tok.apply_chat_template(row["prompt"] + row["response"], tokenize=False)
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.unk_token_id not in ids and tok.decode(ids, skip_special_tokens=False) == text
     call = tool_call_text(37, 48)
@@ -35,8 +35,11 @@ def test_tokenizer_round_trip(tok):
 
 
 def test_demonstration_is_what_the_loop_builds(tok, tmp_path):
-    """SFT teaches exactly the ids a correct trajectory has: the prompt, the model's call, the loop's tool turn, the
-    answer (then EOS)."""
+    """SFT teaches exactly the ids a correct trajectory has (the prompt, the model's call, the loop's tool turn, the
+    answer and EOS), and trains only the ids the model samples there (the loop's loss mask)."""
+    from megarl.data import records_from_rows
+    from megarl.sft import encode_sft, sft_batch
+
     row = make_multiply_dataset(1, seed=5)[0]
     a, b = row["extra_info"]["a"], row["extra_info"]["b"]
     (tmp_path / "t.yaml").write_text(
@@ -53,8 +56,11 @@ def test_demonstration_is_what_the_loop_builds(tok, tmp_path):
                         add_special_tokens=False)
     agent = AgentRollout(cfg, tok, load_tools(cfg.multi_turn.tool_config_path))
     traj = asyncio.run(agent.run(model, [prompt], 1, {}, [None]))[0]
-    demo = tok.encode(row["response"], add_special_tokens=False) + [tok.eos_token_id]
-    assert traj.response_ids == demo
+    [(ids, mask)] = encode_sft(records_from_rows([row], "demo", require_response=True), tok, 128, True)
+    assert ids == prompt + traj.response_ids
+    assert mask == [0] * len(prompt) + traj.mask
+    batch = sft_batch([(ids, mask)], pad_id=0)
+    assert batch["response_mask"][0].tolist() == [bool(m) for m in mask[1:]]
 
 
 def test_reward():
