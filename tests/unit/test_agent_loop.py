@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from megarl.agent.batcher import Completion, TurnBatcher
 from megarl.agent.loop import TURN_SEED_STRIDE, AgentRollout, trajectory_counts, trajectory_tensors, tool_rates
 from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig
+from megarl.rollout.requests import Completion
 
 CALC_YAML = """
 tools:
@@ -210,29 +210,34 @@ def test_turn_limits_budget_and_parallel_calls(multiply_tok, tmp_path):
     assert text.startswith("6") and "20" in text
 
 
-def test_tensors_and_batcher_share_engine_calls(multiply_tok, tmp_path):
+def test_trajectories_are_in_flight_together_and_tensors(multiply_tok, tmp_path):
+    """Every trajectory's turn is requested before any is answered (one engine serves them all at once), and the
+    padded tensors carry each trajectory's ids and mask."""
     tok = multiply_tok
     cfg = _config(tmp_path)
     agent = AgentRollout(cfg, tok, load_tools(cfg.multi_turn.tool_config_path))
     model = ScriptedModel(tok, _solver)
-    seen = []
+    waiting, rounds = [], []
 
-    def generate_many(requests):
-        seen.append(len(requests))
-        loop = asyncio.new_event_loop()
-        try:
-            return [loop.run_until_complete(model.agenerate(r.prompt_ids, r.sampling, r.n, r.seed)) for r in requests]
-        finally:
-            loop.close()
+    async def agenerate(prompt_ids, sampling, n=1, seed=None):
+        event = asyncio.Event()
+        waiting.append(event)
+        if len(waiting) == 12:  # the last of the 12 trajectories asked: answer them all
+            rounds.append(len(waiting))
+            for e in waiting:
+                e.set()
+            waiting.clear()
+        await event.wait()
+        return await model.agenerate(prompt_ids, sampling, n, seed)
 
-    batcher = TurnBatcher(generate_many)
-    prompts = [_prompt(tok, 10 + i, 20 + i) for i in range(6)]
-    trajs = asyncio.run(agent.run(batcher.agenerate, prompts, 2, {}, [None] * 12))
-    assert seen == [12, 12]  # every trajectory's first turn in one call, every second turn in another
+    prompts = [_prompt(tok, 40 + i, 50 + i) for i in range(6)]
+    trajs = asyncio.run(asyncio.wait_for(agent.run(agenerate, prompts, 2, {}, [None] * 12), 30))
+    assert rounds == [12, 12]  # first turns together, then second turns together (tools ran concurrently)
     t = trajectory_tensors(trajs, pad=0)
     lengths = t["response_lengths"]
     assert t["response_ids"].shape == (12, int(lengths.max()))
     for i, tr in enumerate(trajs):
+        assert t["response_ids"][i, :len(tr.response_ids)].tolist() == tr.response_ids
         assert t["loss_mask"][i, :len(tr.mask)].tolist() == [bool(m) for m in tr.mask]
         assert not t["loss_mask"][i, len(tr.mask):].any()
     assert torch.equal(t["tool_rewards"], torch.zeros(12))

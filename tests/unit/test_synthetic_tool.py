@@ -4,12 +4,12 @@ import asyncio
 
 import pytest
 
-from megarl.agent.batcher import Completion
 from megarl.agent.loop import AgentRollout
 from megarl.agent.tools import load_tools
 from megarl.config.schema import MultiTurnConfig, RolloutConfig
 from megarl.data.synthetic_tool import make_multiply_dataset, multiply_tokenizer, tool_call_text
 from megarl.reward.rules import multiply_tool
+from megarl.rollout.requests import Completion
 
 
 @pytest.fixture(scope="module")
