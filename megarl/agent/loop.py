@@ -9,9 +9,9 @@ One trajectory:
 It also ends at max_assistant_turns / max_user_turns (tool/truncated_by_max_turns) and when the budget runs out (a
 tool turn that would leave no room for a model token is not appended; finish_reason "length").
 
-`agenerate(prompt_ids, sampling, n=1, seed=None) -> list[Completion]` is the engine's async interface (VLLMEngine.agenerate;
-megarl.rollout.requests.Completion); a Completion
-has token_ids, logprobs (or None), finish_reason ("stop" | "length" | "abort").
+`agenerate(prompt_ids, sampling, n=1, seed=None) -> list[Completion]` is the engine's async interface
+(VLLMEngine.agenerate); a Completion (megarl.rollout.requests) has token_ids, logprobs (or None), finish_reason
+("stop" | "length" | "abort").
 """
 from __future__ import annotations
 
