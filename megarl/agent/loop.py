@@ -128,7 +128,7 @@ class AgentRollout:
             await self.tools.release(state)
         if self.mt.sanity_check and traj.finish_reason == "stop" and traj.turns[-1][0] == "assistant":
             expected = self.renderer.render_response(traj.turns)
-            tail = self.renderer._encode(self.renderer.suffix_after(traj.turns[-1][1]))
+            tail = self.renderer.encode(self.renderer.suffix_after(traj.turns[-1][1]))
             traj.drift = expected != traj.response_ids + tail
         return traj
 

@@ -38,7 +38,7 @@ class ChatRenderer:
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return _ids(self.tok.encode(text, add_special_tokens=False)) if text else []
 
     def suffix_after(self, turn_ids: Sequence[int]) -> str:
@@ -58,7 +58,7 @@ class ChatRenderer:
         if not full.startswith(self._base):
             raise ValueError("the chat template renders an earlier assistant turn differently once tool messages "
                              "follow it; token-exact multi-turn rollouts need a template that does not")
-        return self._encode(self.suffix_after(turn_ids) + full[len(self._base):])
+        return self.encode(self.suffix_after(turn_ids) + full[len(self._base):])
 
     def turn_content(self, turn_ids: Sequence[int]) -> str:
         """A model turn's text as an assistant message content (its closing stop token left to the template)."""
@@ -81,4 +81,4 @@ class ChatRenderer:
         full = self._render(_PLACEHOLDER + messages)
         if not full.startswith(header):
             return None
-        return self._encode(full[len(header):])
+        return self.encode(full[len(header):])

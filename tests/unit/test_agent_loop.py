@@ -241,3 +241,27 @@ def test_trajectories_are_in_flight_together_and_tensors(multiply_tok, tmp_path)
         assert t["loss_mask"][i, :len(tr.mask)].tolist() == [bool(m) for m in tr.mask]
         assert not t["loss_mask"][i, len(tr.mask):].any()
     assert torch.equal(t["tool_rewards"], torch.zeros(12))
+
+
+def test_timeout_and_http_errors_reach_the_model(multiply_tok, tmp_path):
+    tok = multiply_tok
+    (tmp_path / "slow.py").write_text("import time\ndef slow(expression):\n    time.sleep(3)\n    return '1'\n")
+    (tmp_path / "tools.yaml").write_text(CALC_YAML + f"""
+  - function: {tmp_path}/slow.py:slow
+    timeout_s: 0.2
+    schema: {{type: function, function: {{name: What, parameters: {{type: object, properties: {{expression: {{type: string}}}}}}}}}}
+  - url: http://127.0.0.1:9/none
+    timeout_s: 2
+    schema: {{type: function, function: {{name: is, parameters: {{type: object, properties: {{expression: {{type: string}}}}}}}}}}
+""")
+    cfg = RolloutConfig(response_length=400, multi_turn=MultiTurnConfig(
+        enable=True, tool_config_path=str(tmp_path / "tools.yaml"), max_parallel_calls=2))
+    call = '<tool_call>{"name":"%s","arguments":{"expression":"1"}}</tool_call>'
+    # tool names from the tiny vocabulary's words: 'What' sleeps past its timeout, 'is' has no server
+    trajs, _ = _rollout(tok, cfg, lambda q, turn: (call % "What" + call % "is") if turn == 0 else "#### 1",
+                        [_prompt(tok, 1, 2)])
+    t = trajs[0]
+    assert t.errors == {"timeout": 1, "http": 1} and t.assistant_turns == 2 and t.finish_reason == "stop"
+    counts = trajectory_counts(trajs)
+    assert (counts["tool/errors/timeout"], counts["tool/errors/http"], tool_rates(counts)["tool/error_rate"]) == \
+        (1, 1, 1.0)
