@@ -52,7 +52,7 @@ class Trajectory:
     truncated_by_budget: bool = False
     truncated_responses: int = 0
     drift: Optional[bool] = None  # sanity check: None when not checked
-    turns: list = field(default_factory=list)  # ("assistant", ids) / ("tool", texts), for the sanity check
+    turns: list = field(default_factory=list)  # ("assistant", ids) / ("tool", texts, ids), for the sanity check
 
     def add(self, ids: Sequence[int], logprobs: Optional[Sequence[float]], model: bool) -> None:
         self.response_ids += [int(t) for t in ids]
@@ -123,14 +123,27 @@ class AgentRollout:
                     break
                 traj.add(ids, None, model=False)
                 traj.tool_turns += 1
-                traj.turns.append(("tool", texts))
+                traj.turns.append(("tool", texts, ids))
         finally:
             await self.tools.release(state)
         if self.mt.sanity_check and traj.finish_reason == "stop" and traj.turns[-1][0] == "assistant":
-            expected = self.renderer.render_response(traj.turns)
-            tail = self.renderer.encode(self.renderer.suffix_after(traj.turns[-1][1]))
-            traj.drift = expected != traj.response_ids + tail
+            traj.drift = self._drifts(traj)
         return traj
+
+    def _drifts(self, traj: Trajectory) -> bool:
+        """Whether a fresh rendering of the conversation (after the prompt) differs from the trajectory's ids. The
+        model's turns enter both sides as the tokenizer's encoding of their text: a model may sample another split
+        of the same text, which is its own choice and trained as sampled; what is checked is everything the loop
+        added (the template's text around the turns, the tool turns, their tokenization)."""
+        r = self.renderer
+        ids = []
+        for turn in traj.turns:
+            if turn[0] == "assistant":
+                stop = [turn[1][-1]] if turn[1] and int(turn[1][-1]) in r.stop_ids else []
+                ids += r.encode(r.turn_content(turn[1])) + stop
+            else:
+                ids += turn[2]
+        return r.render_response(traj.turns) != ids + r.encode(r.suffix_after(traj.turns[-1][1]))
 
     async def run(self, agenerate: AGenerate, prompts: Sequence[Sequence[int]], n: int, sampling: dict,
                   seeds: Sequence[Optional[int]], extra_infos: Optional[Sequence[Optional[dict]]] = None

@@ -69,14 +69,14 @@ class ChatRenderer:
 
     def render_response(self, turns: Sequence[tuple[str, Any]]) -> Optional[list[int]]:
         """A fresh rendering of the conversation after the prompt, for the sanity check: turns are ("assistant",
-        turn_ids) and ("tool", [texts]) in order, the last an assistant turn that ended with a stop token. Returns the
+        turn_ids) and ("tool", [texts], ...) in order, the last an assistant turn that ended with a stop token. Returns the
         token ids the chat template gives that part of the conversation (prompt placeholder removed)."""
         messages = []
-        for role, value in turns:
+        for role, *value in turns:
             if role == "assistant":
-                messages.append({"role": "assistant", "content": self.turn_content(value)})
+                messages.append({"role": "assistant", "content": self.turn_content(value[0])})
             else:
-                messages += [{"role": "tool", "content": t} for t in value]
+                messages += [{"role": "tool", "content": t} for t in value[0]]
         header = self._render(_PLACEHOLDER, generation_prompt=True)
         full = self._render(_PLACEHOLDER + messages)
         if not full.startswith(header):

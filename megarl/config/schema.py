@@ -199,7 +199,8 @@ class MultiTurnConfig(_Section):
     tool_config_path: Optional[str] = Field(None, description="YAML file declaring the tools (OpenAI function schemas "
                                             "and their Python or HTTP backends); see README 'Multi-turn rollouts'.")
     sanity_check: bool = Field(False, description="Re-render every finished conversation with the chat template and "
-                               "compare its tokens with the trajectory's; mismatches are counted in tool/sanity_drift.")
+                               "compare its tokens with the trajectory's (the model's turns as the encoding of their "
+                               "text on both sides); mismatches are counted in tool/sanity_drift.")
 
 
 class RolloutConfig(_Section):

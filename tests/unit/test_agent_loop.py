@@ -148,10 +148,12 @@ def test_trajectory_is_the_concatenation_with_mask_and_zero_drift(request, tmp_p
 
 
 def test_sanity_check_counts_drift(bpe_tok, tmp_path):
-    """A model turn sampled as another split of its text than the tokenizer's own (here: one token per character of
-    'calculator', which the BPE merges) re-renders to other tokens: counted as drift."""
+    """A model turn sampled as another split of its text than the tokenizer's own (one token per character of
+    'calculator', which the BPE merges) is the model's choice, not drift. A template whose tool turn depends on the
+    earlier conversation (it numbers tool turns by the assistant messages before them) renders the second tool turn
+    differently from the loop's placeholder rendering: drift, and counted."""
     tok = bpe_tok
-    cfg = _config(tmp_path)
+    cfg = _config(tmp_path, response_length=200)
     agent = AgentRollout(cfg, tok, load_tools(cfg.multi_turn.tool_config_path))
     chars = [i for c in "calculator" for i in tok.encode(c, add_special_tokens=False)]
     assert chars != tok.encode("calculator", add_special_tokens=False)
@@ -160,7 +162,21 @@ def test_sanity_check_counts_drift(bpe_tok, tmp_path):
         return [Completion(chars + [tok.eos_token_id], [-0.1] * (len(chars) + 1), "stop")]
 
     trajs = asyncio.run(agent.run(odd_model, [_prompt(tok, 1, 2)], 1, {}, [None]))
-    assert trajs[0].drift is True and trajectory_counts(trajs)["tool/sanity_drift"] == 1
+    assert trajs[0].drift is False
+
+    from megarl.data.synthetic_tool import CHAT_TEMPLATE, multiply_tokenizer
+
+    counting = multiply_tokenizer(str(tmp_path / "counting"))
+    counting.chat_template = CHAT_TEMPLATE.replace(
+        "'<|' + message['role'] + '|>'",
+        "'<|' + message['role'] + '|>' + ((messages[:loop.index0] | selectattr('role', 'eq', 'assistant') | list "
+        "| length | string) if message['role'] == 'tool' else '')")
+    agent = AgentRollout(cfg, counting, load_tools(cfg.multi_turn.tool_config_path))
+    calls_twice = lambda q, turn: _calc_call("2*3") if turn < 2 else "#### 6"  # noqa: E731
+    model = ScriptedModel(counting, calls_twice)
+    trajs = asyncio.run(agent.run(model.agenerate, [_prompt(counting, 1, 2)], 1, {}, [None]))
+    assert trajs[0].tool_turns == 2 and trajs[0].drift is True
+    assert trajectory_counts(trajs)["tool/sanity_drift"] == 1
 
 
 @pytest.mark.parametrize("turn0,kind", [
