@@ -21,10 +21,20 @@ SMALL = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.synthe
 
 pytestmark = pytest.mark.slow
 
+# A barely warm-started model rarely answers a product right; this reward varies on any conversation (the parity of
+# its length in characters), so the advantages and losses compared below are not all zero.
+PARITY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+"""
+
 
 def _run(tmp: Path, name: str, extra=()) -> list[dict]:
     run_dir = tmp / name
+    reward = tmp / "parity_reward.py"
+    reward.write_text(PARITY_REWARD)
     cfg = load_config(RECIPE, SMALL + [f"trainer.run_dir={run_dir}", f"model.path={tmp / 'model'}",
+                                       f"reward.reward_fn={reward}",
                                        f"data.synthetic.output_dir={tmp / 'data'}", f"sft.output_dir={tmp / 'sft'}",
                                        *extra])
     run_ranks("megarl.trainer:train_entry", cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=900)
@@ -52,6 +62,7 @@ def test_first_step_on_policy_with_tool_turns(tp1):
 def test_trainer_tp2_with_two_engine_replicas(tp1):
     tmp, ref = tp1
     got = _run(tmp, "tp2", ["parallelism.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    assert any(abs(m["actor/pg_loss"]) > 1e-4 for m in ref)  # equal non-trivial losses, not 0 == 0
     for a, b in zip(ref, got):
         # the same trajectories: sampling seeds follow the global prompt index, not the replica
         for key in ("train/reward_mean", "tool/calls", "tool/tool_turns", "rollout/response_tokens"):
