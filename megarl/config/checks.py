@@ -494,8 +494,8 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings, check_synthetic, check_multi_turn,
-    check_wandb)
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
+    check_synthetic, check_multi_turn, check_wandb)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:
