@@ -71,3 +71,17 @@ def test_reward():
     assert multiply_tool("multiply_tool", "#### 1776", "1776")["correct_call"] == 0.0
     assert multiply_tool("multiply_tool", call + "1776", "1776") == \
         {"score": 0.0, "acc": 0.0, "formatted": 0.0, "correct_call": 1.0}
+
+
+def test_plain_sft_target_trains_the_response_and_eos(tok):
+    from megarl.data import records_from_rows
+    from megarl.sft import encode_sft, sft_batch
+
+    row = {"prompt": [{"role": "user", "content": "What is 40 * 50 ?"}], "response": "#### 2000", "data_source": "x"}
+    [(ids, mask)] = encode_sft(records_from_rows([row], "plain", require_response=True), tok, 128, True)
+    prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    p = len(tok.encode(prompt, add_special_tokens=False))
+    assert ids == tok.encode(prompt + "#### 2000", add_special_tokens=False) + [tok.eos_token_id]
+    assert mask == [0] * p + [1] * (len(ids) - p)
+    m = sft_batch([(ids, mask)], pad_id=0)["response_mask"][0]
+    assert m.nonzero().flatten().tolist() == list(range(p - 1, len(ids) - 1))  # position t predicts token t+1
