@@ -77,7 +77,8 @@ def test_plain_sft_target_trains_the_response_and_eos(tok):
     from megarl.data import records_from_rows
     from megarl.sft import encode_sft, sft_batch
 
-    row = {"prompt": [{"role": "user", "content": "What is 40 * 50 ?"}], "response": "#### 2000", "data_source": "x"}
+    row = {"prompt": [{"role": "user", "content": "What is 40 * 50 ?"}], "response": "#### 2000", "data_source": "x",
+           "ground_truth": "2000"}
     [(ids, mask)] = encode_sft(records_from_rows([row], "plain", require_response=True), tok, 128, True)
     prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     p = len(tok.encode(prompt, add_special_tokens=False))
