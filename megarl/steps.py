@@ -155,12 +155,17 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
 
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     """The live weight sync, planned once (a collective): every engine owner reports its workers' layouts, every
-    rank its parameters; see megarl.rollout.delivery. None in Ray mode (the bucket stream through rank 0)."""
-    if cfg.rollout.mode == "ray":
-        return None
+    rank its parameters. Colocated engines: per-rank delivery through shared memory (megarl.rollout.delivery);
+    engines in processes of their own (Ray actors, rollout.placement=separate): the same plan over a transfer group
+    the trainer ranks and the engine hosts form (megarl.rollout.remote)."""
+    bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
+    if cfg.engine_placement == "separate":
+        from megarl.rollout.remote import plan_remote_sync
+
+        return plan_remote_sync(actor.chunks, actor.spec, engine, bucket_bytes)
     from megarl.rollout.delivery import plan_sync
 
-    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20)
+    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes)
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
@@ -169,16 +174,7 @@ def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bo
     sleeping = engine is not None and getattr(engine, "sleeps", False)
     if sleeping:
         engine.wake_up(["weights"])
-    if sync is not None:
-        metrics = sync.run(engine, verify=verify)
-    else:  # Ray mode: rank 0 streams whole tensors to its engine handle
-        buckets = actor.export(cfg.rollout.update_weights_bucket_megabytes << 20)
-        if rt.is_rank0:
-            metrics = engine.update_weights(buckets, verify=verify)
-        else:
-            for _ in buckets:  # the gather is collective: drain it on every rank
-                pass
-            metrics = {}
+    metrics = sync.run(engine, verify=verify)
     if sleeping:
         engine.wake_up(["kv_cache"])
     return metrics if rt.is_rank0 else {}

@@ -413,7 +413,8 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"expert-parallel group from its tensor-parallel ranks, so it must equal "
                             f"rollout.tensor_model_parallel_size = {tp}", f"set it to {tp} (or 1: experts split over TP)",
                             keys=(R + "expert_model_parallel_size", R + "tensor_model_parallel_size")))
-    if r.mode == "colocated":
+    issues += _placement_issues(cfg)
+    if cfg.engine_placement == "colocated":
         world = cfg.world_size
         if r.data_parallel_size is None and world % tp:
             issues.append(Issue(R + "tensor_model_parallel_size", tp, f"must divide the world size {world}: each engine "
@@ -479,6 +480,27 @@ def check_multi_turn(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue("rollout.ignore_eos", True, "a model turn ends at the stop token, where tool calls are "
                             "parsed; ignoring EOS would never end a turn", "set rollout.ignore_eos=false",
                             keys=("rollout.ignore_eos", M + "enable")))
+    return issues
+
+
+def _placement_issues(cfg: MegarlConfig) -> list[Issue]:
+    """rollout.placement against rollout.mode, the replica count and sleep mode."""
+    r, R = cfg.rollout, "rollout."
+    if r.mode == "ray" and r.placement == "colocated":
+        return [Issue(R + "placement", r.placement, "Ray actors hold resources of their own, so Ray-hosted engines "
+                      "are always placed separately", "drop rollout.placement (or set it to separate), or use "
+                      "rollout.mode=colocated", keys=(R + "placement", R + "mode"))]
+    if cfg.engine_placement != "separate":
+        return []
+    issues = []
+    if r.mode == "colocated" and cfg.engine_replicas > cfg.world_size:
+        issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"with placement separate each engine "
+                            f"replica is started by its own trainer rank; the trainer has {cfg.world_size}",
+                            f"at most {cfg.world_size} replicas, or rollout.mode=ray", keys=(R + "data_parallel_size",)))
+    if r.enable_sleep_mode:
+        issues.append(Issue(R + "enable_sleep_mode", True, "engines placed separately keep their memory: there is no "
+                            "trainer on their GPUs to make room for, and sleeping would only add a wake-up per step",
+                            "set rollout.enable_sleep_mode=false", keys=(R + "enable_sleep_mode", R + "placement")))
     return issues
 
 

@@ -205,8 +205,13 @@ class MultiTurnConfig(_Section):
 
 class RolloutConfig(_Section):
     name: Literal["vllm"] = Field("vllm", description="Rollout engine.")
-    mode: Literal["colocated", "ray"] = Field("colocated", description="Engine inside the trainer's rank 0 process, "
-                                              "or as Ray actors.")
+    mode: Literal["colocated", "ray"] = Field("colocated", description="Who hosts the engines: colocated, a process "
+                                              "started by a trainer rank; ray, Ray actors (always on resources of "
+                                              "their own: placement separate).")
+    placement: Optional[Literal["colocated", "separate"]] = Field(
+        None, description="Where the engines compute. colocated: on the trainer's ranks (their GPUs or cores), "
+        "sleeping while the trainer computes if asked. separate: on cores/GPUs of their own, weights over a transfer "
+        "group of the trainer ranks and the engine hosts. None: separate with mode ray, else colocated.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_k: int = Field(-1, description="-1 disables top-k.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -234,7 +239,8 @@ class RolloutConfig(_Section):
     expert_model_parallel_size: int = Field(1, ge=1, description="Engine EP size.")
     data_parallel_size: Optional[int] = Field(None, ge=1, description="Engine replicas. Colocated: each spans "
                                               "tensor_model_parallel_size consecutive trainer ranks; None: world size / "
-                                              "engine TP (every rank generates). Ray: Ray actors; None: 1.")
+                                              "engine TP (every rank generates). Separate (and Ray): replicas on "
+                                              "resources of their own; None: 1.")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")
@@ -424,7 +430,13 @@ class MegarlConfig(_Section):
         r = self.rollout
         if r.data_parallel_size is not None:
             return r.data_parallel_size
-        return max(1, self.world_size // r.tensor_model_parallel_size) if r.mode == "colocated" else 1
+        return max(1, self.world_size // r.tensor_model_parallel_size) if self.engine_placement == "colocated" else 1
+
+    @property
+    def engine_placement(self) -> str:
+        """rollout.placement, resolved: Ray actors are always separate; otherwise colocated unless set."""
+        r = self.rollout
+        return "separate" if r.mode == "ray" else r.placement or "colocated"
 
     @property
     def critic_enabled(self) -> bool:

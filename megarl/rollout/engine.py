@@ -535,6 +535,22 @@ class VLLMEngine:
                                    f"{r['missing_in_engine'][:8]}")
         return metrics
 
+    # -- weights over a transfer group, for an engine in a process of its own (megarl.rollout.remote) ---------------
+    def join_transfer(self, spec, rank: int) -> None:
+        """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
+        from megarl.rollout.remote import WeightReceiver
+
+        self._receiver = WeightReceiver(self)
+        self._receiver.join(spec, rank)
+
+    def set_receive_plan(self, plan) -> None:
+        """What this engine receives at every sync (megarl.rollout.remote.ReceivePlan)."""
+        self._receiver.plan = plan
+
+    def receive_weights(self, sync: int, verify: bool = False) -> dict:
+        """One sync from the trainer ranks into every worker (a failure keeps the previous weight version)."""
+        return self._receiver.receive(sync, verify)
+
     def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:
         """Per-HF-tensor checksums folded into the engine's tensor names (fused q/k/v, gate/up summed). A tied alias
         the HF side does not have (`lm_head.weight` of a tied export) is expected to equal its canonical tensor (the
