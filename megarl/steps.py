@@ -10,7 +10,9 @@ from typing import Optional, Sequence
 import torch
 
 from megarl import algo
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config import MegarlConfig
+from megarl.rollout.engine import Finished
 from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
@@ -36,25 +38,32 @@ class Timer:
 
 
 def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-             seed: Optional[int] = None, greedy: bool = False) -> RolloutBatch:
+             seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False) -> RolloutBatch:
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
     whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
-    greedy: one greedy response per prompt (ReMax baselines)."""
-    return finish_generate(start_generate(engine, records, rt, validate, seed, greedy), rt)
+    greedy: one greedy response per prompt (ReMax baselines). multi_turn: each replica runs the agent loop
+    (rollout.multi_turn, megarl.agent) for its prompts."""
+    return finish_generate(start_generate(engine, records, rt, validate, seed, greedy, multi_turn), rt)
 
 
 def start_generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-                   seed: Optional[int] = None, greedy: bool = False) -> list:
+                   seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False) -> list:
     """The first half of `generate`, not collective: this rank's engine (if it owns one) starts on its replica's
-    share and generates while the caller goes on. Returns one entry per replica: this rank's handle, None elsewhere."""
+    share and generates while the caller goes on (multi-turn rollouts run to their end first). Returns one entry per
+    replica: this rank's handle, None elsewhere."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
         part = topo.prompt_slice(replica, len(records))
         handle = None
         if engine is not None and topo.replica_of(rt.rank) == replica:
-            handle = engine.start_generate([r.prompt_ids for r in records[part]], validate=validate,
-                                           prompt_index=list(range(part.start, part.stop)), seed=seed, greedy=greedy)
+            prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
+            if multi_turn:
+                handle = Finished(engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
+                                                        extra_infos=[r.extra_info for r in records[part]]))
+            else:
+                handle = engine.start_generate(prompts, validate=validate, prompt_index=index, seed=seed,
+                                               greedy=greedy)
         shares.append(handle)
     return shares
 
@@ -89,13 +98,17 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
                                                 cfg.reward.reward_kwargs)
         scores = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"]}
+        if rollout.tool_rewards is not None:  # what the sample's tool calls contributed (multi-turn)
+            scores = scores + rollout.tool_rewards
+            metrics["reward/tool_reward_mean"] = float(rollout.tool_rewards.mean())
         for name, values in extra.items():
             present = [float(v) for v in values if isinstance(v, (int, float))]
             if present:
                 metrics[f"reward/{name}_mean"] = fmean(present)
         ob = cfg.reward.overlong_buffer
         if ob.enable:
-            penalty, m = algo.overlong_reward_penalty(rollout.response_lengths, cfg.rollout.response_length, ob.len,
+            # the model's own tokens: tool responses in a multi-turn response are not the model's verbosity
+            penalty, m = algo.overlong_reward_penalty(rollout.model_token_counts(), cfg.rollout.response_length, ob.len,
                                                       ob.penalty_factor)
             scores = scores + penalty
             metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
@@ -211,14 +224,22 @@ def actor_summary(metrics: dict) -> dict:
 
 def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
     """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
-    val/reward_mean and per data_source means."""
+    val/reward_mean, per data_source means, the reward functions' extra values (val/<name>_mean, e.g. acc) and, for
+    multi-turn rollouts, the tool rates (val/tool/use_rate, ...)."""
     if not records:
         return {}
-    parts, sources, start = [], [], 0
+    parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
-        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n)
-        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt)[0])
+        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n,
+                           multi_turn=cfg.rollout.multi_turn.enable)
+        per_sample: dict = {}
+        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt, per_sample=per_sample)[0])
+        for name, values in per_sample.items():
+            extras.setdefault(name, []).append(values)
+        for key in TOOL_COUNT_KEYS:
+            if key in rollout.metrics:
+                tool_counts[key] = tool_counts.get(key, 0.0) + rollout.metrics[key]
         sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
         start += len(chunk)
     scores = torch.cat(parts)
@@ -226,6 +247,12 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     for source in sorted(set(sources)):
         picked = torch.tensor([s == source for s in sources])
         metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
+    for name, values in extras.items():
+        values = torch.cat(values)
+        if not values.isnan().all():
+            metrics[f"val/{name}_mean"] = values.nanmean().item()
+    if tool_counts:
+        metrics.update({"val/" + k: v for k, v in tool_rates(tool_counts).items()})
     return metrics
 
 
@@ -257,7 +284,7 @@ class EngineGeneration:
         self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
 
     def start(self, records: Sequence[PromptRecord], seed: int) -> list:
-        return start_generate(self.engine, records, self.rt, seed=seed)
+        return start_generate(self.engine, records, self.rt, seed=seed, multi_turn=self.cfg.rollout.multi_turn.enable)
 
     def finish(self, handles: list) -> RolloutBatch:
         return finish_generate(handles, self.rt)
@@ -325,7 +352,8 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
                 records, rollout, schedule_metrics = schedule.next_batch(step)
             else:  # DAPO's extra rounds (sync mode only: the engines are idle and current)
                 records = loader.next_batch(draw)
-                rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
+                rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds,
+                                   multi_turn=cfg.rollout.multi_turn.enable)
         extras: dict = {}
         with timer("reward"):
             scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)
@@ -353,6 +381,8 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
     _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)
+    if "tool/samples" in every_round:  # multi-turn: the tool/* counts add up over rounds; rates follow from them
+        every_round.update(tool_rates(every_round))
     rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
     metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")}, **schedule_metrics,
                "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),

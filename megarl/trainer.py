@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from megarl import algo, lifecycle, steps
+from megarl.agent.tools import load_tools
 from megarl.batching import build_train_batch
 from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
@@ -29,8 +30,10 @@ def load_data(cfg: MegarlConfig, tokenizer, split: str) -> list:
     if split == "val" and not cfg.data.val_files:
         return []
     records = load_prompts_from_config(cfg.data, split, require_data_source=cfg.reward.reward_fn is None)
+    mt = cfg.rollout.multi_turn
+    tools = load_tools(mt.tool_config_path).schemas() if mt.enable else None  # shown to the model by its template
     records, _, report = encode_prompts(records, tokenizer, cfg.rollout.prompt_length, cfg.data.truncation,
-                                        cfg.data.apply_chat_template)
+                                        cfg.data.apply_chat_template, tools)
     log.info(format_report(report, split))
     return records
 

@@ -34,6 +34,11 @@ class RolloutBatch:
         prompt_truncated: BoolTensor [N]. True where the prompt was longer than rollout.prompt_length and was cut.
         weight_version: the engine weight version that produced every sample (0 = the weights loaded at start).
         pad_token_id: the value used to pad `response_ids`.
+        loss_mask: BoolTensor [N, R] or None. Multi-turn rollouts: True on the tokens the model sampled (they carry
+            rollout logprobs and are trained on), False on tool responses and chat-template tokens between turns (their
+            logprob is 0.0) and on padding. None: every valid response token is the model's (single-turn).
+        tool_rewards: FloatTensor [N] or None. Multi-turn rollouts: the sum of the rewards the sample's tool calls
+            returned, added to its reward. None: no tools.
         metrics: scalar metrics of the rollout (counts, seconds, tokens/s), names prefixed "rollout/".
         token_versions: LongTensor [N, R] or None. The weight version (trainer steps, see megarl.rollout.schedule)
             that sampled each token, 0 on padding; set by the rollout schedule (a response resumed after a weight
@@ -52,6 +57,8 @@ class RolloutBatch:
     pad_token_id: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     token_versions: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
+    tool_rewards: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -66,11 +73,15 @@ class RolloutBatch:
             checks["rollout_logprobs"] = (self.rollout_logprobs, 2, torch.float32)
         if self.token_versions is not None:
             checks["token_versions"] = (self.token_versions, 2, torch.long)
+        if self.loss_mask is not None:
+            checks["loss_mask"] = (self.loss_mask, 2, torch.bool)
+        if self.tool_rewards is not None:
+            checks["tool_rewards"] = (self.tool_rewards, 1, torch.float32)
         for name, (t, ndim, dtype) in checks.items():
             if t.ndim != ndim or t.shape[0] != n or t.dtype != dtype:
                 raise ValueError(f"RolloutBatch.{name}: expected a {dtype} tensor with {ndim} dims and {n} rows, "
                                  f"got {t.dtype} {tuple(t.shape)}")
-        for name in ("rollout_logprobs", "token_versions"):
+        for name in ("rollout_logprobs", "token_versions", "loss_mask"):
             t = getattr(self, name)
             if t is not None and t.shape != self.response_ids.shape:
                 raise ValueError(f"RolloutBatch.{name} {tuple(t.shape)} must have the shape of response_ids "
@@ -95,6 +106,16 @@ class RolloutBatch:
         width = self.response_ids.shape[1]
         return torch.arange(width).unsqueeze(0) < self.response_lengths.unsqueeze(1)
 
+    def train_mask(self) -> torch.Tensor:
+        """BoolTensor [N, R]: the positions a trainer learns from: the model's own valid tokens (response_mask() and
+        loss_mask)."""
+        mask = self.response_mask()
+        return mask if self.loss_mask is None else mask & self.loss_mask
+
+    def model_token_counts(self) -> torch.Tensor:
+        """LongTensor [N]: tokens each sample's model generated (tool and template tokens not counted)."""
+        return self.train_mask().sum(dim=1)
+
     def response(self, i: int) -> list[int]:
         """The response tokens of sample i, without padding."""
         return self.response_ids[i, : int(self.response_lengths[i])].tolist()
@@ -115,7 +136,9 @@ class RolloutBatch:
             finish_reasons=[self.finish_reasons[i] for i in indices], truncated=self.truncated[idx],
             prompt_index=self.prompt_index[idx], prompt_truncated=self.prompt_truncated[idx],
             weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics),
-            token_versions=None if self.token_versions is None else self.token_versions[idx])
+            token_versions=None if self.token_versions is None else self.token_versions[idx],
+            loss_mask=None if self.loss_mask is None else self.loss_mask[idx],
+            tool_rewards=None if self.tool_rewards is None else self.tool_rewards[idx])
 
     @classmethod
     def concat(cls, batches: list["RolloutBatch"], prompt_index: Optional[list[int]] = None) -> "RolloutBatch":
@@ -133,6 +156,12 @@ class RolloutBatch:
             [widen(b.rollout_logprobs, 0.0) for b in batches])
         versions = None if any(b.token_versions is None for b in batches) else torch.cat(
             [widen(b.token_versions, 0) for b in batches])
+        multi_turn = any(b.loss_mask is not None for b in batches)
+        # a batch without a loss mask is all model tokens; without tool rewards, zeros
+        loss_mask = torch.cat([widen(b.loss_mask if b.loss_mask is not None else b.response_mask(), False)
+                               for b in batches]) if multi_turn else None
+        tool_rewards = torch.cat([b.tool_rewards if b.tool_rewards is not None else torch.zeros(len(b))
+                                  for b in batches]) if any(b.tool_rewards is not None for b in batches) else None
         return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
                    response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
                    response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
@@ -140,4 +169,5 @@ class RolloutBatch:
                    truncated=torch.cat([b.truncated for b in batches]), prompt_index=torch.cat(groups),
                    prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
                    weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics),
-                   token_versions=versions)
+                   token_versions=versions,
+                   loss_mask=loss_mask, tool_rewards=tool_rewards)

@@ -16,14 +16,18 @@ class _Section(BaseModel):
 class SyntheticDataConfig(_Section):
     """A verifiable task megarl generates itself (demos and tests on machines without datasets)."""
 
-    task: Literal["arithmetic"] = Field("arithmetic", description="Addition questions 'What is a + b ?' with the "
-                                        "answer as '#### c'; scored by the arithmetic reward.")
+    task: Literal["arithmetic", "multiply_tool"] = Field(
+        "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. multiply_tool: "
+        "'What is a * b ?' with a, b in [32, max_operand], which needs the calculator tool of a multi-turn rollout "
+        "(its SFT targets are tool-using conversations). Both are scored by the arithmetic reward.")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
-    max_operand: int = Field(20, ge=1, le=60, description="Largest operand (the tokenizer has one token per number "
-                             "up to 2 * max_operand).")
+    num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
+                                   "that fills sft.train_files; None: SFT reads the training prompts' targets.")
+    max_operand: int = Field(20, ge=1, le=999, description="Largest operand (arithmetic: at most 60, the tokenizer has "
+                             "one token per number up to 2 * max_operand; multiply_tool: at least 32).")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
-                                                                "targets.")
+                                                                "targets (arithmetic).")
     output_dir: Optional[str] = Field(None, description="Where the files are written; None: <run_dir>/data.")
 
 
@@ -175,9 +179,28 @@ class ValKwargs(_Section):
 
 
 class MultiTurnConfig(_Section):
-    enable: bool = Field(False, description="Multi-turn rollouts with tool calls (not yet supported by the engine).")
-    max_assistant_turns: Optional[int] = Field(None, ge=1, description="Limit on assistant turns; None: no limit.")
-    max_user_turns: Optional[int] = Field(None, ge=1, description="Limit on user/tool turns; None: no limit.")
+    """Agentic rollouts: the model calls tools over several turns (megarl.agent)."""
+
+    enable: bool = Field(False, description="Multi-turn rollouts with tool calls: each sample alternates model turns "
+                         "and tool turns until the model answers without a call, a turn limit, or the response budget "
+                         "(rollout.response_length counts every token after the prompt, tool turns included).")
+    format: Literal["hermes"] = Field("hermes", description="How the model writes tool calls: hermes = "
+                                      "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Hermes).")
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="Most model turns per sample; None: no limit "
+                                               "(the response budget still ends it).")
+    max_user_turns: Optional[int] = Field(None, ge=1, description="Most tool turns per sample; None: no limit.")
+    max_parallel_calls: int = Field(1, ge=1, description="Tool calls of one model turn that are executed (at the same "
+                                    "time); further calls in that turn get an error response.")
+    max_tool_response_length: int = Field(256, ge=1, description="Characters of a tool's response the model sees; "
+                                          "longer responses are cut (tool/truncated_responses counts them).")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        "middle", description="Which part of a long tool response is cut away: left keeps the end, right keeps the "
+        "start, middle keeps both ends.")
+    tool_config_path: Optional[str] = Field(None, description="YAML file declaring the tools (OpenAI function schemas "
+                                            "and their Python or HTTP backends); see README 'Multi-turn rollouts'.")
+    sanity_check: bool = Field(False, description="Re-render every finished conversation with the chat template and "
+                               "compare its tokens with the trajectory's (the model's turns as the encoding of their "
+                               "text on both sides); mismatches are counted in tool/sanity_drift.")
 
 
 class RolloutConfig(_Section):

@@ -198,6 +198,8 @@ class EngineProcess:
         """VLLMEngine.continue_generate without waiting (as start_generate)."""
         return PendingCall(self, self._submit("continue_generate", [list(p) for p in prompt_token_ids],
                                               [list(r) for r in partial_ids], list(prompt_index), list(seeds)))
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
+        return self._call("rollout_agents", [list(p) for p in prompt_token_ids], **kwargs)
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])

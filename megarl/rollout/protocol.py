@@ -23,6 +23,12 @@ class RolloutEngine(Protocol):
         """As generate, returning a handle whose result() is the RolloutBatch; the engine process generates while
         the caller goes on (the in-process and Ray engines finish before returning)."""
 
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence[Optional[dict]]] = None
+                       ) -> RolloutBatch:
+        """Multi-turn rollouts with tool calls (rollout.multi_turn): the batch carries loss_mask and tool_rewards."""
+
     def abort(self) -> None:
         """End the requests in flight; a running generate returns what it has, finish_reason 'abort'."""
 

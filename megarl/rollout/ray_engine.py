@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.engine import Finished
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
@@ -73,6 +74,10 @@ def concat_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
     metrics["rollout/generate_seconds"] = seconds
     metrics["rollout/tokens_per_second"] = metrics["rollout/response_tokens"] / seconds if seconds > 0 else 0.0
     metrics["rollout/engine_replicas"] = float(len(parts))
+    tool_counts = {k: float(sum(p.metrics.get(k, 0.0) for p in parts)) for k in TOOL_COUNT_KEYS
+                   if any(k in p.metrics for p in parts)}
+    if tool_counts:
+        metrics.update({**tool_counts, **tool_rates(tool_counts)})
     out.metrics = metrics
     out.weight_version = min(p.weight_version for p in parts)
     return out
@@ -99,6 +104,9 @@ class _EngineHost:
 
     def generate(self, prompt_token_ids, **kwargs) -> RolloutBatch:
         return self.engine.generate(prompt_token_ids, **kwargs)
+
+    def rollout_agents(self, prompt_token_ids, **kwargs) -> RolloutBatch:
+        return self.engine.rollout_agents(prompt_token_ids, **kwargs)
 
     # -- weights over the transfer group (megarl.rollout.remote) -----------------------------------------------------
     def layouts(self) -> list:
@@ -237,13 +245,28 @@ class RayEngine:
         ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
         src = self.config.val_kwargs if validate else self.config
         n_eff = 1 if greedy else n if n is not None else src.n
+        return self._split_call("generate", prompts, ids, n_eff, seed, n=n, validate=validate, greedy=greedy)
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence] = None) -> RolloutBatch:
+        """Multi-turn rollouts (VLLMEngine.rollout_agents), each replica running the agent loop for its prompts."""
+        prompts = [list(p) for p in prompt_token_ids]
+        ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
+        n_eff = n if n is not None else (self.config.val_kwargs if validate else self.config).n
+        return self._split_call("rollout_agents", prompts, ids, n_eff, seed, n=n, validate=validate,
+                                per_prompt={"extra_infos": extra_infos})
+
+    def _split_call(self, method: str, prompts: list, ids: list, n_eff: int, seed: Optional[int],
+                    per_prompt: Optional[dict] = None, **kwargs) -> RolloutBatch:
         chunks = split_prompts(len(prompts), len(self._actors)) or [(0, 0)]
         refs = []
         for actor, (start, stop) in zip(self._actors, chunks):
             chunk_seed = None if seed is None else int(seed) + start * n_eff  # the colocated engine's seeds
-            refs.append(actor.generate.remote(prompts[start:stop], n=n, validate=validate,
-                                              prompt_index=ids[start:stop], seed=chunk_seed, greedy=greedy))
-        return concat_rollouts(self._get(refs, None, "generate"))
+            extra = {k: None if v is None else list(v[start:stop]) for k, v in (per_prompt or {}).items()}
+            refs.append(getattr(actor, method).remote(prompts[start:stop], prompt_index=ids[start:stop],
+                                                      seed=chunk_seed, **kwargs, **extra))
+        return concat_rollouts(self._get(refs, None, method))
 
     def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Finished:
         """As generate (Ray engines generate only in trainer.mode=sync: the call returns when it is done)."""
