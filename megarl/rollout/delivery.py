@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -65,6 +66,40 @@ class SlotFiles:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+class BackgroundLoad:
+    """engine.load_bucket in a thread, one bucket at a time, so that the next bucket is written (into the other slot)
+    while the engine loads this one. `wait()` before any other call to the engine: calls never overlap."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.seconds = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, metas: list) -> None:
+        self.wait()
+
+        def load():
+            t0 = time.perf_counter()
+            try:
+                self.engine.load_bucket(metas)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+                self._error = exc
+            self.seconds += time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=load, name="megarl-bucket-load", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the load in flight ended; re-raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 @dataclass
@@ -131,22 +166,32 @@ class WeightSync:
         t0 = time.perf_counter()
         stats = {"sent": 0, "received": 0, "loaded": 0, "exchange_s": 0.0, "load_s": 0.0}
         replica = self.topology.replica_of(self.rank)
+        loading = BackgroundLoad(engine) if engine is not None else None
         if engine is not None:
             engine.begin_update(verify=verify)
         try:
             for b, moves in enumerate(self.buckets):
-                self._deliver_bucket(b, moves, stats)
+                self._deliver_bucket(b, moves, stats)  # bucket b-1 loads meanwhile, from the other slot
+                if loading is not None:
+                    # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
+                    loading.wait()
                 if replica is not None and self.topology.engine_tp > 1:
                     dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
-                if engine is not None:
-                    t1 = time.perf_counter()
-                    engine.load_bucket(self.metas(replica, b))
-                    stats["load_s"] += time.perf_counter() - t1
+                if loading is not None:
+                    loading.start(self.metas(replica, b))
+            if loading is not None:
+                loading.wait()
         except BaseException:
             if engine is not None:
+                try:
+                    loading.wait()  # the engine takes one call at a time
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
                 engine.abort_update()
                 self._remove_leftovers(self.topology.members(replica))
             raise
+        if loading is not None:
+            stats["load_s"] = loading.seconds
         result = engine.end_update() if engine is not None else {}
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
@@ -380,8 +425,9 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
     if slots is None:
         slots = FeedSlots(engine.layouts, Mapping(load_spec(model_path)))
         setattr(engine, "_megarl_feed_slots", slots)
-    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "write_s": 0.0}
     t0 = time.perf_counter()
+    loading = BackgroundLoad(engine)
     engine.begin_update(verify=verify)
     try:
         it = iter(buckets)
@@ -395,10 +441,17 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
             stats["bytes"] += size
             stats["buckets"] += 1
             stats["max_bucket"] = max(stats["max_bucket"], size)
+            t_write = time.perf_counter()  # while the engine loads the previous bucket from the other slot
             metas = write_worker_files(bucket, engine.layouts, None, "", slots=slots)
-            engine.load_bucket(metas)
+            stats["write_s"] += time.perf_counter() - t_write
+            loading.start(metas)  # waits for the previous load first
             slots.bucket += 1
+        loading.wait()
     except BaseException:
+        try:
+            loading.wait()  # the engine takes one call at a time
+        except BaseException:  # noqa: BLE001 - the first error is the one raised
+            pass
         setattr(engine, "_megarl_feed_slots", None)
         slots.files.drop()  # a worker unlinks what it maps; remove what a failed load left
         engine.abort_update()
@@ -408,6 +461,7 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
     metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
                     "weight_sync/source_seconds": stats["source_s"],
                     "weight_sync/load_seconds": seconds - stats["source_s"],
+                    "weight_sync/write_seconds": stats["write_s"],
                     "weight_sync/num_buckets": float(stats["buckets"]),
                     "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
                     "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})
