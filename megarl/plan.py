@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megarl.layout import Layout
 from megarl.rollout.plan import DTYPE_BYTES, build_plan
 
 GIB = 1024 ** 3
@@ -159,11 +160,11 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         reasons.append(f"GPUs: the trainer's {world} ranks (trainer.nnodes * n_gpus_per_node) plus "
                        f"{r.data_parallel_size or 1} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
                        f"{world + engine_gpus} GPUs; the cluster has {total_gpus}")
-    if world % (tp * pp) or (world // (tp * pp)) % ep:
+    layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    if not layout.fits(world):
         raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "
                         "data-parallel size; change the node count or the layout")
-    dp = world // (tp * pp)
-    edp = world // (tp * ep * pp)  # expert TP = TP
+    dp, edp = layout.data_parallel_size(world), layout.expert_data_parallel_size(world)
     replicas = 1 if ray_mode else cfg.engine_replicas
     try:
         plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas if not ray_mode else 1, dtype)

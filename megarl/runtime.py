@@ -48,13 +48,7 @@ class Runtime:
 
 
 def layout_of(cfg: MegarlConfig) -> Layout:
-    p = cfg.parallelism
-    return Layout(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                  pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-                  virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
-                  context_parallel_size=p.context_parallel_size,
-                  expert_model_parallel_size=p.expert_model_parallel_size,
-                  expert_tensor_parallel_size=p.expert_tensor_parallel_size)
+    return Layout.of(cfg.parallelism)
 
 
 def seed_everything(seed: int) -> None:

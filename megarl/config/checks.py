@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
+from megarl.layout import Layout
 
 P = "parallelism."
 
@@ -59,8 +60,9 @@ def check_model_source(cfg: MegarlConfig) -> list[Issue]:
 
 def check_layout(cfg: MegarlConfig) -> list[Issue]:
     p, world = cfg.parallelism, cfg.world_size
+    layout = Layout.of(p)
     issues = []
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    mp = layout.model_parallel_size
     if world % mp:
         issues.append(Issue(
             "trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node,
@@ -69,8 +71,7 @@ def check_layout(cfg: MegarlConfig) -> list[Issue]:
             "(DP = world / (TP*PP*CP))", f"use a multiple of {mp} ranks or shrink the layout",
             keys=("trainer.nnodes", "trainer.n_gpus_per_node", P + "tensor_model_parallel_size",
                   P + "pipeline_model_parallel_size", P + "context_parallel_size")))
-    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
-    emp = etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
+    etp, emp = layout.expert_tensor, layout.expert_model_parallel_span
     if p.expert_model_parallel_size > 1 and world % emp:
         issues.append(Issue(
             P + "expert_model_parallel_size", p.expert_model_parallel_size,
@@ -124,8 +125,7 @@ def check_model_layout(cfg: MegarlConfig) -> list[Issue]:
 
 
 def _dp(cfg: MegarlConfig) -> Optional[int]:
-    p = cfg.parallelism
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    mp = Layout.of(cfg.parallelism).model_parallel_size
     return cfg.world_size // mp if cfg.world_size % mp == 0 else None
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from megarl.config.schema import MegarlConfig
+from megarl.layout import Layout
 
 
 def resolved_device(setting: str) -> str:
@@ -21,8 +22,7 @@ def resolved_device(setting: str) -> str:
 def derived(cfg: MegarlConfig) -> dict:
     """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts."""
     p, a, n = cfg.parallelism, cfg.actor, cfg.rollout.n
-    mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    dp = max(1, cfg.world_size // mp)
+    dp = max(1, cfg.world_size // Layout.of(p).model_parallel_size)
     seqs = cfg.data.train_batch_size * n
     mini_per_rank = a.ppo_mini_batch_size * n // dp
     return {

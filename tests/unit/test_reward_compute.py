@@ -27,13 +27,14 @@ def test_timeout_scores_zero_and_is_counted():
 
     def slow_on_odd(data_source, solution_str, ground_truth, extra_info=None):
         if extra_info["i"] % 2:
-            release.wait(5)  # "sleeps" until the test ends; the worker is abandoned, not joined
+            release.wait(120)  # "sleeps" until the test ends; the worker is abandoned, not joined
         return 1.0
 
     t0 = time.monotonic()
     scores, metrics, report = compute_rewards(slow_on_odd, _samples(*"abcd"), timeout_s=0.2, num_workers=2)
     release.set()
-    assert time.monotonic() - t0 < 4.5  # the slow calls were not waited for (5 s)
+    # the slow calls (120 s) were not waited for; the margin absorbs a heavily loaded machine
+    assert time.monotonic() - t0 < 60
     assert scores == [1.0, 0.0, 1.0, 0.0]
     assert report["num_timed_out"] == 2 and report["timed_out_indices"] == [1, 3]
 
