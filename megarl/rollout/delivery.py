@@ -58,9 +58,9 @@ class SlotFiles:
             buf = self.mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return buf
 
-    def drop(self, paths: Iterable[str] = ()) -> None:
-        """Forget the mappings (all, or of `paths`) and remove their files where no worker has unlinked them yet."""
-        for path in list(paths) if paths else list(self.mapped):
+    def drop(self, paths: Optional[Iterable[str]] = None) -> None:
+        """Forget the mappings (of `paths`, default all) and remove their files where no worker unlinked them yet."""
+        for path in list(self.mapped) if paths is None else list(paths):
             self.mapped.pop(path, None)
             try:
                 os.unlink(path)
