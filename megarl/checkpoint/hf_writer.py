@@ -66,7 +66,7 @@ _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
 @dataclass(frozen=True)
 class FileBytes:
     """A tensor given as where its row-major bytes already lie in files: ranges [(fd, offset, nbytes)], in order.
-    The writer copies them file to file (copy_file_range: inside the kernel, never through this process's memory)."""
+    The writer copies them file to file (sendfile: inside the kernel, never through this process's memory)."""
 
     shape: tuple
     dtype: torch.dtype
@@ -84,12 +84,12 @@ def _write_all(fd: int, data) -> None:
 
 
 def _copy_ranges(fd: int, ranges) -> None:
-    """Append the bytes of `ranges` to the file `fd` (at its position); copy_file_range where the kernel can, else
-    read and write in 64 MiB pieces."""
+    """Append the bytes of `ranges` to the file `fd` (at its position): sendfile, a copy inside the kernel (on ext4
+    several times faster than copy_file_range and than a read and a write), else read and write in 64 MiB pieces."""
     for src, offset, nbytes in ranges:
         while nbytes:
             try:
-                n = os.copy_file_range(src, fd, nbytes, offset)
+                n = os.sendfile(fd, src, offset, min(nbytes, 1 << 30))
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
                     raise
@@ -175,7 +175,7 @@ class StreamingHFWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self._fh = open(self.tmp / fname, "wb", buffering=0)  # unbuffered: copy_file_range appends at its position
+        self._fh = open(self.tmp / fname, "wb", buffering=0)  # unbuffered: sendfile appends at its position
         _write_all(self._fh.fileno(), len(raw).to_bytes(8, "little") + raw)
         self._file = fname
 

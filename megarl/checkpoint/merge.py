@@ -12,7 +12,7 @@ How
   So a global checkpoint tensor is exactly the TP=1 megatron tensor, and the bridge's `Mapping.to_hf` (the same
   mapping import, export and weight sync use) turns it into HF tensors.
 - An HF tensor whose bytes are one contiguous run of raw checkpoint chunks (embeddings, heads, norms, gate/up halves
-  of dim-0 splits, in the output dtype) is copied file to file by the writer (copy_file_range), never read here.
+  of dim-0 splits, in the output dtype) is copied file to file by the writer (sendfile), never read here.
 - Each other megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping
   that expert's slice are read, straight from the shard files into place), converted (views where the HF layout
   allows), and handed to a background writer that appends it to the open safetensors shard while the next tensor is
