@@ -2,7 +2,8 @@
 
 Training tensors of a step (N samples, S = longest prompt + response, T = S - 1):
     input_ids          [N, S] long   prompt tokens then response tokens, right-padded with pad_token_id
-    response_mask      [N, T] bool   True at t when token t+1 is a response token (logprob positions)
+    response_mask      [N, T] bool   True at t when token t+1 is a response token the model sampled (logprob
+                                     positions; multi-turn tool and template tokens are False: RolloutBatch.loss_mask)
     rollout_log_probs  [N, T] float  the engine's logprob of token t+1 where response_mask, else 0
     token_level_scores [N, T] float  the sample's reward at its last response token, else 0
     prompt_index       [N]    long   group id (samples of one prompt)
@@ -37,15 +38,22 @@ def build_train_batch(rollout: RolloutBatch, scores: torch.Tensor, pad_token_id:
     ids = torch.full((n, s), pad_token_id, dtype=torch.long)
     ids[in_prompt] = torch.tensor([t for p in rollout.prompt_ids for t in p], dtype=torch.long)
     ids[in_response] = rollout.response_ids[valid]
+    # a multi-turn response holds tool and template tokens the model did not sample: no consumer may learn from them
+    learn = in_response.clone()
+    if rollout.loss_mask is not None:
+        learn[in_response] = rollout.loss_mask[valid]
     # logprob position t scores token t+1: a response token at column c is scored at c - 1
-    mask = in_response[:, 1:].clone()
+    mask = learn[:, 1:].clone()
     rollout_lp = torch.zeros(n, s - 1)
     if rollout.rollout_logprobs is not None:
-        rollout_lp[mask] = rollout.rollout_logprobs[valid].float()
-    # the reward sits on the last response token; an empty response has none and contributes nothing to the loss
+        placed = torch.zeros(n, s)
+        placed[in_response] = rollout.rollout_logprobs[valid].float()
+        rollout_lp = torch.where(mask, placed[:, 1:], rollout_lp)
+    # the reward sits on the last token the model sampled; a response without one contributes nothing to the loss
     token_scores = torch.zeros(n, s - 1)
-    rows = (lengths > 0).nonzero().flatten()
-    token_scores[rows, prompt_lengths[rows] + lengths[rows] - 2] = scores[rows].float()
+    rows = mask.any(dim=1).nonzero().flatten()
+    last = torch.where(mask, torch.arange(s - 1).expand_as(mask), -1).amax(dim=1)
+    token_scores[rows, last[rows]] = scores[rows].float()
     return {"input_ids": ids, "response_mask": mask, "rollout_log_probs": rollout_lp,
             "token_level_scores": token_scores, "prompt_index": rollout.prompt_index.clone(),
             "response_lengths": lengths.clone()}

@@ -32,6 +32,9 @@ Weight sync: each engine worker loads its own shard; the GPU hosting it receives
 of that shard it does not hold itself. At a link bandwidth B the sync takes at least max(received) / B.
 Engines (colocated): rollout.data_parallel_size replicas of engine TP GPUs each, by default every GPU; with
 enable_sleep_mode and free_cache_engine they release their memory between a rollout and the next weight sync.
+Engines placed separately (rollout.placement=separate, Ray mode): replicas x engine TP GPUs beyond the trainer's, each
+holding gpu_memory_utilization of its GPU throughout (no sleep); every engine GPU receives its whole shard from the
+trainer GPUs, and the trainer GPUs' phases have no engine term.
 """
 from __future__ import annotations
 
@@ -152,22 +155,22 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     pbytes = 2 if dtype != "float32" else 4
     engine_dtype = "float32" if r.dtype == "float32" else "bfloat16" if r.dtype in ("auto", "bfloat16") else "float16"
     total_gpus = nodes * gpus_per_node
-    ray_mode = r.mode == "ray"
-    engine_gpus = (r.data_parallel_size or 1) * etp_engine if ray_mode else 0
-    world = cfg.world_size if ray_mode else total_gpus
+    separate = cfg.engine_placement == "separate"
+    replicas = cfg.engine_replicas
+    engine_gpus = replicas * etp_engine if separate else 0
+    world = cfg.world_size if separate else total_gpus
     reasons: list[str] = []
-    if ray_mode and world + engine_gpus > total_gpus:
+    if separate and world + engine_gpus > total_gpus:
         reasons.append(f"GPUs: the trainer's {world} ranks (trainer.nnodes * n_gpus_per_node) plus "
-                       f"{r.data_parallel_size or 1} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
+                       f"{replicas} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
                        f"{world + engine_gpus} GPUs; the cluster has {total_gpus}")
     layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
     if not layout.fits(world):
         raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "
                         "data-parallel size; change the node count or the layout")
     dp, edp = layout.data_parallel_size(world), layout.expert_data_parallel_size(world)
-    replicas = 1 if ray_mode else cfg.engine_replicas
     try:
-        plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas if not ray_mode else 1, dtype)
+        plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas, dtype, separate=separate)
     except ValueError as exc:
         raise PlanError(f"the weight-sync plan refuses this layout: {exc}") from None
     dense, expert = plan.held_bytes()
@@ -270,8 +273,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
 
     # phases on the most loaded GPU of each stage, as the trainer runs them: rollout -> the engine sleeps (KV cache
     # and weights freed) -> logprob forwards -> training -> it wakes its weights -> sync -> it wakes its KV cache
-    sleeps = r.enable_sleep_mode and r.free_cache_engine and not ray_mode
-    colocated = not ray_mode
+    sleeps = r.enable_sleep_mode and r.free_cache_engine and not separate
+    colocated = not separate
     generating = replicas * etp_engine if colocated else engine_gpus
     best = None
     for s in range(pp):
@@ -328,7 +331,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         reasons.insert(0, f"memory: the {phase} phase needs {peak / GIB:.1f} GiB on a GPU of pipeline stage {s} "
                        f"but a GPU has {gpu_mem_gib:g} GiB (over by {(peak - gpu_bytes) / GIB:.1f} GiB); largest "
                        "terms: " + ", ".join(f"{k} {v:.1f} GiB" for v, k in top) + ". Fix: " + "; ".join(hint))
-    if ray_mode and engine_reserve + reserve > gpu_bytes:
+    if separate and engine_reserve + reserve > gpu_bytes:
         reasons.append(f"engine GPU: gpu_memory_utilization {r.gpu_memory_utilization} plus the reserve exceeds "
                        f"{gpu_mem_gib:g} GiB")
 
@@ -339,7 +342,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     n_expert = sum(math.prod(shp) for h, shp in plan.mapping.hf_shapes().items() if ".experts." in h)
     actor_tokens, actor_mbs = tokens_and_micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                                                a.ppo_max_token_len_per_gpu)
-    where = (f"Ray actors, {r.data_parallel_size or 1} replica(s) on {engine_gpus} own GPUs" if ray_mode
+    hosts = "Ray actors" if r.mode == "ray" else "engine processes"
+    where = (f"separate ({hosts}), {replicas} replica(s) on {engine_gpus} GPUs of their own" if separate
              else f"colocated, {replicas} replica(s) x TP{etp_engine}: {generating} of {world} GPUs generate")
     lines = [
         f"megarl plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_mem_gib:g} GiB = {total_gpus} GPUs",
@@ -382,8 +386,9 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
               f"(>= {sync_lb:.2f} s at {link_gbps:g} GB/s) and sends at most "
               f"{max(sent.values(), default=0) * ebytes_ratio / GIB:.2f} GiB; no GPU gathers the model",
               f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
-    if ray_mode:
-        lines[-2] += " (Ray mode: the whole model streams through trainer rank 0)"
+    if separate:
+        lines[-2] += (" (engines placed separately: each engine GPU receives its whole shard from the trainer GPUs "
+                      "over the transfer group; the engines do not sleep, and the trainer GPUs hold no engine)")
     fits = not reasons
     verdict = "FITS" if fits else "DOES NOT FIT"
     lines += ["", f"verdict: {verdict} (peak {peak / GIB:.1f} of {gpu_mem_gib:g} GiB per GPU)"]
@@ -415,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     try:
         probe = load_config(args.recipe, overrides)
-        if probe.rollout.mode != "ray":  # colocated: the trainer takes the whole cluster
+        if probe.engine_placement == "colocated":  # the trainer takes the whole cluster; else engines add GPUs
             overrides += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
         cfg = load_config(args.recipe, overrides)
         report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps)

@@ -26,32 +26,48 @@ _TINY_ARCHS = {
 
 def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
     out = Path(cfg.data.synthetic.output_dir or Path(cfg.trainer.run_dir) / "data")
-    return {"train": out / "train.parquet", "val": out / "val.parquet"}
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if cfg.data.synthetic.num_sft:
+        paths["sft"] = out / "sft.parquet"
+    return paths
 
 
 def write_synthetic_data(cfg: MegarlConfig) -> None:
     from megarl.data import make_arithmetic_dataset, write_dataset
+    from megarl.data.synthetic_tool import make_multiply_dataset
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
-    for split, n, seed in (("train", syn.num_train, cfg.trainer.seed), ("val", syn.num_val, cfg.trainer.seed + 10_000)):
-        if not paths[split].exists():
-            paths[split].parent.mkdir(parents=True, exist_ok=True)
-            rows = make_arithmetic_dataset(n, seed=seed, max_operand=syn.max_operand,
+    seeds = {"train": cfg.trainer.seed, "val": cfg.trainer.seed + 10_000, "sft": cfg.trainer.seed + 20_000}
+    for split, path in paths.items():
+        if path.exists():
+            continue
+        n = {"train": syn.num_train, "val": syn.num_val, "sft": syn.num_sft}[split]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if syn.task == "multiply_tool":
+            rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split)
+        else:
+            rows = make_arithmetic_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                            answer_format=syn.answer_format, split=split)
-            write_dataset(rows, str(paths[split]))
-            log.info("wrote %d synthetic %s prompts to %s", n, split, paths[split])
+        write_dataset(rows, str(path))
+        log.info("wrote %d synthetic %s rows to %s", n, split, path)
 
 
-def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20) -> Path:
-    """A random HF model of `spec` with the arithmetic tokenizer, saved in float32 safetensors at `path`."""
+def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20,
+                      task: str = "arithmetic") -> Path:
+    """A random HF model of `spec` with the tokenizer of the synthetic `task`, saved in float32 safetensors at
+    `path`."""
     import torch
     import transformers
 
     from megarl.data import arithmetic_tokenizer
+    from megarl.data.synthetic_tool import multiply_tokenizer
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand)
+    if task == "multiply_tool":
+        tokenizer = multiply_tokenizer(str(tmp))
+    else:
+        tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand)
     config_cls, model_cls, extra = _TINY_ARCHS[spec.architecture]
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
                   num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
@@ -82,9 +98,10 @@ def prepare(cfg: MegarlConfig, is_rank0: bool) -> MegarlConfig:
             write_synthetic_data(cfg)
         data = cfg.data.model_copy(update={"train_files": cfg.data.train_files or [str(paths["train"])],
                                            "val_files": cfg.data.val_files or [str(paths["val"])]})
-        sft = cfg.sft.model_copy(update={"train_files": cfg.sft.train_files or [str(paths["train"])]})
+        sft = cfg.sft.model_copy(update={"train_files": cfg.sft.train_files or [str(paths.get("sft", paths["train"]))]})
         cfg = cfg.model_copy(update={"data": data, "sft": sft})
     if cfg.model.create_tiny is not None and is_rank0 and not Path(cfg.model.path).exists():
-        max_operand = cfg.data.synthetic.max_operand if cfg.data.synthetic else 20
-        create_tiny_model(cfg.model.create_tiny, cfg.model.path, cfg.trainer.seed, max_operand)
+        syn = cfg.data.synthetic
+        create_tiny_model(cfg.model.create_tiny, cfg.model.path, cfg.trainer.seed, syn.max_operand if syn else 20,
+                          syn.task if syn else "arithmetic")
     return cfg

@@ -83,8 +83,10 @@ def start(cfg: MegarlConfig) -> Runtime:
 
     setup_logging(cfg.logging.level, dist.get_rank() == 0)
     r = cfg.rollout
-    engines = EngineTopology(world, r.tensor_model_parallel_size if r.mode == "colocated" else 1,
-                             cfg.engine_replicas if r.mode == "colocated" else 1)
+    if cfg.engine_placement == "colocated":
+        engines = EngineTopology(world, r.tensor_model_parallel_size, cfg.engine_replicas)
+    else:  # Ray: rank 0 holds the handle on every actor; separate processes: trainer rank r starts replica r
+        engines = EngineTopology(world, 1, 1 if r.mode == "ray" else cfg.engine_replicas)
     return Runtime(rank=dist.get_rank(), world_size=world, dp_rank=ps.get_data_parallel_rank(),
                    dp_size=ps.get_data_parallel_world_size(), run_dir=Path(cfg.trainer.run_dir), engines=engines)
 

@@ -21,16 +21,43 @@ def sft_output_dir(cfg: MegarlConfig) -> Path:
     return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
 
 
-def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -> list[tuple[list[int], int]]:
-    """(prompt + response + EOS token ids, prompt length) per record, cut to max_length (counted in the log)."""
+def _response_ids(response, tokenizer, renderer) -> tuple[list[int], list[int]]:
+    """(ids, loss mask) of an SFT target after the prompt. A string: its tokens and EOS, all trained. A list of
+    assistant/tool messages (a multi-turn demonstration): each assistant message's tokens and EOS (trained), each run
+    of tool messages as the chat template's tool turn, the ids the multi-turn rollout appends (not trained)."""
+    eos = tokenizer.eos_token_id
+    if isinstance(response, str):
+        ids = tokenizer.encode(response, add_special_tokens=False) + [eos]
+        return ids, [1] * len(ids)
+    ids, mask, last, tools = [], [], [], []
+    for message in list(response) + [None]:
+        if (message is None or message["role"] == "assistant") and tools:
+            turn = renderer.tool_turn(last, tools)
+            ids, mask, tools = ids + turn, mask + [0] * len(turn), []
+        if message is None:
+            break
+        if message["role"] == "tool":
+            tools.append(message["content"])
+            continue
+        last = tokenizer.encode(message["content"], add_special_tokens=False) + [eos]
+        ids, mask = ids + last, mask + [1] * len(last)
+    return ids, mask
+
+
+def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -> list[tuple[list[int], list[int]]]:
+    """(prompt + response token ids, loss mask over them: 1 on trained tokens) per record, cut to max_length (counted
+    in the log). A response is a string, or assistant/tool messages (tool turns are context, not trained)."""
+    from megarl.agent.render import ChatRenderer
+
     out, cut = [], 0
+    renderer = ChatRenderer(tokenizer) if any(isinstance(r.response, list) for r in records) else None
     for rec in records:
         prompt = encode_one(rec, tokenizer, apply_chat_template)
-        response = tokenizer.encode(rec.response, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ids = (prompt + response)[:max_length]
+        response, trained = _response_ids(rec.response, tokenizer, renderer)
+        ids, mask = (prompt + response)[:max_length], ([0] * len(prompt) + trained)[:max_length]
         cut += len(prompt) + len(response) > max_length
-        if len(ids) > len(prompt):
-            out.append((ids, len(prompt)))
+        if any(mask):
+            out.append((ids, mask))
     if cut:
         log.warning("sft: %d of %d examples were cut to sft.max_length=%d", cut, len(records), max_length)
     if not out:
@@ -38,14 +65,14 @@ def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -
     return out
 
 
-def sft_batch(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids [B, S] right-padded; response_mask [B, S-1] True where the next token is a response token."""
+def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids [B, S] right-padded; response_mask [B, S-1] True where the next token is a trained token."""
     s = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), s), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), s - 1, dtype=torch.bool)
-    for i, (seq, p) in enumerate(examples):
+    for i, (seq, trained) in enumerate(examples):
         ids[i, :len(seq)] = torch.tensor(seq)
-        mask[i, p - 1:len(seq) - 1] = True
+        mask[i, :len(seq) - 1] = torch.tensor(trained[1:], dtype=torch.bool)
     return {"input_ids": ids, "response_mask": mask}
 
 

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import torch
 
 from megarl import algo
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config import MegarlConfig
 from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
@@ -36,19 +37,23 @@ class Timer:
 
 
 def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-             seed: Optional[int] = None, greedy: bool = False) -> RolloutBatch:
+             seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False) -> RolloutBatch:
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
     whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
-    greedy: one greedy response per prompt (ReMax baselines)."""
+    greedy: one greedy response per prompt (ReMax baselines). multi_turn: each replica runs the agent loop
+    (rollout.multi_turn, megarl.agent) for its prompts."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
         part = topo.prompt_slice(replica, len(records))
         batch = None
         if engine is not None and topo.replica_of(rt.rank) == replica:
-            batch = engine.generate([r.prompt_ids for r in records[part]], validate=validate,
-                                    prompt_index=list(range(part.start, part.stop)), seed=seed,
-                                    greedy=greedy)
+            prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
+            if multi_turn:
+                batch = engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
+                                              extra_infos=[r.extra_info for r in records[part]])
+            else:
+                batch = engine.generate(prompts, validate=validate, prompt_index=index, seed=seed, greedy=greedy)
         shares.append(batch)
     # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
     return combine([broadcast_rollout(b, topo.owner(r)) for r, b in enumerate(shares)])
@@ -76,13 +81,17 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
                                                 cfg.reward.reward_kwargs)
         scores = torch.tensor(scores, dtype=torch.float32)
         metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"]}
+        if rollout.tool_rewards is not None:  # what the sample's tool calls contributed (multi-turn)
+            scores = scores + rollout.tool_rewards
+            metrics["reward/tool_reward_mean"] = float(rollout.tool_rewards.mean())
         for name, values in extra.items():
             present = [float(v) for v in values if isinstance(v, (int, float))]
             if present:
                 metrics[f"reward/{name}_mean"] = fmean(present)
         ob = cfg.reward.overlong_buffer
         if ob.enable:
-            penalty, m = algo.overlong_reward_penalty(rollout.response_lengths, cfg.rollout.response_length, ob.len,
+            # the model's own tokens: tool responses in a multi-turn response are not the model's verbosity
+            penalty, m = algo.overlong_reward_penalty(rollout.model_token_counts(), cfg.rollout.response_length, ob.len,
                                                       ob.penalty_factor)
             scores = scores + penalty
             metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
@@ -146,12 +155,17 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
 
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     """The live weight sync, planned once (a collective): every engine owner reports its workers' layouts, every
-    rank its parameters; see megarl.rollout.delivery. None in Ray mode (the bucket stream through rank 0)."""
-    if cfg.rollout.mode == "ray":
-        return None
+    rank its parameters. Colocated engines: per-rank delivery through shared memory (megarl.rollout.delivery);
+    engines in processes of their own (Ray actors, rollout.placement=separate): the same plan over a transfer group
+    the trainer ranks and the engine hosts form (megarl.rollout.remote)."""
+    bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
+    if cfg.engine_placement == "separate":
+        from megarl.rollout.remote import plan_remote_sync
+
+        return plan_remote_sync(actor.chunks, actor.spec, engine, bucket_bytes)
     from megarl.rollout.delivery import plan_sync
 
-    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20)
+    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes)
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
@@ -160,16 +174,7 @@ def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bo
     sleeping = engine is not None and getattr(engine, "sleeps", False)
     if sleeping:
         engine.wake_up(["weights"])
-    if sync is not None:
-        metrics = sync.run(engine, verify=verify)
-    else:  # Ray mode: rank 0 streams whole tensors to its engine handle
-        buckets = actor.export(cfg.rollout.update_weights_bucket_megabytes << 20)
-        if rt.is_rank0:
-            metrics = engine.update_weights(buckets, verify=verify)
-        else:
-            for _ in buckets:  # the gather is collective: drain it on every rank
-                pass
-            metrics = {}
+    metrics = sync.run(engine, verify=verify)
     if sleeping:
         engine.wake_up(["kv_cache"])
     return metrics if rt.is_rank0 else {}
@@ -202,14 +207,22 @@ def actor_summary(metrics: dict) -> dict:
 
 def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
     """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
-    val/reward_mean and per data_source means."""
+    val/reward_mean, per data_source means, the reward functions' extra values (val/<name>_mean, e.g. acc) and, for
+    multi-turn rollouts, the tool rates (val/tool/use_rate, ...)."""
     if not records:
         return {}
-    parts, sources, start = [], [], 0
+    parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
-        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n)
-        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt)[0])
+        rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n,
+                           multi_turn=cfg.rollout.multi_turn.enable)
+        per_sample: dict = {}
+        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt, per_sample=per_sample)[0])
+        for name, values in per_sample.items():
+            extras.setdefault(name, []).append(values)
+        for key in TOOL_COUNT_KEYS:
+            if key in rollout.metrics:
+                tool_counts[key] = tool_counts.get(key, 0.0) + rollout.metrics[key]
         sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
         start += len(chunk)
     scores = torch.cat(parts)
@@ -217,6 +230,12 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     for source in sorted(set(sources)):
         picked = torch.tensor([s == source for s in sources])
         metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
+    for name, values in extras.items():
+        values = torch.cat(values)
+        if not values.isnan().all():
+            metrics[f"val/{name}_mean"] = values.nanmean().item()
+    if tool_counts:
+        metrics.update({"val/" + k: v for k, v in tool_rates(tool_counts).items()})
     return metrics
 
 
@@ -258,7 +277,8 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     while True:
         records = loader.next_batch(draw)
         with timer("rollout"):
-            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds)
+            rollout = generate(engine, records, rt, seed=None if seed is None else seed + 7919 * rounds,
+                               multi_turn=cfg.rollout.multi_turn.enable)
         extras: dict = {}
         with timer("reward"):
             scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)
@@ -286,6 +306,8 @@ def sample_batch(engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Ru
     _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)
+    if "tool/samples" in every_round:  # multi-turn: the tool/* counts add up over rounds; rates follow from them
+        every_round.update(tool_rates(every_round))
     rollout.metrics = {k: v for k, v in every_round.items() if k.startswith("rollout/")}
     metrics = {**{k: v for k, v in every_round.items() if not k.startswith("rollout/")},
                "dapo/gen_rounds": float(rounds), "dapo/extra_rounds": float(rounds - 1),

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from megarl import algo, lifecycle, steps
+from megarl.agent.tools import load_tools
 from megarl.batching import build_train_batch
 from megarl.checkpoint.state import Checkpointer, rollout_seed
 from megarl.config import MegarlConfig, write_resolved
@@ -19,7 +20,8 @@ from megarl.data import PromptLoader, encode_prompts, format_report, load_prompt
 from megarl.metrics import MetricsLogger, write_rollouts
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
-from megarl.runtime import Runtime, barrier, start, stop
+from megarl.rollout.threads import keep_trainer_on
+from megarl.runtime import Runtime, barrier, compute_device, start, stop
 
 log = logging.getLogger("megarl")
 
@@ -28,8 +30,10 @@ def load_data(cfg: MegarlConfig, tokenizer, split: str) -> list:
     if split == "val" and not cfg.data.val_files:
         return []
     records = load_prompts_from_config(cfg.data, split, require_data_source=cfg.reward.reward_fn is None)
+    mt = cfg.rollout.multi_turn
+    tools = load_tools(mt.tool_config_path).schemas() if mt.enable else None  # shown to the model by its template
     records, _, report = encode_prompts(records, tokenizer, cfg.rollout.prompt_length, cfg.data.truncation,
-                                        cfg.data.apply_chat_template)
+                                        cfg.data.apply_chat_template, tools)
     log.info(format_report(report, split))
     return records
 
@@ -54,7 +58,8 @@ def make_kl_controller(cfg: MegarlConfig):
 
 def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     """This rank's engine handle: the owner of each engine replica (the first rank of its group) runs one in a child
-    process (colocated); in Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
+    process (colocated; with rollout.placement=separate, trainer rank r starts replica r's, on cores of its own); in
+    Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
     if cfg.rollout.mode == "ray":
         if not rt.is_rank0:
@@ -64,19 +69,31 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
         return RayEngine(cfg.rollout, model_path, seed=seed)
     if not rt.engines.owns(rt.rank):
         return None
+    if cfg.engine_placement == "separate" and compute_device().type == "cuda":
+        raise RuntimeError("rollout.placement=separate with engine processes started by the trainer runs on CPU; on "
+                           "GPU use rollout.mode=ray (engines as Ray actors on GPUs of their own)")
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import replica_cores
-    from megarl.rollout.threads import available_cores
 
-    # the replicas on this machine split its cores (the trainer's ranks wait while they generate)
+    # the replicas on this machine split the engines' cores (see engine_cores)
     local = int(os.environ.get("LOCAL_RANK", rt.rank))
     first = rt.rank - local
     on_node = [r for r in range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size)))
                if rt.engines.owns(r)]
-    cores = replica_cores(available_cores(), on_node.index(rt.rank), len(on_node), cfg.rollout.tensor_model_parallel_size)
+    cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node),
+                          cfg.rollout.tensor_model_parallel_size)
     replica = rt.engines.replica_of(rt.rank)
     return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores,
                          name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))
+
+
+def engine_cores(cfg: MegarlConfig, trainer_side: bool = False) -> list:
+    """The CPU cores of this machine for its engines (or, trainer_side, for the trainer's ranks): all of them for both
+    when they take turns (colocated), their own share for each when the engines are placed separately."""
+    from megarl.rollout.threads import available_cores, split_cores
+
+    split = split_cores(available_cores(), None, cfg.engine_placement == "separate")
+    return split[1] if trainer_side else split[0]
 
 
 def train(cfg: MegarlConfig) -> dict:
@@ -120,6 +137,8 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                         states={"loader": loader, "kl_ctrl": kl_ctrl})
     start_step = ckpt.resume()  # 0 for a fresh run
     engine = start_engine(cfg, model_path, rt)
+    if compute_device().type == "cpu":
+        keep_trainer_on(engine_cores(cfg, trainer_side=True))
     if engine is not None:
         cleanups.callback(engine.shutdown, timeout_s=5)  # after a failure; a no-op after the shutdown below
     sync = steps.weight_sync(actor, engine, cfg, rt)

@@ -34,6 +34,11 @@ class RolloutBatch:
         prompt_truncated: BoolTensor [N]. True where the prompt was longer than rollout.prompt_length and was cut.
         weight_version: the engine weight version that produced every sample (0 = the weights loaded at start).
         pad_token_id: the value used to pad `response_ids`.
+        loss_mask: BoolTensor [N, R] or None. Multi-turn rollouts: True on the tokens the model sampled (they carry
+            rollout logprobs and are trained on), False on tool responses and chat-template tokens between turns (their
+            logprob is 0.0) and on padding. None: every valid response token is the model's (single-turn).
+        tool_rewards: FloatTensor [N] or None. Multi-turn rollouts: the sum of the rewards the sample's tool calls
+            returned, added to its reward. None: no tools.
         metrics: scalar metrics of the rollout (counts, seconds, tokens/s), names prefixed "rollout/".
     """
 
@@ -48,6 +53,8 @@ class RolloutBatch:
     weight_version: int = 0
     pad_token_id: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    loss_mask: Optional[torch.Tensor] = None
+    tool_rewards: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -60,6 +67,10 @@ class RolloutBatch:
         }
         if self.rollout_logprobs is not None:
             checks["rollout_logprobs"] = (self.rollout_logprobs, 2, torch.float32)
+        if self.loss_mask is not None:
+            checks["loss_mask"] = (self.loss_mask, 2, torch.bool)
+        if self.tool_rewards is not None:
+            checks["tool_rewards"] = (self.tool_rewards, 1, torch.float32)
         for name, (t, ndim, dtype) in checks.items():
             if t.ndim != ndim or t.shape[0] != n or t.dtype != dtype:
                 raise ValueError(f"RolloutBatch.{name}: expected a {dtype} tensor with {ndim} dims and {n} rows, "
@@ -67,6 +78,9 @@ class RolloutBatch:
         if self.rollout_logprobs is not None and self.rollout_logprobs.shape != self.response_ids.shape:
             raise ValueError(f"RolloutBatch.rollout_logprobs {tuple(self.rollout_logprobs.shape)} must have the shape "
                              f"of response_ids {tuple(self.response_ids.shape)}")
+        if self.loss_mask is not None and self.loss_mask.shape != self.response_ids.shape:
+            raise ValueError(f"RolloutBatch.loss_mask {tuple(self.loss_mask.shape)} must have the shape of "
+                             f"response_ids {tuple(self.response_ids.shape)}")
         if len(self.finish_reasons) != n:
             raise ValueError(f"RolloutBatch.finish_reasons has {len(self.finish_reasons)} entries for {n} samples")
         bad = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
@@ -87,6 +101,16 @@ class RolloutBatch:
         width = self.response_ids.shape[1]
         return torch.arange(width).unsqueeze(0) < self.response_lengths.unsqueeze(1)
 
+    def train_mask(self) -> torch.Tensor:
+        """BoolTensor [N, R]: the positions a trainer learns from: the model's own valid tokens (response_mask() and
+        loss_mask)."""
+        mask = self.response_mask()
+        return mask if self.loss_mask is None else mask & self.loss_mask
+
+    def model_token_counts(self) -> torch.Tensor:
+        """LongTensor [N]: tokens each sample's model generated (tool and template tokens not counted)."""
+        return self.train_mask().sum(dim=1)
+
     def response(self, i: int) -> list[int]:
         """The response tokens of sample i, without padding."""
         return self.response_ids[i, : int(self.response_lengths[i])].tolist()
@@ -106,7 +130,9 @@ class RolloutBatch:
             rollout_logprobs=None if self.rollout_logprobs is None else self.rollout_logprobs[idx],
             finish_reasons=[self.finish_reasons[i] for i in indices], truncated=self.truncated[idx],
             prompt_index=self.prompt_index[idx], prompt_truncated=self.prompt_truncated[idx],
-            weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics))
+            weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics),
+            loss_mask=None if self.loss_mask is None else self.loss_mask[idx],
+            tool_rewards=None if self.tool_rewards is None else self.tool_rewards[idx])
 
     @classmethod
     def concat(cls, batches: list["RolloutBatch"], prompt_index: Optional[list[int]] = None) -> "RolloutBatch":
@@ -122,10 +148,17 @@ class RolloutBatch:
                   for k, b in enumerate(batches)]
         logprobs = None if batches[0].rollout_logprobs is None else torch.cat(
             [widen(b.rollout_logprobs, 0.0) for b in batches])
+        multi_turn = any(b.loss_mask is not None for b in batches)
+        # a batch without a loss mask is all model tokens; without tool rewards, zeros
+        loss_mask = torch.cat([widen(b.loss_mask if b.loss_mask is not None else b.response_mask(), False)
+                               for b in batches]) if multi_turn else None
+        tool_rewards = torch.cat([b.tool_rewards if b.tool_rewards is not None else torch.zeros(len(b))
+                                  for b in batches]) if any(b.tool_rewards is not None for b in batches) else None
         return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
                    response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
                    response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
                    finish_reasons=[r for b in batches for r in b.finish_reasons],
                    truncated=torch.cat([b.truncated for b in batches]), prompt_index=torch.cat(groups),
                    prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
-                   weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics))
+                   weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics),
+                   loss_mask=loss_mask, tool_rewards=tool_rewards)

@@ -360,15 +360,12 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("rollout.multi_turn.enable", False, "multi-turn rollouts are not supported yet; set it to false"),
     ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
      "custom reward functions"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
-    ("rollout.multi_turn.max_assistant_turns", None, "multi-turn rollouts are not supported yet; unset it"),
-    ("rollout.multi_turn.max_user_turns", None, "multi-turn rollouts are not supported yet; unset it"),
     ("rollout.log_prob_max_token_len_per_gpu", 16384, "it is the token budget of rollout.log_prob_use_dynamic_bsz, "
      "which is not supported yet; leave it unset and use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
@@ -416,7 +413,8 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"expert-parallel group from its tensor-parallel ranks, so it must equal "
                             f"rollout.tensor_model_parallel_size = {tp}", f"set it to {tp} (or 1: experts split over TP)",
                             keys=(R + "expert_model_parallel_size", R + "tensor_model_parallel_size")))
-    if r.mode == "colocated":
+    issues += _placement_issues(cfg)
+    if cfg.engine_placement == "colocated":
         world = cfg.world_size
         if r.data_parallel_size is None and world % tp:
             issues.append(Issue(R + "tensor_model_parallel_size", tp, f"must divide the world size {world}: each engine "
@@ -440,6 +438,72 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
+    syn, key = cfg.data.synthetic, "data.synthetic.max_operand"
+    if syn is None:
+        return []
+    if syn.task == "arithmetic" and syn.max_operand > 60:
+        return [Issue(key, syn.max_operand, "the arithmetic task's tokenizer has one token per number up to "
+                      "2 * max_operand, kept under 128 numbers", "use at most 60", keys=(key, "data.synthetic.task"))]
+    if syn.task == "multiply_tool" and syn.max_operand < 32:
+        return [Issue(key, syn.max_operand, "multiply_tool draws operands from [32, max_operand]", "use at least 32",
+                      keys=(key, "data.synthetic.task"))]
+    return []
+
+
+def check_multi_turn(cfg: MegarlConfig) -> list[Issue]:
+    """rollout.multi_turn: its settings only act with enable; the tool config must load (tools imported here, before
+    any process starts); what the agent loop cannot do with other settings."""
+    mt, M = cfg.rollout.multi_turn, "rollout.multi_turn."
+    defaults = type(mt)()
+    if not mt.enable:
+        return [Issue(M + name, getattr(mt, name), "multi-turn settings act only with rollout.multi_turn.enable=true",
+                      "set rollout.multi_turn.enable=true, or unset it", keys=(M + name, M + "enable"))
+                for name in type(mt).model_fields if name != "enable" and getattr(mt, name) != getattr(defaults, name)]
+    issues = []
+    if not mt.tool_config_path:
+        issues.append(Issue(M + "tool_config_path", None, "multi-turn rollouts call the tools of a tool config file",
+                            "set it to a YAML file with a 'tools:' list (see README 'Multi-turn rollouts with tools')",
+                            keys=(M + "tool_config_path",)))
+    else:
+        from megarl.agent.tools import ToolConfigError, load_tools
+
+        try:
+            load_tools(mt.tool_config_path)
+        except ToolConfigError as exc:
+            issues.append(Issue(M + "tool_config_path", mt.tool_config_path, str(exc), keys=(M + "tool_config_path",)))
+    if cfg.algorithm.adv_estimator == "remax":
+        issues.append(Issue("algorithm.adv_estimator", "remax", "ReMax's greedy baseline rollout is single-turn",
+                            "use grpo, rloo or gae with multi-turn rollouts",
+                            keys=("algorithm.adv_estimator", M + "enable")))
+    if cfg.rollout.ignore_eos:
+        issues.append(Issue("rollout.ignore_eos", True, "a model turn ends at the stop token, where tool calls are "
+                            "parsed; ignoring EOS would never end a turn", "set rollout.ignore_eos=false",
+                            keys=("rollout.ignore_eos", M + "enable")))
+    return issues
+
+
+def _placement_issues(cfg: MegarlConfig) -> list[Issue]:
+    """rollout.placement against rollout.mode, the replica count and sleep mode."""
+    r, R = cfg.rollout, "rollout."
+    if r.mode == "ray" and r.placement == "colocated":
+        return [Issue(R + "placement", r.placement, "Ray actors hold resources of their own, so Ray-hosted engines "
+                      "are always placed separately", "drop rollout.placement (or set it to separate), or use "
+                      "rollout.mode=colocated", keys=(R + "placement", R + "mode"))]
+    if cfg.engine_placement != "separate":
+        return []
+    issues = []
+    if r.mode == "colocated" and cfg.engine_replicas > cfg.world_size:
+        issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"with placement separate each engine "
+                            f"replica is started by its own trainer rank; the trainer has {cfg.world_size}",
+                            f"at most {cfg.world_size} replicas, or rollout.mode=ray", keys=(R + "data_parallel_size",)))
+    if r.enable_sleep_mode:
+        issues.append(Issue(R + "enable_sleep_mode", True, "engines placed separately keep their memory: there is no "
+                            "trainer on their GPUs to make room for, and sleeping would only add a wake-up per step",
+                            "set rollout.enable_sleep_mode=false", keys=(R + "enable_sleep_mode", R + "placement")))
+    return issues
+
+
 def check_wandb(cfg: MegarlConfig) -> list[Issue]:
     import importlib.util
 
@@ -452,7 +516,8 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings, check_wandb)
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
+    check_synthetic, check_multi_turn, check_wandb)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

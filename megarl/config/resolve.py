@@ -38,6 +38,7 @@ def derived(cfg: MegarlConfig) -> dict:
         "clip_ratio_high": a.clip_high,
         "max_model_len": cfg.rollout.resolved_max_model_len,
         "engine_replicas": cfg.engine_replicas,
+        "engine_placement": cfg.engine_placement,
         "critic_enabled": cfg.critic_enabled,
         "ref_enabled": cfg.ref_enabled,
     }

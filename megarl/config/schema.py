@@ -16,14 +16,18 @@ class _Section(BaseModel):
 class SyntheticDataConfig(_Section):
     """A verifiable task megarl generates itself (demos and tests on machines without datasets)."""
 
-    task: Literal["arithmetic"] = Field("arithmetic", description="Addition questions 'What is a + b ?' with the "
-                                        "answer as '#### c'; scored by the arithmetic reward.")
+    task: Literal["arithmetic", "multiply_tool"] = Field(
+        "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. multiply_tool: "
+        "'What is a * b ?' with a, b in [32, max_operand], which needs the calculator tool of a multi-turn rollout "
+        "(its SFT targets are tool-using conversations). Both are scored by the arithmetic reward.")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
-    max_operand: int = Field(20, ge=1, le=60, description="Largest operand (the tokenizer has one token per number "
-                             "up to 2 * max_operand).")
+    num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
+                                   "that fills sft.train_files; None: SFT reads the training prompts' targets.")
+    max_operand: int = Field(20, ge=1, le=999, description="Largest operand (arithmetic: at most 60, the tokenizer has "
+                             "one token per number up to 2 * max_operand; multiply_tool: at least 32).")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
-                                                                "targets.")
+                                                                "targets (arithmetic).")
     output_dir: Optional[str] = Field(None, description="Where the files are written; None: <run_dir>/data.")
 
 
@@ -175,15 +179,39 @@ class ValKwargs(_Section):
 
 
 class MultiTurnConfig(_Section):
-    enable: bool = Field(False, description="Multi-turn rollouts with tool calls (not yet supported by the engine).")
-    max_assistant_turns: Optional[int] = Field(None, ge=1, description="Limit on assistant turns; None: no limit.")
-    max_user_turns: Optional[int] = Field(None, ge=1, description="Limit on user/tool turns; None: no limit.")
+    """Agentic rollouts: the model calls tools over several turns (megarl.agent)."""
+
+    enable: bool = Field(False, description="Multi-turn rollouts with tool calls: each sample alternates model turns "
+                         "and tool turns until the model answers without a call, a turn limit, or the response budget "
+                         "(rollout.response_length counts every token after the prompt, tool turns included).")
+    format: Literal["hermes"] = Field("hermes", description="How the model writes tool calls: hermes = "
+                                      "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Hermes).")
+    max_assistant_turns: Optional[int] = Field(None, ge=1, description="Most model turns per sample; None: no limit "
+                                               "(the response budget still ends it).")
+    max_user_turns: Optional[int] = Field(None, ge=1, description="Most tool turns per sample; None: no limit.")
+    max_parallel_calls: int = Field(1, ge=1, description="Tool calls of one model turn that are executed (at the same "
+                                    "time); further calls in that turn get an error response.")
+    max_tool_response_length: int = Field(256, ge=1, description="Characters of a tool's response the model sees; "
+                                          "longer responses are cut (tool/truncated_responses counts them).")
+    tool_response_truncate_side: Literal["left", "right", "middle"] = Field(
+        "middle", description="Which part of a long tool response is cut away: left keeps the end, right keeps the "
+        "start, middle keeps both ends.")
+    tool_config_path: Optional[str] = Field(None, description="YAML file declaring the tools (OpenAI function schemas "
+                                            "and their Python or HTTP backends); see README 'Multi-turn rollouts'.")
+    sanity_check: bool = Field(False, description="Re-render every finished conversation with the chat template and "
+                               "compare its tokens with the trajectory's (the model's turns as the encoding of their "
+                               "text on both sides); mismatches are counted in tool/sanity_drift.")
 
 
 class RolloutConfig(_Section):
     name: Literal["vllm"] = Field("vllm", description="Rollout engine.")
-    mode: Literal["colocated", "ray"] = Field("colocated", description="Engine inside the trainer's rank 0 process, "
-                                              "or as Ray actors.")
+    mode: Literal["colocated", "ray"] = Field("colocated", description="Who hosts the engines: colocated, a process "
+                                              "started by a trainer rank; ray, Ray actors (always on resources of "
+                                              "their own: placement separate).")
+    placement: Optional[Literal["colocated", "separate"]] = Field(
+        None, description="Where the engines compute. colocated: on the trainer's ranks (their GPUs or cores), "
+        "sleeping while the trainer computes if asked. separate: on cores/GPUs of their own, weights over a transfer "
+        "group of the trainer ranks and the engine hosts. None: separate with mode ray, else colocated.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 is greedy.")
     top_k: int = Field(-1, description="-1 disables top-k.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
@@ -211,7 +239,8 @@ class RolloutConfig(_Section):
     expert_model_parallel_size: int = Field(1, ge=1, description="Engine EP size.")
     data_parallel_size: Optional[int] = Field(None, ge=1, description="Engine replicas. Colocated: each spans "
                                               "tensor_model_parallel_size consecutive trainer ranks; None: world size / "
-                                              "engine TP (every rank generates). Ray: Ray actors; None: 1.")
+                                              "engine TP (every rank generates). Separate (and Ray): replicas on "
+                                              "resources of their own; None: 1.")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")
@@ -401,7 +430,13 @@ class MegarlConfig(_Section):
         r = self.rollout
         if r.data_parallel_size is not None:
             return r.data_parallel_size
-        return max(1, self.world_size // r.tensor_model_parallel_size) if r.mode == "colocated" else 1
+        return max(1, self.world_size // r.tensor_model_parallel_size) if self.engine_placement == "colocated" else 1
+
+    @property
+    def engine_placement(self) -> str:
+        """rollout.placement, resolved: Ray actors are always separate; otherwise colocated unless set."""
+        r = self.rollout
+        return "separate" if r.mode == "ray" else r.placement or "colocated"
 
     @property
     def critic_enabled(self) -> bool:

@@ -45,7 +45,7 @@ class PromptRecord:
     data_source: str = ""
     ground_truth: Any = None
     extra_info: dict[str, Any] = field(default_factory=dict)
-    response: Optional[str] = None
+    response: Optional[Union[str, list[Message]]] = None
     prompt_ids: Optional[tuple[int, ...]] = None
 
     @property
@@ -186,12 +186,15 @@ def records_from_rows(rows: Sequence[dict[str, Any]], path: str, *, prompt_key: 
             raise DataError(f"{path} row {row_no}: column {extra_info_key!r} (data.extra_info_key) must be a dict, "
                             f"got {type(extra).__name__}")
         response = row.get(response_key)
-        if require_response and not isinstance(response, str):
-            raise DataError(f"{path} row {row_no}: {response_key!r} (data.response_key) must be a string, "
-                            f"got {response!r:.200}")
+        if isinstance(response, (list, tuple)) and all(isinstance(m, dict) and m.get("role") in ("assistant", "tool")
+                                                       and isinstance(m.get("content"), str) for m in response):
+            response = [dict(m) for m in response]  # a multi-turn target: assistant and tool messages
+        elif require_response and not isinstance(response, str):
+            raise DataError(f"{path} row {row_no}: {response_key!r} (data.response_key) must be a string or a list "
+                            f"of assistant/tool messages, got {response!r:.200}")
         records.append(PromptRecord(index=start_index + row_no, uid=f"{name}#{row_no}", prompt=prompt,
                                     data_source=str(data_source), ground_truth=ground_truth, extra_info=dict(extra),
-                                    response=response if isinstance(response, str) else None))
+                                    response=response if isinstance(response, (str, list)) else None))
     return records
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 from megarl.data.dataset import DataError, PromptRecord
 
@@ -49,16 +49,19 @@ def encode_one(record: PromptRecord, tokenizer: Any, apply_chat_template: bool =
     return _as_id_list(out, record.uid)
 
 
-def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_template: bool = True) -> list[list[int]]:
+def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_template: bool = True,
+                tools: Optional[list] = None) -> list[list[int]]:
     """encode_one of every record, with one tokenizer call for the chat prompts and one for the plain-text ones:
-    batched calls cost a fraction of one call per prompt (a dataset's start-up time), and give the same ids."""
+    batched calls cost a fraction of one call per prompt (a dataset's start-up time), and give the same ids.
+    tools: OpenAI function schemas handed to the chat template (multi-turn rollouts: Qwen2.5's template lists them
+    in the system prompt)."""
     encoded: list = [None] * len(records)
     chat = [i for i, r in enumerate(records) if not isinstance(r.prompt, str)]
     text = [i for i, r in enumerate(records) if isinstance(r.prompt, str)]
     if chat:
         _check_chat(records[chat[0]], tokenizer, apply_chat_template)
         out = tokenizer.apply_chat_template([list(records[i].prompt) for i in chat], add_generation_prompt=True,
-                                            tokenize=True)
+                                            tokenize=True, **({"tools": tools} if tools else {}))
         for i, ids in zip(chat, out["input_ids"] if hasattr(out, "keys") else out):
             encoded[i] = _as_id_list(ids, records[i].uid)
     if text:
@@ -69,7 +72,7 @@ def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_temp
 
 
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_length: int,
-                   truncation: Truncation = "error", apply_chat_template: bool = True,
+                   truncation: Truncation = "error", apply_chat_template: bool = True, tools: Optional[list] = None,
                    ) -> tuple[list[PromptRecord], list[list[int]], dict[str, int]]:
     """Tokenise prompts and apply the rollout.prompt_length policy.
 
@@ -83,7 +86,7 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_lengt
         raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
     if truncation not in ("error", "filter", "left", "right"):
         raise ValueError(f"data.truncation must be one of error, filter, left, right; got {truncation!r}")
-    encoded = encode_many(records, tokenizer, apply_chat_template)
+    encoded = encode_many(records, tokenizer, apply_chat_template, tools)
     too_long = [i for i, ids in enumerate(encoded) if len(ids) > prompt_length]
     if too_long and truncation == "error":
         first = too_long[0]

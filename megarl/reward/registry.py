@@ -40,6 +40,7 @@ register_reward("exact_match", rules.exact_match)
 register_reward("format_regex", rules.format_regex)
 register_reward("format_think_answer", rules.format_think_answer)
 register_reward("arithmetic", rules.arithmetic, aliases=["megarl/arithmetic"])
+register_reward("multiply_tool", rules.multiply_tool)
 
 
 def _known() -> str:

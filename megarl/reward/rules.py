@@ -210,3 +210,23 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
         return {"score": 0.0, "acc": 0.0, "formatted": 0.0}
     correct = normalize_number(answer) == normalize_number(ground_truth)
     return {"score": 1.0 if correct else format_score, "acc": 1.0 if correct else 0.0, "formatted": 1.0}
+
+
+_EXPRESSION = re.compile(r'"expression"\s*:\s*"\s*(\d+)\s*\*\s*(\d+)\s*"')
+
+
+def multiply_tool(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+                  format_score: float = 0.0) -> dict[str, float]:
+    """The multiplication task with a calculator (megarl.data.synthetic_tool): the arithmetic reward of the final
+    answer ('#### N' after the last tool turn), plus the metric correct_call: 1 if the model called the calculator
+    with a product of the right value ("expression": "a*b"), whatever it answered."""
+    text = solution_str.strip()
+    answer = extract_hash_answer(text)
+    calls = [int(a) * int(b) for a, b in _EXPRESSION.findall(text)]
+    right = normalize_number(str(ground_truth))
+    correct_call = float(any(normalize_number(str(c)) == right for c in calls))
+    if answer is None:
+        return {"score": 0.0, "acc": 0.0, "formatted": 0.0, "correct_call": correct_call}
+    correct = normalize_number(answer) == right
+    return {"score": 1.0 if correct else format_score, "acc": float(correct), "formatted": 1.0,
+            "correct_call": correct_call}

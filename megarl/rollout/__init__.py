@@ -1,6 +1,6 @@
 """Rollout: the generation engines (vLLM) and the weight sync from the Megatron actor into them.
 
-Where engines run (rollout.mode = "colocated", the default; "ray" is megarl.rollout.ray_engine)
+Where engines run (rollout.placement = "colocated", the default)
 ---------------------------------------------------------------------------------------------
 * rollout.data_parallel_size engine replicas over the trainer's ranks (megarl.rollout.replicas): replica r spans
   rollout.tensor_model_parallel_size consecutive ranks and its first rank owns it, as a child process
@@ -12,7 +12,10 @@ Where engines run (rollout.mode = "colocated", the default; "ray" is megarl.roll
   worker extension (megarl.rollout.worker_ext) loads with vLLM's own weight loaders. The plan (megarl.rollout.shards,
   megarl.rollout.plan) comes from the bridge mapping and the shards each live worker reports.
 
-Ray mode (engines as Ray actors on their own GPUs) still streams whole tensors from trainer rank 0.
+Placed separately (rollout.placement = "separate"; Ray actors always are): each replica runs in a host process of its
+own (a Ray actor, megarl.rollout.ray_engine, or an engine process on cores of its own) and receives the same plan's
+pieces from the trainer ranks over a transfer group of the trainer ranks and the hosts (megarl.rollout.remote: gloo
+on CPU, NCCL on GPU), never through one rank or Ray's object store.
 """
 from megarl.rollout.engine import (EngineStartError, PromptTooLongError, VLLMEngine, apply_prompt_overflow,
                                    engine_kwargs, kv_cache_bytes_needed, sampling_kwargs)

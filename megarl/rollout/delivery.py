@@ -227,13 +227,7 @@ class WeightSync:
         stats["exchange_s"] += time.perf_counter() - t0
 
     def _piece(self, mv: Move, chunks: dict) -> torch.Tensor:
-        if mv.hf not in chunks:
-            entry = self.mapping.by_hf[mv.hf]
-            lp = self.local[entry.megatron]
-            split = entry.tp_dim is not None and lp.tp_size > 1
-            chunks.update(self.mapping.shard_to_hf(entry, lp.param.detach(), lp.tp_rank if split else 0,
-                                                   lp.tp_size if split else 1))
-        return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
+        return piece_of(self.mapping, self.local, mv, chunks)
 
     def _write(self, buf: torch.Tensor, f: BucketFile, mv: Move, piece: torch.Tensor) -> None:
         offset, dtype, shape = f.regions[mv.hf]
@@ -293,6 +287,18 @@ class WeightSync:
         out["weight_sync/bytes"] = float(every[:, 2].sum())
         out["weight_sync/gbps"] = out["weight_sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         return out
+
+
+def piece_of(mapping: Mapping, local: dict, mv: Move, chunks: dict) -> torch.Tensor:
+    """The piece `mv` of this rank's own parameter (`local`: local_holdings' first value), cut from its HF chunks;
+    `chunks` caches the chunks of the tensors already converted."""
+    if mv.hf not in chunks:
+        entry = mapping.by_hf[mv.hf]
+        lp = local[entry.megatron]
+        split = entry.tp_dim is not None and lp.tp_size > 1
+        chunks.update(mapping.shard_to_hf(entry, lp.param.detach(), lp.tp_rank if split else 0,
+                                          lp.tp_size if split else 1))
+    return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
 
 
 def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:

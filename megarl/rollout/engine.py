@@ -4,6 +4,8 @@ Interface (megarl.rollout.protocol.RolloutEngine; the engine process and the Ray
 
     generate(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, greedy=False) -> RolloutBatch
     await agenerate(prompt_ids, sampling, n=1, seed=None) -> list[Completion]   # many in flight on one event loop
+    rollout_agents(prompt_token_ids, n=None, validate=False, prompt_index=None, seed=None, extra_infos=None)
+        -> RolloutBatch with loss_mask and tool_rewards          # multi-turn with tools (megarl.agent), on agenerate
     update_weights(buckets, verify=False) -> dict of metrics   # stream HF-named tensors in, bump weight_version
     weight_version: int                                        # 0 = the weights loaded at start
     checksums() -> {engine tensor name: checksum};  verify_weights(expected) -> report
@@ -303,6 +305,13 @@ class VLLMEngine:
         return self._llm
 
     # -- generation ---------------------------------------------------------------------------------------------------
+    def _prompts(self, prompt_token_ids: Sequence[Sequence[int]], prompt_index: Optional[Sequence[int]]):
+        """(group ids of all prompts, the prompts kept by the overflow policy, their indices, their cut flags)."""
+        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
+        if len(ids) != len(prompt_token_ids):
+            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
+        return (ids, *apply_prompt_overflow(prompt_token_ids, self.config.prompt_length, self.prompt_overflow))
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
                  greedy: bool = False) -> RolloutBatch:
@@ -316,10 +325,7 @@ class VLLMEngine:
 
         cfg = self.config
         t0 = time.perf_counter()
-        ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
-        if len(ids) != len(prompt_token_ids):
-            raise ValueError(f"prompt_index has {len(ids)} entries for {len(prompt_token_ids)} prompts")
-        prompts, kept, cut = apply_prompt_overflow(prompt_token_ids, cfg.prompt_length, self.prompt_overflow)
+        ids, prompts, kept, cut = self._prompts(prompt_token_ids, prompt_index)
         kw = sampling_kwargs(cfg, validate=validate, n=n, greedy=greedy)
         n_eff = kw["n"]
         # seeds: a function of the global prompt index, so the samples do not depend on the number of replicas
@@ -340,21 +346,34 @@ class VLLMEngine:
                 pcut.append(cut[k])
         num = len(rows_r)
         width = max((len(r) for r in rows_r), default=0)
-        pad = int(self.eos_token_id if isinstance(self.eos_token_id, int) else 0)
-        resp = torch.full((num, width), pad, dtype=torch.long)
+        resp = torch.full((num, width), self.pad_id, dtype=torch.long)
         lps = torch.zeros((num, width), dtype=torch.float32) if cfg.calculate_log_probs else None
         for i, r in enumerate(rows_r):
             resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             if lps is not None:
                 lps[i, : len(r)] = torch.tensor(rows_lp[i], dtype=torch.float32)
         lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
+        return self._rollout_batch(len(prompt_token_ids), cut, rows_p, resp, lengths, lps, reasons, groups, pcut,
+                                   gen_s)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.eos_token_id if isinstance(self.eos_token_id, int) else 0)
+
+    def _rollout_batch(self, num_prompts: int, cut: Sequence[bool], rows_p, resp: torch.Tensor, lengths: torch.Tensor,
+                       lps: Optional[torch.Tensor], reasons: list, groups: list, pcut: list, gen_s: float,
+                       **fields) -> RolloutBatch:
+        """The RolloutBatch of generated rows, with the rollout/* metrics (cut: the overflow flags of the kept
+        prompts; fields: loss_mask, tool_rewards of multi-turn rollouts)."""
+        cfg = self.config
+        num = len(rows_p)
         truncated = torch.tensor([r == "length" for r in reasons], dtype=torch.bool)
         tokens = int(lengths.sum())
         metrics = {
-            "rollout/num_prompts": float(len(prompt_token_ids)),
+            "rollout/num_prompts": float(num_prompts),
             "rollout/num_samples": float(num),
             "rollout/prompts_truncated": float(sum(cut)),
-            "rollout/prompts_filtered": float(len(prompt_token_ids) - len(prompts)),
+            "rollout/prompts_filtered": float(num_prompts - len(cut)),
             "rollout/response_tokens": float(tokens),
             "rollout/response_length_mean": float(lengths.float().mean()) if num else 0.0,
             "rollout/truncated_fraction": float(truncated.float().mean()) if num else 0.0,
@@ -362,7 +381,7 @@ class VLLMEngine:
             "rollout/generate_seconds": gen_s,
             "rollout/tokens_per_second": tokens / gen_s if gen_s > 0 else 0.0,
         }
-        n_over = sum(cut) + len(prompt_token_ids) - len(prompts)
+        n_over = sum(cut) + num_prompts - len(cut)
         if n_over:
             log.warning("rollout: %d prompt(s) longer than rollout.prompt_length=%d were %s", n_over,
                         cfg.prompt_length, "dropped" if self.prompt_overflow == "filter"
@@ -371,7 +390,56 @@ class VLLMEngine:
                             finish_reasons=reasons, truncated=truncated,
                             prompt_index=torch.tensor(groups, dtype=torch.long),
                             prompt_truncated=torch.tensor(pcut, dtype=torch.bool),
-                            weight_version=self.weight_version, pad_token_id=pad, metrics=metrics)
+                            weight_version=self.weight_version, pad_token_id=self.pad_id, metrics=metrics, **fields)
+
+    # -- multi-turn (agentic) rollouts ---------------------------------------------------------------------------------
+    def _agent(self):
+        """The agent loop of this engine (tools loaded and tokenizer read once, at the first multi-turn rollout)."""
+        if getattr(self, "_agent_rollout", None) is None:
+            from transformers import AutoTokenizer
+
+            from megarl.agent.loop import AgentRollout
+            from megarl.agent.tools import load_tools
+
+            mt = self.config.multi_turn
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self._agent_rollout = AgentRollout(self.config, tokenizer, load_tools(mt.tool_config_path))
+        return self._agent_rollout
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence[Optional[dict]]] = None
+                       ) -> RolloutBatch:
+        """Multi-turn rollouts with tool calls (rollout.multi_turn; megarl.agent.loop): the arguments of `generate`;
+        extra_infos: each prompt's extra_info, handed to stateful tools' create(). The batch carries loss_mask
+        (False on tool and template tokens), tool_rewards and tool/* metrics."""
+        import asyncio
+
+        from megarl.agent.loop import tool_rates, trajectory_counts, trajectory_tensors
+
+        cfg = self.config
+        agent = self._agent()
+        t0 = time.perf_counter()
+        ids, prompts, kept, cut = self._prompts(prompt_token_ids, prompt_index)
+        sampling = self.sampling_kwargs(validate=validate)
+        n_eff = n if n is not None else sampling["n"]
+        del sampling["n"]
+        seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff + j
+                 for k in range(len(prompts)) for j in range(n_eff)]
+        infos = None if extra_infos is None else [extra_infos[k] for k in kept]
+        # every trajectory in flight at once on one event loop; a turn is an agenerate request on the shared engine
+        trajs = asyncio.run(agent.run(self.agenerate, prompts, n_eff, sampling, seeds, infos))
+        t = trajectory_tensors(trajs, self.pad_id)
+        rows_p = [prompts[k] for k in range(len(prompts)) for _ in range(n_eff)]
+        groups = [ids[kept[k]] for k in range(len(prompts)) for _ in range(n_eff)]
+        pcut = [cut[k] for k in range(len(prompts)) for _ in range(n_eff)]
+        batch = self._rollout_batch(len(prompt_token_ids), cut, rows_p, t["response_ids"], t["response_lengths"],
+                                    t["rollout_logprobs"] if cfg.calculate_log_probs else None,
+                                    [tr.finish_reason for tr in trajs], groups, pcut, time.perf_counter() - t0,
+                                    loss_mask=t["loss_mask"], tool_rewards=t["tool_rewards"])
+        counts = trajectory_counts(trajs)
+        batch.metrics.update({**counts, **tool_rates(counts)})
+        return batch
 
     def sampling_kwargs(self, validate: bool = False, **overrides) -> dict[str, Any]:
         """vllm.SamplingParams keyword arguments of this engine's config (see `sampling_kwargs`), with overrides
@@ -466,6 +534,22 @@ class VLLMEngine:
                                    f"worker {w}: mismatched {r['mismatched'][:8]}, not in the engine "
                                    f"{r['missing_in_engine'][:8]}")
         return metrics
+
+    # -- weights over a transfer group, for an engine in a process of its own (megarl.rollout.remote) ---------------
+    def join_transfer(self, spec, rank: int) -> None:
+        """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
+        from megarl.rollout.remote import WeightReceiver
+
+        self._receiver = WeightReceiver(self)
+        self._receiver.join(spec, rank)
+
+    def set_receive_plan(self, plan) -> None:
+        """What this engine receives at every sync (megarl.rollout.remote.ReceivePlan)."""
+        self._receiver.plan = plan
+
+    def receive_weights(self, sync: int, verify: bool = False) -> dict:
+        """One sync from the trainer ranks into every worker (a failure keeps the previous weight version)."""
+        return self._receiver.receive(sync, verify)
 
     def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:
         """Per-HF-tensor checksums folded into the engine's tensor names (fused q/k/v, gate/up summed). A tied alias

@@ -6,6 +6,7 @@ from the megatron layout (`shards.layout_owners`) and each engine worker's needs
 architecture, so there is no second tensor table. `megarl plan` takes its per-GPU bytes from here.
 
     python -m megarl.rollout.plan --hf-config config.json --tp 8 --pp 2 --world 128 --engine-tp 8
+    python -m megarl.rollout.plan --hf-config config.json --tp 8 --world 64 --engine-tp 8 --replicas 4 --separate
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class SyncPlan:
     element_bytes: int
     holdings: dict
     moves: list
+    separate: bool = False  # engines on GPUs of their own: engine GPU i is receiver world + i
 
     @property
     def total_bytes(self) -> int:
@@ -59,20 +61,26 @@ class SyncPlan:
                 into[rank] += box_numel(box) * self.element_bytes
         return dense, expert
 
+    def _name(self, r: int) -> str:
+        return f"rank {r}" if r < self.world else f"engine {r - self.world}"
+
     def summary(self, per_tensor: bool = False) -> str:
         gib = 1024 ** 3
         sent, received, loaded = self.traffic()
+        engines = self.replicas * self.engine_tp
+        where = f"on {engines} GPUs of their own" if self.separate else f"({engines} trainer ranks generate)"
         lines = [f"weight sync plan: trainer TP{self.tp} PP{self.pp} EP{self.ep} on {self.world} ranks -> "
-                 f"{self.replicas} engine replica(s) of TP{self.engine_tp} EP{self.engine_ep} "
-                 f"({self.replicas * self.engine_tp} ranks generate); model {self.total_bytes / gib:.3f} GiB "
-                 f"({self.element_bytes} bytes/element), {len(self.moves)} pieces"]
-        busiest = max(range(self.world), key=lambda r: received.get(r, 0))
-        lines.append(f"per sync: busiest receiver rank {busiest} gets {received.get(busiest, 0):,} B from other ranks; "
-                     f"largest engine shard {max(loaded.values(), default=0):,} B; no rank gathers the model")
+                 f"{self.replicas} engine replica(s) of TP{self.engine_tp} EP{self.engine_ep} {where}; model "
+                 f"{self.total_bytes / gib:.3f} GiB ({self.element_bytes} bytes/element), {len(self.moves)} pieces"]
+        ranks = self.world + (engines if self.separate else 0)
+        busiest = max(range(ranks), key=lambda r: received.get(r, 0))
+        lines.append(f"per sync: busiest receiver {self._name(busiest)} gets {received.get(busiest, 0):,} B from "
+                     f"other ranks; largest engine shard {max(loaded.values(), default=0):,} B; no rank gathers the "
+                     "model")
         lines.append("rank: sent to other ranks | received from other ranks | loaded into its engine worker")
-        show = range(self.world) if self.world <= 16 else sorted({0, busiest, self.world - 1})
+        show = range(ranks) if ranks <= 16 else sorted({0, busiest, self.world - 1, ranks - 1})
         for r in show:
-            lines.append(f"  rank {r:4d}: {sent.get(r, 0):>14,d} B | {received.get(r, 0):>14,d} B | "
+            lines.append(f"  {self._name(r):>11s}: {sent.get(r, 0):>14,d} B | {received.get(r, 0):>14,d} B | "
                          f"{loaded.get(r, 0):>14,d} B")
         if per_tensor:
             lines.append("tensor: src -> dst box bytes")
@@ -83,11 +91,13 @@ class SyncPlan:
 
 def build_plan(hf_config: TMapping[str, Any], tp: int = 1, pp: int = 1, ep: int = 1, world: Optional[int] = None,
                engine_tp: int = 1, engine_ep: int = 1, replicas: Optional[int] = None,
-               dtype: str = "bfloat16") -> SyncPlan:
-    """The sync plan for colocated engines: `replicas` (default world / engine_tp) replicas over the first ranks."""
+               dtype: str = "bfloat16", separate: bool = False) -> SyncPlan:
+    """The sync plan. Colocated engines: `replicas` (default world / engine_tp) replicas whose workers are hosted by
+    the first ranks. separate: `replicas` (default 1) replicas on GPUs of their own, engine GPU i being receiver
+    world + i (megarl.rollout.remote numbers them so)."""
     world = world or tp * pp * ep
-    replicas = replicas or world // engine_tp
-    if replicas * engine_tp > world:
+    replicas = replicas or (1 if separate else world // engine_tp)
+    if not separate and replicas * engine_tp > world:
         raise ValueError(f"{replicas} engine replicas x engine TP {engine_tp} need more than the {world} ranks")
     spec = spec_from_dict(dict(hf_config))
     if (ep > 1 or engine_ep > 1) and not spec.is_moe:
@@ -101,15 +111,16 @@ def build_plan(hf_config: TMapping[str, Any], tp: int = 1, pp: int = 1, ep: int 
     holdings = trainer_holdings(mapping, layout_owners(mapping, tp, pp, ep, world))
     per_worker = [engine_needs(mapping, predict_engine_modules(mapping, engine_tp, engine_ep, w))
                   for w in range(engine_tp)]
-    needs = {r * engine_tp + w: per_worker[w] for r in range(replicas) for w in range(engine_tp)}
+    first = world if separate else 0
+    needs = {first + r * engine_tp + w: per_worker[w] for r in range(replicas) for w in range(engine_tp)}
     moves = plan_moves(mapping.hf_names(), needs, holdings, {h: nbytes for h in mapping.hf_names()})
-    return SyncPlan(mapping, tp, pp, ep, world, engine_tp, engine_ep, replicas, nbytes, holdings, moves)
+    return SyncPlan(mapping, tp, pp, ep, world, engine_tp, engine_ep, replicas, nbytes, holdings, moves, separate)
 
 
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megarl.rollout.plan",
-                                 description="Print the weight-sync plan from a Megatron layout to colocated engine "
-                                 "replicas for an HF config.json (no weights, no processes).")
+                                 description="Print the weight-sync plan from a Megatron layout to engine replicas "
+                                 "(colocated, or --separate) for an HF config.json (no weights, no processes).")
     ap.add_argument("--hf-config", required=True, help="path to an HF config.json (or a model directory)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
@@ -117,7 +128,10 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--world", type=int, default=None, help="trainer ranks (default TP*PP*EP)")
     ap.add_argument("--engine-tp", type=int, default=1)
     ap.add_argument("--engine-ep", type=int, default=1)
-    ap.add_argument("--replicas", type=int, default=None, help="engine replicas (default world / engine TP)")
+    ap.add_argument("--replicas", type=int, default=None, help="engine replicas (default: world / engine TP; 1 with "
+                    "--separate)")
+    ap.add_argument("--separate", action="store_true", help="engines on GPUs of their own (rollout.placement="
+                    "separate, Ray mode), not on the trainer's ranks")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--per-tensor", action="store_true", help="also list every piece's source and destination")
     args = ap.parse_args(argv)
@@ -126,7 +140,7 @@ def main(argv: Optional[list] = None) -> int:
         with open(path) as f:
             cfg = json.load(f)
         plan = build_plan(cfg.get("text_config", cfg), args.tp, args.pp, args.ep, args.world, args.engine_tp,
-                          args.engine_ep, args.replicas, args.dtype)
+                          args.engine_ep, args.replicas, args.dtype, args.separate)
     except (OSError, KeyError, ValueError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,8 @@ names the files (megarl.rollout.delivery).
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import traceback
 from typing import Any, Iterable, Optional, Sequence
 
@@ -51,12 +53,13 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
         conn.send((0, "error", _describe(exc)))
         return
     conn.send((0, "ready", None))
+    calls = _receive_continuously(conn)
     while True:
-        try:
-            call_id, method, args, kwargs = conn.recv()
-        except EOFError:  # the trainer is gone
+        item = calls.get()
+        if item is None:  # the trainer is gone
             engine.shutdown()
             return
+        call_id, method, args, kwargs = item
         if method == "shutdown":
             engine.shutdown()
             conn.send((call_id, "ok", None))
@@ -68,8 +71,41 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             conn.send((call_id, "error", _describe(exc)))
 
 
+def _receive_continuously(conn) -> "queue.Queue":
+    """The calls from the trainer, read by a thread as they arrive: the trainer may queue several (generations of
+    the batches ahead of it) while one runs, and its sends must never wait for the engine, or a large call and a large
+    reply could block each other on the pipe. None after the pipe closes."""
+    calls: queue.Queue = queue.Queue()
+
+    def read():
+        while True:
+            try:
+                calls.put(conn.recv())
+            except (EOFError, OSError):
+                calls.put(None)
+                return
+
+    threading.Thread(target=read, name="engine-calls", daemon=True).start()
+    return calls
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n--- engine process traceback ---\n{traceback.format_exc()}"
+
+
+class PendingCall:
+    """A call sent to the engine process and not yet waited for (EngineProcess.start_generate)."""
+
+    def __init__(self, engine: "EngineProcess", call_id: int):
+        self._engine, self._id = engine, call_id
+        self._done, self._value = False, None
+
+    def result(self) -> Any:
+        """Wait for the reply (once; later calls return the same value). Raises EngineProcessError if the call failed."""
+        if not self._done:
+            self._value = self._engine._wait(self._id)
+            self._done = True
+        return self._value
 
 
 class EngineProcess:
@@ -81,6 +117,8 @@ class EngineProcess:
         self.model_path = str(model_path)
         self._config = config
         self._calls = 0
+        self._waiting: dict[int, str] = {}  # call id -> method, of the calls sent and not yet answered
+        self._replies: dict[int, tuple] = {}  # replies that arrived before their handle asked for them
         self._layouts = None
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -120,19 +158,41 @@ class EngineProcess:
             self._recv()  # the engine is gone: EOF, raised as EngineProcessError with its exit code
             raise
 
-    def _call(self, method: str, *args, **kwargs) -> Any:
+    def _submit(self, method: str, *args, **kwargs) -> int:
+        """Send a call without waiting for its reply; the child runs the calls in the order they were sent."""
         self._calls += 1
         self._send((self._calls, method, args, kwargs))
-        call_id, status, payload = self._recv()
-        if call_id != self._calls:
-            raise EngineProcessError(f"the engine answered call {call_id} while call {self._calls} ({method}) was "
-                                     "waiting: the engine channel is out of step")
+        self._waiting[self._calls] = method
+        return self._calls
+
+    def _wait(self, call_id: int) -> Any:
+        """The reply to call `call_id`. Replies to other calls still awaited that arrive first are kept for their own
+        handles; a reply to a call nobody awaits means the channel is out of step."""
+        while call_id not in self._replies:
+            got, status, payload = self._recv()
+            if got not in self._waiting:
+                raise EngineProcessError(f"the engine answered call {got}, which nothing awaits, while call {call_id} "
+                                         f"({self._waiting.get(call_id)}) was waiting: the engine channel is out of step")
+            self._replies[got] = (status, payload)
+        del self._waiting[call_id]
+        status, payload = self._replies.pop(call_id)
         if status == "error":
             raise EngineProcessError(payload)
         return payload
 
+    def _call(self, method: str, *args, **kwargs) -> Any:
+        return self._wait(self._submit(method, *args, **kwargs))
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
-        return self._call("generate", [list(p) for p in prompt_token_ids], **kwargs)
+        return self.start_generate(prompt_token_ids, **kwargs).result()
+
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> "PendingCall":
+        """As generate, without waiting: the engine process generates while this process goes on (trains);
+        `.result()` waits for the RolloutBatch. Calls made meanwhile run after it, in order."""
+        return PendingCall(self, self._submit("generate", [list(p) for p in prompt_token_ids], **kwargs))
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
+        return self._call("rollout_agents", [list(p) for p in prompt_token_ids], **kwargs)
 
     def sequence_logprobs(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
@@ -153,6 +213,22 @@ class EngineProcess:
 
     def abort_update(self) -> None:
         self._call("abort_update")
+
+    # -- weights over a transfer group (rollout.placement=separate: megarl.rollout.remote), one engine host --------
+    def transfer_layouts(self) -> list:
+        return [self.layouts]
+
+    def start_join_transfer(self, spec, first_rank: int) -> "PendingCall":
+        return PendingCall(self, self._submit("join_transfer", spec, first_rank))
+
+    def set_receive_plans(self, plans: list) -> None:
+        self._call("set_receive_plan", plans[0])
+
+    def start_receive_weights(self, sync: int, verify: bool = False):
+        from megarl.rollout.remote import Deferred
+
+        call = PendingCall(self, self._submit("receive_weights", sync, verify=verify))
+        return Deferred(lambda: [call.result()])
 
     @property
     def layouts(self) -> list:

@@ -1,5 +1,8 @@
 """The engine interface the trainer drives, as a typing.Protocol: `VLLMEngine` (in this process), `EngineProcess` (a
-child process) and `RayEngine` (Ray actors) implement it, so megarl.steps never asks which one it holds."""
+child process) and `RayEngine` (Ray actors) implement it, so megarl.steps never asks which one it holds. Engines in
+processes of their own receive weights over a transfer group instead of the shared-memory calls (`EngineHosts`:
+`EngineProcess` and `RayEngine`; RayEngine has no begin_update / load_bucket, since its actors are never fed from a
+trainer rank's memory)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -15,6 +18,12 @@ class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
                  greedy: bool = False) -> RolloutBatch: ...
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence[Optional[dict]]] = None
+                       ) -> RolloutBatch:
+        """Multi-turn rollouts with tool calls (rollout.multi_turn): the batch carries loss_mask and tool_rewards."""
 
     def abort(self) -> None:
         """End the requests in flight; a running generate returns what it has, finish_reason 'abort'."""
@@ -54,9 +63,24 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def missing_members(cls: type) -> list[str]:
-    """The members of RolloutEngine that `cls` lacks (a class-level check: no engine is started; an attribute set in
+@runtime_checkable
+class EngineHosts(Protocol):
+    """The weight delivery of engines in processes of their own (megarl.rollout.remote): `EngineProcess` (one host)
+    and `RayEngine` (one host per replica). Each `start_*` returns at once; its `result()` waits (a list per host)."""
+
+    def transfer_layouts(self) -> list:
+        """Per host, every engine worker's layout (as `layouts`)."""
+
+    def start_join_transfer(self, spec: Any, first_rank: int) -> Any: ...
+
+    def set_receive_plans(self, plans: list) -> None: ...
+
+    def start_receive_weights(self, sync: int, verify: bool = False) -> Any: ...
+
+
+def missing_members(cls: type, protocol: type = RolloutEngine) -> list[str]:
+    """The members of `protocol` that `cls` lacks (a class-level check: no engine is started; an attribute set in
     __init__ counts when the class annotates it)."""
-    wanted = [m for m in vars(RolloutEngine) if not m.startswith("_")]
+    wanted = [m for m in vars(protocol) if not m.startswith("_")]
     annotated = {k for c in cls.__mro__ for k in getattr(c, "__annotations__", {})}
     return [m for m in wanted if not hasattr(cls, m) and m not in annotated]

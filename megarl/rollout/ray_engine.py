@@ -10,10 +10,10 @@ Layout
 * generate: the prompts are split into contiguous chunks, one per replica, generated concurrently and concatenated
   in prompt order. Seeds follow VLLMEngine's rule (prompt i's samples use seed + i*n + j) with the global prompt
   index, so the samples do not depend on the number of replicas.
-* update_weights: the same bucket stream as the colocated engine (the bridge export's buckets of HF-named tensors).
-  Each bucket is put into Ray's object store once (on the host) and handed to every replica; inside the actor a
-  thread feeds the buckets into ONE VLLMEngine.update_weights pass, as the colocated engine does. At most
-  `max_buckets_in_flight` buckets are in the object store at a time (back-pressure), not the whole model.
+* weights: never through Ray's object store. Each actor joins the trainer's transfer group (megarl.rollout.remote)
+  and receives, after every update, exactly its workers' shards straight from the trainer ranks that hold them (gloo
+  on CPU, NCCL on GPU); it writes them into its workers' shared-memory bucket files and loads them through megarl's
+  worker extension, as a colocated engine does.
 
 Why the dist variables are removed: a Ray instance started by the trainer's rank 0 inherits its environment, and an
 engine that saw RANK/WORLD_SIZE/MASTER_ADDR would try to join the trainer's process group (see process.py).
@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
 from megarl.types import RolloutBatch
@@ -74,14 +73,13 @@ def concat_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
     metrics["rollout/generate_seconds"] = seconds
     metrics["rollout/tokens_per_second"] = metrics["rollout/response_tokens"] / seconds if seconds > 0 else 0.0
     metrics["rollout/engine_replicas"] = float(len(parts))
+    tool_counts = {k: float(sum(p.metrics.get(k, 0.0) for p in parts)) for k in TOOL_COUNT_KEYS
+                   if any(k in p.metrics for p in parts)}
+    if tool_counts:
+        metrics.update({**tool_counts, **tool_rates(tool_counts)})
     out.metrics = metrics
     out.weight_version = min(p.weight_version for p in parts)
     return out
-
-
-def _host_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A bucket as host tensors (what goes into Ray's object store; the engine moves them to its device)."""
-    return [(name, t.detach().to("cpu").contiguous()) for name, t in bucket]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -89,7 +87,8 @@ def _host_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, 
 
 
 class _EngineHost:
-    """Runs inside a Ray actor: one VLLMEngine and the streamed weight update. Not used directly; see RayEngine."""
+    """Runs inside a Ray actor: one VLLMEngine, which receives its weights over the transfer group. Not used
+    directly; see RayEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str):
         for key in _DIST_VARS:
@@ -98,9 +97,6 @@ class _EngineHost:
         from megarl.rollout.engine import VLLMEngine
 
         self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
-        self._queue: Optional[queue.Queue] = None
-        self._thread: Optional[threading.Thread] = None
-        self._result: dict[str, Any] = {}
 
     def ready(self) -> float:
         return float(self.engine.start_seconds)
@@ -108,52 +104,21 @@ class _EngineHost:
     def generate(self, prompt_token_ids, **kwargs) -> RolloutBatch:
         return self.engine.generate(prompt_token_ids, **kwargs)
 
-    # -- streamed weight update: begin_update, push (one per bucket, in order), end_update -------------------------
-    def begin_update(self, verify: bool) -> None:
-        if self._thread is not None:
-            raise RuntimeError("a weight update is already in progress")
-        self._queue = queue.Queue(maxsize=2)
-        self._result = {}
-        end = object()
-        self._end = end
+    def rollout_agents(self, prompt_token_ids, **kwargs) -> RolloutBatch:
+        return self.engine.rollout_agents(prompt_token_ids, **kwargs)
 
-        def buckets():
-            while True:
-                item = self._queue.get()
-                if item is end:
-                    return
-                yield item
+    # -- weights over the transfer group (megarl.rollout.remote) -----------------------------------------------------
+    def layouts(self) -> list:
+        return self.engine.layouts
 
-        def run():
-            try:
-                self._result["metrics"] = self.engine.update_weights(buckets(), verify=verify)
-            except BaseException as exc:  # noqa: BLE001 - reported by end_update
-                import traceback
+    def join_transfer(self, spec, rank: int) -> None:
+        self.engine.join_transfer(spec, rank)
 
-                self._result["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    def set_receive_plan(self, plan) -> None:
+        self.engine.set_receive_plan(plan)
 
-        self._thread = threading.Thread(target=run, name="megarl-weight-update", daemon=True)
-        self._thread.start()
-
-    def _put(self, item) -> bool:
-        while True:
-            try:
-                self._queue.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                if not self._thread.is_alive():  # the update failed: drop the rest, end_update reports why
-                    return False
-
-    def push(self, bucket: list) -> bool:
-        return self._put(bucket)
-
-    def end_update(self) -> dict:
-        self._put(self._end)
-        self._thread.join()
-        self._thread, self._queue = None, None
-        if "error" in self._result:
-            raise RuntimeError(self._result["error"])
-        return self._result["metrics"]
+    def receive_weights(self, sync: int, verify: bool) -> dict:
+        return self.engine.receive_weights(sync, verify)
 
     # -- the rest of the engine interface ---------------------------------------------------------------------------
     def weight_version(self) -> int:
@@ -168,11 +133,11 @@ class _EngineHost:
     def verify_weights(self, expected, rtol: float):
         return self.engine.verify_weights(expected, rtol=rtol)
 
-    def sleep(self, level: int) -> None:
-        self.engine.sleep(level)
+    def sleep(self) -> None:
+        self.engine.sleep()
 
-    def wake_up(self) -> None:
-        self.engine.wake_up()
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
 
     def abort(self) -> None:
         self.engine.abort()
@@ -193,12 +158,10 @@ class RayEngine:
         address: a Ray cluster to join (default: $RAY_ADDRESS); None and no RAY_ADDRESS: start a local Ray instance.
         num_cpus: CPUs of a local Ray instance (default: one per replica).
         start_timeout_s: how long the engines may take to start.
-        max_buckets_in_flight: weight-sync buckets held in the object store at a time.
     """
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600,
-                 max_buckets_in_flight: int = 2):
+                 address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -206,7 +169,6 @@ class RayEngine:
         self._ray = ray
         self.config = config
         self.replicas = int(config.data_parallel_size or 1)
-        self.max_buckets_in_flight = max(1, int(max_buckets_in_flight))
         self._started_ray = False
         self._actors: list = []
         self._pg = None
@@ -282,35 +244,47 @@ class RayEngine:
         ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
         src = self.config.val_kwargs if validate else self.config
         n_eff = 1 if greedy else n if n is not None else src.n
+        return self._split_call("generate", prompts, ids, n_eff, seed, n=n, validate=validate, greedy=greedy)
+
+    def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, extra_infos: Optional[Sequence] = None) -> RolloutBatch:
+        """Multi-turn rollouts (VLLMEngine.rollout_agents), each replica running the agent loop for its prompts."""
+        prompts = [list(p) for p in prompt_token_ids]
+        ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
+        n_eff = n if n is not None else (self.config.val_kwargs if validate else self.config).n
+        return self._split_call("rollout_agents", prompts, ids, n_eff, seed, n=n, validate=validate,
+                                per_prompt={"extra_infos": extra_infos})
+
+    def _split_call(self, method: str, prompts: list, ids: list, n_eff: int, seed: Optional[int],
+                    per_prompt: Optional[dict] = None, **kwargs) -> RolloutBatch:
         chunks = split_prompts(len(prompts), len(self._actors)) or [(0, 0)]
         refs = []
         for actor, (start, stop) in zip(self._actors, chunks):
             chunk_seed = None if seed is None else int(seed) + start * n_eff  # the colocated engine's seeds
-            refs.append(actor.generate.remote(prompts[start:stop], n=n, validate=validate,
-                                              prompt_index=ids[start:stop], seed=chunk_seed, greedy=greedy))
-        return concat_rollouts(self._get(refs, None, "generate"))
+            extra = {k: None if v is None else list(v[start:stop]) for k, v in (per_prompt or {}).items()}
+            refs.append(getattr(actor, method).remote(prompts[start:stop], prompt_index=ids[start:stop],
+                                                      seed=chunk_seed, **kwargs, **extra))
+        return concat_rollouts(self._get(refs, None, method))
 
-    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        """Stream the buckets to every replica (one object-store copy each, at most max_buckets_in_flight at a time);
-        returns replica 0's metrics plus weight_sync/transfer_seconds (driver side, whole sync)."""
-        t0 = time.perf_counter()
-        self._all("begin_update", verify)
-        pending: list[list] = []
-        try:
-            for bucket in buckets:
-                ref = self._ray.put(_host_bucket(bucket))
-                pending.append([a.push.remote(ref) for a in self._actors])
-                del ref
-                while len(pending) >= self.max_buckets_in_flight:
-                    self._get(pending.pop(0), None, "receive weights")
-            for refs in pending:
-                self._get(refs, None, "receive weights")
-        finally:  # always close the update so the actors' threads end (end_update raises the first error)
-            results = self._all("end_update")
-        metrics = dict(results[0])
-        metrics["weight_sync/transfer_seconds"] = time.perf_counter() - t0
-        metrics["weight_sync/engine_replicas"] = float(len(self._actors))
-        return metrics
+    # -- weights over the transfer group: one engine host per replica (megarl.rollout.remote) --------------------
+    def transfer_layouts(self) -> list:
+        return self._all("layouts")
+
+    def start_join_transfer(self, spec, first_rank: int):
+        from megarl.rollout.remote import Deferred
+
+        refs = [a.join_transfer.remote(spec, first_rank + i) for i, a in enumerate(self._actors)]
+        return Deferred(lambda: self._get(refs, None, "join the weight transfer group"))
+
+    def set_receive_plans(self, plans: list) -> None:
+        self._get([a.set_receive_plan.remote(p) for a, p in zip(self._actors, plans)], None, "take the receive plan")
+
+    def start_receive_weights(self, sync: int, verify: bool = False):
+        from megarl.rollout.remote import Deferred
+
+        refs = [a.receive_weights.remote(sync, verify) for a in self._actors]
+        return Deferred(lambda: self._get(refs, None, "receive weights"))
 
     @property
     def weight_version(self) -> int:
@@ -331,11 +305,16 @@ class RayEngine:
         merged["missing_in_engine"] = sorted({n for r in reports for n in r["missing_in_engine"]})
         return merged
 
-    def sleep(self, level: int = 1) -> None:
-        self._all("sleep", level)
+    @property
+    def sleeps(self) -> bool:
+        """False: Ray actors hold resources of their own (placement separate), there is nothing to make room for."""
+        return False
 
-    def wake_up(self) -> None:
-        self._all("wake_up")
+    def sleep(self) -> None:
+        self._all("sleep")
+
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        self._all("wake_up", tags)
 
     def abort(self) -> None:
         """End the requests in flight on every replica; a running generate returns what was generated so far."""

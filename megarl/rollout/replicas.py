@@ -14,11 +14,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.types import FINISH_REASONS, RolloutBatch
 
 # rollout metrics that add up over replicas; seconds take the slowest replica; the rest is recomputed
 _SUMMED = ("rollout/num_prompts", "rollout/num_samples", "rollout/prompts_truncated", "rollout/prompts_filtered",
-           "rollout/response_tokens", "rollout/num_aborted")
+           "rollout/response_tokens", "rollout/num_aborted") + TOOL_COUNT_KEYS
 _SLOWEST = ("rollout/generate_seconds",)
 METRIC_KEYS = _SUMMED + _SLOWEST
 
@@ -76,10 +77,11 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
     if me == src:
         n, width = batch.response_ids.shape
         header = torch.tensor([n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),
-                               batch.weight_version, batch.pad_token_id], dtype=torch.long)
+                               batch.weight_version, batch.pad_token_id, batch.loss_mask is not None,
+                               batch.tool_rewards is not None], dtype=torch.long)
     else:
-        header = torch.empty(6, dtype=torch.long)
-    n, width, has_lp, prompt_tokens, version, pad = _broadcast(header, src, group).tolist()
+        header = torch.empty(8, dtype=torch.long)
+    n, width, has_lp, prompt_tokens, version, pad, has_mask, has_tool = _broadcast(header, src, group).tolist()
 
     def field(make, value):
         return _broadcast(value() if me == src else make(), src, group)
@@ -94,15 +96,21 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
                         lambda: torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.long))
     prompts = field(lambda: torch.empty(prompt_tokens, dtype=torch.long),
                     lambda: torch.tensor([t for p in batch.prompt_ids for t in p], dtype=torch.long))
+    loss_mask = field(lambda: torch.empty((n, width), dtype=torch.bool),
+                      lambda: batch.loss_mask.contiguous()) if has_mask else None
+    tool_rewards = field(lambda: torch.empty(n, dtype=torch.float32),
+                         lambda: batch.tool_rewards.contiguous()) if has_tool else None
+    # NaN marks a metric the batch does not have (single-turn rollouts have no tool/* counts)
     metrics = field(lambda: torch.empty(len(METRIC_KEYS), dtype=torch.float64), lambda: torch.tensor(
-        [float(batch.metrics.get(k, 0.0)) for k in METRIC_KEYS], dtype=torch.float64))
+        [float(batch.metrics.get(k, float("nan"))) for k in METRIC_KEYS], dtype=torch.float64))
     if me == src:
         return batch
     return RolloutBatch(prompt_ids=[p.tolist() for p in prompts.split(prompt_lens.tolist())], response_ids=response,
                         response_lengths=rows[0].clone(), rollout_logprobs=logprobs,
                         finish_reasons=[FINISH_REASONS[c] for c in rows[4].tolist()], truncated=rows[2].bool(),
                         prompt_index=rows[1].clone(), prompt_truncated=rows[3].bool(), weight_version=int(version),
-                        pad_token_id=int(pad), metrics=dict(zip(METRIC_KEYS, metrics.tolist())))
+                        pad_token_id=int(pad), loss_mask=loss_mask, tool_rewards=tool_rewards,
+                        metrics={k: v for k, v in zip(METRIC_KEYS, metrics.tolist()) if v == v})
 
 
 def combine(batches: list) -> RolloutBatch:
@@ -110,9 +118,9 @@ def combine(batches: list) -> RolloutBatch:
     if len(batches) == 1:
         return batches[0]
     out = RolloutBatch.concat(batches)
-    m = {k: sum(b.metrics.get(k, 0.0) for b in batches) for k in _SUMMED}
+    m = {k: sum(b.metrics.get(k, 0.0) for b in batches) for k in _SUMMED if any(k in b.metrics for b in batches)}
     m.update({k: max(b.metrics.get(k, 0.0) for b in batches) for k in _SLOWEST})
-    out.metrics = {**m, **rollout_rates(out, m)}
+    out.metrics = {**m, **rollout_rates(out, m), **(tool_rates(m) if "tool/samples" in m else {})}
     return out
 
 

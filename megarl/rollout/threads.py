@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,29 @@ def engine_thread_plan(cores: Sequence[int], workers: int = 1) -> EngineThreads:
                          f"tensor_model_parallel_size); give the engine at least one core per worker")
     per = len(ids) // workers
     return EngineThreads(tuple(tuple(ids[i * per:(i + 1) * per]) for i in range(workers)))
+
+
+def split_cores(cores: Sequence[int], engine_cores: Optional[int], overlap: bool) -> tuple[list, list]:
+    """(the engines' cores, the trainer's cores) of one machine. While the engines generate and the trainer waits
+    (no overlap) both may use every core; when they run at the same time each side needs cores of its own:
+    `engine_cores` of them (default: half) go to the engines, the last ones; the trainer keeps the rest."""
+    ids = sorted(cores)
+    if engine_cores is None:
+        if not overlap:
+            return list(ids), list(ids)
+        engine_cores = max(1, len(ids) // 2)
+    if engine_cores >= len(ids):
+        raise ValueError(f"rollout.engine_cpu_cores={engine_cores}: this machine gives the run {len(ids)} cores "
+                         f"{ids}, and the trainer needs at least one of its own; use at most {len(ids) - 1}")
+    return ids[len(ids) - engine_cores:], ids[:len(ids) - engine_cores]
+
+
+def keep_trainer_on(cores: Sequence[int]) -> None:
+    """Confine this trainer rank to `cores` (its torch threads included), leaving the rest to the engines."""
+    import torch
+
+    os.sched_setaffinity(0, list(cores))
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), len(cores))))
 
 
 def available_cores() -> list:

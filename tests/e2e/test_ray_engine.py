@@ -59,14 +59,25 @@ def _run(tmp: Path, name: str, extra=()) -> list[dict]:
     return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_ray_engine_loop_is_on_policy(tmp_path):
-    """The acceptance bound the colocated engine meets in test_grpo_loop.py: first-step logprob agreement < 1e-4."""
-    metrics = _run(tmp_path, "ray", ["rollout.mode=ray"])
+@pytest.mark.parametrize("ranks", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_ray_engine_loop_is_on_policy(tmp_path, ranks):
+    """The acceptance bound the colocated engine meets in test_grpo_loop.py: rollout/trainer logprob agreement < 1e-4
+    at the first step and after every weight sync (each step's rollout follows the previous step's update and sync),
+    the weights delivered over the transfer group: bytes sent and received as the plan says, rank 0 no more than its
+    share when two data-parallel ranks hold the model."""
+    metrics = _run(tmp_path, "ray", ["rollout.mode=ray", f"trainer.n_gpus_per_node={ranks}"])
     first = metrics[0]
     assert first["rollout/logprob_abs_diff_mean"] < 1e-4, first  # vLLM in the actor and megatron agree
     assert first["actor/log_ratio_abs_max"] < 1e-6
     assert 0.0 < first["train/reward_mean"] < 1.0  # rewards vary: the update (and so the sync) is not trivial
     assert first["weight_sync/engine_replicas"] == 1.0 and first["weight_sync/num_buckets"] >= 1
     assert first["weight_sync/version"] == 1.0
-    for m in metrics:  # after each weight sync through Ray the engine samples from the actor's distribution
+    for m in metrics:  # after each weight sync the engine in the actor samples from the actor's distribution
         assert m["rollout/logprob_abs_diff_mean"] < 1e-4, m
+        for kind in ("sent", "received", "loaded"):
+            assert m[f"weight_sync/{kind}_bytes_max"] == m[f"weight_sync/plan_{kind}_bytes_max"] > 0, m
+            assert m[f"weight_sync/{kind}_bytes_rank0"] == m[f"weight_sync/plan_{kind}_bytes_rank0"], m
+        assert m["weight_sync/received_bytes_rank0"] == 0  # the actor receives; the trainer only sends
+        assert m["weight_sync/senders"] == ranks
+        if ranks == 2:  # each data-parallel rank holds the whole model and sends about half of it
+            assert m["weight_sync/sent_bytes_rank0"] < 0.75 * m["weight_sync/received_bytes_max"], m

@@ -137,8 +137,7 @@ def test_device_cuda_without_cuda_is_a_warning():
     assert [w.key for w in cfg._warnings if w.key.startswith("trainer")] == ["trainer.device"]
 
 
-@pytest.mark.parametrize("override", ["rollout.multi_turn.max_assistant_turns=3", "rollout.multi_turn.max_user_turns=2",
-                                      "rollout.log_prob_max_token_len_per_gpu=4096",
+@pytest.mark.parametrize("override", ["rollout.log_prob_max_token_len_per_gpu=4096",
                                       "reward.reward_model.path=rm", "reward.reward_model.micro_batch_size_per_gpu=8",
                                       "data.dataloader_num_workers=2"])
 def test_settings_without_effect_are_refused(override):
@@ -156,3 +155,19 @@ def test_unknown_key_suggestions_search_every_section(typo, suggestion):
     key = typo.split("=")[0]
     issue = _refused([typo])[key]
     assert issue.fix.startswith(f"did you mean {suggestion}"), issue.fix
+
+
+def test_engine_placement_resolves_and_its_contradictions_are_refused():
+    assert _accepted([]).engine_placement == "colocated"
+    cfg = _accepted(["rollout.mode=ray"])
+    assert (cfg.engine_placement, cfg.engine_replicas) == ("separate", 1)  # Ray actors hold resources of their own
+    cfg = _accepted(["rollout.placement=separate", "trainer.n_gpus_per_node=2"])
+    assert (cfg.engine_placement, cfg.engine_replicas) == ("separate", 1)  # not one per rank as when colocated
+    issue = _refused(["rollout.mode=ray", "rollout.placement=colocated"])["rollout.placement"]
+    assert "always placed separately" in issue.rule and "rollout.mode=colocated" in issue.fix
+    issue = _refused(["rollout.placement=separate", "rollout.enable_sleep_mode=true"])["rollout.enable_sleep_mode"]
+    assert "keep their memory" in issue.rule and "enable_sleep_mode=false" in issue.fix
+    issue = _refused(["rollout.placement=separate", "rollout.data_parallel_size=3", "trainer.n_gpus_per_node=2"])[
+        "rollout.data_parallel_size"]
+    assert issue.value == 3 and "its own trainer rank" in issue.rule and "rollout.mode=ray" in issue.fix
+    _accepted(["rollout.mode=ray", "rollout.data_parallel_size=3"])  # Ray actors: any number

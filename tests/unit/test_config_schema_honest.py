@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Accepted but not read here; validation refuses any value other than the one given (and says why).
 REFUSED = {
-    "rollout.multi_turn.enable": (True, "multi-turn rollouts are not supported yet"),
-    "rollout.multi_turn.max_assistant_turns": (3, "multi-turn rollouts are not supported yet"),
-    "rollout.multi_turn.max_user_turns": (3, "multi-turn rollouts are not supported yet"),
     "reward.reward_model.enable": (True, "learned reward models are not supported yet"),
     "reward.reward_model.path": ("rm", "learned reward models are not supported yet"),
     "reward.reward_model.micro_batch_size_per_gpu": (8, "learned reward models are not supported yet"),

@@ -18,6 +18,16 @@ def test_engine_implements_the_protocol(where):
     assert missing_members(getattr(importlib.import_module(module), name)) == []
 
 
+@pytest.mark.parametrize("where", ["megarl.rollout.process:EngineProcess", "megarl.rollout.ray_engine:RayEngine"])
+def test_engine_hosts_implement_the_transfer_protocol(where):
+    import importlib
+
+    from megarl.rollout.protocol import EngineHosts
+
+    module, name = where.split(":")
+    assert missing_members(getattr(importlib.import_module(module), name), EngineHosts) == []
+
+
 def test_missing_member_is_named():
     class Half:
         def generate(self, prompt_token_ids):

@@ -81,8 +81,12 @@ def test_qwen3_235b_moe_on_ray_engines_matches_hand_calculation():
 def test_planner_uses_the_sync_plan():
     cfg, report = _plan("grpo_qwen3_235b_a22b.yaml", 12, 8, 141)
     hf = json.loads(_config("grpo_qwen3_235b_a22b.yaml").read_text())
-    plan = build_plan(hf, 4, 2, 8, world=cfg.world_size, engine_tp=8, engine_ep=8, replicas=1)
-    assert report.sync_bytes_per_engine_rank == max(plan.traffic()[2].values())
+    plan = build_plan(hf, 4, 2, 8, world=cfg.world_size, engine_tp=8, engine_ep=8, replicas=4, separate=True)
+    sent, received, loaded = plan.traffic()
+    assert report.sync_bytes_per_engine_rank == max(loaded.values())
+    # Ray engines are placed separately: an engine GPU receives its whole shard from the trainer GPUs
+    assert received == loaded and min(received) == cfg.world_size
+    assert abs(report.sync_seconds_lower_bound - max(received.values()) / 50e9) < 1e-9
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_the_reason():

@@ -112,3 +112,19 @@ def test_cli_prints_plan(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "trainer TP1 PP2 EP1 on 2 ranks -> 1 engine replica(s) of TP2" in out and "2,400 B" in out, out
     assert main(["--hf-config", str(tmp_path / "missing.json")]) == 1
+
+
+def test_separate_engine_gpus_receive_their_whole_shard_from_the_trainer():
+    # trainer TP1 on 2 ranks (data parallel: both hold the whole model) -> one engine of TP2 on GPUs of its own,
+    # receivers 2 and 3. Engine TP2 shards (as in test_pp2_into_engine_tp2_hand_counts): worker 0 1192 elements
+    # (layer halves, norms, vocab rows 0-31 of embed and head, final norm), worker 1 680 (no real vocabulary row)
+    plan = build_plan(TINY, world=2, engine_tp=2, dtype="float32", separate=True)
+    sent, received, loaded = plan.traffic()
+    assert loaded == received == {2: 1192 * 4, 3: 680 * 4}  # nothing is local: every byte comes from a trainer GPU
+    assert set(sent) == {0, 1} and sum(sent.values()) == (1192 + 680) * 4
+    assert max(sent.values()) < 0.75 * (1192 + 680) * 4  # the two copies share the sending
+    assert "engine 0" in plan.summary() and "on 2 GPUs of their own" in plan.summary()
+    # two replicas: each engine GPU gets the whole model, the trainer GPUs send two copies between them
+    plan = build_plan(TINY, world=2, replicas=2, dtype="float32", separate=True)
+    sent, received, loaded = plan.traffic()
+    assert loaded == received == {2: 1832 * 4, 3: 1832 * 4} and sum(sent.values()) == 2 * 1832 * 4

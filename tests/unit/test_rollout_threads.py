@@ -60,3 +60,14 @@ def test_apply_in_a_child_process_sets_threads_and_affinity():
     proc.join(timeout=30)
     assert threads == len(cores) and affinity == cores and omp == str(len(cores))
     assert cores == sorted(os.sched_getaffinity(0))
+
+
+def test_engine_and_trainer_cores_split_only_when_they_overlap():
+    from megarl.rollout.threads import split_cores
+
+    assert split_cores([0, 1, 2, 3], None, overlap=False) == ([0, 1, 2, 3], [0, 1, 2, 3])  # they take turns
+    assert split_cores([0, 1, 2, 3], None, overlap=True) == ([2, 3], [0, 1])  # half each, the engine the last ones
+    assert split_cores([0, 1], None, overlap=True) == ([1], [0])
+    assert split_cores([0, 1, 2, 3, 4], 1, overlap=False) == ([4], [0, 1, 2, 3])  # asked for: also in sync mode
+    with pytest.raises(ValueError, match="trainer needs at least one of its own"):
+        split_cores([0, 1], 2, overlap=True)

@@ -1,0 +1,405 @@
+"""Weight delivery to engines that run in processes of their own: Ray actors (rollout.mode=ray) and
+rollout.placement=separate.
+
+    trainer rank k ──(pieces of its own parameters the plan assigns to a replica's workers)──► engine host
+                     over a transfer group (gloo on CPU, NCCL on GPU) formed beside the trainer's process group
+    engine host ──(each worker's pieces in its sparse shared-memory bucket file)──► its workers (megarl_load)
+
+The engine host is the process that runs one replica's VLLMEngine (a Ray actor, or the engine process a trainer rank
+starts for rollout.placement=separate); its workers run on the same machine. The transfer group holds the trainer's
+N ranks (transfer rank = trainer rank) and one rank per engine host (N, N+1, ...). It is formed once, when the sync
+is planned, over a TCPStore that trainer rank 0 serves, with `ProcessGroupGloo` / `ProcessGroupNCCL` built directly:
+the default group of a trainer rank spans the trainer only, and the one of an engine host belongs to vLLM's
+in-process engine. Neither one rank nor Ray's object store carries weights.
+
+The plan is the colocated sync's (megarl.rollout.shards): every engine worker is a receiver of its own, numbered from
+N upward so that it is never a trainer rank; its needs come from the layout the live worker reports, and plan_moves
+takes each piece from the least-loaded trainer rank that holds it, so data-parallel copies share the sending and no
+rank sends what it does not hold. Every trainer rank derives the same moves and buckets; each host is given, once,
+the part of the plan it receives (`ReceivePlan`), so only a sync number travels per step. A host receives bucket b+1
+while its workers load bucket b.
+
+On GPU the same code runs over NCCL (the trainer's parameters and the host's receive buffers on the GPU, copied into
+the bucket files); only the gloo path is exercised on CPU.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.delivery import gather_owners, layout_bucket, local_holdings, piece_of, shm_dir
+from megarl.rollout.shards import (EngineModule, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
+                                   relative_slices, traffic, trainer_holdings)
+from megarl.rollout.worker_ext import region
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class Deferred:
+    """The result of a call already started elsewhere (a Ray task, an engine-process call): `result()` waits once."""
+
+    def __init__(self, wait: Callable[[], Any]):
+        self._wait, self._done, self._value = wait, False, None
+
+    def result(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._wait(), True
+        return self._value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The transfer group
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Where the transfer group meets and what it runs on (small and picklable: it travels to the engine hosts)."""
+
+    addr: str
+    port: int
+    prefix: str
+    size: int
+    backend: str = "gloo"  # "nccl" on GPU
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+def reachable_address() -> str:
+    """An address of this machine the engine hosts can reach: the interface that routes to the trainer's master (or
+    the Ray head), else loopback for a run on one machine."""
+    for var in ("MASTER_ADDR", "RAY_ADDRESS"):
+        peer = (os.environ.get(var) or "").split("://")[-1].rsplit(":", 1)[0]
+        if peer and peer not in ("localhost", "auto", "local") and not peer.startswith("127."):
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((peer, 1))  # no packet is sent: this only picks the outgoing interface
+                    return s.getsockname()[0]
+            except OSError:
+                continue
+    return "127.0.0.1"
+
+
+def serve_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
+    """A TCPStore for the transfer group's rendezvous, served by this process on a free port: (store, addr, port)."""
+    addr = reachable_address()
+    store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, addr, store.port
+
+
+def join_group(spec: TransferSpec, rank: int, store: Optional[dist.Store] = None):
+    """This process's end of the transfer group (blocks until all `spec.size` ranks have joined)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = dist.TCPStore(spec.addr, spec.port, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(spec.prefix, store)
+    if spec.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, spec.size, options)
+    return dist.ProcessGroupGloo(store, rank, spec.size, timeout)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The engine host's side
+
+
+@dataclass
+class ReceivePlan:
+    """What one engine host receives at every sync: for each bucket of the sync the moves to its workers (empty
+    where it has none), and how to lay them out in each worker's bucket file."""
+
+    token: str
+    workers: list  # receiver ids of the host's workers, in engine rank order
+    buckets: list  # [[Move]] per bucket of the sync
+    shapes: dict  # {hf_name: full shape}
+    dtypes: dict  # {hf_name: dtype name}
+    needs: dict  # {receiver id: {hf_name: box}}
+    device: str = "cpu"  # where pieces arrive first (NCCL: the GPU); on CPU straight into the files when contiguous
+
+
+@dataclass
+class _Posted:
+    files: dict
+    buffers: dict
+    works: list
+    copies: list = field(default_factory=list)
+    nbytes: int = 0
+
+
+class WeightReceiver:
+    """Receives the weights of one engine replica from the trainer ranks and loads them through the engine's worker
+    extension (begin_update / load_bucket / end_update; a failure aborts the update and the engine keeps its
+    previous weight version). Lives in the engine host, next to its VLLMEngine."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.group = None
+        self.plan: Optional[ReceivePlan] = None
+
+    def join(self, spec: TransferSpec, rank: int) -> None:
+        self.group = join_group(spec, rank)
+
+    def receive(self, sync: int, verify: bool = False) -> dict:
+        """One sync: every bucket with pieces for this host, received while the previous one loads."""
+        if self.group is None or self.plan is None:
+            raise RuntimeError("receive_weights before the transfer group was joined and the receive plan was set")
+        t0 = time.perf_counter()
+        stats = {"received": 0, "receive_s": 0.0, "load_s": 0.0}
+        todo = [b for b, moves in enumerate(self.plan.buckets) if moves]
+        self.engine.begin_update(verify=verify)
+        try:
+            posted = self._post(sync, todo[0]) if todo else None
+            for i, b in enumerate(todo):
+                files = self._finish(posted, stats)
+                posted = self._post(sync, todo[i + 1]) if i + 1 < len(todo) else None
+                t1 = time.perf_counter()
+                self.engine.load_bucket([files[w].meta if w in files else None for w in self.plan.workers])
+                stats["load_s"] += time.perf_counter() - t1
+        except BaseException:
+            self.engine.abort_update()
+            self._remove_files(sync)
+            self._break_group()
+            raise
+        metrics = self.engine.end_update()
+        # loaded: what the workers report they loaded (their shards), counted apart from what arrived
+        return {"metrics": metrics, "received": stats["received"], "loaded": int(metrics["weight_sync/engine_bytes"]),
+                "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0}
+
+    def _break_group(self) -> None:
+        """Close this end of the transfer group after a failed sync, so that trainer ranks waiting to send to this
+        host fail at once instead of at the group's timeout (the run stops; the group is not used again)."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - best effort: the error being raised says what went wrong
+                pass
+
+    def _path(self, sync: int, b: int, worker: int) -> str:
+        return os.path.join(shm_dir(), f"megarl-{self.plan.token}-s{sync}-b{b}-w{worker}")
+
+    def _post(self, sync: int, b: int) -> _Posted:
+        plan = self.plan
+        moves = plan.buckets[b]
+        posted = _Posted({}, {}, [])
+        for w in plan.workers:
+            if any(mv.dst == w for mv in moves):
+                f = layout_bucket(moves, w, self._path(sync, b, w), plan.shapes, plan.dtypes, plan.needs[w])
+                posted.files[w] = f
+                posted.buffers[w] = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+        for mv in moves:
+            offset, dtype, shape = posted.files[mv.dst].regions[mv.hf]
+            target = region(posted.buffers[mv.dst], dtype, shape, offset)[relative_slices(mv.box, full_box(shape))]
+            into = target
+            if plan.device != "cpu" or not target.is_contiguous():
+                into = torch.empty(box_shape(mv.box), dtype=target.dtype, device=plan.device)
+                posted.copies.append((target, into))
+            posted.works.append(self.group.recv([into], mv.src, b))
+            posted.nbytes += mv.nbytes
+        return posted
+
+    def _finish(self, posted: _Posted, stats: dict) -> dict:
+        t0 = time.perf_counter()
+        for work in posted.works:
+            work.wait()
+        for target, piece in posted.copies:
+            target.copy_(piece)
+        posted.buffers.clear()  # the workers map the files themselves
+        stats["received"] += posted.nbytes
+        stats["receive_s"] += time.perf_counter() - t0
+        return posted.files
+
+    def _remove_files(self, sync: int) -> None:
+        """After a failed sync: the bucket files the workers never mapped (a worker unlinks each file it maps)."""
+        for b in range(len(self.plan.buckets)):
+            for w in self.plan.workers:
+                try:
+                    os.unlink(self._path(sync, b, w))
+                except FileNotFoundError:
+                    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The trainer's side
+
+
+@dataclass(frozen=True)
+class EngineHosts:
+    """The engine hosts of a run, in transfer-rank order: host h has transfer rank `world + h`, is driven by the
+    trainer rank `owner[h]` (the rank holding its engine handle) and has `workers[h]` engine workers, whose receiver
+    ids are consecutive from `world`."""
+
+    world: int
+    owner: tuple
+    workers: tuple
+
+    def rank(self, h: int) -> int:
+        return self.world + h
+
+    def receivers(self, h: int) -> list:
+        first = self.world + sum(self.workers[:h])
+        return list(range(first, first + self.workers[h]))
+
+    def host_of(self) -> dict:
+        """{receiver id: transfer rank of its host}."""
+        return {w: self.rank(h) for h in range(len(self.owner)) for w in self.receivers(h)}
+
+    def owned_by(self, rank: int) -> list:
+        return [h for h, o in enumerate(self.owner) if o == rank]
+
+
+def host_traffic(moves: Sequence, hosts: EngineHosts) -> tuple:
+    """The plan's ({rank: bytes sent}, {rank: bytes received}, {rank: bytes loaded}) with every receiver counted on
+    the transfer rank of its host (trainer ranks send; hosts receive and load)."""
+    sent, received, loaded = traffic(moves)
+    host_of = hosts.host_of()
+
+    def per_host(d: dict) -> dict:
+        out: dict = {}
+        for receiver, nbytes in d.items():
+            out[host_of[receiver]] = out.get(host_of[receiver], 0) + nbytes
+        return out
+
+    return sent, per_host(received), per_host(loaded)
+
+
+class RemoteSync:
+    """The weight sync of one trainer into engines hosted elsewhere (every trainer rank builds one, with the same
+    plan). `run(engine)` is WeightSync.run's counterpart: the same call on every rank, the engine handle on the ranks
+    that hold one."""
+
+    def __init__(self, mapping, local: dict, dtypes: dict, moves: list, buckets: list, hosts: EngineHosts, group,
+                 rank: int, store=None):
+        self.mapping, self.local, self.dtypes = mapping, local, dtypes
+        self.moves, self.buckets, self.hosts = moves, buckets, hosts
+        self.group, self.rank, self._store = group, rank, store  # rank 0 serves the store the group met on
+        self.host_rank = hosts.host_of()
+        self.plan_sent, self.plan_received, self.plan_loaded = host_traffic(moves, hosts)
+        self.syncs = 0
+
+    def run(self, engine: Any, verify: bool = False) -> dict:
+        self.syncs += 1
+        t0 = time.perf_counter()
+        pending = engine.start_receive_weights(self.syncs, verify) if self.hosts.owned_by(self.rank) else None
+        sent = 0
+        try:
+            for b, moves in enumerate(self.buckets):
+                sent += self._send_bucket(b, moves)
+        except BaseException:
+            if pending is not None:
+                pending.result()  # the host's own error says more than a broken connection
+            raise
+        send_s = time.perf_counter() - t0
+        results = pending.result() if pending is not None else []
+        return self._metrics(sent, send_s, results, time.perf_counter() - t0)
+
+    def _send_bucket(self, b: int, moves: Sequence) -> int:
+        chunks: dict = {}
+        works, pieces, nbytes = [], [], 0
+        for mv in moves:
+            if mv.src == self.rank:
+                piece = piece_of(self.mapping, self.local, mv, chunks).contiguous()
+                pieces.append(piece)  # alive until its send completes
+                works.append(self.group.send([piece], self.host_rank[mv.dst], b))
+                nbytes += mv.nbytes
+        for work in works:
+            work.wait()
+        return nbytes
+
+    def _metrics(self, sent: int, send_s: float, results: list, seconds: float) -> dict:
+        from megarl.runtime import all_gather_objects
+
+        every = all_gather_objects((sent, send_s, results))
+        measured = {"sent": {rank: s for rank, (s, _, _) in enumerate(every)}, "received": {}, "loaded": {}}
+        host_stats = [h for _, _, hs in every for h in hs]
+        for h, stats in enumerate(host_stats):
+            measured["received"][self.hosts.rank(h)] = stats["received"]
+            measured["loaded"][self.hosts.rank(h)] = stats["loaded"]
+        plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
+        out = dict(host_stats[0]["metrics"]) if host_stats else {}  # the engines' own figures, over every host
+        if host_stats:
+            out["weight_sync/version"] = min(h["metrics"]["weight_sync/version"] for h in host_stats)
+        if "weight_sync/verified_tensors" in out:
+            out["weight_sync/verified_tensors"] = float(sum(h["metrics"]["weight_sync/verified_tensors"]
+                                                            for h in host_stats))
+        for kind in ("sent", "received", "loaded"):
+            out[f"weight_sync/{kind}_bytes_max"] = float(max(measured[kind].values(), default=0))
+            out[f"weight_sync/{kind}_bytes_rank0"] = float(measured[kind].get(0, 0))
+            out[f"weight_sync/plan_{kind}_bytes_max"] = float(max(plan[kind].values(), default=0))
+            out[f"weight_sync/plan_{kind}_bytes_rank0"] = float(plan[kind].get(0, 0))
+        total = float(sum(measured["loaded"].values()))
+        out.update({"weight_sync/seconds": seconds, "weight_sync/bytes": total,
+                    "weight_sync/gbps": total / seconds / 1e9 if seconds > 0 else 0.0,
+                    "weight_sync/num_buckets": float(len(self.buckets)),
+                    "weight_sync/engine_replicas": float(len(self.hosts.owner)),
+                    "weight_sync/senders": float(sum(1 for s, _, _ in every if s > 0)),
+                    "weight_sync/send_seconds_max": max(t for _, t, _ in every),
+                    "weight_sync/exchange_seconds": max((h["receive_s"] for h in host_stats), default=0.0),
+                    "weight_sync/engine_load_seconds": max((h["load_s"] for h in host_stats), default=0.0)})
+        return out
+
+
+def transfer_backend(local: dict) -> str:
+    """NCCL where the trainer's parameters are on a GPU, gloo otherwise."""
+    lp = next(iter(local.values()), None)
+    return "nccl" if lp is not None and lp.param.device.type == "cuda" else "gloo"
+
+
+def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteSync:
+    """Plan the sync into engines hosted elsewhere and form the transfer group (a collective of the trainer ranks,
+    once per run). `engine`: this rank's engine handle if it holds one (its hosts join the group), else None."""
+    from megarl.bridge.importer import model_mapping
+    from megarl.runtime import all_gather_objects
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mapping = model_mapping(chunks, spec)
+    local, tp_info, dtypes = local_holdings(chunks, mapping)
+    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
+    store, meeting = None, None
+    if rank == 0:
+        store, addr, port = serve_store(timeout_s)
+        meeting = (addr, port, secrets.token_hex(4))
+    layouts = engine.transfer_layouts() if engine is not None else []
+    every = all_gather_objects((layouts, meeting))
+    addr, port, token = every[0][1]
+    per_host = [(r, lay) for r, (host_layouts, _) in enumerate(every) for lay in host_layouts]
+    if not per_host:
+        raise RuntimeError("no engine host to deliver weights to (no trainer rank holds an engine handle)")
+    hosts = EngineHosts(world, tuple(r for r, _ in per_host), tuple(len(lay) for _, lay in per_host))
+    needs, packed = {}, {}
+    for h, (_, lay) in enumerate(per_host):
+        for receiver, worker in zip(hosts.receivers(h), lay):
+            modules = {k: EngineModule.from_dict(v) for k, v in worker["modules"].items()}
+            needs[receiver] = engine_needs(mapping, modules, worker.get("packed"))
+    hf_dtypes = {h: all_dtypes[e.megatron] for e in mapping.entries if e.megatron in all_dtypes for h in e.hf}
+    sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in hf_dtypes.items()}
+    moves = plan_moves(mapping.hf_names(), needs, trainer_holdings(mapping, owners), sizes)
+    buckets = bucket_moves(moves, bucket_bytes)
+    backend = transfer_backend(local)
+    tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)
+    mine = hosts.owned_by(rank)
+    joining = engine.start_join_transfer(tspec, hosts.rank(mine[0])) if mine else None
+    group = join_group(tspec, rank, store)
+    if joining is not None:
+        joining.result()
+        device = "cuda" if backend == "nccl" else "cpu"
+        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), hf_dtypes,
+                                               needs, device) for h in mine])
+    return RemoteSync(mapping, local, hf_dtypes, moves, buckets, hosts, group, rank, store)
+
+
+def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,
+                 device: str) -> ReceivePlan:
+    """The part of the sync plan one host receives: its workers' moves of every bucket, and their tensors' layout."""
+    parts = [[mv for mv in bucket if mv.dst in receivers] for bucket in buckets]
+    names = {mv.hf for part in parts for mv in part}
+    return ReceivePlan(token, receivers, parts, {n: tuple(shapes[n]) for n in names}, {n: dtypes[n] for n in names},
+                       {w: needs[w] for w in receivers}, device)

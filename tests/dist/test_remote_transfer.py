@@ -1,0 +1,200 @@
+"""The transfer group that delivers weights to engines in processes of their own (megarl.rollout.remote), without
+vLLM: trainer ranks with a real megatron model send their pieces to engine host processes, whose stand-in engine
+assembles what each worker's bucket files hold. Every worker must end with exactly its shard of every HF tensor as
+the checkpoint on disk has it (shards as vLLM lays them out at the engine's TP, predicted from the model's shapes),
+and the bytes each trainer rank sent and each host received must equal the plan's; with data-parallel copies both
+ranks send, neither the whole model.
+"""
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+
+from megarl.launch_local import run_ranks
+from tests.helpers.tiny_models import make_tiny_model, read_checkpoint
+
+
+class AssemblingEngine:
+    """Stands in for VLLMEngine on the host: reads each worker's bucket files as megarl's worker extension does."""
+
+    def __init__(self, layouts, fail_at=None):
+        self.layouts = layouts
+        self.version = 0
+        self.fail_at = fail_at  # (sync, bucket): raise there, as a worker failing to load would
+        self.loads = 0
+
+    def begin_update(self, verify=False):
+        self.got = [{} for _ in self.layouts]
+        self.loads = self.loaded = 0
+
+    def load_bucket(self, metas):
+        from megarl.rollout.worker_ext import _open_bucket, region
+
+        self.loads += 1
+        if self.fail_at and (self.version + 1, self.loads) == self.fail_at:
+            raise RuntimeError("worker 0 failed to load bucket 2")
+        for w, meta in enumerate(metas):
+            if not meta:
+                continue
+            buf = _open_bucket(meta["path"], int(meta["size"]))
+            for name, dtype, shape, offset, _need, boxes in meta["tensors"]:
+                full = region(buf, dtype, shape, int(offset))
+                into = self.got[w].setdefault(name, torch.full(tuple(shape), float("nan"), dtype=full.dtype))
+                for box in boxes:
+                    sl = tuple(slice(lo, hi) for lo, hi in box)
+                    into[sl] = full[sl]
+                    self.loaded += into[sl].numel() * into.element_size()
+
+    def abort_update(self):
+        self.got = None
+
+    def end_update(self):
+        self.version += 1
+        return {"weight_sync/version": float(self.version), "weight_sync/engine_bytes": float(self.loaded),
+                "got": self.got}
+
+
+def _host(conn, layouts, fail_at):
+    from megarl.rollout.remote import WeightReceiver
+
+    receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "stop":
+            return
+        try:
+            if cmd == "join":
+                receiver.join(*args)
+                conn.send(None)
+            elif cmd == "plan":
+                receiver.plan = args[0]
+                conn.send(None)
+            else:
+                conn.send(receiver.receive(*args))
+        except BaseException as exc:  # noqa: BLE001 - the test sees it
+            conn.send(exc)
+
+
+class HostHandle:
+    """An engine handle with one host process (the interface RayEngine and EngineProcess give remote.py)."""
+
+    def __init__(self, layouts, fail_at=None):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.layouts = layouts
+        self.proc = ctx.Process(target=_host, args=(child, layouts, fail_at), daemon=True)
+        self.proc.start()
+
+    def _ask(self, *msg):
+        from megarl.rollout.remote import Deferred
+
+        self.conn.send(msg)
+
+        def answer():
+            out = self.conn.recv()
+            if isinstance(out, BaseException):
+                raise out
+            return out
+        return Deferred(answer)
+
+    def transfer_layouts(self):
+        return [self.layouts]
+
+    def start_join_transfer(self, spec, first_rank):
+        return self._ask("join", spec, first_rank)
+
+    def set_receive_plans(self, plans):
+        self._ask("plan", plans[0]).result()
+
+    def start_receive_weights(self, sync, verify=False):
+        from megarl.rollout.remote import Deferred
+
+        call = self._ask("receive", sync, verify)
+
+        def result():
+            out = call.result()
+            self.got = out["metrics"].pop("got")  # what this host's workers hold
+            return [out]
+        return Deferred(result)
+
+    def shutdown(self):
+        self.conn.send(("stop",))
+        self.proc.join(10)
+
+
+def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
+    import torch.distributed as dist
+
+    from megarl.bridge.mapping import Mapping
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+    from megarl.rollout.remote import plan_remote_sync
+    from megarl.rollout.shards import predict_engine_modules
+
+    init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
+    model, spec = build_and_load(hf_dir)
+    mapping = Mapping(spec)
+    layouts = [{"modules": {k: v.to_dict() for k, v in predict_engine_modules(mapping, engine_tp, 1, w).items()}}
+               for w in range(engine_tp)]
+    handle = HostHandle(layouts, fail_at) if dist.get_rank() in host_ranks else None
+    sync = plan_remote_sync(model, spec, handle, 16 << 10)  # small buckets: tensors straddle them and are cut
+    out, got = {}, None
+    for _ in range(2):  # the second sync reuses the group and the plan
+        t0 = time.perf_counter()
+        try:
+            out = sync.run(handle)
+        except Exception as exc:  # noqa: BLE001 - the test checks who saw what, and how fast
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+    if handle is not None:
+        got = handle.got
+        handle.shutdown()
+    return {"metrics": out, "got": got}
+
+
+@pytest.mark.parametrize("tp,engine_tp,host_ranks", [(1, 2, [0]), (2, 1, [0, 1])],
+                         ids=["dp2-to-engine-tp2", "tp2-to-two-replicas"])
+def test_each_worker_receives_its_shard_from_the_ranks_holding_it(tmp_path, tp, engine_tp, host_ranks):
+    from megarl.bridge.hf_config import load_spec
+    from megarl.bridge.mapping import Mapping
+    from megarl.rollout.shards import engine_needs, predict_engine_modules
+
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    results = run_ranks(f"{__name__}:deliver", 2, {"hf_dir": str(hf_dir), "tp": tp, "engine_tp": engine_tp,
+                                                   "host_ranks": host_ranks}, timeout=300)
+    reference = read_checkpoint(hf_dir)
+    mapping = Mapping(load_spec(str(hf_dir)))
+    model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    hosts = [r for r in results if r["got"] is not None]
+    assert len(hosts) == len(host_ranks)
+    for host in hosts:
+        assert host["metrics"]["weight_sync/version"] == 2.0
+        for w, got in enumerate(host["got"]):
+            needs = engine_needs(mapping, predict_engine_modules(mapping, engine_tp, 1, w))
+            assert sorted(got) == sorted(needs)
+            for name, box in needs.items():
+                sl = tuple(slice(lo, hi) for lo, hi in box)
+                assert torch.equal(got[name][sl], reference[name][sl]), (w, name)
+    m = results[0]["metrics"]
+    for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
+        assert m[f"weight_sync/{kind}_bytes_max"] == m[f"weight_sync/plan_{kind}_bytes_max"] > 0, m
+        assert m[f"weight_sync/{kind}_bytes_rank0"] == m[f"weight_sync/plan_{kind}_bytes_rank0"], m
+    assert m["weight_sync/received_bytes_rank0"] == 0  # trainer ranks only send
+    assert m["weight_sync/senders"] == 2  # both ranks send: DP copies share the work, TP shards each send their own
+    assert m["weight_sync/sent_bytes_max"] < model_bytes * len(host_ranks)
+    if engine_tp == 1 and tp == 2:  # each TP rank holds about half of each replica's model and sends only that
+        assert m["weight_sync/sent_bytes_max"] < 0.75 * model_bytes * len(host_ranks)
+    if tp == 1:  # both ranks hold everything: the plan splits the sending between them
+        assert m["weight_sync/sent_bytes_max"] < 0.75 * model_bytes
+
+
+def test_a_host_failing_midway_stops_every_rank_at_once(tmp_path):
+    """The host's engine fails on the second bucket of the second sync: the host aborts the update and closes its
+    end of the group, so the ranks still sending fail within seconds (not at the group's 30-minute timeout), and the
+    rank driving the host raises the host's own error."""
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    results = run_ranks(f"{__name__}:deliver", 2, {"hf_dir": str(hf_dir), "tp": 1, "engine_tp": 1, "host_ranks": [0],
+                                                   "fail_at": (2, 2)}, timeout=300)
+    assert all("error" in r for r in results), results
+    assert "worker 0 failed to load bucket 2" in results[0]["error"], results[0]
+    assert max(r["seconds"] for r in results) < 60, results
