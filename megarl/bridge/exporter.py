@@ -19,7 +19,9 @@ Contract
   the group), the source converts them to HF layout (split QKV, split gate/up, strip vocab padding; row splits need
   no copy) and broadcasts (or sends to dst_rank); receivers inside that group (all of them at pure TP) convert their
   own copy instead. Other PP stages and EP ranks only receive.
-Memory per rank: one bucket plus one gathered tensor group.
+  Ranks of one machine gather through shared memory (megarl.bridge.local_exchange), not gloo.
+Memory per rank: one bucket plus one gathered tensor group (and, on CPU, two shared-memory slots of the largest
+shard per member of each gathering group, kept for the next export).
 """
 from __future__ import annotations
 
@@ -31,13 +33,15 @@ import torch.distributed as dist
 
 from megarl.bridge.hf_config import ArchSpec, BridgeError
 from megarl.bridge.importer import model_mapping
+from megarl.bridge.local_exchange import host_name, local_exchange
 from megarl.bridge.sharding import local_params
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
 
 def _ownership(model, mapping) -> tuple:
-    """{entry megatron name: [(global rank, tp rank, tp group ranks, dtype)]} gathered from every rank, and my params."""
+    """{entry megatron name: [(global rank, tp rank, tp group ranks, dtype)]} gathered from every rank, my params, and
+    {global rank: host}."""
     mine = {}
     for lp in local_params(model):
         entry = mapping.entry(lp.name)
@@ -50,14 +54,14 @@ def _ownership(model, mapping) -> tuple:
         info[name] = (rank, lp.tp_rank if split else 0, group_ranks, str(lp.param.dtype).replace("torch.", ""))
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, info)
+        dist.all_gather_object(gathered, (info, host_name()))
     else:
-        gathered = [info]
+        gathered = [(info, host_name())]
     table = {}
-    for per_rank in gathered:
+    for per_rank, _ in gathered:
         for name, owner in per_rank.items():
             table.setdefault(name, []).append(owner)
-    return table, mine
+    return table, mine, {r: host for r, (_, host) in enumerate(gathered)}
 
 
 @torch.no_grad()
@@ -65,7 +69,7 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
                       dtype: Optional[torch.dtype] = None) -> Iterator[list]:
     """Yield lists of (hf_name, full tensor) covering the whole model; see the module docstring for the contract."""
     mapping = model_mapping(model, spec)
-    table, mine = _ownership(model, mapping)
+    table, mine, hosts = _ownership(model, mapping)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -95,9 +99,16 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
                 gathered = torch.empty((len(group) * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
                                        device=shard.device)
                 shards = list(gathered.chunk(len(group)))
+                # ranks of one machine exchange through shared memory (gloo would go through loopback TCP)
+                ex = local_exchange(lp.tp_group, group, hosts) if shard.device.type == "cpu" else None
                 if dst_rank is not None and local:  # only dst_rank needs the shards: gather, not all-gather
-                    dist.gather(shard.contiguous(), shards if rank == dst_rank else None, dst=dst_rank,
-                                group=lp.tp_group)
+                    if ex is not None:
+                        ex.gather(shards if rank == dst_rank else None, shard, dst_rank)
+                    else:
+                        dist.gather(shard.contiguous(), shards if rank == dst_rank else None, dst=dst_rank,
+                                    group=lp.tp_group)
+                elif ex is not None:
+                    ex.all_gather_into_tensor(gathered, shard)
                 else:
                     dist.all_gather_into_tensor(gathered, shard.contiguous(), group=lp.tp_group)
             else:

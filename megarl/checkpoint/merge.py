@@ -11,9 +11,12 @@ How
   `decoder.layers.{L}.mlp.experts.experts.linear_fc{1,2}.weight` with a leading expert dimension.
   So a global checkpoint tensor is exactly the TP=1 megatron tensor, and the bridge's `Mapping.to_hf` (the same
   mapping import, export and weight sync use) turns it into HF tensors.
-- Each megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping that
-  expert's slice are read, straight from the shard files into place), converted (views where the HF layout allows),
-  and handed to a background writer that appends it to the open safetensors shard while the next tensor is read.
+- An HF tensor whose bytes are one contiguous run of raw checkpoint chunks (embeddings, heads, norms, gate/up halves
+  of dim-0 splits, in the output dtype) is copied file to file by the writer (sendfile), never read here.
+- Each other megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping
+  that expert's slice are read, straight from the shard files into place), converted (views where the HF layout
+  allows), and handed to a background writer that appends it to the open safetensors shard while the next tensor is
+  read.
   At most half the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the
   largest tensor (one expert's weight for MoE layers), never the model.
 - Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
@@ -200,9 +203,10 @@ def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
 
 def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
     """Fill `out`, a view whose last dim is contiguous (a column block of a bigger tensor), with the file's
-    row-major bytes at `offset`: one scatter read per 1024 rows, no intermediate buffer."""
+    row-major bytes at `offset`: rows of 64 KiB and more in one scatter read per 1024 rows, no intermediate buffer;
+    shorter rows are read in one piece and then placed (one memory copy costs less than a Python object per row)."""
     rows = out.view(-1, out.shape[-1]) if out.stride(-1) == 1 else None
-    if rows is None or rows.shape[1] * rows.element_size() < 256:  # odd layouts, tiny rows: read, then place
+    if rows is None or rows.shape[1] * rows.element_size() < _ROW_READ_BYTES:  # read, then place
         part = torch.empty(out.shape, dtype=out.dtype)
         _pread_into(fd, part, offset)
         out.copy_(part)
@@ -219,6 +223,7 @@ def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
 
 
 _SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ROW_READ_BYTES = 64 << 10
 
 
 class DistCheckpoint:
@@ -345,6 +350,29 @@ class DistCheckpoint:
                              "the checkpoint is corrupted") from exc
         _check_covered(key, index, covered, target)
         return target.reshape(shape[k:])
+
+    def file_ranges(self, key: str, first: int, count: int) -> Optional[list]:
+        """Where elements [first, first + count) of the row-major global tensor `key` lie in the shard files:
+        [(fd, byte offset, nbytes)] in order, or None unless every chunk they touch is stored raw as one contiguous
+        run of the global tensor (a row block: dim-0 splits)."""
+        shape = self.shape(key)
+        size = self.dtype(key).itemsize
+        runs = []
+        for c in self.chunks(key):
+            run = _box_range(shape, c.offsets, c.sizes)
+            if run is None or c.data_offset is None:
+                return None
+            runs.append((run[0], run[1], c))
+        out, at, end = [], first, first + count
+        for start, n, c in sorted(runs, key=lambda r: r[0]):
+            if start + n <= at or start >= end:
+                continue
+            if start > at:
+                return None  # a gap: not covered
+            stop = min(end, start + n)
+            out.append((self._file(c.path).fileno(), c.data_offset + (at - start) * size, (stop - at) * size))
+            at = stop
+        return out if at == end else None
 
     def _read_with_torch(self, key: str, index: tuple, target: torch.Tensor) -> torch.Tensor:
         """The slice through torch.distributed.checkpoint's reader (loads whole chunks; any storage format)."""
@@ -482,6 +510,10 @@ def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
     sizes = {h: math.prod(shape) * torch.tensor([], dtype=d).element_size() for h, shape, d in plan.hf_tensors}
     for entry in plan.mapping.entries:
         src = plan.sources[entry.megatron]
+        direct = _verbatim(ckpt, plan, entry, src)
+        if direct is not None:  # bytes already laid out as HF stores them: copied file to file, never read here
+            yield from direct
+            continue
         if before_read is not None:
             before_read(sum(sizes[h] for h in entry.hf))
         tensor = ckpt.read(src.key, src.index)
@@ -491,6 +523,29 @@ def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
                 raise MergeError(f"{name}: all zeros after conversion from {src.describe()}, which is not all zeros")
             yield name, t
         del tensor
+
+
+def _verbatim(ckpt: DistCheckpoint, plan: MergePlan, entry, src: Source) -> Optional[list]:
+    """[(hf name, FileBytes)] when every HF tensor of the entry is, byte for byte, one contiguous run of the
+    checkpoint tensor (same dtype; the conversion is a row slice: embeddings, heads, norms, gate/up halves) lying in
+    raw chunks; else None. The conversion is traced on a meta tensor, so nothing is read to find out."""
+    from megarl.checkpoint.hf_writer import FileBytes
+
+    if ckpt.dtype(src.key) != plan.dtype:
+        return None
+    shape = ckpt.shape(src.key)
+    k = len(src.index)
+    base = sum(i * math.prod(shape[d + 1:]) for d, i in enumerate(src.index))  # first element of the slice
+    meta = torch.empty(shape[k:], dtype=plan.dtype, device="meta")
+    out = []
+    for name, t in plan.mapping.to_hf(entry, [meta], views=True):
+        if not (t is meta or t._base is meta) or not t.is_contiguous():
+            return None
+        ranges = ckpt.file_ranges(src.key, base + t.storage_offset(), t.numel())
+        if ranges is None:
+            return None
+        out.append((name, FileBytes(tuple(t.shape), plan.dtype, tuple(ranges))))
+    return out
 
 
 def _any_nonzero(t: torch.Tensor) -> bool:

@@ -112,7 +112,13 @@ def _serve(conn, fns: Sequence[RewardFn], samples: Sequence[RewardInput], kwargs
             conn.send((i, False, f"  the return value {value!r:.200} cannot be sent back: {type(e).__name__}: {e}"))
 
 
+_DEPTH = 8  # samples queued per worker: it starts the next one without waiting for the parent's reply
+
+
 class _Worker:
+    """A forked scoring process with the sample indices sent to it, in the order it scores them; the first one is
+    the sample it works on, since `started`."""
+
     def __init__(self, fns, samples, kwargs):
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
@@ -120,27 +126,36 @@ class _Worker:
                                 name="megarl-reward")
         self.proc.start()
         child.close()
-        self.sample: Optional[int] = None
+        self.queue: deque = deque()
         self.started = 0.0
+        self.dead = False  # killed (Process.is_alive cannot tell: kill_tree reaps it)
 
     def give(self, i: int) -> None:
-        self.sample, self.started = i, time.monotonic()
+        if not self.queue:
+            self.started = time.monotonic()
+        self.queue.append(i)
         self.conn.send(i)
 
+    def done(self) -> int:
+        """The sample it was working on ended (scored, timed out or crashed): the next one starts now."""
+        self.started = time.monotonic()
+        return self.queue.popleft()
+
     def kill(self) -> None:
+        self.dead = True
         lifecycle.kill_tree(self.proc.pid)
         self.proc.join()
         self.conn.close()
 
     def close(self) -> None:
         """Ask an idle worker to end; kill it if it does not (or is busy)."""
-        if self.proc.is_alive() and self.sample is None:
+        if not self.dead and self.proc.is_alive() and not self.queue:
             try:
                 self.conn.send(None)
             except OSError:
                 pass
             self.proc.join(timeout=1)
-        if self.proc.is_alive():
+        if not self.dead and self.proc.is_alive():
             self.kill()
         self.conn.close()
 
@@ -148,37 +163,51 @@ class _Worker:
 def _run_with_timeouts(fns: Sequence[RewardFn], samples: Sequence[RewardInput], kwargs: dict[str, Any],
                        timeout_s: float, num_workers: int) -> tuple[dict[int, tuple[bool, Any]], list[int]]:
     """Run fns[i](samples[i]) on forked worker processes; returns (outcomes by index, indices that timed out). Every
-    worker has ended when this returns (or raises)."""
+    worker has ended when this returns (or raises).
+
+    Each worker holds up to _DEPTH samples, so it never waits for the parent between two samples (a round trip per
+    sample cost more than a rule reward). Time limits stay per sample: a sample's clock starts when the previous one
+    of its worker ended; a worker killed for a timeout or dead hands its other samples back to the queue."""
     pending = deque(range(len(samples)))
     outcomes: dict[int, tuple[bool, Any]] = {}
     timed_out: list[int] = []
     workers = [_Worker(fns, samples, kwargs) for _ in range(min(num_workers, len(samples)))]
+
+    def retire(w: _Worker) -> None:
+        w.kill()
+        pending.extendleft(reversed(w.queue))
+        w.queue.clear()
+
     try:
         while len(outcomes) + len(timed_out) < len(samples):
             for k, w in enumerate(workers):
-                if w.sample is None and pending:
-                    if not w.proc.is_alive():  # replaced after a timeout or a crash
-                        w = workers[k] = _Worker(fns, samples, kwargs)
+                if pending and w.dead:  # replaced after a timeout or a crash
+                    w = workers[k] = _Worker(fns, samples, kwargs)
+                while pending and len(w.queue) < _DEPTH:
                     w.give(pending.popleft())
-            busy = [w for w in workers if w.sample is not None]
+            busy = [w for w in workers if w.queue]
             now = time.monotonic()
             wait = max(0.0, min(w.started + timeout_s for w in busy) - now)
             for conn in mp_connection.wait([w.conn for w in busy], timeout=wait):
                 w = next(w for w in busy if w.conn is conn)
                 try:
-                    i, ok, value = conn.recv()
+                    while True:  # every result that arrived
+                        i, ok, value = conn.recv()
+                        if i != w.queue[0]:
+                            raise RuntimeError(f"reward worker answered sample {i} while {w.queue[0]} was first")
+                        w.done()
+                        outcomes[i] = (ok, value)
+                        if not w.queue or not conn.poll():
+                            break
                 except EOFError:  # the function ended its worker (os._exit, a crash)
                     w.proc.join(timeout=1)
-                    i, ok, value = w.sample, False, f"  the worker process died (exit code {w.proc.exitcode})"
-                    w.kill()
-                outcomes[i] = (ok, value)
-                w.sample = None
+                    outcomes[w.done()] = (False, f"  the worker process died (exit code {w.proc.exitcode})")
+                    retire(w)
             now = time.monotonic()
             for w in busy:
-                if w.sample is not None and now - w.started >= timeout_s:
-                    timed_out.append(w.sample)
-                    w.sample = None
-                    w.kill()
+                if w.queue and now - w.started >= timeout_s:
+                    timed_out.append(w.done())
+                    retire(w)
     finally:
         for w in workers:
             w.close()

@@ -6,8 +6,13 @@
 The plan (megarl.rollout.shards) is computed once from the bridge mapping, the trainer's parameters and the layout
 each engine worker reports; every rank derives the same moves and buckets from it, so no metadata travels per step.
 A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing gathers whole
-tensors, nothing is broadcast to the world. Bucket files are per (sync, bucket, receiving rank) and are unlinked by
-the worker once mapped.
+tensors, nothing is broadcast to the world.
+
+Bucket files are reused: each receiving rank writes its buckets alternately into two shared-memory slot files, sized
+once from the plan, which it and its worker keep mapped for the whole run (the worker unlinks each file when it first
+maps it, so nothing is left in /dev/shm). A fresh file per bucket cost a page fault per 4 KiB written and a page free
+per 4 KiB released, several times the copy itself; a reused slot costs the copy alone. The worker copies out whatever
+vLLM still buffers from a slot (a layer whose tensors straddle buckets) before the slot is written again.
 
 Engine placement (megarl.rollout.replicas.EngineTopology): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine
 TP); worker w of the replica is hosted by rank r*T + w, and the replica's first rank owns the engine process.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence
@@ -35,6 +41,65 @@ _ALIGN = 64
 
 def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class SlotFiles:
+    """The shared-memory files one writer fills for its engine workers, kept mapped between buckets and syncs.
+
+    `file(path, size)` maps `path` (created at `size` bytes) the first time it is named and returns the same mapping
+    after; the worker unlinks the file once it mapped it, and both mappings stay valid."""
+
+    def __init__(self):
+        self.mapped: dict = {}
+
+    def file(self, path: str, size: int) -> torch.Tensor:
+        buf = self.mapped.get(path)
+        if buf is None or buf.numel() < size:
+            buf = self.mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return buf
+
+    def drop(self, paths: Optional[Iterable[str]] = None) -> None:
+        """Forget the mappings (of `paths`, default all) and remove their files where no worker unlinked them yet."""
+        for path in list(self.mapped) if paths is None else list(paths):
+            self.mapped.pop(path, None)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class BackgroundLoad:
+    """engine.load_bucket in a thread, one bucket at a time, so that the next bucket is written (into the other slot)
+    while the engine loads this one. `wait()` before any other call to the engine: calls never overlap."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.seconds = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def start(self, metas: list) -> None:
+        self.wait()
+
+        def load():
+            t0 = time.perf_counter()
+            try:
+                self.engine.load_bucket(metas)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+                self._error = exc
+            self.seconds += time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=load, name="megarl-bucket-load", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the load in flight ended; re-raises its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 @dataclass
@@ -80,9 +145,7 @@ class WeightSync:
         self.mapping, self.local, self.topology, self.rank, self.group = mapping, local, topology, rank, group
         self.shapes = mapping.hf_shapes()
         self.dtypes = {h: dtypes[e.megatron] for e in mapping.entries if e.megatron in dtypes for h in e.hf}
-        self.needs = {host: engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in lay["modules"].items()},
-                                         lay.get("packed"))
-                      for host, lay in layouts.items()}
+        self.needs = {host: worker_needs(mapping, lay) for host, lay in layouts.items()}
         holdings = trainer_holdings(mapping, owners)
         sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in self.dtypes.items()}
         self.moves = plan_moves(mapping.hf_names(), self.needs, holdings, sizes)
@@ -90,6 +153,9 @@ class WeightSync:
         self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
         self.token = token  # the same on every rank: it names the bucket files a host writes and its worker reads
         self.syncs = 0
+        self._layouts: dict = {}  # (bucket, host) -> BucketFile
+        self._slot_size: dict = {}  # (host, slot) -> bytes: the largest of the host's buckets that use the slot
+        self._files = SlotFiles()
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
 
@@ -100,22 +166,32 @@ class WeightSync:
         t0 = time.perf_counter()
         stats = {"sent": 0, "received": 0, "loaded": 0, "exchange_s": 0.0, "load_s": 0.0}
         replica = self.topology.replica_of(self.rank)
+        loading = BackgroundLoad(engine) if engine is not None else None
         if engine is not None:
             engine.begin_update(verify=verify)
         try:
             for b, moves in enumerate(self.buckets):
-                self._deliver_bucket(b, moves, stats)
+                self._deliver_bucket(b, moves, stats)  # bucket b-1 loads meanwhile, from the other slot
+                if loading is not None:
+                    # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
+                    loading.wait()
                 if replica is not None and self.topology.engine_tp > 1:
                     dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
-                if engine is not None:
-                    t1 = time.perf_counter()
-                    engine.load_bucket(self.metas(replica, b))
-                    stats["load_s"] += time.perf_counter() - t1
+                if loading is not None:
+                    loading.start(self.metas(replica, b))
+            if loading is not None:
+                loading.wait()
         except BaseException:
             if engine is not None:
+                try:
+                    loading.wait()  # the engine takes one call at a time
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
                 engine.abort_update()
                 self._remove_leftovers(self.topology.members(replica))
             raise
+        if loading is not None:
+            stats["load_s"] = loading.seconds
         result = engine.end_update() if engine is not None else {}
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
@@ -137,8 +213,8 @@ class WeightSync:
         requests = dist.batch_isend_irecv(ops) if ops else []
         mine = [mv for mv in moves if mv.dst == self.rank]
         if mine:
-            f = self.bucket_file(b, self.rank, moves)
-            buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+            f = self.bucket_file(b, self.rank)
+            buf = self._files.file(f.path, f.size)
             for mv in mine:
                 if mv.src == self.rank:
                     self._write(buf, f, mv, self._piece(mv, chunks))
@@ -148,7 +224,6 @@ class WeightSync:
             for mv, piece in received:
                 self._write(buf, f, mv, piece)
             stats["loaded"] += sum(mv.nbytes for mv in mine)
-            del buf
         stats["exchange_s"] += time.perf_counter() - t0
 
     def _piece(self, mv: Move, chunks: dict) -> torch.Tensor:
@@ -159,12 +234,25 @@ class WeightSync:
         region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
 
     # -- files --------------------------------------------------------------------------------------------------------
-    def _path(self, b: int, dst: int) -> str:
-        return os.path.join(shm_dir(), f"megarl-{self.token}-s{self.syncs}-b{b}-r{dst}")
+    def _path(self, slot: int, dst: int) -> str:
+        return os.path.join(shm_dir(), f"megarl-{self.token}-r{dst}-slot{slot}")
 
-    def bucket_file(self, b: int, dst: int, moves: Optional[Sequence[Move]] = None) -> BucketFile:
-        return layout_bucket(self.buckets[b] if moves is None else moves, dst, self._path(b, dst), self.shapes,
-                             self.dtypes, self.needs.get(dst, {}))
+    def bucket_file(self, b: int, dst: int) -> BucketFile:
+        """Bucket b's layout in the file of host `dst`: buckets alternate between the host's two slot files, each
+        sized for the largest bucket it carries, so every rank derives the same names and sizes from the plan."""
+        key = (b, dst)
+        if key not in self._layouts:
+            slot = b % 2
+            if (dst, slot) not in self._slot_size:
+                self._slot_size[(dst, slot)] = max(
+                    (layout_bucket(self.buckets[i], dst, "", self.shapes, self.dtypes, self.needs.get(dst, {})).size
+                     for i in range(slot, len(self.buckets), 2)), default=_ALIGN)
+            f = layout_bucket(self.buckets[b], dst, self._path(slot, dst), self.shapes, self.dtypes,
+                              self.needs.get(dst, {}))
+            f.size = self._slot_size[(dst, slot)]
+            f.meta.update(size=f.size, slot=f.path)
+            self._layouts[key] = f
+        return self._layouts[key]
 
     def metas(self, replica: int, b: int) -> list:
         """What each worker of `replica` reads of bucket b (None where it has nothing in it)."""
@@ -175,14 +263,9 @@ class WeightSync:
         return out
 
     def _remove_leftovers(self, hosts: Sequence[int]) -> None:
-        """After a failed sync: the bucket files of a replica that its workers never opened (a worker unlinks each
+        """After a failed sync: the slot files of a replica that its workers never opened (a worker unlinks each
         file it maps, so a successful sync leaves none)."""
-        for b in range(len(self.buckets)):
-            for host in hosts:
-                try:
-                    os.unlink(self._path(b, host))
-                except FileNotFoundError:
-                    pass
+        self._files.drop([self._path(slot, host) for slot in (0, 1) for host in hosts])
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def _metrics(self, stats: dict, seconds: float) -> dict:
@@ -274,30 +357,67 @@ def local_holdings(model, mapping: Mapping) -> tuple:
     return local, tp_info, dtypes
 
 
-def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mapping, prefix: str) -> list:
+def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mapping, prefix: str,
+                       slots: Optional["FeedSlots"] = None) -> list:
     """Single process: the bucket files of every worker of one engine for a bucket of full HF tensors [(name,
-    tensor)]; returns the metas for megarl_load (tests, `megarl verify`, engines fed from a whole-tensor stream)."""
+    tensor)]; returns the metas for megarl_load (tests, `megarl verify`, engines fed from a whole-tensor stream).
+    With `slots`, the files are the engine's reused slot files (see FeedSlots); without, one new file per worker."""
     named = list(named)
+    tensors = dict(named)
+    dtypes = {name: str(t.dtype).replace("torch.", "") for name, t in named}
+    shapes = {name: tuple(t.shape) for name, t in named}
     metas = []
     for w, lay in enumerate(layouts):
-        needs = engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in lay["modules"].items()},
-                             lay.get("packed"))
+        needs = slots.needs[w] if slots is not None else worker_needs(mapping, lay)
         moves = [Move(name, 0, w, needs[name], full_box(t.shape), box_numel(needs[name]) * t.element_size())
                  for name, t in named if name in needs]
         if not moves:
             metas.append(None)
             continue
-        dtypes = {name: str(t.dtype).replace("torch.", "") for name, t in named}
-        shapes = {name: tuple(t.shape) for name, t in named}
         f = layout_bucket(moves, w, f"{prefix}-w{w}", shapes, dtypes, needs)
-        buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
-        tensors = dict(named)
+        if slots is None:
+            buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+        else:
+            f.path, f.size, buf = slots.file(w, f.size)
+            f.meta.update(path=f.path, size=f.size, slot=slots.slot_name(w))
         for mv in moves:
             offset, dtype, shape = f.regions[mv.hf]
             sl = relative_slices(mv.box, full_box(shape))
             region(buf, dtype, shape, offset)[sl].copy_(tensors[mv.hf][sl])
         metas.append(f.meta)
     return metas
+
+
+def worker_needs(mapping: Mapping, layout: dict) -> dict:
+    """{hf name: box} of what one engine worker (its reported layout) reads."""
+    return engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in layout["modules"].items()},
+                        layout.get("packed"))
+
+
+class FeedSlots:
+    """The reused slot files of the whole-tensor feed into one engine (two per worker, buckets alternate between
+    them; a slot grows, under a new file name, when a bucket needs more than it has). Kept on the engine handle."""
+
+    def __init__(self, layouts: Sequence[dict], mapping: Mapping):
+        self.prefix = os.path.join(shm_dir(), f"megarl-feed-{secrets.token_hex(4)}")
+        self.needs = [worker_needs(mapping, lay) for lay in layouts]
+        self.files = SlotFiles()
+        self.current: dict = {}  # (worker, slot) -> (path, size)
+        self.bucket = 0  # buckets written so far: picks the slot
+        self.grown = 0
+
+    def slot_name(self, w: int) -> str:
+        return f"{self.prefix}-w{w}-slot{self.bucket % 2}"
+
+    def file(self, w: int, size: int) -> tuple:
+        key = (w, self.bucket % 2)
+        path, have = self.current.get(key, (None, 0))
+        if have < size:
+            if path is not None:
+                self.files.drop([path])
+            self.grown += 1
+            path, have = self.current[key] = (f"{self.slot_name(w)}-g{self.grown}", size)
+        return path, have, self.files.file(path, have)
 
 
 def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: bool = False) -> dict:
@@ -307,11 +427,13 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
     `engine` has layouts / begin_update / load_bucket / end_update / abort_update (VLLMEngine or EngineProcess)."""
     from megarl.bridge.hf_config import load_spec
 
-    mapping = Mapping(load_spec(model_path))
-    layouts = engine.layouts
-    prefix = os.path.join(shm_dir(), f"megarl-feed-{secrets.token_hex(4)}")
-    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0}
+    slots = getattr(engine, "_megarl_feed_slots", None)
+    if slots is None:
+        slots = FeedSlots(engine.layouts, Mapping(load_spec(model_path)))
+        setattr(engine, "_megarl_feed_slots", slots)
+    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "write_s": 0.0}
     t0 = time.perf_counter()
+    loading = BackgroundLoad(engine)
     engine.begin_update(verify=verify)
     try:
         it = iter(buckets)
@@ -325,14 +447,19 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
             stats["bytes"] += size
             stats["buckets"] += 1
             stats["max_bucket"] = max(stats["max_bucket"], size)
-            metas = write_worker_files(bucket, layouts, mapping, f"{prefix}-b{stats['buckets']}")
-            try:
-                engine.load_bucket(metas)
-            finally:
-                for meta in metas:  # a worker unlinks what it maps; remove what a failed load left
-                    if meta and os.path.exists(meta["path"]):
-                        os.unlink(meta["path"])
+            t_write = time.perf_counter()  # while the engine loads the previous bucket from the other slot
+            metas = write_worker_files(bucket, engine.layouts, None, "", slots=slots)
+            stats["write_s"] += time.perf_counter() - t_write
+            loading.start(metas)  # waits for the previous load first
+            slots.bucket += 1
+        loading.wait()
     except BaseException:
+        try:
+            loading.wait()  # the engine takes one call at a time
+        except BaseException:  # noqa: BLE001 - the first error is the one raised
+            pass
+        setattr(engine, "_megarl_feed_slots", None)
+        slots.files.drop()  # a worker unlinks what it maps; remove what a failed load left
         engine.abort_update()
         raise
     metrics = engine.end_update()
@@ -340,6 +467,7 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
     metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
                     "weight_sync/source_seconds": stats["source_s"],
                     "weight_sync/load_seconds": seconds - stats["source_s"],
+                    "weight_sync/write_seconds": stats["write_s"],
                     "weight_sync/num_buckets": float(stats["buckets"]),
                     "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
                     "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})

@@ -13,8 +13,9 @@ is assembled in worker memory first.
 
 One update is one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
 `megarl_load` feeds buckets (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it:
-fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. A tensor buffered by an incomplete
-layer keeps its bucket file mapped until the layer completes, so memory stays within about two buckets.
+fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer
+fills again (megarl.rollout.delivery): the worker keeps each mapped, and copies out the tensors that an incomplete
+layer still buffers from it before returning, so memory stays within the slots plus those layers.
 """
 from __future__ import annotations
 
@@ -170,6 +171,9 @@ def describe_modules(model: torch.nn.Module) -> dict:
     return out
 
 
+_KEPT_SLOTS = 8  # slot files a worker keeps mapped (two per writer: the trainer's sync, a whole-tensor feed, ...)
+
+
 def _open_bucket(path: str, size: int) -> torch.Tensor:
     if not os.path.isfile(path) or os.path.getsize(path) != size:
         raise FileNotFoundError(f"weight bucket file {path} of {size} bytes is missing (the trainer rank hosting this "
@@ -187,6 +191,19 @@ def region(buf: torch.Tensor, dtype: str, shape, offset: int) -> torch.Tensor:
         n *= int(d)
     nbytes = n * torch.empty((), dtype=dt).element_size()
     return buf[offset: offset + nbytes].view(dt).view(tuple(shape))
+
+
+def _copy_out_buffered(buf: torch.Tensor) -> None:
+    """vLLM's layerwise reload buffers the tensors of a layer until all of them arrived; those still buffered from
+    slot `buf` are copied out, since the writer fills the slot again with a later bucket."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storage = buf.untyped_storage().data_ptr()
+    for info in list(LAYERWISE_INFO.values()):
+        for _, args in info.loaded_weights:
+            for key, value in args.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage:
+                    args.arguments[key] = value.clone()
 
 
 class MegarlWorkerExtension:
@@ -222,7 +239,7 @@ class MegarlWorkerExtension:
         if not meta:
             return 0
         state = self._megarl_state
-        buf = _open_bucket(meta["path"], int(meta["size"]))
+        buf = self._megarl_map(meta)
         ready = []
         for name, dtype, shape, offset, need, boxes in meta["tensors"]:
             need = tuple(tuple(b) for b in need)
@@ -240,9 +257,24 @@ class MegarlWorkerExtension:
                 staged[1] += box_numel(tuple(tuple(b) for b in box))
             if staged[1] == box_numel(need):
                 ready.append((name, state["staging"].pop(name)[0], need))
-        del buf  # views in `ready` (and in vLLM's buffers) keep the mapping alive as long as they need it
         self._megarl_model().load_weights(self._megarl_stream(ready))
+        if "slot" in meta:
+            _copy_out_buffered(buf)
         return len(ready)
+
+    def _megarl_map(self, meta: dict) -> torch.Tensor:
+        """The mapping of a bucket file. A slot file (meta["slot"]: the writer fills it again with a later bucket)
+        stays mapped while its writer names the same file; a one-off file is mapped for this call only."""
+        if "slot" not in meta:
+            return _open_bucket(meta["path"], int(meta["size"]))
+        maps = self.__dict__.setdefault("_megarl_slots", {})
+        path, buf = maps.pop(meta["slot"], (None, None))
+        if path != meta["path"] or buf.numel() < int(meta["size"]):
+            buf = _open_bucket(meta["path"], int(meta["size"]))
+        maps[meta["slot"]] = (meta["path"], buf)  # most recently used last
+        while len(maps) > _KEPT_SLOTS:
+            maps.pop(next(iter(maps)))
+        return buf
 
     def _megarl_stream(self, ready):
         state = self._megarl_state
