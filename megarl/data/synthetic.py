@@ -108,7 +108,6 @@ def arithmetic_tokenizer(save_dir: str, max_operand: int = 20):
     (56 for the default); the text of numbers above 2*max_operand becomes <unk>.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(arithmetic_vocab(max_operand))}
     if len(vocab) >= 300:
@@ -128,8 +127,16 @@ def arithmetic_tokenizer(save_dir: str, max_operand: int = 20):
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                        special_tokens=[(bos, vocab[bos])])
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()) + ROLE_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, model_max_length=4096,
-                                   **SPECIAL_TOKENS)
+    return save_fast_tokenizer(tok, save_dir, CHAT_TEMPLATE, SPECIAL_TOKENS)
+
+
+def save_fast_tokenizer(tok, save_dir: str, chat_template: str, special_tokens: dict):
+    """Wrap a `tokenizers.Tokenizer` as a PreTrainedTokenizerFast with its chat template, save it in save_dir (loadable
+    by transformers 4 and 5 and vLLM) and return it."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, model_max_length=4096,
+                                   **special_tokens)
     os.makedirs(save_dir, exist_ok=True)
     fast.save_pretrained(save_dir)
     # transformers 5 writes tokenizer_class "TokenizersBackend" and keeps the template only in chat_template.jinja;
@@ -137,7 +144,7 @@ def arithmetic_tokenizer(save_dir: str, max_operand: int = 20):
     config_path = os.path.join(save_dir, "tokenizer_config.json")
     with open(config_path, encoding="utf-8") as f:
         tok_config = json.load(f)
-    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=chat_template)
     with open(config_path, "w", encoding="utf-8") as f:
         json.dump(tok_config, f, indent=2)
     return fast

@@ -14,9 +14,10 @@ encoded (tool-call JSON included), which the agent loop's parser and the sanity 
 from __future__ import annotations
 
 import json
-import os
 import random
 from typing import Any
+
+from megarl.data.synthetic import save_fast_tokenizer
 
 DATA_SOURCE = "multiply_tool"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -63,7 +64,6 @@ def make_multiply_dataset(n: int, seed: int, min_operand: int = 32, max_operand:
 def multiply_tokenizer(save_dir: str):
     """Build, save and return the task's PreTrainedTokenizerFast (with its chat template) in save_dir."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab_list = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + CALL_TOKENS + WORDS + CHARS
     vocab = {tok: i for i, tok in enumerate(vocab_list)}
@@ -73,14 +73,4 @@ def multiply_tokenizer(save_dir: str):
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()) + ROLE_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CALL_TOKENS])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE, model_max_length=4096,
-                                   **SPECIAL_TOKENS)
-    os.makedirs(save_dir, exist_ok=True)
-    fast.save_pretrained(save_dir)
-    config_path = os.path.join(save_dir, "tokenizer_config.json")
-    with open(config_path, encoding="utf-8") as f:
-        tok_config = json.load(f)
-    tok_config.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(tok_config, f, indent=2)
-    return fast
+    return save_fast_tokenizer(tok, save_dir, CHAT_TEMPLATE, SPECIAL_TOKENS)

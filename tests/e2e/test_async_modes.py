@@ -75,33 +75,14 @@ def test_continue_generate_resumes_aborted_samples_on_the_real_engine(tmp_path):
     """async_training.partial_rollout=abort_resume's engine side: samples an abort cut short continue from prompt +
     partial response for exactly the budget left, and the continuation's rollout logprobs are the engine's own
     logprobs of those tokens after that prefix (checked against a teacher-forced pass over the whole sequence)."""
-    import threading
-    import time
-
     from megarl.rollout.engine import VLLMEngine
     from tests.e2e.test_engine_requests import LONG, PROMPTS, config
+    from tests.helpers.engine_abort import generate_aborted_at_step
     from tests.helpers.tiny_models import make_tiny_model
 
     engine = VLLMEngine(config(), str(make_tiny_model("qwen2", tmp_path / "qwen2")), seed=0, device="cpu")
     try:
-        core, steps = engine._driver._engine, [0]
-        step, reached = core.step, threading.Event()
-
-        def counting_step():  # abort once the engine has taken 20 steps (see test_engine_requests)
-            steps[0] += 1
-            if steps[0] == 20:
-                reached.set()
-                time.sleep(0.2)
-            return step()
-
-        core.step = counting_step
-        aborter = threading.Thread(target=lambda: (reached.wait(60), engine.abort()))
-        aborter.start()
-        try:
-            partial = engine.generate(PROMPTS, seed=11)
-        finally:
-            aborter.join()
-            core.step = step
+        partial = generate_aborted_at_step(engine, 20, PROMPTS, seed=11)
         rows = list(range(len(partial)))
         assert partial.finish_reasons == ["abort"] * len(rows)
         cont = engine.continue_generate([partial.prompt_ids[i] for i in rows], [partial.response(i) for i in rows],

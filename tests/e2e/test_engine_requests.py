@@ -15,6 +15,7 @@ import time
 import pytest
 
 from megarl.config.schema import RolloutConfig
+from tests.helpers.engine_abort import generate_aborted_at_step
 from tests.helpers.tiny_models import make_tiny_model
 
 LONG = 400  # response tokens: long enough that an abort lands mid-generation
@@ -59,25 +60,7 @@ def test_abort_from_another_thread_returns_partial_samples_and_the_engine_keeps_
     full = engine.generate(PROMPTS, seed=11)
     assert full.finish_reasons == ["length"] * 6 and int(full.response_lengths.min()) == LONG
 
-    # raise the abort from a second thread once the engine has taken 20 steps
-    steps, core = [0], engine._driver._engine
-    step, reached = core.step, threading.Event()
-
-    def counting_step():
-        steps[0] += 1
-        if steps[0] == 20:
-            reached.set()
-            time.sleep(0.2)  # the other thread's abort lands while this step is still running
-        return step()
-
-    core.step = counting_step
-    aborter = threading.Thread(target=lambda: (reached.wait(60), engine.abort()))
-    aborter.start()
-    try:
-        partial = engine.generate(PROMPTS, seed=11)
-    finally:
-        aborter.join()
-        core.step = step
+    partial = generate_aborted_at_step(engine, 20, PROMPTS, seed=11)  # from a second thread, during step 20
     assert_partial_prefixes(partial, full)
     assert int(partial.response_lengths.max()) <= 21  # ended at the first step after the abort
     again = engine.generate(PROMPTS, seed=11)  # an abort only hits the requests in flight at that moment
