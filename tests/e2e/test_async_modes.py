@@ -114,3 +114,19 @@ def test_abort_resume_loop_keeps_the_engine_current_and_every_response_whole(tmp
         assert m["train/response_length_mean"] == 96 and m["rollout/num_aborted"] == 0
         assert m["async/staleness_max"] <= 2
     print("resumed samples per step:", [m.get("async/resumed_samples", 0) for m in metrics])
+
+
+@pytest.mark.slow
+def test_async_with_the_engine_placed_separately(straight):
+    """trainer.mode=async with rollout.placement=separate (the engine in a process of its own, weights over the
+    transfer group): the same staleness per step as the colocated run, the engine samples with the weights it holds
+    (its logprobs equal the actor's on fresh steps only), and every sync moves exactly the planned bytes."""
+    tmp, ref = straight
+    got = _run(tmp, "separate", ["rollout.placement=separate"])
+    assert [m["async/staleness_max"] for m in got] == [m["async/staleness_max"] for m in ref] == [0, 1, 2, 1, 2, 1]
+    for m in got:
+        stale = m["async/staleness_max"] > 0
+        assert (m["rollout/logprob_abs_diff_mean"] > 1e-3) if stale else (m["rollout/logprob_abs_diff_mean"] < 1e-4), m
+        if "weight_sync/received_bytes_max" in m:
+            for kind in ("sent", "received", "loaded"):
+                assert m[f"weight_sync/{kind}_bytes_max"] == m[f"weight_sync/plan_{kind}_bytes_max"] > 0, m
