@@ -12,7 +12,7 @@ import torch
 from megarl import algo
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config import MegarlConfig
-from megarl.rollout.engine import Finished
+from megarl.rollout.protocol import Deferred
 from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
@@ -59,7 +59,7 @@ def start_generate(engine, records: Sequence[PromptRecord], rt: Runtime, validat
         if engine is not None and topo.replica_of(rt.rank) == replica:
             prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
             if multi_turn:
-                handle = Finished(engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
+                handle = Deferred.ready(engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
                                                         extra_infos=[r.extra_info for r in records[part]]))
             else:
                 handle = engine.start_generate(prompts, validate=validate, prompt_index=index, seed=seed,

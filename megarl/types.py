@@ -13,6 +13,16 @@ import torch
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def pad_rows(rows, fill, dtype: torch.dtype, width: Optional[int] = None) -> torch.Tensor:
+    """Ragged rows (N sequences of numbers) -> a right-padded tensor [N, width] (default: the longest row)."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
 @dataclass
 class RolloutBatch:
     """Responses sampled by a rollout engine, one row per sample.

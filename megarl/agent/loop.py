@@ -24,6 +24,7 @@ import torch
 from megarl.agent.parse import parse_tool_calls
 from megarl.agent.render import ChatRenderer
 from megarl.agent.tools import ERROR_KINDS, ToolCall, ToolResult, ToolSet, TrajectoryState, truncate_text
+from megarl.types import pad_rows
 
 AGenerate = Callable[..., Awaitable[list]]
 # per-rollout counts (they add up over engine replicas); rates are derived from them by tool_rates
@@ -192,15 +193,9 @@ def tool_rates(m: dict) -> dict[str, float]:
 
 def trajectory_tensors(trajs: Sequence[Trajectory], pad: int) -> dict[str, torch.Tensor]:
     """Right-padded [N, R] response_ids, rollout_logprobs, loss_mask; [N] lengths and tool rewards."""
-    num, width = len(trajs), max((len(t.response_ids) for t in trajs), default=0)
-    ids = torch.full((num, width), pad, dtype=torch.long)
-    lps = torch.zeros((num, width), dtype=torch.float32)
-    mask = torch.zeros((num, width), dtype=torch.bool)
-    for i, t in enumerate(trajs):
-        k = len(t.response_ids)
-        ids[i, :k] = torch.tensor(t.response_ids, dtype=torch.long)
-        lps[i, :k] = torch.tensor(t.logprobs, dtype=torch.float32)
-        mask[i, :k] = torch.tensor(t.mask, dtype=torch.bool)
-    return {"response_ids": ids, "rollout_logprobs": lps, "loss_mask": mask,
+    ids = pad_rows([t.response_ids for t in trajs], pad, torch.long)
+    width = ids.shape[1]
+    return {"response_ids": ids, "rollout_logprobs": pad_rows([t.logprobs for t in trajs], 0.0, torch.float32, width),
+            "loss_mask": pad_rows([t.mask for t in trajs], False, torch.bool, width),
             "response_lengths": torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.long),
             "tool_rewards": torch.tensor([t.tool_reward for t in trajs], dtype=torch.float32)}

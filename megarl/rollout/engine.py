@@ -32,9 +32,10 @@ import torch
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
                                     fold_checksums, resolve_nested)
+from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.worker_ext import WORKER_EXTENSION
-from megarl.types import FINISH_REASONS, RolloutBatch
+from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -214,16 +215,6 @@ def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: 
 # The vLLM engine
 
 
-class Finished:
-    """The handle of a call that already ran (the engine interface's start_generate where it cannot overlap)."""
-
-    def __init__(self, value: Any):
-        self._value = value
-
-    def result(self) -> Any:
-        return self._value
-
-
 def _read_hf_config(model_path: str) -> Optional[dict]:
     path = Path(model_path) / "config.json"
     if not path.is_file():
@@ -376,14 +367,8 @@ class VLLMEngine:
                 reasons.append(c.finish_reason)
                 groups.append(groups_of[k])
                 pcut.append(cut[k])
-        num = len(rows_r)
-        width = max((len(r) for r in rows_r), default=0)
-        resp = torch.full((num, width), self.pad_id, dtype=torch.long)
-        lps = torch.zeros((num, width), dtype=torch.float32) if cfg.calculate_log_probs else None
-        for i, r in enumerate(rows_r):
-            resp[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-            if lps is not None:
-                lps[i, : len(r)] = torch.tensor(rows_lp[i], dtype=torch.float32)
+        resp = pad_rows(rows_r, self.pad_id, torch.long)
+        lps = pad_rows(rows_lp, 0.0, torch.float32, resp.shape[1]) if cfg.calculate_log_probs else None
         lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
         return self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s)
 
@@ -472,13 +457,13 @@ class VLLMEngine:
         batch.metrics.update({**counts, **tool_rates(counts)})
         return batch
 
-    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> "Finished":
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Deferred:
         """As generate; in this process it cannot overlap the caller, so it generates now (EngineProcess overlaps)."""
-        return Finished(self.generate(prompt_token_ids, **kwargs))
+        return Deferred.ready(self.generate(prompt_token_ids, **kwargs))
 
-    def start_continue(self, *args, **kwargs) -> "Finished":
+    def start_continue(self, *args, **kwargs) -> Deferred:
         """As continue_generate, with a handle (see start_generate)."""
-        return Finished(self.continue_generate(*args, **kwargs))
+        return Deferred.ready(self.continue_generate(*args, **kwargs))
 
     def sampling_kwargs(self, validate: bool = False, **overrides) -> dict[str, Any]:
         """vllm.SamplingParams keyword arguments of this engine's config (see `sampling_kwargs`), with overrides

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
+from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal
 from megarl.rollout.threads import apply_engine_threads, available_cores
 from megarl.console import capture_engine_output, log_tail
@@ -91,21 +92,6 @@ def _receive_continuously(conn) -> "queue.Queue":
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n--- engine process traceback ---\n{traceback.format_exc()}"
-
-
-class PendingCall:
-    """A call sent to the engine process and not yet waited for (EngineProcess.start_generate)."""
-
-    def __init__(self, engine: "EngineProcess", call_id: int):
-        self._engine, self._id = engine, call_id
-        self._done, self._value = False, None
-
-    def result(self) -> Any:
-        """Wait for the reply (once; later calls return the same value). Raises EngineProcessError if the call failed."""
-        if not self._done:
-            self._value = self._engine._wait(self._id)
-            self._done = True
-        return self._value
 
 
 class EngineProcess:
@@ -183,21 +169,26 @@ class EngineProcess:
     def _call(self, method: str, *args, **kwargs) -> Any:
         return self._wait(self._submit(method, *args, **kwargs))
 
+    def _deferred(self, call_id: int) -> Deferred:
+        """The handle of a call sent and not yet waited for (start_generate and the like)."""
+        return Deferred(lambda: self._wait(call_id))
+
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
         return self.start_generate(prompt_token_ids, **kwargs).result()
 
-    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> "PendingCall":
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Deferred:
         """As generate, without waiting: the engine process generates while this process goes on (trains);
         `.result()` waits for the RolloutBatch. Calls made meanwhile run after it, in order."""
-        return PendingCall(self, self._submit("generate", [list(p) for p in prompt_token_ids], **kwargs))
+        return self._deferred(self._submit("generate", [list(p) for p in prompt_token_ids], **kwargs))
 
     def continue_generate(self, *args, **kwargs):
         return self.start_continue(*args, **kwargs).result()
 
-    def start_continue(self, prompt_token_ids, partial_ids, prompt_index, seeds) -> "PendingCall":
+    def start_continue(self, prompt_token_ids, partial_ids, prompt_index, seeds) -> Deferred:
         """VLLMEngine.continue_generate without waiting (as start_generate)."""
-        return PendingCall(self, self._submit("continue_generate", [list(p) for p in prompt_token_ids],
+        return self._deferred(self._submit("continue_generate", [list(p) for p in prompt_token_ids],
                                               [list(r) for r in partial_ids], list(prompt_index), list(seeds)))
+
     def rollout_agents(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs):
         return self._call("rollout_agents", [list(p) for p in prompt_token_ids], **kwargs)
 
@@ -225,16 +216,14 @@ class EngineProcess:
     def transfer_layouts(self) -> list:
         return [self.layouts]
 
-    def start_join_transfer(self, spec, first_rank: int) -> "PendingCall":
-        return PendingCall(self, self._submit("join_transfer", spec, first_rank))
+    def start_join_transfer(self, spec, first_rank: int) -> Deferred:
+        return self._deferred(self._submit("join_transfer", spec, first_rank))
 
     def set_receive_plans(self, plans: list) -> None:
         self._call("set_receive_plan", plans[0])
 
     def start_receive_weights(self, sync: int, verify: bool = False):
-        from megarl.rollout.remote import Deferred
-
-        call = PendingCall(self, self._submit("receive_weights", sync, verify=verify))
+        call = self._deferred(self._submit("receive_weights", sync, verify=verify))
         return Deferred(lambda: [call.result()])
 
     @property

@@ -5,11 +5,30 @@ processes of their own receive weights over a transfer group instead of the shar
 trainer rank's memory)."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from megarl.types import RolloutBatch
+
+
+class Deferred:
+    """The handle of a call started elsewhere (an engine-process call, a Ray task): `result()` waits once and keeps
+    the value. `Deferred.ready(value)` is the handle of a call that already ran (where nothing can overlap)."""
+
+    def __init__(self, wait: Callable[[], Any]):
+        self._wait, self._done, self._value = wait, False, None
+
+    @classmethod
+    def ready(cls, value: Any) -> "Deferred":
+        handle = cls(lambda: value)
+        handle._value, handle._done = value, True
+        return handle
+
+    def result(self) -> Any:
+        if not self._done:
+            self._value, self._done = self._wait(), True
+        return self._value
 
 
 @runtime_checkable

@@ -29,8 +29,8 @@ import torch
 
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.engine import Finished
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
+from megarl.rollout.protocol import Deferred
 from megarl.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -268,17 +268,15 @@ class RayEngine:
                                                       seed=chunk_seed, **kwargs, **extra))
         return concat_rollouts(self._get(refs, None, method))
 
-    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Finished:
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Deferred:
         """As generate (Ray engines generate only in trainer.mode=sync: the call returns when it is done)."""
-        return Finished(self.generate(prompt_token_ids, **kwargs))
+        return Deferred.ready(self.generate(prompt_token_ids, **kwargs))
 
     # -- weights over the transfer group: one engine host per replica (megarl.rollout.remote) --------------------
     def transfer_layouts(self) -> list:
         return self._all("layouts")
 
     def start_join_transfer(self, spec, first_rank: int):
-        from megarl.rollout.remote import Deferred
-
         refs = [a.join_transfer.remote(spec, first_rank + i) for i, a in enumerate(self._actors)]
         return Deferred(lambda: self._get(refs, None, "join the weight transfer group"))
 
@@ -286,8 +284,6 @@ class RayEngine:
         self._get([a.set_receive_plan.remote(p) for a, p in zip(self._actors, plans)], None, "take the receive plan")
 
     def start_receive_weights(self, sync: int, verify: bool = False):
-        from megarl.rollout.remote import Deferred
-
         refs = [a.receive_weights.remote(sync, verify) for a in self._actors]
         return Deferred(lambda: self._get(refs, None, "receive weights"))
 

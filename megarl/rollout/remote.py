@@ -30,7 +30,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,18 +41,6 @@ from megarl.rollout.shards import (EngineModule, box_shape, bucket_moves, engine
 from megarl.rollout.worker_ext import region
 
 DEFAULT_TIMEOUT_S = 1800.0
-
-
-class Deferred:
-    """The result of a call already started elsewhere (a Ray task, an engine-process call): `result()` waits once."""
-
-    def __init__(self, wait: Callable[[], Any]):
-        self._wait, self._done, self._value = wait, False, None
-
-    def result(self) -> Any:
-        if not self._done:
-            self._value, self._done = self._wait(), True
-        return self._value
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from megarl.types import FINISH_REASONS, RolloutBatch
+from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger("megarl")
 
@@ -324,16 +324,10 @@ def merge_continuation(batch: RolloutBatch, rows: list, cont: RolloutBatch, vers
 def _assemble(prompt_ids, responses, logprobs, versions, reasons, prompt_index, prompt_truncated, weight_version,
               pad, metrics) -> RolloutBatch:
     """A RolloutBatch from per-row lists (responses right-padded with `pad`)."""
-    n = len(prompt_ids)
-    width = max((len(r) for r in responses), default=0)
-    response = torch.full((n, width), int(pad), dtype=torch.long)
-    lps = None if logprobs is None else torch.zeros((n, width), dtype=torch.float32)
-    tv = torch.zeros((n, width), dtype=torch.long)
-    for i, r in enumerate(responses):
-        response[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        tv[i, :len(r)] = torch.tensor(versions[i], dtype=torch.long)
-        if lps is not None:
-            lps[i, :len(r)] = torch.tensor(logprobs[i], dtype=torch.float32)
+    response = pad_rows(responses, int(pad), torch.long)
+    width = response.shape[1]
+    lps = None if logprobs is None else pad_rows(logprobs, 0.0, torch.float32, width)
+    tv = pad_rows(versions, 0, torch.long, width)
     reasons = [r if r in FINISH_REASONS else "abort" for r in reasons]
     return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], response_ids=response,
                         response_lengths=torch.tensor([len(r) for r in responses], dtype=torch.long),

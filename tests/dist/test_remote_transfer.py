@@ -87,7 +87,7 @@ class HostHandle:
         self.proc.start()
 
     def _ask(self, *msg):
-        from megarl.rollout.remote import Deferred
+        from megarl.rollout.protocol import Deferred
 
         self.conn.send(msg)
 
@@ -108,7 +108,7 @@ class HostHandle:
         self._ask("plan", plans[0]).result()
 
     def start_receive_weights(self, sync, verify=False):
-        from megarl.rollout.remote import Deferred
+        from megarl.rollout.protocol import Deferred
 
         call = self._ask("receive", sync, verify)
 

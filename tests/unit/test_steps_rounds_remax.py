@@ -59,9 +59,9 @@ class FakeEngine:
         self.constant = set(constant)
 
     def start_generate(self, prompt_token_ids, **kwargs):
-        from megarl.rollout.engine import Finished
+        from megarl.rollout.protocol import Deferred
 
-        return Finished(self.generate(prompt_token_ids, **kwargs))
+        return Deferred.ready(self.generate(prompt_token_ids, **kwargs))
 
     def generate(self, prompt_token_ids, validate=False, prompt_index=None, seed=None, greedy=False):
         self.calls.append({"prompts": [list(p) for p in prompt_token_ids], "greedy": greedy, "seed": seed,
