@@ -22,9 +22,7 @@ the others; ratios are against it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_step import RECIPE, child_env, megarl_cmd, prepare_sft_model, shared_overrides  # noqa: E402
+from bench_step import (RECIPE, megarl_cmd, prepare_sft_model, shared_overrides,  # noqa: E402
+                        train_watching_steps)
 
 MODES = {"sync": [], "one_step_off_policy": [],
          "async": ["async_training.max_staleness=2"]}
@@ -49,18 +48,7 @@ def run_mode(work: Path, mode: str, steps: int, warmup: int, engine_cores: int, 
                      "trainer.val_before_train=false", "logging.tensorboard=false", f"trainer.mode={mode}",
                      f"rollout.engine_cpu_cores={engine_cores}", "algorithm.rollout_correction.is_level=token",
                      *MODES[mode], *extra)
-    metrics_path = run_dir / "metrics.jsonl"
-    seen: list[float] = []
-    with open(work / f"{tag}.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            if metrics_path.exists():
-                rows = metrics_path.read_bytes().count(b"\n")
-                seen.extend([time.monotonic()] * (rows - len(seen)))
-            time.sleep(0.005)
-    if proc.returncode != 0:
-        raise RuntimeError(f"megarl train ({mode}) failed (exit {proc.returncode}); see {work / f'{tag}.log'}")
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    rows, seen = train_watching_steps(cmd, run_dir / "metrics.jsonl", work / f"{tag}.log", f" ({mode})")
     out = []
     # the last step also writes the final checkpoint: left out, like the warm-up
     for a, b, row in zip(seen[warmup:], seen[warmup + 1:-1], rows[warmup + 1:-1]):

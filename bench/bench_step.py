@@ -60,17 +60,10 @@ def prepare_sft_model(work: Path) -> None:
                    check=True, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def run_megarl(work: Path, steps: int, warmup: int) -> dict:
-    """Launch `megarl train` for warmup + steps RL steps; time each step by when its metrics row appears."""
-    warmup = max(warmup, 1)  # a step's wall time is the gap since the previous row
-    run_dir = work / f"megarl_run_{int(time.time())}"
-    log_path = work / "megarl_train.log"
-    cmd = megarl_cmd("train", str(RECIPE), f"trainer.run_dir={run_dir}", *shared_overrides(work),
-                     f"trainer.total_steps={warmup + steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
-                     "logging.tensorboard=false")
-    metrics_path = run_dir / "metrics.jsonl"
-    seen: list[float] = []  # when each metrics row was first seen
-    start = time.monotonic()
+def train_watching_steps(cmd: list[str], metrics_path: Path, log_path: Path, what: str) -> tuple[list, list]:
+    """Run `megarl train` (cmd) with its output in log_path; (its metrics rows, the time each row first appeared),
+    so the wall time between two rows is one step as a user sees it."""
+    seen: list[float] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
@@ -79,8 +72,20 @@ def run_megarl(work: Path, steps: int, warmup: int) -> dict:
                 seen.extend([time.monotonic()] * (rows - len(seen)))
             time.sleep(0.005)
     if proc.returncode != 0:
-        raise RuntimeError(f"megarl train failed (exit {proc.returncode}); see {log_path}")
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        raise RuntimeError(f"megarl train{what} failed (exit {proc.returncode}); see {log_path}")
+    return [json.loads(line) for line in metrics_path.read_text().splitlines()], seen
+
+
+def run_megarl(work: Path, steps: int, warmup: int) -> dict:
+    """Launch `megarl train` for warmup + steps RL steps; time each step by when its metrics row appears."""
+    warmup = max(warmup, 1)  # a step's wall time is the gap since the previous row
+    run_dir = work / f"megarl_run_{int(time.time())}"
+    log_path = work / "megarl_train.log"
+    cmd = megarl_cmd("train", str(RECIPE), f"trainer.run_dir={run_dir}", *shared_overrides(work),
+                     f"trainer.total_steps={warmup + steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
+                     "logging.tensorboard=false")
+    start = time.monotonic()
+    rows, seen = train_watching_steps(cmd, run_dir / "metrics.jsonl", log_path, "")
     first_step_after_s = seen[0] - start - rows[0]["timing/step_s"]
     walls = [b - a for a, b in zip(seen[warmup - 1:], seen[warmup:])]
     steps = []
