@@ -1,7 +1,10 @@
 """Rollout benchmark, one run, side-by-side ratios:
 
-1. weight sync: `VLLMEngine.update_weights` of a >= 100M-parameter Llama in rollout.update_weights_bucket_megabytes
-   buckets, against the floor: copying the same bytes into preallocated in-memory buffers.
+1. weight sync into an engine process (as the trainer runs it) of a >= 100M-parameter Llama in
+   rollout.update_weights_bucket_megabytes buckets, against the floor: copying the same bytes into preallocated
+   in-memory buffers; at engine TP1 and TP2, with vLLM's prepacked CPU weights (rollout.cpu_prepack_weights=true,
+   the default: each layer is rebuilt and re-packed) and with plain weights (false: loaded in place); each engine's
+   decoding tokens/s on the same prompts shows what the packing buys.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
    (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
    the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
@@ -74,9 +77,6 @@ def main() -> int:
         cfg = RolloutConfig(prompt_length=args.prompt_len, response_length=args.new_tokens, dtype="float32",
                             kv_cache_memory_bytes=128 << 20, max_num_seqs=max(args.prompts, 1), do_sample=False,
                             ignore_eos=True, update_weights_bucket_megabytes=args.bucket_mb)
-        plan = apply_engine_threads(available_cores())
-        engine = VLLMEngine(cfg, str(path), seed=0, device="cpu")
-        print(f"vLLM engine start: {engine.start_seconds:.1f}s", flush=True)
 
         from transformers import AutoModelForCausalLM
 
@@ -87,27 +87,52 @@ def main() -> int:
         state = [(k, v.detach().contiguous()) for k, v in hf.state_dict().items() if k != "lm_head.weight"]
         nbytes = sum(v.numel() * v.element_size() for _, v in state)
 
-        # -- 1. weight sync vs the in-memory copy floor ---------------------------------------------------------------
+        # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
+        from megarl.rollout.process import EngineProcess
+
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
         dst = [torch.empty_like(v) for _, v in state]
-        syncs, floor_s = [], []
-        for _ in range(args.repeats):  # sync and floor alternate, so a burst of load from elsewhere hits both alike
-            syncs.append(engine.update_weights(iter_buckets(state, cfg.update_weights_bucket_megabytes << 20)))
+        cores = available_cores()
+        floor_s = []
+
+        def floor() -> float:
             t0 = time.perf_counter()
             for d, (_, v) in zip(dst, state):
                 d.copy_(v)
             floor_s.append(time.perf_counter() - t0)
-        m = min(syncs, key=lambda r: r["weight_sync/seconds"])
-        s, f = m["weight_sync/seconds"], min(floor_s)
-        ratios = sorted(r["weight_sync/seconds"] / fl for r, fl in zip(syncs, floor_s))
-        print(f"weight sync: {nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets of <= "
-              f"{args.bucket_mb} MiB: {s:.3f}s ({nbytes / s / 1e9:.2f} GB/s; writing the bucket files "
-              f"{m['weight_sync/write_seconds']:.3f}s, the engine's load {s - m['weight_sync/write_seconds']:.3f}s); "
-              f"in-memory copy floor {f:.3f}s ({nbytes / f / 1e9:.2f} GB/s); ratio sync/floor = {s / f:.1f}x "
-              f"(median of the paired ratios {ratios[len(ratios) // 2]:.1f}x)", flush=True)
+            return floor_s[-1]
+
+        sync_ratio = {}
+        for tp in (1, 2):
+            for prepack in (True, False):
+                label = f"engine TP{tp}, {'prepacked weights' if prepack else 'plain weights (in place)'}"
+                ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": prepack})
+                eng = EngineProcess(ecfg, str(path), cores=cores)
+                runs = []
+                for _ in range(args.repeats):  # sync and floor alternate: a burst of load hits both alike
+                    m = eng.update_weights(iter_buckets(state, cfg.update_weights_bucket_megabytes << 20))
+                    runs.append((m, floor()))
+                eng.generate(prompts[:1].tolist(), n=1)  # warm-up
+                t0 = time.perf_counter()
+                out = eng.generate(prompts.tolist(), n=1)
+                rate = int(out.response_lengths.sum()) / (time.perf_counter() - t0)
+                eng.shutdown()
+                m, fl = min(runs, key=lambda r: r[0]["weight_sync/seconds"] / r[1])
+                s_ = m["weight_sync/seconds"]
+                sync_ratio[label] = s_ / fl
+                print(f"weight sync, {label}: {nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets "
+                      f"of <= {args.bucket_mb} MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; writing the bucket files "
+                      f"{m['weight_sync/write_seconds']:.3f}s, in place {bool(m['weight_sync/in_place'])}); "
+                      f"in-memory copy floor {fl:.3f}s ({nbytes / fl / 1e9:.2f} GB/s); ratio sync/floor = "
+                      f"{s_ / fl:.1f}x (best of {args.repeats} paired); decoding {rate:.0f} tok/s; load average "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
+        print("sync/floor ratios: " + ", ".join(f"{k} {v:.1f}x" for k, v in sync_ratio.items()), flush=True)
 
         # -- 2. rollout tokens/s vs HF generate ----------------------------------------------------------------------
-        g = torch.Generator().manual_seed(1)
-        prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
+        plan = apply_engine_threads(available_cores())
+        engine = VLLMEngine(cfg, str(path), seed=0, device="cpu")
+        print(f"vLLM engine start (in this process): {engine.start_seconds:.1f}s", flush=True)
         engine.generate(prompts[:1].tolist(), n=1)  # warm-up
         contenders = (("vllm", plan.threads), ("hf", plan.threads), ("vllm_1_thread", 1), ("hf_1_thread", 1))
         best = {name: float("inf") for name, _ in contenders}
@@ -139,18 +164,9 @@ def main() -> int:
               f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
 
-        # -- 3. engine TP2 sync and engine replicas, as the trainer runs them (engine child processes) -------------
+        # -- 3. engine replicas, as the trainer runs them (engine child processes) -----------------------------------
         from concurrent.futures import ThreadPoolExecutor
 
-        from megarl.rollout.process import EngineProcess
-
-        cores = available_cores()
-        tp2 = EngineProcess(cfg.model_copy(update={"tensor_model_parallel_size": 2}), str(path), cores=cores)
-        tp2_s = min(tp2.update_weights(iter_buckets(state, cfg.update_weights_bucket_megabytes << 20))
-                    ["weight_sync/seconds"] for _ in range(args.repeats))
-        tp2.shutdown()
-        print(f"weight sync at engine TP2 (each worker receives its half): {tp2_s:.3f}s; ratio sync/floor = "
-              f"{tp2_s / f:.1f}x (engine TP1 above: {s / f:.1f}x)", flush=True)
         shares = [cores] if len(cores) < 2 else [cores[: len(cores) // 2], cores[len(cores) // 2:]]
         rates = {}
         for label, groups in (("1 replica", [cores]), (f"{len(shares)} replicas", shares)):

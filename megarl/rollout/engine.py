@@ -34,7 +34,7 @@ from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_ch
                                     fold_checksums, resolve_nested)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
-from megarl.rollout.worker_ext import WORKER_EXTENSION
+from megarl.rollout.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
@@ -281,6 +281,9 @@ class VLLMEngine:
 
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_thread_plan(available_cores(),
                                                                          cfg.tensor_model_parallel_size).omp_bind
+        if not self.on_gpu:  # read where the model loads: here, and in the worker processes of engine TP > 1
+            os.environ[PLAIN_CPU_WEIGHTS_ENV] = "0" if cfg.cpu_prepack_weights else "1"
+            keep_cpu_weights_plain()
         t0 = time.perf_counter()
         try:
             from vllm import LLM
@@ -546,6 +549,8 @@ class VLLMEngine:
                    "weight_sync/num_tensors": float(sum(r["tensors"] for r in results)),
                    "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
                    "weight_sync/num_moe_reprocessed": float(sum(r["moe_reprocessed"] for r in results)),
+                   # 1: every worker copied the shards straight into its live parameters (no layer re-processed)
+                   "weight_sync/in_place": float(all(r["in_place"] for r in results)),
                    # tied LM heads re-processed from the embedding, per worker (each holds its shard of one head)
                    "weight_sync/num_tied_reloaded": float(max(r["tied_reloaded"] for r in results))}
         if getattr(self, "_verify", False):

