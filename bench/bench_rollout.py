@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=1, help="samples per prompt (rollout.n); > 1 samples at "
+                    "temperature 1 (vLLM computes each prompt once and shares it, HF generate expands the batch first)")
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="weight syncs timed (best is reported)")
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation rounds timed (best is reported)")
@@ -74,9 +76,12 @@ def main() -> int:
         t0 = time.perf_counter()
         nparams = make_model(path, args.hidden, args.layers, args.ffn, args.vocab, args.heads)
         print(f"model: Llama {nparams / 1e6:.1f}M params (fp32), built in {time.perf_counter() - t0:.1f}s", flush=True)
+        seqs = args.prompts * args.samples
+        kv_bytes = 2 * args.layers * args.hidden * 4 * (args.prompt_len + args.new_tokens) * seqs
         cfg = RolloutConfig(prompt_length=args.prompt_len, response_length=args.new_tokens, dtype="float32",
-                            kv_cache_memory_bytes=128 << 20, max_num_seqs=max(args.prompts, 1), do_sample=False,
-                            ignore_eos=True, update_weights_bucket_megabytes=args.bucket_mb)
+                            kv_cache_memory_bytes=max(128 << 20, int(kv_bytes * 1.25)), max_num_seqs=max(seqs, 1),
+                            do_sample=args.samples > 1, temperature=1.0, n=args.samples, ignore_eos=True,
+                            update_weights_bucket_megabytes=args.bucket_mb)
 
         from transformers import AutoModelForCausalLM
 
@@ -115,7 +120,7 @@ def main() -> int:
                     runs.append((m, floor()))
                 eng.generate(prompts[:1].tolist(), n=1)  # warm-up
                 t0 = time.perf_counter()
-                out = eng.generate(prompts.tolist(), n=1)
+                out = eng.generate(prompts.tolist(), n=args.samples)
                 rate = int(out.response_lengths.sum()) / (time.perf_counter() - t0)
                 eng.shutdown()
                 m, fl = min(runs, key=lambda r: r[0]["weight_sync/seconds"] / r[1])
@@ -144,24 +149,28 @@ def main() -> int:
                     with torch.no_grad():
                         out = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
                                           max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                          do_sample=False, pad_token_id=1)
+                                          do_sample=args.samples > 1, num_return_sequences=args.samples,
+                                          temperature=1.0, top_k=0, top_p=1.0, pad_token_id=1)
                     tokens = (out.shape[1] - args.prompt_len) * out.shape[0]
                 else:
-                    batch = engine.generate(prompts.tolist(), n=1)
+                    batch = engine.generate(prompts.tolist(), n=args.samples)
                     tokens = int(batch.response_lengths.sum())
                 best[name] = min(best[name], time.perf_counter() - t0)
-                assert tokens == args.prompts * args.new_tokens, (name, tokens)
+                assert tokens == seqs * args.new_tokens, (name, tokens)
         SET_THREADS(plan.threads)
-        same = sum(out[i, args.prompt_len:].tolist() == batch.response(i) for i in range(args.prompts))
-        rate = {k: args.prompts * args.new_tokens / v for k, v in best.items()}
-        print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens (greedy), "
+        same = sum(out[i, args.prompt_len:].tolist() == batch.response(i) for i in range(args.prompts)) \
+            if args.samples == 1 else None
+        rate = {k: seqs * args.new_tokens / v for k, v in best.items()}
+        sampled = f"{args.samples} samples each at temperature 1" if args.samples > 1 else "greedy"
+        print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens ({sampled}), "
               f"best of {args.gen_repeats}; engine threads {plan.threads} on cores {plan.omp_bind}: "
               f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), HF generate {rate['hf']:.0f} tok/s "
               f"({best['hf']:.2f}s), ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x; at 1 thread each: vLLM "
               f"{rate['vllm_1_thread']:.0f} tok/s, HF {rate['hf_1_thread']:.0f} tok/s, ratio "
               f"{rate['vllm_1_thread'] / rate['hf_1_thread']:.2f}x; vLLM with the plan vs vLLM at 1 thread "
               f"{rate['vllm'] / rate['vllm_1_thread']:.2f}x; "
-              f"identical greedy outputs {same}/{args.prompts}; load average {os.getloadavg()[0]:.1f}", flush=True)
+              + (f"identical greedy outputs {same}/{args.prompts}; " if same is not None else "")
+              + f"load average {os.getloadavg()[0]:.1f}", flush=True)
         engine.shutdown()
 
         # -- 3. engine replicas, as the trainer runs them (engine child processes) -----------------------------------
@@ -176,7 +185,7 @@ def main() -> int:
                 e.generate(part[:1], n=1)  # warm-up
             with ThreadPoolExecutor(len(engines)) as pool:
                 t0 = time.perf_counter()
-                done = list(pool.map(lambda ep: ep[0].generate(ep[1], n=1), zip(engines, parts)))
+                done = list(pool.map(lambda ep: ep[0].generate(ep[1], n=args.samples), zip(engines, parts)))
                 seconds = time.perf_counter() - t0
             rates[label] = sum(int(b.response_lengths.sum()) for b in done) / seconds
             for e in engines:
