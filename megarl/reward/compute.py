@@ -4,10 +4,12 @@ Timeouts use worker processes: each sample runs in a worker forked from the call
 timeout_s from the moment that sample started. A sample over the limit scores 0.0, its metrics are None, and it is
 counted in report["num_timed_out"]; its worker (with anything it started) is killed and a fresh one takes its place,
 so no call outlives its limit. Python cannot stop a thread, hence processes; forked, so reward functions loaded from
-files and closures need not be picklable (only their return values travel back). A worker dies with the trainer
-(parent-death signal) and ignores the SIGINT/SIGTERM meant for the trainer. What a worker changes in its own memory
-(a counter in the reward function, say) does not reach the caller. Reward functions must not use CUDA (a forked child
-cannot).
+files and closures need not be picklable (the samples travel to the workers and the return values back, pickled).
+The workers are kept from one call to the next (forking a trainer-sized process costs more than a batch of rule
+rewards): forked at the first call for a reward function and reward_kwargs, idle between calls. A worker dies with the
+trainer (parent-death signal) and ignores the SIGINT/SIGTERM meant for the trainer; `close_workers()` (also run at
+exit) ends them. What a worker changes in its own memory (a counter in the reward function, say) does not reach the
+caller. Reward functions must not use CUDA (a forked child cannot).
 
 A reward function that raises, or returns NaN/inf/None/a non-number/a dict without "score", raises RewardError
 naming the sample: a silently zeroed reward would train the policy on a bug.
