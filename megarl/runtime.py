@@ -173,6 +173,8 @@ def broadcast_strings(strings: Optional[list[str]], src: int, group=None) -> lis
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """A picklable object from global rank src to every rank, over gloo (CPU memory) also when training on NCCL."""
+    if dist.get_world_size() == 1:  # nobody to send it to: no pickling round trip
+        return obj
     holder = [obj]
     dist.broadcast_object_list(holder, src=src, group=_object_group)
     return holder[0]

@@ -33,11 +33,14 @@ Critic checkpoints export as a value model: `<Family>ForSequenceClassification` 
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
 import os
+import pickle
 import re
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -157,22 +160,118 @@ class _Chunk:
 
 def _raw_data_offset(f, offset: int, length: int, chunk: tuple, dtype: torch.dtype) -> Optional[int]:
     """Where the row-major bytes of a chunk saved by torch.save (as torch_dist does) start in the file, or None when
-    the record is anything else (another byte order, a view into a bigger storage, not contiguous): those chunks are
-    read through torch.distributed.checkpoint instead."""
-    from torch.distributed.checkpoint.utils import _create_file_view
+    the record is anything else (another byte order, a view into a bigger storage, not contiguous, not a zip archive
+    of the expected form): those chunks are read through torch.distributed.checkpoint instead.
 
-    with torch.serialization.skip_data():  # only the pickle: size, stride, dtype, storage size
-        saved = torch.load(_create_file_view(f, offset, length), weights_only=True)
-    if not (isinstance(saved, torch.Tensor) and tuple(saved.shape) == chunk and saved.dtype == dtype
-            and saved.is_contiguous() and saved.storage_offset() == 0
-            and saved.untyped_storage().nbytes() == saved.numel() * saved.element_size()):
+    The record is a zip archive (stored, not compressed): its central directory, at the end, gives each member's place;
+    data.pkl describes the tensor and data/<key> holds its storage. Parsed here with a few small reads (a checkpoint
+    has a record per chunk, and torch.load would read each through Python file callbacks)."""
+    fd = f.fileno()
+    members = _zip_members(fd, offset, length)
+    if members is None:
         return None
-    archive = torch._C.PyTorchFileReader(_create_file_view(f, offset, length))
-    records = archive.get_all_records()
-    data = [r for r in records if r.startswith("data/")]
-    if len(data) != 1 or ("byteorder" in records and bytes(archive.get_record("byteorder")) != b"little"):
+    pkl, data, order = ([m for name, m in members.items() if re.search(pattern, name)]
+                        for pattern in (r"(^|/)data\.pkl$", r"(^|/)data/[^/]+$", r"(^|/)byteorder$"))
+    if len(pkl) != 1 or len(data) != 1 or (order and _member_bytes(fd, offset, order[0]) != b"little"):
         return None
-    return offset + archive.get_record_offset(data[0])
+    header = _tensor_header(_member_bytes(fd, offset, pkl[0]) or b"")
+    if header is None:
+        return None
+    saved_dtype, storage_numel, storage_offset, size, stride = header
+    numel = math.prod(chunk)
+    contiguous = all(s == math.prod(size[d + 1:]) for d, s in enumerate(stride) if size[d] != 1)
+    if not (size == tuple(chunk) and saved_dtype == dtype and contiguous and storage_offset == 0
+            and storage_numel == numel and data[0][2] == numel * dtype.itemsize):
+        return None
+    start = _member_start(fd, offset, data[0])
+    return None if start is None else offset + start
+
+
+def _zip_members(fd: int, offset: int, length: int) -> Optional[dict]:
+    """{name: (name, local header offset, size)} of the stored (uncompressed) members of the zip archive at
+    [offset, offset + length) of the file, from its central directory; None if it is not such an archive (or has a
+    member over 4 GiB)."""
+    tail_len = min(length, 1 << 16)
+    tail = os.pread(fd, tail_len, offset + length - tail_len)
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or len(tail) < end + 22:
+        return None
+    count, cd_size, cd_at = struct.unpack_from("<HII", tail, end + 10)
+    loc = tail.rfind(b"PK\x06\x07", 0, end)
+    if loc >= 0:  # zip64 (torch writes it always): the 64-bit end record, found through its locator
+        (z64_at,) = struct.unpack_from("<Q", tail, loc + 8)
+        z64 = os.pread(fd, 56, offset + z64_at)
+        if len(z64) < 56 or z64[:4] != b"PK\x06\x06":
+            return None
+        count, cd_size, cd_at = struct.unpack_from("<QQQ", z64, 32)
+    cd = os.pread(fd, cd_size, offset + cd_at)
+    if len(cd) != cd_size:
+        return None
+    members, at = {}, 0
+    for _ in range(count):
+        if cd[at:at + 4] != b"PK\x01\x02" or len(cd) < at + 46:
+            return None
+        method, csize, usize, nlen, elen, clen = struct.unpack_from("<H8xIIHHH", cd, at + 10)
+        (local,) = struct.unpack_from("<I", cd, at + 42)
+        name = cd[at + 46: at + 46 + nlen].decode("utf-8", "replace")
+        if 0xFFFFFFFF in (usize, csize, local):  # a member over 4 GiB (zip64 extra field): left to torch's reader
+            return None
+        if method != 0 or csize != usize:  # compressed: not raw bytes
+            return None
+        members[name] = (name, local, csize)
+        at += 46 + nlen + elen + clen
+    return members
+
+
+def _member_start(fd: int, offset: int, member: tuple) -> Optional[int]:
+    """Offset, within the archive, of a member's data: after its local header (whose extra field, used by torch for
+    alignment, may differ from the central directory's); None if the header is not there."""
+    local = os.pread(fd, 30, offset + member[1])
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        return None
+    nlen, elen = struct.unpack_from("<HH", local, 26)
+    return member[1] + 30 + nlen + elen
+
+
+def _member_bytes(fd: int, offset: int, member: tuple) -> Optional[bytes]:
+    start = _member_start(fd, offset, member)
+    return None if start is None else os.pread(fd, member[2], offset + start)
+
+
+_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+                   "BoolStorage": torch.bool}
+
+
+class _TensorHeaderUnpickler(pickle.Unpickler):
+    """Reads the data.pkl of torch.save(tensor) with only the names the pickle of a plain tensor uses, resolved to
+    stubs: nothing is imported or called."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, storage_offset, size, stride, *rest: (storage, storage_offset, size, stride)
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):  # ("storage", storage type, key, location, numel)
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        return pid[1], int(pid[4])
+
+
+def _tensor_header(pkl: bytes) -> Optional[tuple]:
+    """(dtype, storage numel, storage offset, size, stride) from the data.pkl of torch.save(tensor), or None when it
+    holds anything else."""
+    try:
+        result = _TensorHeaderUnpickler(io.BytesIO(pkl)).load()
+        (dtype, storage_numel), storage_offset, size, stride = result
+        return dtype, storage_numel, int(storage_offset), tuple(size), tuple(stride)
+    except Exception:  # noqa: BLE001 - not a plain tensor record: the caller falls back to torch's reader
+        return None
 
 
 def _box_range(shape: tuple, start: tuple, size: tuple) -> Optional[tuple]:

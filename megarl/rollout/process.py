@@ -2,8 +2,9 @@
 
 Why: vLLM's in-process engine initialises torch.distributed. Inside a trainer rank the default process group already
 spans the trainer's world, and vLLM would build its groups on it, a collective the other ranks never join (a hang).
-The child starts without the torchrun variables, so vLLM sees a world of its own. Tensors cross the pipe through
-torch.multiprocessing's pickler, i.e. in shared memory, not as copies of bytes.
+The child starts without the torchrun variables, so vLLM sees a world of its own. Large tensors cross the pipe through
+torch.multiprocessing's pickler, i.e. in shared memory, not as copies of bytes; small ones (a rollout batch of short
+responses) as bytes in the message, which costs a tenth of setting up a shared-memory segment and passing its file.
 
 Every call carries an id that its reply repeats, so a reply can never be taken for another call's. Weights do not
 cross the pipe: the trainer ranks write each engine worker's shard into shared-memory bucket files and the call
@@ -11,10 +12,13 @@ names the files (megarl.rollout.delivery).
 """
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import queue
 import threading
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -67,9 +71,36 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             return
         try:
             value = getattr(engine, method)
-            conn.send((call_id, "ok", value(*args, **kwargs) if callable(value) else value))
+            reply = _ReplyPickler.dumps((call_id, "ok", value(*args, **kwargs) if callable(value) else value))
         except BaseException as exc:  # noqa: BLE001
-            conn.send((call_id, "error", _describe(exc)))
+            reply = _ReplyPickler.dumps((call_id, "error", _describe(exc)))
+        conn.send_bytes(reply)
+
+
+_BY_VALUE_BYTES = 1 << 20  # tensors up to this size travel inside the message
+
+
+def _tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _ReplyPickler(ForkingPickler):
+    """torch.multiprocessing's pickler (tensors in shared memory), except for small CPU tensors: by value."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.requires_grad \
+                and obj.numel() * obj.element_size() <= _BY_VALUE_BYTES:
+            data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _tensor_from_bytes, (data, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+    @classmethod
+    def dumps(cls, obj) -> bytes:
+        buf = io.BytesIO()
+        cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buf.getvalue()
 
 
 def _receive_continuously(conn) -> "queue.Queue":

@@ -73,7 +73,9 @@ def _broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
 
 def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> RolloutBatch:
     """`batch` (on rank src; None elsewhere) on every rank, sent as tensors."""
-    me = dist.get_rank() if dist.is_initialized() else 0
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return batch
+    me = dist.get_rank()
     if me == src:
         n, width = batch.response_ids.shape
         header = torch.tensor([n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megarl.reward import RewardError, RewardInput, RewardRouter, compute_rewards
+from megarl.reward import RewardError, RewardInput, RewardRouter, compute, compute_rewards
 
 
 def _samples(*texts, data_source="arithmetic", truth="21"):
@@ -122,7 +122,11 @@ def test_no_reward_worker_outlives_its_timeout(tmp_path):
     alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     assert threading.active_count() == threads_before
-    assert set(psutil.Process().children(recursive=True)) <= children_before
+    # what remains are the idle workers kept for the next call, with nothing running under them
+    kept = {w.proc.pid for w in compute._pool.workers if w.usable}
+    assert {p.pid for p in set(psutil.Process().children(recursive=True)) - children_before} <= kept
+    assert not any(psutil.Process(pid).children() for pid in kept)
+    assert not set(started) & kept
 
 
 def test_worker_that_dies_is_a_named_failure():
@@ -133,3 +137,30 @@ def test_worker_that_dies_is_a_named_failure():
 
     with pytest.raises(RewardError, match=r"(?s)sample 0 .*worker process died \(exit code 3\)"):
         compute_rewards(exits, _samples("a"), num_workers=1)
+
+
+def test_workers_are_kept_between_calls_and_replaced_after_a_timeout():
+    """Forking a trainer-sized process per call cost more than the rule rewards it runs: the workers are kept; one
+    killed for a timeout is replaced by the next call; another function gets workers of its own."""
+    import os
+
+    def pid(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "stuck":
+            time.sleep(60)
+        return {"score": 1.0, "pid": os.getpid()}
+
+    def pids(texts, timeout_s=30.0):
+        _, metrics, report = compute_rewards(pid, _samples(*texts), timeout_s=timeout_s, num_workers=2)
+        return metrics.get("pid", []), report
+
+    first, _ = pids("ab" * 20)
+    second, _ = pids("ab" * 20)
+    assert set(first) == set(second) and os.getpid() not in first
+    _, report = pids(["stuck"], timeout_s=1)
+    assert report["timed_out_indices"] == [0]
+    third, _ = pids("ab" * 20)
+    assert len(set(third)) <= 2 and set(third) != set(first)  # the killed worker was replaced
+    other = compute_rewards(lambda *a, **k: {"score": 0.0, "pid": os.getpid()}, _samples("a"), num_workers=1)[1]
+    assert not set(other["pid"]) & set(third)
+    compute.close_workers()
+    assert compute._pool is None
