@@ -190,7 +190,8 @@ def _raw_data_offset(f, offset: int, length: int, chunk: tuple, dtype: torch.dty
 def _zip_members(fd: int, offset: int, length: int) -> Optional[dict]:
     """{name: (name, local header offset, size)} of the stored (uncompressed) members of the zip archive at
     [offset, offset + length) of the file, from its central directory; None if it is not such an archive (or has a
-    member over 4 GiB)."""
+    member over 4 GiB). Not zipfile: it needs a file object for the record's window, and torch's window
+    (`_create_file_view`) seeks wrongly from the end, which is where zipfile starts."""
     tail_len = min(length, 1 << 16)
     tail = os.pread(fd, tail_len, offset + length - tail_len)
     end = tail.rfind(b"PK\x05\x06")
