@@ -9,3 +9,8 @@ __version__ = "0.1.0"
 # at its first allocation, so it is set before megarl imports torch; inherited by every process megarl starts).
 # THP_MEM_ALLOC_ENABLE=0 in the environment turns it off.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+# megatron-core's import without torch's compiler stack on CPU and without wandb (see megarl.megatron.lean_import).
+from megarl.megatron import lean_import as _lean_import  # noqa: E402
+
+_lean_import.install()
