@@ -34,6 +34,7 @@ from megarl.bridge.mapping import Mapping
 from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
                                    plan_moves, relative_slices, traffic, trainer_holdings)
 from megarl.rollout.replicas import EngineTopology
+from megarl.rollout.threads import half_threads_during_sync
 from megarl.rollout.worker_ext import region
 
 _ALIGN = 64
@@ -170,17 +171,18 @@ class WeightSync:
         if engine is not None:
             engine.begin_update(verify=verify)
         try:
-            for b, moves in enumerate(self.buckets):
-                self._deliver_bucket(b, moves, stats)  # bucket b-1 loads meanwhile, from the other slot
+            with half_threads_during_sync():
+                for b, moves in enumerate(self.buckets):
+                    self._deliver_bucket(b, moves, stats)  # bucket b-1 loads meanwhile, from the other slot
+                    if loading is not None:
+                        # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
+                        loading.wait()
+                    if replica is not None and self.topology.engine_tp > 1:
+                        dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
+                    if loading is not None:
+                        loading.start(self.metas(replica, b))
                 if loading is not None:
-                    # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
                     loading.wait()
-                if replica is not None and self.topology.engine_tp > 1:
-                    dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
-                if loading is not None:
-                    loading.start(self.metas(replica, b))
-            if loading is not None:
-                loading.wait()
         except BaseException:
             if engine is not None:
                 try:
@@ -437,22 +439,23 @@ def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: b
     engine.begin_update(verify=verify)
     try:
         it = iter(buckets)
-        while True:
-            t_pull = time.perf_counter()
-            bucket = next(it, None)
-            stats["source_s"] += time.perf_counter() - t_pull
-            if bucket is None:
-                break
-            size = sum(t.numel() * t.element_size() for _, t in bucket)
-            stats["bytes"] += size
-            stats["buckets"] += 1
-            stats["max_bucket"] = max(stats["max_bucket"], size)
-            t_write = time.perf_counter()  # while the engine loads the previous bucket from the other slot
-            metas = write_worker_files(bucket, engine.layouts, None, "", slots=slots)
-            stats["write_s"] += time.perf_counter() - t_write
-            loading.start(metas)  # waits for the previous load first
-            slots.bucket += 1
-        loading.wait()
+        with half_threads_during_sync():
+            while True:
+                t_pull = time.perf_counter()
+                bucket = next(it, None)
+                stats["source_s"] += time.perf_counter() - t_pull
+                if bucket is None:
+                    break
+                size = sum(t.numel() * t.element_size() for _, t in bucket)
+                stats["bytes"] += size
+                stats["buckets"] += 1
+                stats["max_bucket"] = max(stats["max_bucket"], size)
+                t_write = time.perf_counter()  # while the engine loads the previous bucket from the other slot
+                metas = write_worker_files(bucket, engine.layouts, None, "", slots=slots)
+                stats["write_s"] += time.perf_counter() - t_write
+                loading.start(metas)  # waits for the previous load first
+                slots.bucket += 1
+            loading.wait()
     except BaseException:
         try:
             loading.wait()  # the engine takes one call at a time

