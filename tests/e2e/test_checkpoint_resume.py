@@ -59,7 +59,8 @@ def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("resume")
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
+# PPO (critic, reference, adaptive KL state) in `make test-slow`: the same resume path as GRPO plus the critic's state
+@pytest.fixture(scope="module", params=["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
 def straight(request, tmp):
     """STEPS steps without stopping (one checkpoint, at the end)."""
     variant = request.param

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +20,7 @@ def verify_vllm(hf_dir, *args, timeout: int = 600) -> tuple:
     return r.stdout, float(r.stdout.split("max abs logprob difference ")[1].split()[0])
 
 
+@pytest.mark.slow  # trainer TP2 into an engine: test_sync_after_update; tied embeddings: the test below
 def test_verify_engine_vllm_at_tp2(tmp_path):
     hf_dir = make_tiny_model("qwen2", tmp_path / "qwen2")  # tied embeddings, QKV bias
     _, diff = verify_vllm(hf_dir, "--tp", "2")
@@ -25,9 +28,11 @@ def test_verify_engine_vllm_at_tp2(tmp_path):
 
 
 def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
-    # one KV head replicated on both engine ranks, a prime vocabulary that vLLM pads to 320 rows before splitting it;
-    # trainer TP1 on two ranks (data parallel), each hosting one engine worker that receives only its shard
-    hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307)
+    # one KV head replicated on both engine ranks, a prime vocabulary that vLLM pads to 320 rows before splitting it,
+    # tied embeddings (the engine's LM head follows its embedding); trainer TP1 on two ranks (data parallel), each
+    # hosting one engine worker that receives only its shard
+    hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307,
+                             tie_word_embeddings=True)
     out, diff = verify_vllm(hf_dir, "--engine-tp", "2", timeout=900)
     assert "engine TP2 EP1" in out and diff < 1e-4
 
