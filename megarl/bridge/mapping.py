@@ -122,6 +122,7 @@ class Mapping:
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.spec, self.head = spec, head
         self.padded_vocab = padded_vocab or spec.vocab_size
+        self._hf_shapes: Optional[dict] = None
         if self.padded_vocab < spec.vocab_size:
             raise BridgeError(f"padded vocab {self.padded_vocab} < vocab_size={spec.vocab_size}")
         entries = [Entry(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0),
@@ -191,7 +192,10 @@ class Mapping:
         raise AssertionError(f"no shape rule for {name}")
 
     def hf_shapes(self) -> dict:
-        return {h: self.hf_shape(h) for h in self.hf_names()}
+        """{hf name: shape}, computed once (the mapping does not change; planning a large model asks it per rank)."""
+        if self._hf_shapes is None:
+            self._hf_shapes = {h: self.hf_shape(h) for h in self.hf_names()}
+        return dict(self._hf_shapes)
 
     def megatron_shape(self, entry: Entry, tp: int = 1) -> tuple:
         """Shape of one TP shard of the megatron tensor."""

@@ -1,5 +1,6 @@
 """`megarl plan` against hand calculations written here from first principles (not calls into megarl.plan), for a
 Llama-3-70B-class dense layout and a Qwen3-235B-A22B-class MoE layout, and its refusal of a layout that cannot fit."""
+import functools
 import json
 import subprocess
 import sys
@@ -16,6 +17,11 @@ GIB = 1024 ** 3
 
 
 def _plan(recipe: str, nodes: int, gpn: int, mem: float, extra=()):
+    return _plan_once(recipe, nodes, gpn, mem, tuple(extra))
+
+
+@functools.lru_cache(maxsize=None)  # several tests read the same plan (a 235B MoE plan takes seconds)
+def _plan_once(recipe: str, nodes: int, gpn: int, mem: float, extra: tuple):
     cfg = load_config(ROOT / "recipes" / recipe, [f"model.config_path={_config(recipe)}", *extra])
     if cfg.rollout.mode != "ray":
         cfg = load_config(ROOT / "recipes" / recipe, [f"model.config_path={_config(recipe)}", f"trainer.nnodes={nodes}",
