@@ -76,14 +76,14 @@ def train_watching_steps(cmd: list[str], metrics_path: Path, log_path: Path, wha
     return [json.loads(line) for line in metrics_path.read_text().splitlines()], seen
 
 
-def run_megarl(work: Path, steps: int, warmup: int) -> dict:
+def run_megarl(work: Path, steps: int, warmup: int, overrides: list) -> dict:
     """Launch `megarl train` for warmup + steps RL steps; time each step by when its metrics row appears."""
     warmup = max(warmup, 1)  # a step's wall time is the gap since the previous row
     run_dir = work / f"megarl_run_{int(time.time())}"
     log_path = work / "megarl_train.log"
     cmd = megarl_cmd("train", str(RECIPE), f"trainer.run_dir={run_dir}", *shared_overrides(work),
                      f"trainer.total_steps={warmup + steps}", "trainer.test_freq=0", "trainer.val_before_train=false",
-                     "logging.tensorboard=false")
+                     "logging.tensorboard=false", *overrides)
     start = time.monotonic()
     rows, seen = train_watching_steps(cmd, run_dir / "metrics.jsonl", log_path, "")
     first_step_after_s = seen[0] - start - rows[0]["timing/step_s"]
@@ -204,6 +204,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first on each side")
     ap.add_argument("--threads", type=int, help="torch intra-op threads of both sides (default: torch's own choice)")
     ap.add_argument("--work-dir", help="keeps the data and SFT model between runs (default: a temporary folder)")
+    ap.add_argument("overrides", nargs="*", help="recipe overrides for the megarl side (section.key=value), e.g. "
+                    "rollout.cpu_prepack_weights=false")
     args = ap.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-step-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -217,7 +219,7 @@ def main() -> int:
     print(f"bench: minimal loop, {half} steps ...", flush=True)
     minimal = run_minimal(loop, half, args.warmup)
     print(f"bench: megarl train, {args.steps} steps ...", flush=True)
-    mega = run_megarl(work, args.steps, args.warmup)
+    mega = run_megarl(work, args.steps, args.warmup, args.overrides)
     print(f"bench: minimal loop, {args.steps - half} steps ...", flush=True)
     minimal += run_minimal(loop, args.steps - half, 0)
 
