@@ -63,7 +63,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=1, help="samples per prompt (rollout.n); > 1 samples at "
                     "temperature 1 (vLLM computes each prompt once and shares it, HF generate expands the batch first)")
     ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="weight syncs timed (best is reported)")
+    ap.add_argument("--repeats", type=int, default=5, help="weight syncs timed per engine (best is reported; the "
+                    "first one or two also warm the shared-memory slot files)")
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation rounds timed (best is reported)")
     args = ap.parse_args()
 
