@@ -17,7 +17,6 @@ moves into buckets bounded per receiving rank; a tensor larger than a bucket is 
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping as TMapping, Optional, Sequence
