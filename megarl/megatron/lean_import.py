@@ -10,18 +10,17 @@ runs:
   (megarl's own wandb logger imports it when `logging.wandb` asks). While megatron.core itself is being imported,
   `import wandb` fails as if wandb were absent; afterwards it imports normally.
 
-`install()` (run by `import megarl`) adds a finder to `sys.meta_path` that wraps the loaders of those two modules; it
-changes nothing if megatron.core was imported before megarl.
+`install()` (run by `import megarl`) hooks both into the imports of those modules (megarl.import_hooks); it changes
+nothing if megatron.core was imported before megarl.
 """
 from __future__ import annotations
 
-import importlib.abc
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-_JIT = "megatron.core.jit"
+from megarl.import_hooks import after_import, around_import, refusing_import
+
 _CORE = "megatron.core"
-_SKIPPED = "wandb"
 
 
 def _after_jit(module: Any) -> None:
@@ -31,63 +30,14 @@ def _after_jit(module: Any) -> None:
         module.disable_jit_fuser()
 
 
-class _Loader(importlib.abc.Loader):
-    """The real loader of a module, with `around(run)` wrapped around the execution of its code."""
-
-    def __init__(self, loader, around: Callable):
-        self._loader, self._around = loader, around
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._around(lambda: self._loader.exec_module(module), module)
-
-    def __getattr__(self, name: str):  # get_source, is_package, ... as the real loader
-        return getattr(self._loader, name)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self):
-        self.importing_core = False
-
-    def find_spec(self, name: str, path, target=None):
-        if name == _SKIPPED and self.importing_core:
-            raise ModuleNotFoundError(f"No module named {_SKIPPED!r} (not imported with megatron.core: megarl does not "
-                                      "use megatron's wandb logging)", name=name)
-        around = {_JIT: self._around_jit, _CORE: self._around_core}.get(name)
-        if around is None:
-            return None
-        spec = _real_spec(self, name, path, target)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader, around)
-        return spec
-
-    @staticmethod
-    def _around_jit(run: Callable, module: Any) -> None:
+def _without_wandb(run: Callable, module: Any) -> None:
+    with refusing_import("wandb", "not imported with megatron.core: megarl does not use megatron's wandb logging"):
         run()
-        _after_jit(module)
-
-    def _around_core(self, run: Callable, module: Any) -> None:
-        self.importing_core = _SKIPPED not in sys.modules
-        try:
-            run()
-        finally:
-            self.importing_core = False
-
-
-def _real_spec(me: _Finder, name: str, path, target) -> Optional[Any]:
-    for finder in sys.meta_path:
-        if finder is me or not hasattr(finder, "find_spec"):
-            continue
-        spec = finder.find_spec(name, path, target)
-        if spec is not None:
-            return spec
-    return None
 
 
 def install() -> None:
-    """Add the finder once, before megatron.core is imported (idempotent; a no-op once it was imported)."""
-    if _CORE in sys.modules or any(isinstance(f, _Finder) for f in sys.meta_path):
+    """Hook the imports of megatron.core and its jit module (idempotent; a no-op once megatron.core was imported)."""
+    if _CORE in sys.modules:
         return
-    sys.meta_path.insert(0, _Finder())
+    around_import(_CORE, _without_wandb)
+    after_import("megatron.core.jit", _after_jit)

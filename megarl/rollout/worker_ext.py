@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from typing import Any
 
 import torch
 
+from megarl.import_hooks import after_import
 from megarl.rollout.shards import EngineModule, box_numel, relative_slices
 from megarl.rollout.threads import half_threads_during_sync
 from megarl.rollout.weights import (Checksum, add_checksums, compare_checksums, engine_name,
@@ -426,6 +426,7 @@ class MegarlWorkerExtension:
 
 WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"
 
-if "vllm" in sys.modules:  # imported by a vLLM worker (the extension loads before the model is built)
-    honour_cpu_expert_map()
-    keep_cpu_weights_plain()
+# In every process that imports this module and then builds a vLLM model (the engine process, each vLLM worker,
+# spawned or forked): the patches apply as soon as vLLM's modules are imported, whichever comes first.
+after_import("vllm.model_executor.layers.utils", lambda module: keep_cpu_weights_plain())
+after_import("vllm.model_executor.layers.fused_moe.experts.cpu_moe", lambda module: honour_cpu_expert_map())
