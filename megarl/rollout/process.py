@@ -12,7 +12,6 @@ names the files (megarl.rollout.delivery).
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import queue
@@ -71,9 +70,10 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             return
         try:
             value = getattr(engine, method)
-            reply = _ReplyPickler.dumps((call_id, "ok", value(*args, **kwargs) if callable(value) else value))
+            reply = _ReplyPickler.dumps((call_id, "ok", value(*args, **kwargs) if callable(value) else value),
+                                        pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # noqa: BLE001
-            reply = _ReplyPickler.dumps((call_id, "error", _describe(exc)))
+            reply = _ReplyPickler.dumps((call_id, "error", _describe(exc)), pickle.HIGHEST_PROTOCOL)
         conn.send_bytes(reply)
 
 
@@ -95,12 +95,6 @@ class _ReplyPickler(ForkingPickler):
             data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             return _tensor_from_bytes, (data, obj.dtype, tuple(obj.shape))
         return NotImplemented
-
-    @classmethod
-    def dumps(cls, obj) -> bytes:
-        buf = io.BytesIO()
-        cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-        return buf.getvalue()
 
 
 def _receive_continuously(conn) -> "queue.Queue":
