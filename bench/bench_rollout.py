@@ -1,10 +1,12 @@
 """Rollout benchmark, one run, side-by-side ratios:
 
-1. weight sync into an engine process (as the trainer runs it) of a >= 100M-parameter Llama in
-   rollout.update_weights_bucket_megabytes buckets, against the floor: copying the same bytes into preallocated
-   in-memory buffers; at engine TP1 and TP2, with vLLM's prepacked CPU weights (rollout.cpu_prepack_weights=true,
-   the default: each layer is rebuilt and re-packed) and with plain weights (false: loaded in place); each engine's
-   decoding tokens/s on the same prompts shows what the packing buys.
+1. weight sync as `megarl train` runs it, of a >= 100M-parameter Llama in rollout.update_weights_bucket_megabytes
+   buckets: at engine TP T, T trainer ranks (processes over gloo, holding the model in Megatron's layout) each write
+   their own engine worker's shard into its bucket files (megarl.rollout.delivery.WeightSync) and rank 0 owns the
+   engine process; against the floor: rank 0 copying the same bytes into preallocated in-memory buffers with every
+   core's threads, between syncs. At engine TP1 and TP2, with vLLM's prepacked CPU weights
+   (rollout.cpu_prepack_weights=true, the default: each layer is rebuilt and re-packed) and with plain weights (false:
+   loaded in place); each engine's decoding tokens/s on the same prompts shows what the packing buys.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
    (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
    the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
@@ -48,6 +50,79 @@ def make_model(path: Path, hidden: int, layers: int, ffn: int, vocab: int, heads
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(path, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
+
+
+def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int, cores: list, prompts: list,
+                 out) -> None:
+    """One trainer rank of the engine-replica sync as `megarl train` runs it: ranks hold the model in Megatron's
+    layout (trainer TP1, so every rank holds every tensor, as at data parallel 2), rank r hosts engine worker r and
+    writes that worker's shard of each tensor into its bucket files (megarl.rollout.delivery.WeightSync); rank 0 owns
+    the engine process. Rank 0 times each sync and, between syncs (the other ranks waiting), the in-memory copy floor
+    of the same bytes at every core's thread, then decodes `prompts`; puts ([(metrics, floor seconds)], decoding
+    tokens/s) on `out`."""
+    import torch.distributed as dist
+
+    from megarl.bridge.hf_config import load_spec
+    from megarl.bridge.mapping import Mapping
+    from megarl.bridge.sharding import LocalParam
+    from megarl.rollout.delivery import WeightSync, gather_owners
+    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.replicas import EngineTopology
+    from megarl.runtime import all_gather_objects
+    from safetensors.torch import load_file
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(max(1, len(cores) // world))  # as megarl's launcher sets OMP_NUM_THREADS per rank
+    mapping = Mapping(load_spec(path))
+    hf = load_file(str(Path(path) / "model.safetensors"))
+    local, tp_info, dtypes = {}, {}, {}
+    for entry in mapping.entries:
+        if not all(h in hf for h in entry.hf):
+            continue
+        param = torch.nn.Parameter(mapping.to_megatron(entry, [hf[h] for h in entry.hf]).contiguous() * 1.01,
+                                   requires_grad=False)
+        local[entry.megatron] = LocalParam(entry.megatron, entry.megatron, param, False, 0, 1, None)
+        tp_info[entry.megatron], dtypes[entry.megatron] = (0, 1), str(param.dtype).replace("torch.", "")
+    state = [(k, v) for k, v in hf.items()]
+    del hf
+    engine = EngineProcess(cfg, path, cores=cores) if rank == 0 else None
+    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
+    layouts, tokens = {}, []
+    for part, token in all_gather_objects(({w: lay for w, lay in enumerate(engine.layouts)} if engine else {},
+                                           f"bench{port}")):
+        layouts.update(part)
+        tokens.append(token)
+    topology = EngineTopology(world=world, engine_tp=world, replicas=1)
+    sync = WeightSync(mapping, local, owners, all_dtypes, layouts, topology,
+                      cfg.update_weights_bucket_megabytes << 20, rank, tokens[0])
+    dst = [torch.empty_like(v) for _, v in state]
+
+    def floor() -> float:
+        torch.set_num_threads(len(cores))
+        t0 = time.perf_counter()
+        for d, (_, v) in zip(dst, state):
+            d.copy_(v)
+        seconds = time.perf_counter() - t0
+        torch.set_num_threads(max(1, len(cores) // world))
+        return seconds
+
+    if rank == 0:
+        floor()  # first touch of the destination pages
+    runs = []
+    for _ in range(repeats):
+        m = sync.run(engine)
+        dist.barrier()
+        runs.append((m, floor() if rank == 0 else 0.0))
+        dist.barrier()
+    if engine is not None:
+        engine.generate(prompts[:1], n=1)  # warm-up
+        t0 = time.perf_counter()
+        batch = engine.generate(prompts, n=1)
+        rate = int(batch.response_lengths.sum()) / (time.perf_counter() - t0)
+        engine.shutdown()
+        out.put((runs, rate))
+    dist.destroy_process_group()
 
 
 def main() -> int:
@@ -94,43 +169,38 @@ def main() -> int:
         nbytes = sum(v.numel() * v.element_size() for _, v in state)
 
         # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
+        from megarl.megatron.parallel import free_port
         from megarl.rollout.process import EngineProcess
 
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
-        dst = [torch.empty_like(v) for _, v in state]
         cores = available_cores()
 
-        def floor() -> float:
-            t0 = time.perf_counter()
-            for d, (_, v) in zip(dst, state):
-                d.copy_(v)
-            return time.perf_counter() - t0
-
-        floor()  # first touch of the destination pages, which a warm copy does not pay
-
         sync_ratio = {}
+        ctx = torch.multiprocessing.get_context("spawn")
         for tp in (1, 2):
             for prepack in (True, False):
                 label = f"engine TP{tp}, {'prepacked weights' if prepack else 'plain weights (in place)'}"
                 ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": prepack})
-                eng = EngineProcess(ecfg, str(path), cores=cores)
-                runs = []
-                for _ in range(args.repeats):  # sync and floor alternate: a burst of load hits both alike
-                    m = eng.update_weights(iter_buckets(state, cfg.update_weights_bucket_megabytes << 20))
-                    runs.append((m, floor()))
-                eng.generate(prompts[:1].tolist(), n=1)  # warm-up
-                t0 = time.perf_counter()
-                out = eng.generate(prompts.tolist(), n=args.samples)
-                rate = int(out.response_lengths.sum()) / (time.perf_counter() - t0)
-                eng.shutdown()
+                out, port = ctx.SimpleQueue(), free_port()
+                procs = [ctx.Process(target=trainer_rank, args=(r, tp, port, str(path), ecfg, args.repeats, cores,
+                                                                prompts.tolist(), out)) for r in range(tp)]
+                for proc in procs:
+                    proc.start()
+                for proc in procs:
+                    proc.join()
+                if any(proc.exitcode for proc in procs) or out.empty():
+                    raise SystemExit(f"{label}: a trainer rank failed (exit codes {[p.exitcode for p in procs]})")
+                runs, rate = out.get()
                 m = min((r[0] for r in runs), key=lambda r: r["weight_sync/seconds"])
                 s_, fl = m["weight_sync/seconds"], min(r[1] for r in runs)
                 paired = sorted(r[0]["weight_sync/seconds"] / r[1] for r in runs)
                 sync_ratio[label] = s_ / fl
-                print(f"weight sync, {label}: {nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets "
-                      f"of <= {args.bucket_mb} MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; writing the bucket files "
-                      f"{m['weight_sync/write_seconds']:.3f}s, in place {bool(m['weight_sync/in_place'])}); "
+                print(f"weight sync, {label}, {tp} trainer rank(s) each writing its engine worker's shard: "
+                      f"{nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets of <= {args.bucket_mb} "
+                      f"MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; rank 0 writing its bucket files "
+                      f"{m['weight_sync/exchange_seconds']:.3f}s, the engine loading "
+                      f"{m['weight_sync/engine_load_seconds']:.3f}s, in place {bool(m['weight_sync/in_place'])}); "
                       f"in-memory copy floor {fl:.3f}s ({nbytes / fl / 1e9:.2f} GB/s); ratio sync/floor = "
                       f"{s_ / fl:.1f}x (best of {args.repeats} each; median of the paired ratios "
                       f"{paired[len(paired) // 2]:.1f}x); decoding {rate:.0f} tok/s; load average "

