@@ -118,7 +118,7 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
     if engine is not None:
         engine.generate(prompts[:1], n=1)  # warm-up
         t0 = time.perf_counter()
-        batch = engine.generate(prompts, n=1)
+        batch = engine.generate(prompts)  # rollout.n samples each
         rate = int(batch.response_lengths.sum()) / (time.perf_counter() - t0)
         engine.shutdown()
         out.put((runs, rate))
@@ -144,7 +144,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout import VLLMEngine, iter_buckets
+    from megarl.rollout import VLLMEngine
     from megarl.rollout.threads import apply_engine_threads, available_cores
 
     with tempfile.TemporaryDirectory() as tmp:
