@@ -65,15 +65,15 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.bridge.sharding import LocalParam
-    from megarl.rollout.delivery import WeightSync, gather_owners
+    from megarl.rollout.delivery import plan_sync_of_holdings
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import EngineTopology
-    from megarl.runtime import all_gather_objects
     from safetensors.torch import load_file
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(max(1, len(cores) // world))  # as megarl's launcher sets OMP_NUM_THREADS per rank
+    rank_threads = max(1, len(cores) // world)  # as megarl's launcher sets OMP_NUM_THREADS per rank
+    torch.set_num_threads(rank_threads)
     mapping = Mapping(load_spec(path))
     hf = load_file(str(Path(path) / "model.safetensors"))
     local, tp_info, dtypes = {}, {}, {}
@@ -84,27 +84,21 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
                                    requires_grad=False)
         local[entry.megatron] = LocalParam(entry.megatron, entry.megatron, param, False, 0, 1, None)
         tp_info[entry.megatron], dtypes[entry.megatron] = (0, 1), str(param.dtype).replace("torch.", "")
-    state = [(k, v) for k, v in hf.items()]
-    del hf
     engine = EngineProcess(cfg, path, cores=cores) if rank == 0 else None
-    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
-    layouts, tokens = {}, []
-    for part, token in all_gather_objects(({w: lay for w, lay in enumerate(engine.layouts)} if engine else {},
-                                           f"bench{port}")):
-        layouts.update(part)
-        tokens.append(token)
-    topology = EngineTopology(world=world, engine_tp=world, replicas=1)
-    sync = WeightSync(mapping, local, owners, all_dtypes, layouts, topology,
-                      cfg.update_weights_bucket_megabytes << 20, rank, tokens[0])
-    dst = [torch.empty_like(v) for _, v in state]
+    sync = plan_sync_of_holdings(mapping, local, tp_info, dtypes, engine, EngineTopology(world, world, 1),
+                                 cfg.update_weights_bucket_megabytes << 20)
+    # the floor's source and destination: rank 0 only
+    src = list(hf.values()) if rank == 0 else []
+    dst = [torch.empty_like(v) for v in src]
+    del hf
 
     def floor() -> float:
         torch.set_num_threads(len(cores))
         t0 = time.perf_counter()
-        for d, (_, v) in zip(dst, state):
+        for d, v in zip(dst, src):
             d.copy_(v)
         seconds = time.perf_counter() - t0
-        torch.set_num_threads(max(1, len(cores) // world))
+        torch.set_num_threads(rank_threads)
         return seconds
 
     if rank == 0:

@@ -307,11 +307,17 @@ def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes:
     """Plan the live sync of a model (a collective, once per run): every engine owner reports its workers' layouts,
     every rank its parameters. `engine`: this rank's engine handle if it owns a replica, else None."""
     from megarl.bridge.importer import model_mapping
+
+    mapping = model_mapping(chunks, spec)
+    return plan_sync_of_holdings(mapping, *local_holdings(chunks, mapping), engine, topology, bucket_bytes)
+
+
+def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: dict, engine: Any,
+                          topology: EngineTopology, bucket_bytes: int) -> WeightSync:
+    """plan_sync from this rank's holdings as `local_holdings` returns them (a collective)."""
     from megarl.runtime import all_gather_objects
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    mapping = model_mapping(chunks, spec)
-    local, tp_info, dtypes = local_holdings(chunks, mapping)
     owners, all_dtypes = gather_owners(local, tp_info, dtypes)
     mine = {}
     if engine is not None:
