@@ -5,8 +5,9 @@
    their own engine worker's shard into its bucket files (megarl.rollout.delivery.WeightSync) and rank 0 owns the
    engine process; against the floor: rank 0 copying the same bytes into preallocated in-memory buffers with every
    core's threads, between syncs. At engine TP1 and TP2, with vLLM's prepacked CPU weights
-   (rollout.cpu_prepack_weights=true, the default: each layer is rebuilt and re-packed) and with plain weights (false:
-   loaded in place); each engine's decoding tokens/s on the same prompts shows what the packing buys.
+   (rollout.cpu_prepack_weights=true, the default: bucket files, each layer rebuilt and re-packed) and with plain
+   weights (false: each trainer rank writes its shards straight into its engine worker's parameters,
+   megarl.rollout.placement); each engine's decoding tokens/s on the same prompts shows what the packing buys.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
    (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
    the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
@@ -192,9 +193,11 @@ def main() -> int:
                 sync_ratio[label] = s_ / fl
                 print(f"weight sync, {label}, {tp} trainer rank(s) each writing its engine worker's shard: "
                       f"{nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets of <= {args.bucket_mb} "
-                      f"MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; rank 0 writing its bucket files "
+                      f"MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; rank 0 writing "
                       f"{m['weight_sync/exchange_seconds']:.3f}s, the engine loading "
-                      f"{m['weight_sync/engine_load_seconds']:.3f}s, in place {bool(m['weight_sync/in_place'])}); "
+                      f"{m['weight_sync/engine_load_seconds']:.3f}s, in place {bool(m['weight_sync/in_place'])}, "
+                      f"written straight into the engine's parameters "
+                      f"{m['weight_sync/placed_bytes'] / m['weight_sync/bytes']:.0%}); "
                       f"in-memory copy floor {fl:.3f}s ({nbytes / fl / 1e9:.2f} GB/s); ratio sync/floor = "
                       f"{s_ / fl:.1f}x (best of {args.repeats} each; median of the paired ratios "
                       f"{paired[len(paired) // 2]:.1f}x); decoding {rate:.0f} tok/s; load average "

@@ -248,8 +248,9 @@ class RolloutConfig(_Section):
                                             "overlap (the async modes, or placement separate).")
     cpu_prepack_weights: bool = Field(True, description="CPU engines: let vLLM prepack linear weights into its "
                                       "oneDNN kernel layout (faster decoding; every weight update then rebuilds and "
-                                      "re-packs each layer). false: plain weights, computed with torch's linear; an "
-                                      "update copies the received shards in place (the fast sync).")
+                                      "re-packs each layer). false: plain weights, computed with torch's linear; the "
+                                      "trainer ranks write each update straight into the engine's parameters (the "
+                                      "fast sync; decoding small batches is slower).")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")

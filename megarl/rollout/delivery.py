@@ -14,18 +14,23 @@ maps it, so nothing is left in /dev/shm). A fresh file per bucket cost a page fa
 per 4 KiB released, several times the copy itself; a reused slot costs the copy alone. The worker copies out whatever
 vLLM still buffers from a slot (a layer whose tensors straddle buckets) before the slot is written again.
 
+Where a CPU engine worker takes its weights in place, its host writes straight into the worker's parameters instead
+(megarl.rollout.placement: the worker moved them into a shared-memory file at plan time and reported where each
+tensor lands): one copy per piece, no bucket file, no load call.
+
 Engine placement (megarl.rollout.replicas.EngineTopology): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine
 TP); worker w of the replica is hosted by rank r*T + w, and the replica's first rank owns the engine process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +39,9 @@ from megarl.bridge.mapping import Mapping
 from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
                                    plan_moves, relative_slices, traffic, trainer_holdings)
 from megarl.rollout.replicas import EngineTopology
+from megarl.rollout.placement import arena_viewer, write_placed
 from megarl.rollout.threads import half_threads_during_sync
+from megarl.rollout.weights import add_checksums, tensor_checksum
 from megarl.rollout.worker_ext import region
 
 _ALIGN = 64
@@ -159,30 +166,83 @@ class WeightSync:
         self._files = SlotFiles()
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
+        # placed writes (megarl.rollout.placement): {host: hf names its worker takes in place}, this rank's records
+        self.placed_names: dict = {}
+        self.placed: dict = {}
+        self.not_placed: dict = {}  # {host: why its worker (or which of its tensors) takes the bucket files}
+        self._arena_views: Optional[Callable] = None
+
+    # -- placed writes ------------------------------------------------------------------------------------------------
+    def place(self, engine: Any) -> None:
+        """Once, before the first sync (a collective): every engine worker that takes its weights in place moves them
+        into a shared-memory file and reports where each tensor lands; its host maps the file and from then on
+        writes its pieces there (megarl.rollout.placement). Workers and tensors that cannot keep the bucket files."""
+        from megarl.runtime import all_gather_objects
+
+        mine = {}
+        replica = self.topology.replica_of(self.rank)
+        if engine is not None and hasattr(engine, "place_weights"):
+            hosts = self.topology.members(replica)
+            needs = [{h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box])
+                      for h, box in self.needs.get(host, {}).items()} for host in hosts]
+            prefix = os.path.join(shm_dir(), f"megarl-{self.token}")
+            mine = dict(zip(hosts, engine.place_weights(needs, prefix)))
+        reports = {}
+        for part in all_gather_objects(mine):
+            reports.update(part)
+        for host, rep in reports.items():
+            if "arena" not in rep:
+                self.not_placed[host] = rep.get("why", "not reported")
+                continue
+            self.placed_names[host] = set(rep["placed"])
+            if rep["refused"]:
+                self.not_placed[host] = "; ".join(f"{k}: {v}" for k, v in sorted(rep["refused"].items())[:4])
+            if host == self.rank:
+                self.placed = {h: [(tuple(tuple(b) for b in rec[0]),) + tuple(rec[1:]) for rec in recs]
+                               for h, recs in rep["placed"].items()}
+                arena = torch.from_file(rep["arena"], shared=True, size=int(rep["size"]), dtype=torch.uint8)
+                os.unlink(rep["arena"])  # mapped by the worker and here: nothing is left in /dev/shm
+                self._arena_views = arena_viewer(arena)
+        self._layouts.clear()
+        self._slot_size.clear()
+
+    def is_placed(self, mv: Move) -> bool:
+        return mv.hf in self.placed_names.get(mv.dst, ())
 
     # -- one sync -----------------------------------------------------------------------------------------------------
     def run(self, engine: Any, verify: bool = False) -> dict:
         """Deliver the current weights. `engine` is this rank's engine handle if it owns a replica, else None."""
         self.syncs += 1
         t0 = time.perf_counter()
-        stats = {"sent": 0, "received": 0, "loaded": 0, "exchange_s": 0.0, "load_s": 0.0}
+        stats = {"sent": 0, "received": 0, "loaded": 0, "placed": 0, "placed_tensors": set(), "exchange_s": 0.0,
+                 "load_s": 0.0, "sums": {} if verify else None}
         replica = self.topology.replica_of(self.rank)
+        hosts = self.topology.members(replica) if replica is not None else []
+        group = self._replica_groups[replica] if replica is not None and self.topology.engine_tp > 1 else None
+        placing = any(h in self.placed_names for h in hosts)
+        loads = [b for b in range(len(self.buckets)) if self._files_for(b, hosts)]
         loading = BackgroundLoad(engine) if engine is not None else None
         if engine is not None:
             engine.begin_update(verify=verify)
         try:
-            with half_threads_during_sync():
+            if placing and group is not None:
+                dist.barrier(group=group)  # the engine ended its rollout: its parameters may be written now
+            # loads run beside the writes on the same cores; placed writes alone take every thread
+            with half_threads_during_sync() if loads else contextlib.nullcontext():
                 for b, moves in enumerate(self.buckets):
                     self._deliver_bucket(b, moves, stats)  # bucket b-1 loads meanwhile, from the other slot
+                    if b not in loads:
+                        continue
                     if loading is not None:
                         # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
                         loading.wait()
-                    if replica is not None and self.topology.engine_tp > 1:
-                        dist.barrier(group=self._replica_groups[replica])  # the replica's files are all written
+                    if group is not None:
+                        dist.barrier(group=group)  # the replica's files are all written
                     if loading is not None:
                         loading.start(self.metas(replica, b))
                 if loading is not None:
                     loading.wait()
+            placed = self._placed_report(stats, group) if placing else None
         except BaseException:
             if engine is not None:
                 try:
@@ -194,9 +254,25 @@ class WeightSync:
             raise
         if loading is not None:
             stats["load_s"] = loading.seconds
-        result = engine.end_update() if engine is not None else {}
+        result = {}
+        if engine is not None:
+            result = engine.end_update(placed=placed) if placed else engine.end_update()
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
+
+    def _files_for(self, b: int, hosts: Sequence[int]) -> bool:
+        """Whether bucket b has anything for the bucket files of `hosts` (all else is written in place)."""
+        return any(mv.dst in hosts and not self.is_placed(mv) for mv in self.buckets[b])
+
+    def _placed_report(self, stats: dict, group) -> list:
+        """Per host of this rank's replica: what it wrote in place (for the workers' counts and verification); every
+        host has finished writing when this returns."""
+        mine = {"tensors": len(stats["placed_tensors"]), "bytes": stats["placed"], "sums": stats["sums"]}
+        if group is None:
+            return [mine]
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        return every
 
     def _deliver_bucket(self, b: int, moves: Sequence[Move], stats: dict) -> None:
         t0 = time.perf_counter()
@@ -214,26 +290,36 @@ class WeightSync:
                 stats["received"] += mv.nbytes
         requests = dist.batch_isend_irecv(ops) if ops else []
         mine = [mv for mv in moves if mv.dst == self.rank]
-        if mine:
+        f = buf = None
+        if any(not self.is_placed(mv) for mv in mine):
             f = self.bucket_file(b, self.rank)
             buf = self._files.file(f.path, f.size)
-            for mv in mine:
-                if mv.src == self.rank:
-                    self._write(buf, f, mv, self._piece(mv, chunks))
+        for mv in mine:
+            if mv.src == self.rank:
+                self._write(buf, f, mv, self._piece(mv, chunks), stats)
         for req in requests:
             req.wait()
-        if mine:
-            for mv, piece in received:
-                self._write(buf, f, mv, piece)
-            stats["loaded"] += sum(mv.nbytes for mv in mine)
+        for mv, piece in received:
+            self._write(buf, f, mv, piece, stats)
+        stats["loaded"] += sum(mv.nbytes for mv in mine)
         stats["exchange_s"] += time.perf_counter() - t0
 
     def _piece(self, mv: Move, chunks: dict) -> torch.Tensor:
         return piece_of(self.mapping, self.local, mv, chunks)
 
-    def _write(self, buf: torch.Tensor, f: BucketFile, mv: Move, piece: torch.Tensor) -> None:
-        offset, dtype, shape = f.regions[mv.hf]
-        region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
+    def _write(self, buf: Optional[torch.Tensor], f: Optional[BucketFile], mv: Move, piece: torch.Tensor,
+               stats: dict) -> None:
+        """One piece for this rank's worker: into its parameters where placed, else into the bucket file."""
+        if not self.is_placed(mv):
+            offset, dtype, shape = f.regions[mv.hf]
+            region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
+            return
+        write_placed(self._arena_views, self.placed[mv.hf], mv.box, piece)
+        stats["placed"] += mv.nbytes
+        stats["placed_tensors"].add(mv.hf)
+        if stats["sums"] is not None:
+            c = tensor_checksum(piece)
+            stats["sums"][mv.hf] = add_checksums(stats["sums"][mv.hf], c) if mv.hf in stats["sums"] else c
 
     # -- files --------------------------------------------------------------------------------------------------------
     def _path(self, slot: int, dst: int) -> str:
@@ -247,20 +333,23 @@ class WeightSync:
             slot = b % 2
             if (dst, slot) not in self._slot_size:
                 self._slot_size[(dst, slot)] = max(
-                    (layout_bucket(self.buckets[i], dst, "", self.shapes, self.dtypes, self.needs.get(dst, {})).size
+                    (layout_bucket(self._file_moves(i), dst, "", self.shapes, self.dtypes, self.needs.get(dst, {})).size
                      for i in range(slot, len(self.buckets), 2)), default=_ALIGN)
-            f = layout_bucket(self.buckets[b], dst, self._path(slot, dst), self.shapes, self.dtypes,
+            f = layout_bucket(self._file_moves(b), dst, self._path(slot, dst), self.shapes, self.dtypes,
                               self.needs.get(dst, {}))
             f.size = self._slot_size[(dst, slot)]
             f.meta.update(size=f.size, slot=f.path)
             self._layouts[key] = f
         return self._layouts[key]
 
+    def _file_moves(self, b: int) -> list:
+        return [mv for mv in self.buckets[b] if not self.is_placed(mv)]
+
     def metas(self, replica: int, b: int) -> list:
         """What each worker of `replica` reads of bucket b (None where it has nothing in it)."""
         out = []
         for host in self.topology.members(replica):
-            has = any(mv.dst == host for mv in self.buckets[b])
+            has = self._files_for(b, [host])
             out.append(self.bucket_file(b, host).meta if has else None)
         return out
 
@@ -271,7 +360,7 @@ class WeightSync:
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def _metrics(self, stats: dict, seconds: float) -> dict:
-        mine = torch.tensor([stats["sent"], stats["received"], stats["loaded"]], dtype=torch.float64)
+        mine = torch.tensor([stats["sent"], stats["received"], stats["loaded"], stats["placed"]], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(every, mine, group=self.group)
@@ -287,6 +376,7 @@ class WeightSync:
             out[f"weight_sync/plan_{kind}_bytes_max"] = float(max(plan.values(), default=0))
             out[f"weight_sync/plan_{kind}_bytes_rank0"] = float(plan.get(0, 0))
         out["weight_sync/bytes"] = float(every[:, 2].sum())
+        out["weight_sync/placed_bytes"] = float(every[:, 3].sum())  # of those, written into engine parameters directly
         out["weight_sync/gbps"] = out["weight_sync/bytes"] / seconds / 1e9 if seconds > 0 else 0.0
         return out
 
@@ -327,7 +417,9 @@ def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: 
     for part, token in all_gather_objects((mine, secrets.token_hex(4))):
         layouts.update(part)
         tokens.append(token)
-    return WeightSync(mapping, local, owners, all_dtypes, layouts, topology, bucket_bytes, rank, tokens[0])
+    sync = WeightSync(mapping, local, owners, all_dtypes, layouts, topology, bucket_bytes, rank, tokens[0])
+    sync.place(engine)
+    return sync
 
 
 def gather_owners(local: dict, tp_info: dict, dtypes: dict, group=None) -> tuple:

@@ -531,11 +531,17 @@ class VLLMEngine:
         finally:
             self._llm.reset_prefix_cache()
 
-    def end_update(self) -> dict[str, float]:
-        """Close the update on every worker, reset the prefix cache, bump the weight version. With verify, every
-        worker compares each of its tensors (as its kernels read them) with the boxes it received; a mismatch
-        raises, naming the tensors."""
-        results = self._llm.collective_rpc("megarl_end_update")
+    def place_weights(self, needs: Sequence[dict], prefix: str) -> list:
+        """Every worker moves its parameters into a shared-memory file and reports where its loader puts each HF
+        tensor of needs[worker] (megarl.rollout.placement; worker_ext.megarl_place_weights), once per run."""
+        return self._llm.collective_rpc("megarl_place_weights", args=(list(needs), prefix))
+
+    def end_update(self, placed: Optional[Sequence[Optional[dict]]] = None) -> dict[str, float]:
+        """Close the update on every worker, reset the prefix cache, bump the weight version. placed[worker]: what
+        its host wrote into its parameters directly (counts and, with verify, checksums). With verify, every worker
+        compares each of its tensors (as its kernels read them) with the boxes it received; a mismatch raises,
+        naming the tensors."""
+        results = self._llm.collective_rpc("megarl_end_update", kwargs={"placed": list(placed) if placed else None})
         # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "

@@ -231,8 +231,11 @@ class EngineProcess:
     def load_bucket(self, metas) -> None:
         self._call("load_bucket", metas)
 
-    def end_update(self) -> dict:
-        return self._call("end_update")
+    def place_weights(self, needs, prefix: str) -> list:
+        return self._call("place_weights", needs, prefix)
+
+    def end_update(self, placed=None) -> dict:
+        return self._call("end_update", placed)
 
     def abort_update(self) -> None:
         self._call("abort_update")

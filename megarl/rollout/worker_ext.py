@@ -12,8 +12,10 @@ loaders of every architecture work unchanged. A tensor whose box arrives in seve
 is assembled in worker memory first.
 
 Where no layer transforms its weights after loading (`direct_update_blockers`), an update runs each parameter's own
-vLLM weight loader on the live parameters: one copy from the bucket file into place. Otherwise
-one update is one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
+vLLM weight loader on the live parameters: one copy from the bucket file into place. On CPU such a worker can also
+hand its parameters to its host once (`megarl_place_weights`, megarl.rollout.placement): the host then writes every
+update straight into them, and this worker only opens and closes the update. Otherwise one update is one vLLM
+layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
 `megarl_load` feeds buckets (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it:
 fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer
 fills again (megarl.rollout.delivery): the worker keeps each mapped, and copies out the tensors that an incomplete
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -287,6 +289,43 @@ class MegarlWorkerExtension:
                 "packed": {k: list(v) for k, v in getattr(type(model), "packed_modules_mapping", {}).items()},
                 "tied": tied_parameters(model), "params": parameter_names(model)}
 
+    def megarl_place_weights(self, needs_by_rank: list, prefix: str) -> dict:
+        """Put this worker's parameters in a shared-memory file and find where its loader puts each HF tensor it
+        needs (megarl.rollout.placement), so that its hosting trainer rank can write the shards in place.
+        needs_by_rank[rank] = {hf name: (dtype, full shape, need box)}. Returns {"why": reason} where this worker
+        cannot take placed writes, else {"arena": path, "size": bytes, "placed": {hf name: [records]}, "refused":
+        {hf name: reason}}; the caller unlinks the file once its writer mapped it."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from megarl.rollout import placement
+
+        rank = get_tensor_model_parallel_rank()
+        needs = needs_by_rank[rank] if rank < len(needs_by_rank) else None
+        model = self._megarl_model()
+        params = [p for p in model.parameters() if p.numel()]
+        blockers = direct_update_blockers(model)
+        if not needs:
+            return {"why": "this worker needs no tensor"}
+        if blockers:
+            return {"why": "its layers transform their weights after loading: " + "; ".join(blockers)}
+        if any(p.device.type != "cpu" for p in params):
+            return {"why": "its parameters are not in host memory"}
+        size = sum(p.numel() * p.element_size() for p in params)
+        free = placement.shm_free_bytes(os.path.dirname(prefix))
+        if size * 1.05 > free:
+            return {"why": f"the shared-memory folder has {free} bytes free, its weights take {size}"}
+        path = f"{prefix}-w{rank}-arena"
+        try:
+            arena = placement.share_parameters(params, path)  # raises before moving anything if it cannot
+        except OSError as exc:
+            return {"why": str(exc)}
+        try:
+            placed, refused = placement.probe_placements(model.load_weights, arena, needs)
+        except Exception as exc:  # noqa: BLE001 - the weights stay valid (now in the file); the buckets still work
+            os.unlink(path)
+            return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}"}
+        return {"arena": path, "size": arena.numel(), "placed": placed, "refused": refused}
+
     def megarl_begin_update(self, verify: bool = False) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
@@ -375,13 +414,23 @@ class MegarlWorkerExtension:
                 state["tied_reloaded"] += 1
                 yield alias, tensor
 
-    def megarl_end_update(self) -> dict:
+    def megarl_end_update(self, placed: Optional[list] = None) -> dict:
         """Close the reload pass; with verify, compare every engine tensor (as its kernel reads it) with the boxes
-        received. Returns counts and, with verify, the comparison report."""
+        received. placed[rank]: what this worker's host wrote into its parameters directly ({"tensors", "bytes",
+        "sums": {hf name: checksum of the pieces written} or None}; megarl.rollout.placement). Returns counts and,
+        with verify, the comparison report."""
+        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         state = self._megarl_state
         model = self._megarl_model()
+        rank = get_tensor_model_parallel_rank()
+        mine = placed[rank] if placed and rank < len(placed) else None
+        if mine:
+            state["tensors"] += int(mine["tensors"])
+            state["bytes"] += int(mine["bytes"])
+            if state["sums"] is not None:
+                state["sums"].update(mine["sums"] or {})
         if state["staging"]:
             missing = sorted(state["staging"])
             self.megarl_abort_update()
