@@ -16,6 +16,7 @@
 
     .venv/bin/python bench/bench_rollout.py                  # ~110M params, fp32 on CPU (about 2 minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --hidden 256 --layers 2 --vocab 4096   # a quick smoke run
+    .venv/bin/python bench/bench_rollout.py --sync-only --engine-tp 2 --weights plain   # one sync case
 """
 from __future__ import annotations
 
@@ -136,6 +137,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="weight syncs timed per engine (best is reported; the "
                     "first one or two also warm the shared-memory slot files)")
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation rounds timed (best is reported)")
+    ap.add_argument("--engine-tp", default="1,2", help="engine TP sizes of the sync section (comma-separated)")
+    ap.add_argument("--weights", default="prepacked,plain", help="CPU engine weights of the sync section: prepacked "
+                    "(rollout.cpu_prepack_weights=true), plain (false), or both")
+    ap.add_argument("--sync-only", action="store_true", help="only the weight sync section")
     args = ap.parse_args()
 
     from megarl.config.schema import RolloutConfig
@@ -173,8 +178,8 @@ def main() -> int:
 
         sync_ratio = {}
         ctx = torch.multiprocessing.get_context("spawn")
-        for tp in (1, 2):
-            for prepack in (True, False):
+        for tp in (int(t) for t in args.engine_tp.split(",")):
+            for prepack in ({"prepacked": True, "plain": False}[w] for w in args.weights.split(",")):
                 label = f"engine TP{tp}, {'prepacked weights' if prepack else 'plain weights (in place)'}"
                 ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": prepack})
                 out, port = ctx.SimpleQueue(), free_port()
@@ -203,6 +208,8 @@ def main() -> int:
                       f"{paired[len(paired) // 2]:.1f}x); decoding {rate:.0f} tok/s; load average "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
         print("sync/floor ratios: " + ", ".join(f"{k} {v:.1f}x" for k, v in sync_ratio.items()), flush=True)
+        if args.sync_only:
+            return 0
 
         # -- 2. rollout tokens/s vs HF generate ----------------------------------------------------------------------
         plan = apply_engine_threads(available_cores())

@@ -24,6 +24,7 @@ TP); worker w of the replica is hosted by rank r*T + w, and the replica's first 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import tempfile
@@ -45,6 +46,7 @@ from megarl.rollout.weights import add_checksums, tensor_checksum
 from megarl.rollout.worker_ext import region
 
 _ALIGN = 64
+log = logging.getLogger(__name__)
 
 
 def shm_dir() -> str:
@@ -205,6 +207,11 @@ class WeightSync:
                 self._arena_views = arena_viewer(arena)
         self._layouts.clear()
         self._slot_size.clear()
+        if self.rank == 0 and reports:
+            written = sorted(h for h in reports if h in self.placed_names)
+            log.info("weight sync: the workers hosted by ranks %s are written in place; %s", written,
+                     "; ".join(f"rank {h}'s worker takes bucket files ({why})" for h, why in
+                               sorted(self.not_placed.items())) or "no tensor takes the bucket files")
 
     def is_placed(self, mv: Move) -> bool:
         return mv.hf in self.placed_names.get(mv.dst, ())
@@ -220,7 +227,7 @@ class WeightSync:
         hosts = self.topology.members(replica) if replica is not None else []
         group = self._replica_groups[replica] if replica is not None and self.topology.engine_tp > 1 else None
         placing = any(h in self.placed_names for h in hosts)
-        loads = [b for b in range(len(self.buckets)) if self._files_for(b, hosts)]
+        loads = {b for b in range(len(self.buckets)) if self._files_for(b, hosts)}
         loading = BackgroundLoad(engine) if engine is not None else None
         if engine is not None:
             engine.begin_update(verify=verify)

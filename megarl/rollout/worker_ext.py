@@ -310,13 +310,9 @@ class MegarlWorkerExtension:
             return {"why": "its layers transform their weights after loading: " + "; ".join(blockers)}
         if any(p.device.type != "cpu" for p in params):
             return {"why": "its parameters are not in host memory"}
-        size = sum(p.numel() * p.element_size() for p in params)
-        free = placement.shm_free_bytes(os.path.dirname(prefix))
-        if size * 1.05 > free:
-            return {"why": f"the shared-memory folder has {free} bytes free, its weights take {size}"}
         path = f"{prefix}-w{rank}-arena"
         try:
-            arena = placement.share_parameters(params, path)  # raises before moving anything if it cannot
+            arena = placement.share_parameters(params, path)  # a full /dev/shm raises before anything moved
         except OSError as exc:
             return {"why": str(exc)}
         try:

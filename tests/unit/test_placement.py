@@ -138,3 +138,18 @@ def test_a_loader_that_reads_less_than_planned_is_refused(arena_path):
     needs = {"q": ("float32", [HIDDEN, HIDDEN], [[0, HIDDEN], [0, HIDDEN]])}  # a plan that expects all rows
     records, refused = placement.probe_placements(model.load_weights, arena, needs)
     assert records == {} and "less than the planned box" in refused["q"]
+
+
+def test_a_full_shared_memory_folder_fails_before_anything_moved(arena_path, monkeypatch):
+    import errno
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    model = Fused(0, 1)
+    storage = model.qkv.untyped_storage().data_ptr()
+    with pytest.raises(OSError, match="cannot reserve .* bytes for the engine's weights"):
+        placement.share_parameters(list(model.parameters()), arena_path)
+    assert not os.path.exists(arena_path)
+    assert model.qkv.untyped_storage().data_ptr() == storage  # the parameters stay where they were
