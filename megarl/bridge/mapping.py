@@ -261,6 +261,21 @@ class Mapping:
             return [(entry.hf[0], gate), (entry.hf[1], up)]
         return [(h, t) for h, (_, t) in zip(entry.hf, self._split_qkv(shard, tp))]
 
+    def shard_to_hf_blocks(self, entry: Entry, shard: torch.Tensor, tp_rank: int, tp: int) -> list:
+        """As shard_to_hf, each chunk given as row blocks that are views of `shard`: [(hf_name, [(first row, end
+        row, view)])], rows counted from the chunk's start. shard_to_hf must copy q/k/v to join the rows of every
+        KV group; a writer that places rows anyway takes the groups' blocks as they lie."""
+        if entry.kind != QKV:
+            return [(h, [(0, int(t.shape[0]), t)]) for h, t in self.shard_to_hf(entry, shard, tp_rank, tp)]
+        groups = self.spec.num_key_value_heads // tp
+        hd, per = self.spec.head_dim, self.spec.heads_per_group
+        g = shard.reshape((groups, (per + 2) * hd) + tuple(shard.shape[1:]))
+        out = []
+        for name, lo, hi in zip(entry.hf, (0, per * hd, (per + 1) * hd), (per * hd, (per + 1) * hd, (per + 2) * hd)):
+            rows = hi - lo
+            out.append((name, [(i * rows, (i + 1) * rows, g[i, lo:hi]) for i in range(groups)]))
+        return out
+
     def _split_qkv(self, shard: torch.Tensor, tp: int) -> list:
         groups = self.spec.num_key_value_heads // tp
         hd, per = self.spec.head_dim, self.spec.heads_per_group

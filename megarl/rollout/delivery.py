@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megarl.bridge.mapping import Mapping
 from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
-                                   plan_moves, relative_slices, traffic, trainer_holdings)
+                                   intersect, plan_moves, relative_slices, traffic, trainer_holdings)
 from megarl.rollout.replicas import EngineTopology
 from megarl.rollout.placement import arena_viewer, write_placed
 from megarl.rollout.threads import half_threads_during_sync
@@ -301,8 +301,11 @@ class WeightSync:
         if any(not self.is_placed(mv) for mv in mine):
             f = self.bucket_file(b, self.rank)
             buf = self._files.file(f.path, f.size)
+        blocks: dict = {}
         for mv in mine:
-            if mv.src == self.rank:
+            if mv.src == self.rank and self.is_placed(mv):
+                self._place_own(mv, blocks, stats)
+            elif mv.src == self.rank:
                 self._write(buf, f, mv, self._piece(mv, chunks), stats)
         for req in requests:
             req.wait()
@@ -317,16 +320,33 @@ class WeightSync:
     def _write(self, buf: Optional[torch.Tensor], f: Optional[BucketFile], mv: Move, piece: torch.Tensor,
                stats: dict) -> None:
         """One piece for this rank's worker: into its parameters where placed, else into the bucket file."""
-        if not self.is_placed(mv):
-            offset, dtype, shape = f.regions[mv.hf]
-            region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
+        if self.is_placed(mv):
+            self._write_placed(mv.hf, mv.box, piece, stats)
             return
-        write_placed(self._arena_views, self.placed[mv.hf], mv.box, piece)
-        stats["placed"] += mv.nbytes
-        stats["placed_tensors"].add(mv.hf)
-        if stats["sums"] is not None:
+        offset, dtype, shape = f.regions[mv.hf]
+        region(buf, dtype, shape, offset)[relative_slices(mv.box, full_box(shape))].copy_(piece)
+
+    def _place_own(self, mv: Move, blocks: dict, stats: dict) -> None:
+        """A piece of this rank's own parameter, placed from the row blocks it lies in (views: no conversion copy)."""
+        if not mv.holding:
+            self._write_placed(mv.hf, mv.box, self._piece(mv, {}), stats)
+            return
+        if mv.hf not in blocks:
+            blocks.update(hf_blocks_of(self.mapping, self.local, mv))
+        (first, _), rest = mv.holding[0], tuple(mv.holding[1:])
+        for start, stop, view in blocks[mv.hf]:
+            block = ((first + start, first + stop),) + rest
+            common = intersect(mv.box, block)
+            if common is not None:
+                self._write_placed(mv.hf, common, view[relative_slices(common, block)], stats)
+
+    def _write_placed(self, hf: str, box, piece: torch.Tensor, stats: dict) -> None:
+        write_placed(self._arena_views, self.placed[hf], box, piece)
+        stats["placed"] += piece.numel() * piece.element_size()
+        stats["placed_tensors"].add(hf)
+        if stats["sums"] is not None:  # the checksum's sums add up over the pieces of a tensor
             c = tensor_checksum(piece)
-            stats["sums"][mv.hf] = add_checksums(stats["sums"][mv.hf], c) if mv.hf in stats["sums"] else c
+            stats["sums"][hf] = add_checksums(stats["sums"][hf], c) if hf in stats["sums"] else c
 
     # -- files --------------------------------------------------------------------------------------------------------
     def _path(self, slot: int, dst: int) -> str:
@@ -392,12 +412,22 @@ def piece_of(mapping: Mapping, local: dict, mv: Move, chunks: dict) -> torch.Ten
     """The piece `mv` of this rank's own parameter (`local`: local_holdings' first value), cut from its HF chunks;
     `chunks` caches the chunks of the tensors already converted."""
     if mv.hf not in chunks:
-        entry = mapping.by_hf[mv.hf]
-        lp = local[entry.megatron]
-        split = entry.tp_dim is not None and lp.tp_size > 1
-        chunks.update(mapping.shard_to_hf(entry, lp.param.detach(), lp.tp_rank if split else 0,
-                                          lp.tp_size if split else 1))
+        chunks.update(mapping.shard_to_hf(*_own_shard(mapping, local, mv.hf)))
     return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
+
+
+def hf_blocks_of(mapping: Mapping, local: dict, mv: Move) -> dict:
+    """{hf name: [(first row, end row, view)]}: the row blocks of the HF chunks of `mv`'s parameter, as views of it
+    (Mapping.shard_to_hf_blocks)."""
+    return dict(mapping.shard_to_hf_blocks(*_own_shard(mapping, local, mv.hf)))
+
+
+def _own_shard(mapping: Mapping, local: dict, hf: str) -> tuple:
+    """(entry, shard, tp rank, tp size) of this rank's parameter holding HF tensor `hf`, as the mapping splits it."""
+    entry = mapping.by_hf[hf]
+    lp = local[entry.megatron]
+    split = entry.tp_dim is not None and lp.tp_size > 1
+    return entry, lp.param.detach(), lp.tp_rank if split else 0, lp.tp_size if split else 1
 
 
 def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:

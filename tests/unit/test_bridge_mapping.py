@@ -138,6 +138,30 @@ def test_to_hf_views_match_the_checkpoint_and_share_memory_where_they_can(tiny_d
             assert shares == expect, (name, entry.kind, entry.tp_dim)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_row_blocks_of_a_shard_are_views_holding_the_checkpoint_rows(tiny_dirs, arch, tp):
+    """shard_to_hf_blocks (what placed weight writes read): the blocks, put at their rows, are the checkpoint's part
+    of each HF tensor, and every block is a view of the shard (no copy)."""
+    spec = load_spec(tiny_dirs[arch])
+    m = Mapping(spec, padded_vocab=padded_vocab_size(spec.vocab_size, tp))
+    ckpt = SafetensorsCheckpoint(tiny_dirs[arch])
+    for entry in m.entries:
+        n = tp if entry.tp_dim is not None else 1
+        for r in range(n):
+            ranges = [m.hf_chunk_range(entry, i, r, n) for i in range(len(entry.hf))]
+            shard = m.to_megatron(entry, [ckpt.read(h, rng) for h, rng in zip(entry.hf, ranges)], n)
+            for i, (name, blocks) in enumerate(m.shard_to_hf_blocks(entry, shard, r, n)):
+                want = ckpt.read(name, ranges[i])
+                got = torch.empty_like(want)
+                covered = 0
+                for start, stop, view in blocks:
+                    assert view.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(), name
+                    got[start:stop] = view
+                    covered += stop - start
+                assert covered == want.shape[0] and torch.equal(got, want), (name, r)
+
+
 def _rewrite(src, dst, drop=(), reshape=None, add=None):
     """Copy an HF dir, rewriting its safetensors (keeping the index consistent)."""
     from safetensors.torch import save_file
