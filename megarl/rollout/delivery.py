@@ -208,10 +208,13 @@ class WeightSync:
         self._layouts.clear()
         self._slot_size.clear()
         if self.rank == 0 and reports:
-            written = sorted(h for h in reports if h in self.placed_names)
-            log.info("weight sync: the workers hosted by ranks %s are written in place; %s", written,
-                     "; ".join(f"rank {h}'s worker takes bucket files ({why})" for h, why in
-                               sorted(self.not_placed.items())) or "no tensor takes the bucket files")
+            log.debug("weight sync: the workers hosted by ranks %s are written in place; %s",
+                      sorted(self.placed_names), "; ".join(f"rank {h}'s worker takes bucket files ({why})" for h, why
+                                                           in sorted(self.not_placed.items())) or "nothing else")
+            fallen = [h for h, rep in sorted(reports.items()) if rep.get("failed") or rep.get("refused")]
+            if fallen:  # the fast path was open to these workers: say why they (or some tensors) do without it
+                log.warning("weight sync: bucket files instead of writes into the engine's parameters for %s",
+                            "; ".join(f"rank {h}'s worker: {self.not_placed[h]}" for h in fallen))
 
     def is_placed(self, mv: Move) -> bool:
         return mv.hf in self.placed_names.get(mv.dst, ())

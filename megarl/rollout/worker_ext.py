@@ -293,7 +293,7 @@ class MegarlWorkerExtension:
         """Put this worker's parameters in a shared-memory file and find where its loader puts each HF tensor it
         needs (megarl.rollout.placement), so that its hosting trainer rank can write the shards in place.
         needs_by_rank[rank] = {hf name: (dtype, full shape, need box)}. Returns {"why": reason} where this worker
-        cannot take placed writes, else {"arena": path, "size": bytes, "placed": {hf name: [records]}, "refused":
+        cannot take placed writes ("failed": True where it could have but something went wrong), else {"arena": path, "size": bytes, "placed": {hf name: [records]}, "refused":
         {hf name: reason}}; the caller unlinks the file once its writer mapped it."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -314,12 +314,12 @@ class MegarlWorkerExtension:
         try:
             arena = placement.share_parameters(params, path)  # a full /dev/shm raises before anything moved
         except OSError as exc:
-            return {"why": str(exc)}
+            return {"why": str(exc), "failed": True}
         try:
             placed, refused = placement.probe_placements(model.load_weights, arena, needs)
         except Exception as exc:  # noqa: BLE001 - the weights stay valid (now in the file); the buckets still work
             os.unlink(path)
-            return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}"}
+            return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
         return {"arena": path, "size": arena.numel(), "placed": placed, "refused": refused}
 
     def megarl_begin_update(self, verify: bool = False) -> None:
