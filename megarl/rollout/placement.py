@@ -111,9 +111,9 @@ def source_box(src: torch.Tensor, full: torch.Tensor) -> Optional[Box]:
 class _Probe(TorchDispatchMode):
     """Records (and does not run) the writes into the arena and every write of the placeholder's data."""
 
-    def __init__(self, arena_ptr: int, arena_base: int):
+    def __init__(self, arena_ptr: int):
         super().__init__()
-        self.arena_ptr, self.arena_base = arena_ptr, arena_base
+        self.arena_ptr = arena_ptr
         self.full: Optional[torch.Tensor] = None
         self.copies: list = []  # (source box, dst view spec)
         self.fills: list = []  # (dst view spec, value)
@@ -147,10 +147,6 @@ class _Probe(TorchDispatchMode):
         return written[0] if written else None
 
 
-def _arena_view(arena: torch.Tensor, spec: tuple) -> torch.Tensor:
-    return arena_viewer(arena)(spec)
-
-
 def arena_viewer(arena: torch.Tensor) -> Callable[[tuple], torch.Tensor]:
     """spec (byte offset, sizes, strides, dtype name) -> that view of the arena (a uint8 mapping, offset 0)."""
     typed: dict = {}
@@ -170,7 +166,7 @@ def probe_placements(load: Callable[[list], object], arena: torch.Tensor, needs:
     """Where `load` (vLLM's model.load_weights) puts each HF tensor, for this worker's `needs` {hf name: (dtype,
     full shape, need box)}; parameters live in `arena` (share_parameters). Returns ({hf name: [Record]}, {hf name:
     why not placed}). Nothing in the arena changes, except fills that no copy covers (run as the loader would)."""
-    probe = _Probe(_ptr(arena), arena.data_ptr())
+    probe = _Probe(_ptr(arena))
     placed, refused, fills = {}, {}, []
     for name, (dtype, shape, need) in needs.items():
         need = tuple(tuple(b) for b in need)
@@ -203,31 +199,28 @@ def _coverage_problem(boxes: Sequence[Box], need: Box) -> Optional[str]:
     return None
 
 
+def _span(spec: tuple) -> tuple:
+    """[first, end) in elements of the storage a view spec (byte offset, sizes, strides, dtype) touches."""
+    byte_offset, sizes, strides, dtype = spec
+    first = byte_offset // torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return first, first + 1 + sum((n - 1) * st for n, st in zip(sizes, strides) if n > 0)
+
+
 def _run_uncovered_fills(arena: torch.Tensor, fills: list, records: list) -> None:
-    """Run the loader's fills (vocabulary padding set to 0) on the elements no placed copy writes."""
-    if not fills:
-        return
-    covered = torch.zeros(arena.numel(), dtype=torch.bool)
-    for _, byte_offset, sizes, strides, dtype in records:
-        size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        _byte_view(covered, byte_offset, sizes, strides, size).fill_(True)
-    with torch.no_grad():
-        for spec, value in fills:
-            byte_offset, sizes, strides, dtype = spec
-            size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            target = _arena_view(arena, spec)
-            mask = _byte_view(covered, byte_offset, sizes, strides, size)[..., 0] if size > 1 else \
-                _byte_view(covered, byte_offset, sizes, strides, size)
-            target[~mask] = value
-
-
-def _byte_view(flags: torch.Tensor, byte_offset: int, sizes, strides, element_size: int) -> torch.Tensor:
-    """The bytes of a strided view of `element_size`-byte elements, as a view of the per-byte `flags`: shape
-    sizes + (element_size,) (the last dim dropped for 1-byte elements)."""
-    if element_size == 1:
-        return flags.as_strided(tuple(sizes), tuple(strides), byte_offset)
-    return flags.as_strided(tuple(sizes) + (element_size,), tuple(s * element_size for s in strides) + (1,),
-                            byte_offset)
+    """Run the loader's fills (vocabulary padding set to 0) on the elements no placed copy writes; the mask spans
+    only the fill and the copies that reach into it (the padded parameter, not the whole arena)."""
+    views = arena_viewer(arena)
+    for spec, value in fills:
+        lo, hi = _span(spec)
+        near = [rec[1:] for rec in records if _span(rec[1:])[0] < hi and _span(rec[1:])[1] > lo]
+        if any(rec[3] != spec[3] for rec in near):
+            continue  # another dtype over the same bytes: leave them as the copies will write them
+        first = min([lo] + [_span(rec)[0] for rec in near])
+        covered = torch.zeros(max([hi] + [_span(rec)[1] for rec in near]) - first, dtype=torch.bool)
+        for rec in near:
+            covered.as_strided(rec[1], rec[2], _span(rec)[0] - first).fill_(True)
+        with torch.no_grad():
+            views(spec)[~covered.as_strided(spec[1], spec[2], lo - first)] = value
 
 
 def write_placed(arena_views: Callable[[tuple], torch.Tensor], records: Sequence[Record], box: Box,
