@@ -187,7 +187,7 @@ class WeightSync:
             hosts = self.topology.members(replica)
             needs = [{h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box])
                       for h, box in self.needs.get(host, {}).items()} for host in hosts]
-            prefix = os.path.join(shm_dir(), f"megarl-{self.token}")
+            prefix = os.path.join(shm_dir(), f"megarl-{self.token}-replica{replica}")  # + worker rank
             mine = dict(zip(hosts, engine.place_weights(needs, prefix)))
         reports = {}
         for part in all_gather_objects(mine):

@@ -78,6 +78,8 @@ def test_tp2_losses_equal_tp1(tp1):
         assert a["train/reward_mean"] == b["train/reward_mean"]  # same samples from the same seed and weights
         assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) < 1e-4, (a["actor/pg_loss"], b["actor/pg_loss"])
         assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 1e-4 * max(1, a["actor/grad_norm"])
+    for m in got:  # two engine replicas (one per rank): each rank writes its worker's weights into its parameters
+        assert m["weight_sync/placed_bytes"] == m["weight_sync/bytes"] > 0, m
 
 
 def test_missing_reward_file_is_a_clear_error(tmp_path):
