@@ -267,22 +267,22 @@ class Mapping:
         KV group; a writer that places rows anyway takes the groups' blocks as they lie."""
         if entry.kind != QKV:
             return [(h, [(0, int(t.shape[0]), t)]) for h, t in self.shard_to_hf(entry, shard, tp_rank, tp)]
+        g, parts = self._qkv_groups(shard, tp)
+        return [(h, [(i * (hi - lo), (i + 1) * (hi - lo), g[i, lo:hi]) for i in range(g.shape[0])])
+                for h, (lo, hi) in zip(entry.hf, parts)]
+
+    def _qkv_groups(self, shard: torch.Tensor, tp: int) -> tuple:
+        """A fused q/k/v shard as [KV groups, rows of a group, ...] (a view) and the (first, end) rows of q, k and v
+        within a group."""
         groups = self.spec.num_key_value_heads // tp
         hd, per = self.spec.head_dim, self.spec.heads_per_group
         g = shard.reshape((groups, (per + 2) * hd) + tuple(shard.shape[1:]))
-        out = []
-        for name, lo, hi in zip(entry.hf, (0, per * hd, (per + 1) * hd), (per * hd, (per + 1) * hd, (per + 2) * hd)):
-            rows = hi - lo
-            out.append((name, [(i * rows, (i + 1) * rows, g[i, lo:hi]) for i in range(groups)]))
-        return out
+        return g, [(0, per * hd), (per * hd, (per + 1) * hd), ((per + 1) * hd, (per + 2) * hd)]
 
     def _split_qkv(self, shard: torch.Tensor, tp: int) -> list:
-        groups = self.spec.num_key_value_heads // tp
-        hd, per = self.spec.head_dim, self.spec.heads_per_group
+        g, parts = self._qkv_groups(shard, tp)
         tail = tuple(shard.shape[1:])
-        g = shard.reshape((groups, (per + 2) * hd) + tail)
-        return [("q", g[:, : per * hd].reshape((-1,) + tail)), ("k", g[:, per * hd: (per + 1) * hd].reshape((-1,) + tail)),
-                ("v", g[:, (per + 1) * hd:].reshape((-1,) + tail))]
+        return [(name, g[:, lo:hi].reshape((-1,) + tail)) for name, (lo, hi) in zip("qkv", parts)]
 
     def to_hf(self, entry: Entry, shards: list, views: bool = False) -> list:
         """Full HF tensors [(hf_name, tensor)] from the megatron TP shards of an entry (in TP rank order).

@@ -173,6 +173,7 @@ class WeightSync:
         self.placed: dict = {}
         self.not_placed: dict = {}  # {host: why its worker (or which of its tensors) takes the bucket files}
         self._arena_views: Optional[Callable] = None
+        self._index_file_hosts()
 
     # -- placed writes ------------------------------------------------------------------------------------------------
     def place(self, engine: Any) -> None:
@@ -183,7 +184,7 @@ class WeightSync:
 
         mine = {}
         replica = self.topology.replica_of(self.rank)
-        if engine is not None and hasattr(engine, "place_weights"):
+        if engine is not None:
             hosts = self.topology.members(replica)
             needs = [{h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box])
                       for h, box in self.needs.get(host, {}).items()} for host in hosts]
@@ -205,8 +206,7 @@ class WeightSync:
                 arena = torch.from_file(rep["arena"], shared=True, size=int(rep["size"]), dtype=torch.uint8)
                 os.unlink(rep["arena"])  # mapped by the worker and here: nothing is left in /dev/shm
                 self._arena_views = arena_viewer(arena)
-        self._layouts.clear()
-        self._slot_size.clear()
+        self._index_file_hosts()
         if self.rank == 0 and reports:
             log.debug("weight sync: the workers hosted by ranks %s are written in place; %s",
                       sorted(self.placed_names), "; ".join(f"rank {h}'s worker takes bucket files ({why})" for h, why
@@ -272,7 +272,14 @@ class WeightSync:
 
     def _files_for(self, b: int, hosts: Sequence[int]) -> bool:
         """Whether bucket b has anything for the bucket files of `hosts` (all else is written in place)."""
-        return any(mv.dst in hosts and not self.is_placed(mv) for mv in self.buckets[b])
+        return not self._file_hosts[b].isdisjoint(hosts)
+
+    def _index_file_hosts(self) -> None:
+        """Which hosts receive bucket files of each bucket, and their file layouts, for the placement as it stands
+        (computed once, not per sync)."""
+        self._file_hosts = [{mv.dst for mv in self._file_moves(b)} for b in range(len(self.buckets))]
+        self._layouts.clear()
+        self._slot_size.clear()
 
     def _placed_report(self, stats: dict, group) -> list:
         """Per host of this rank's replica: what it wrote in place (for the workers' counts and verification); every
@@ -331,9 +338,6 @@ class WeightSync:
 
     def _place_own(self, mv: Move, blocks: dict, stats: dict) -> None:
         """A piece of this rank's own parameter, placed from the row blocks it lies in (views: no conversion copy)."""
-        if not mv.holding:
-            self._write_placed(mv.hf, mv.box, self._piece(mv, {}), stats)
-            return
         if mv.hf not in blocks:
             blocks.update(hf_blocks_of(self.mapping, self.local, mv))
         (first, _), rest = mv.holding[0], tuple(mv.holding[1:])

@@ -210,29 +210,25 @@ def _run_uncovered_fills(arena: torch.Tensor, fills: list, records: list) -> Non
     """Run the loader's fills (vocabulary padding set to 0) on the elements no placed copy writes; the mask spans
     only the fill and the copies that reach into it (the padded parameter, not the whole arena)."""
     views = arena_viewer(arena)
+    copies = [(rec[1:], _span(rec[1:])) for rec in records]
     for spec, value in fills:
         lo, hi = _span(spec)
-        near = [rec[1:] for rec in records if _span(rec[1:])[0] < hi and _span(rec[1:])[1] > lo]
-        if any(rec[3] != spec[3] for rec in near):
+        near = [(c, span) for c, span in copies if span[0] < hi and span[1] > lo]
+        if any(c[3] != spec[3] for c, _ in near):
             continue  # another dtype over the same bytes: leave them as the copies will write them
-        first = min([lo] + [_span(rec)[0] for rec in near])
-        covered = torch.zeros(max([hi] + [_span(rec)[1] for rec in near]) - first, dtype=torch.bool)
-        for rec in near:
-            covered.as_strided(rec[1], rec[2], _span(rec)[0] - first).fill_(True)
+        first = min([lo] + [span[0] for _, span in near])
+        covered = torch.zeros(max([hi] + [span[1] for _, span in near]) - first, dtype=torch.bool)
+        for (_, sizes, strides, _), span in near:
+            covered.as_strided(sizes, strides, span[0] - first).fill_(True)
         with torch.no_grad():
             views(spec)[~covered.as_strided(spec[1], spec[2], lo - first)] = value
 
 
 def write_placed(arena_views: Callable[[tuple], torch.Tensor], records: Sequence[Record], box: Box,
-                 piece: torch.Tensor) -> int:
-    """Copy `piece` (the part `box` of an HF tensor) to where the engine's loader would have put it; returns the
-    elements written."""
-    written = 0
+                 piece: torch.Tensor) -> None:
+    """Copy `piece` (the part `box` of an HF tensor) to where the engine's loader would have put it."""
     for rec in records:
         src_box, spec = rec[0], rec[1:]
         common = intersect(box, src_box)
-        if common is None:
-            continue
-        arena_views(spec)[relative_slices(common, src_box)].copy_(piece[relative_slices(common, box)])
-        written += box_numel(common)
-    return written
+        if common is not None:
+            arena_views(spec)[relative_slices(common, src_box)].copy_(piece[relative_slices(common, box)])

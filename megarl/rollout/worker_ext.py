@@ -293,19 +293,20 @@ class MegarlWorkerExtension:
         """Put this worker's parameters in a shared-memory file and find where its loader puts each HF tensor it
         needs (megarl.rollout.placement), so that its hosting trainer rank can write the shards in place.
         needs_by_rank[rank] = {hf name: (dtype, full shape, need box)}. Returns {"why": reason} where this worker
-        cannot take placed writes ("failed": True where it could have but something went wrong), else {"arena": path, "size": bytes, "placed": {hf name: [records]}, "refused":
-        {hf name: reason}}; the caller unlinks the file once its writer mapped it."""
+        cannot take placed writes ("failed": True where it could have but something went wrong), else {"arena":
+        path, "size": bytes, "placed": {hf name: [records]}, "refused": {hf name: reason}}; the caller unlinks the
+        file once its writer mapped it."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         from megarl.rollout import placement
 
         rank = get_tensor_model_parallel_rank()
         needs = needs_by_rank[rank] if rank < len(needs_by_rank) else None
+        if not needs:
+            return {"why": "this worker needs no tensor"}
         model = self._megarl_model()
         params = [p for p in model.parameters() if p.numel()]
         blockers = direct_update_blockers(model)
-        if not needs:
-            return {"why": "this worker needs no tensor"}
         if blockers:
             return {"why": "its layers transform their weights after loading: " + "; ".join(blockers)}
         if any(p.device.type != "cpu" for p in params):
