@@ -17,6 +17,7 @@
     .venv/bin/python bench/bench_rollout.py                  # ~110M params, fp32 on CPU (about 2 minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --hidden 256 --layers 2 --vocab 4096   # a quick smoke run
     .venv/bin/python bench/bench_rollout.py --sync-only --engine-tp 2 --weights plain   # one sync case
+    .venv/bin/python bench/bench_rollout.py --rollout-only --dtype bfloat16   # both contenders in bf16
 """
 from __future__ import annotations
 
@@ -141,6 +142,10 @@ def main() -> int:
     ap.add_argument("--weights", default="prepacked,plain", help="CPU engine weights of the sync section: prepacked "
                     "(rollout.cpu_prepack_weights=true), plain (false), or both")
     ap.add_argument("--sync-only", action="store_true", help="only the weight sync section")
+    ap.add_argument("--rollout-only", action="store_true", help="only the rollout sections (2 and 3)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of both contenders in "
+                    "the rollout sections (the sync section moves float32); bfloat16 needs a CPU with bf16 "
+                    "instructions (AVX-512 BF16 or AMX) to be fast")
     args = ap.parse_args()
 
     from megarl.config.schema import RolloutConfig
@@ -159,14 +164,10 @@ def main() -> int:
                             do_sample=args.samples > 1, temperature=1.0, n=args.samples, ignore_eos=True,
                             update_weights_bucket_megabytes=args.bucket_mb)
 
-        from transformers import AutoModelForCausalLM
+        from safetensors import safe_open
 
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for p in hf.parameters():
-                p.mul_(1.01)
-        state = [(k, v.detach().contiguous()) for k, v in hf.state_dict().items() if k != "lm_head.weight"]
-        nbytes = sum(v.numel() * v.element_size() for _, v in state)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:  # the fp32 bytes a sync moves (the head is tied)
+            nbytes = sum(torch.Size(f.get_slice(k).get_shape()).numel() * 4 for k in f.keys() if k != "lm_head.weight")
 
         # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
         from megarl.megatron.parallel import free_port
@@ -178,7 +179,7 @@ def main() -> int:
 
         sync_ratio = {}
         ctx = torch.multiprocessing.get_context("spawn")
-        for tp in (int(t) for t in args.engine_tp.split(",")):
+        for tp in ([] if args.rollout_only else [int(t) for t in args.engine_tp.split(",")]):
             for prepack in ({"prepacked": True, "plain": False}[w] for w in args.weights.split(",")):
                 label = f"engine TP{tp}, {'prepacked weights' if prepack else 'plain weights (in place)'}"
                 ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": prepack})
@@ -207,12 +208,17 @@ def main() -> int:
                       f"{s_ / fl:.1f}x (best of {args.repeats} each; median of the paired ratios "
                       f"{paired[len(paired) // 2]:.1f}x); decoding {rate:.0f} tok/s; load average "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
-        print("sync/floor ratios: " + ", ".join(f"{k} {v:.1f}x" for k, v in sync_ratio.items()), flush=True)
+        if sync_ratio:
+            print("sync/floor ratios: " + ", ".join(f"{k} {v:.1f}x" for k, v in sync_ratio.items()), flush=True)
         if args.sync_only:
             return 0
 
         # -- 2. rollout tokens/s vs HF generate ----------------------------------------------------------------------
+        from transformers import AutoModelForCausalLM
+
         plan = apply_engine_threads(available_cores())
+        cfg = cfg.model_copy(update={"dtype": args.dtype})
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
         engine = VLLMEngine(cfg, str(path), seed=0, device="cpu")
         print(f"vLLM engine start (in this process): {engine.start_seconds:.1f}s", flush=True)
         engine.generate(prompts[:1].tolist(), n=1)  # warm-up
@@ -239,7 +245,8 @@ def main() -> int:
             if args.samples == 1 else None
         rate = {k: seqs * args.new_tokens / v for k, v in best.items()}
         sampled = f"{args.samples} samples each at temperature 1" if args.samples > 1 else "greedy"
-        print(f"rollout: {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new tokens ({sampled}), "
+        print(f"rollout ({args.dtype}): {args.prompts} prompts x {args.prompt_len} tokens -> {args.new_tokens} new "
+              f"tokens ({sampled}), "
               f"best of {args.gen_repeats}; engine threads {plan.threads} on cores {plan.omp_bind}: "
               f"vLLM {rate['vllm']:.0f} tok/s ({best['vllm']:.2f}s), HF generate {rate['hf']:.0f} tok/s "
               f"({best['hf']:.2f}s), ratio vLLM/HF = {rate['vllm'] / rate['hf']:.2f}x; at 1 thread each: vLLM "
