@@ -9,10 +9,10 @@
    weights (false: each trainer rank writes its shards straight into its engine worker's parameters,
    megarl.rollout.placement); each engine's decoding tokens/s on the same prompts shows what the packing buys.
 2. rollout throughput: vLLM generated tokens/s against HF transformers `generate` on the same model and prompts
-   (greedy, ignore EOS, the same number of new tokens, the same torch threads). The engine's threads are planned as in
-   the trainer's engine process (megarl.rollout.threads: every core this process may use); both are timed again at
-   one thread (what the engine ran with when left to vLLM's and torchrun's defaults). The runs alternate and the best
-   of --gen-repeats is kept, so load from other processes hits every contender alike.
+   (greedy, ignore EOS, the same number of new tokens, the same torch threads, both in --dtype). The engine's threads
+   are planned as in the trainer's engine process (megarl.rollout.threads: every core this process may use); both are
+   timed again at one thread (what the engine ran with when left to vLLM's and torchrun's defaults). The runs
+   alternate and the best of --gen-repeats is kept, so load from other processes hits every contender alike.
 
     .venv/bin/python bench/bench_rollout.py                  # ~110M params, fp32 on CPU (about 2 minutes on 2 cores)
     .venv/bin/python bench/bench_rollout.py --hidden 256 --layers 2 --vocab 4096   # a quick smoke run
@@ -141,8 +141,9 @@ def main() -> int:
     ap.add_argument("--engine-tp", default="1,2", help="engine TP sizes of the sync section (comma-separated)")
     ap.add_argument("--weights", default="prepacked,plain", help="CPU engine weights of the sync section: prepacked "
                     "(rollout.cpu_prepack_weights=true), plain (false), or both")
-    ap.add_argument("--sync-only", action="store_true", help="only the weight sync section")
-    ap.add_argument("--rollout-only", action="store_true", help="only the rollout sections (2 and 3)")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--sync-only", action="store_true", help="only the weight sync section")
+    only.add_argument("--rollout-only", action="store_true", help="only the rollout sections (2 and 3)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of both contenders in "
                     "the rollout sections (the sync section moves float32); bfloat16 needs a CPU with bf16 "
                     "instructions (AVX-512 BF16 or AMX) to be fast")
@@ -164,10 +165,7 @@ def main() -> int:
                             do_sample=args.samples > 1, temperature=1.0, n=args.samples, ignore_eos=True,
                             update_weights_bucket_megabytes=args.bucket_mb)
 
-        from safetensors import safe_open
-
-        with safe_open(str(path / "model.safetensors"), "pt") as f:  # the fp32 bytes a sync moves (the head is tied)
-            nbytes = sum(torch.Size(f.get_slice(k).get_shape()).numel() * 4 for k in f.keys() if k != "lm_head.weight")
+        nbytes = nparams * 4  # what a sync moves: every fp32 parameter once (the head is tied to the embedding)
 
         # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
         from megarl.megatron.parallel import free_port
