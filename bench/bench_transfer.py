@@ -3,9 +3,9 @@
 Two trainer ranks (data parallel: both hold the whole model) and one vLLM engine process started by rank 0. The same
 engine receives the same weights both ways, alternately:
   colocated  rank 0 hosts the engine's worker: it copies its own pieces into the bucket files, rank 1 sends it
-             nothing (rank 0 holds everything): megarl.rollout.delivery
+             nothing (rank 0 holds everything): megarl.sync.delivery
   separate   the engine process is a member of the transfer group: both ranks send it their half of the pieces over
-             gloo, it writes them into the bucket files: megarl.rollout.remote
+             gloo, it writes them into the bucket files: megarl.sync.remote
 against the floor: copying the same bytes into preallocated buffers in one process. The best of --repeats each.
 
     .venv/bin/python bench/bench_transfer.py                     # ~60M params, fp32 (a few minutes on 2 cores)
@@ -31,9 +31,9 @@ def measure(hf_dir: str, repeats: int, bucket_mb: int) -> dict:
     from megarl.config.schema import RolloutConfig
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.rollout.delivery import plan_sync
+    from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
-    from megarl.rollout.remote import plan_remote_sync
+    from megarl.sync.remote import plan_remote_sync
     from megarl.rollout.replicas import EngineTopology
 
     init_model_parallel(Layout(), seed=0)

@@ -2,7 +2,7 @@
 
 Pure arithmetic on the recipe and the model's config.json (no GPU, no weights). The parameter bytes each Megatron rank
 holds and the bytes each GPU sends, receives and loads into its engine worker per weight sync come from the sync
-plan (megarl.rollout.plan.build_plan, the plan the live sync runs), so the two never disagree about who holds what.
+plan (megarl.sync.plan.build_plan, the plan the live sync runs), so the two never disagree about who holds what.
 
 The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
 * Trainable model (actor; critic with a 1-wide value head instead of the LM head):
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.layout import Layout
-from megarl.rollout.plan import DTYPE_BYTES, build_plan
+from megarl.sync.plan import DTYPE_BYTES, build_plan
 
 GIB = 1024 ** 3
 RESERVE_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation

@@ -172,15 +172,15 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
 
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     """The live weight sync, planned once (a collective): every engine owner reports its workers' layouts, every
-    rank its parameters. Colocated engines: per-rank delivery through shared memory (megarl.rollout.delivery);
+    rank its parameters. Colocated engines: per-rank delivery through shared memory (megarl.sync.delivery);
     engines in processes of their own (Ray actors, rollout.placement=separate): the same plan over a transfer group
-    the trainer ranks and the engine hosts form (megarl.rollout.remote)."""
+    the trainer ranks and the engine hosts form (megarl.sync.remote)."""
     bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
     if cfg.engine_placement == "separate":
-        from megarl.rollout.remote import plan_remote_sync
+        from megarl.sync.remote import plan_remote_sync
 
         return plan_remote_sync(actor.chunks, actor.spec, engine, bucket_bytes)
-    from megarl.rollout.delivery import plan_sync
+    from megarl.sync.delivery import plan_sync
 
     return plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes)
 

@@ -124,7 +124,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.delivery import plan_sync
+    from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
     from megarl.rollout.replicas import EngineTopology
 

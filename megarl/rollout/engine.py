@@ -30,11 +30,11 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
-                                    fold_checksums, resolve_nested)
+from megarl.sync.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
+                                 fold_checksums, resolve_nested)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
-from megarl.rollout.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
+from megarl.sync.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) 
         "tensor_parallel_size": int(cfg.tensor_model_parallel_size),
         "load_format": cfg.load_format,
         "logprobs_mode": cfg.logprobs_mode,
-        # weights enter every worker through megarl's extension (megarl.rollout.worker_ext), at any TP/EP
+        # weights enter every worker through megarl's extension (megarl.sync.worker_ext), at any TP/EP
         "worker_extension_cls": WORKER_EXTENSION,
     }
     if cfg.tensor_model_parallel_size > 1:
@@ -508,8 +508,8 @@ class VLLMEngine:
     # -- weights ------------------------------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
                        ) -> dict[str, float]:
-        """Load a stream of buckets of FULL HF-named tensors; see megarl.rollout.delivery.feed_full_tensors."""
-        from megarl.rollout.delivery import feed_full_tensors
+        """Load a stream of buckets of FULL HF-named tensors; see megarl.sync.delivery.feed_full_tensors."""
+        from megarl.sync.delivery import feed_full_tensors
 
         return feed_full_tensors(self, buckets, self.model_path, verify=verify)
 
@@ -533,7 +533,7 @@ class VLLMEngine:
 
     def place_weights(self, needs: Sequence[dict], prefix: str) -> list:
         """Every worker moves its parameters into a shared-memory file and reports where its loader puts each HF
-        tensor of needs[worker] (megarl.rollout.placement; worker_ext.megarl_place_weights), once per run."""
+        tensor of needs[worker] (megarl.sync.placement; worker_ext.megarl_place_weights), once per run."""
         return self._llm.collective_rpc("megarl_place_weights", args=(list(needs), prefix))
 
     def end_update(self, placed: Optional[Sequence[Optional[dict]]] = None) -> dict[str, float]:
@@ -570,16 +570,16 @@ class VLLMEngine:
                                    f"{r['missing_in_engine'][:8]}")
         return metrics
 
-    # -- weights over a transfer group, for an engine in a process of its own (megarl.rollout.remote) ---------------
+    # -- weights over a transfer group, for an engine in a process of its own (megarl.sync.remote) ---------------
     def join_transfer(self, spec, rank: int) -> None:
         """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
-        from megarl.rollout.remote import WeightReceiver
+        from megarl.sync.remote import WeightReceiver
 
         self._receiver = WeightReceiver(self)
         self._receiver.join(spec, rank)
 
     def set_receive_plan(self, plan) -> None:
-        """What this engine receives at every sync (megarl.rollout.remote.ReceivePlan)."""
+        """What this engine receives at every sync (megarl.sync.remote.ReceivePlan)."""
         self._receiver.plan = plan
 
     def receive_weights(self, sync: int, verify: bool = False) -> dict:
@@ -604,7 +604,7 @@ class VLLMEngine:
 
     def verify_weights(self, expected: Mapping[str, Checksum], rtol: float = 1e-9) -> dict:
         """Compare engine checksums with `expected` (engine names; see expected_checksums). Returns the report of
-        megarl.rollout.weights.compare_checksums."""
+        megarl.sync.weights.compare_checksums."""
         return compare_checksums(expected, self.checksums(), rtol=rtol)
 
     # -- memory and control -------------------------------------------------------------------------------------------

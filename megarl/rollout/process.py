@@ -8,7 +8,7 @@ responses) as bytes in the message, which costs a tenth of setting up a shared-m
 
 Every call carries an id that its reply repeats, so a reply can never be taken for another call's. Weights do not
 cross the pipe: the trainer ranks write each engine worker's shard into shared-memory bucket files and the call
-names the files (megarl.rollout.delivery).
+names the files (megarl.sync.delivery).
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ class EngineProcess:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        from megarl.rollout.delivery import feed_full_tensors
+        from megarl.sync.delivery import feed_full_tensors
 
         return feed_full_tensors(self, buckets, self.model_path, verify=verify)
 
@@ -240,7 +240,7 @@ class EngineProcess:
     def abort_update(self) -> None:
         self._call("abort_update")
 
-    # -- weights over a transfer group (rollout.placement=separate: megarl.rollout.remote), one engine host --------
+    # -- weights over a transfer group (rollout.placement=separate: megarl.sync.remote), one engine host --------
     def transfer_layouts(self) -> list:
         return [self.layouts]
 

@@ -1,14 +1,15 @@
 """The engine interface the trainer drives, as a typing.Protocol: `VLLMEngine` (in this process), `EngineProcess` (a
-child process) and `RayEngine` (Ray actors) implement it, so megarl.steps never asks which one it holds. Engines in
-processes of their own receive weights over a transfer group instead of the shared-memory calls (`EngineHosts`:
-`EngineProcess` and `RayEngine`; RayEngine has no begin_update / load_bucket, since its actors are never fed from a
-trainer rank's memory)."""
+child process) and `RayEngine` (Ray actors) implement it, so megarl.steps never asks which one it holds. What the
+weight sync needs of an engine is the narrower seam in megarl.sync.seam: `UpdateTarget` (part of this interface) and,
+for engines in processes of their own, `TransferTarget` (`EngineProcess` and `RayEngine`; RayEngine has no
+begin_update / load_bucket, since its actors are never fed from a trainer rank's memory)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megarl.sync.seam import UpdateTarget
 from megarl.types import RolloutBatch
 
 
@@ -32,7 +33,7 @@ class Deferred:
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
+class RolloutEngine(UpdateTarget, Protocol):
     # generation
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
@@ -51,24 +52,8 @@ class RolloutEngine(Protocol):
     def abort(self) -> None:
         """End the requests in flight; a running generate returns what it has, finish_reason 'abort'."""
 
-    # weights: a stream of full tensors, or the per-worker delivery (begin, one load per bucket, end / abort)
+    # weights: a stream of full tensors; the per-worker delivery's calls come from megarl.sync.seam.UpdateTarget
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict: ...
-
-    def begin_update(self, verify: bool = False) -> None: ...
-
-    def load_bucket(self, metas: Sequence[Optional[dict]]) -> None: ...
-
-    def end_update(self, placed: Optional[Sequence[Optional[dict]]] = None) -> dict: ...
-
-    def place_weights(self, needs: Sequence[dict], prefix: str) -> list:
-        """Per worker: its parameters moved into a shared-memory file its host writes directly, and where each HF
-        tensor lands there ({"why": ...} where it cannot; megarl.rollout.placement)."""
-
-    def abort_update(self) -> None: ...
-
-    @property
-    def layouts(self) -> list:
-        """Every engine worker's parameter shards (megarl.rollout.worker_ext.megarl_layout), by worker rank."""
 
     @property
     def weight_version(self) -> int: ...
@@ -88,26 +73,3 @@ class RolloutEngine(Protocol):
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-@runtime_checkable
-class EngineHosts(Protocol):
-    """The weight delivery of engines in processes of their own (megarl.rollout.remote): `EngineProcess` (one host)
-    and `RayEngine` (one host per replica). Each `start_*` returns at once; its `result()` waits (a list per host)."""
-
-    def transfer_layouts(self) -> list:
-        """Per host, every engine worker's layout (as `layouts`)."""
-
-    def start_join_transfer(self, spec: Any, first_rank: int) -> Any: ...
-
-    def set_receive_plans(self, plans: list) -> None: ...
-
-    def start_receive_weights(self, sync: int, verify: bool = False) -> Any: ...
-
-
-def missing_members(cls: type, protocol: type = RolloutEngine) -> list[str]:
-    """The members of `protocol` that `cls` lacks (a class-level check: no engine is started; an attribute set in
-    __init__ counts when the class annotates it)."""
-    wanted = [m for m in vars(protocol) if not m.startswith("_")]
-    annotated = {k for c in cls.__mro__ for k in getattr(c, "__annotations__", {})}
-    return [m for m in wanted if not hasattr(cls, m) and m not in annotated]

@@ -15,7 +15,6 @@ get their own list of cores.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -82,23 +81,6 @@ def keep_trainer_on(cores: Sequence[int]) -> None:
 
     os.sched_setaffinity(0, list(cores))
     torch.set_num_threads(max(1, min(torch.get_num_threads(), len(cores))))
-
-
-@contextlib.contextmanager
-def half_threads_during_sync():
-    """Halve this process's torch threads (at least one) for the duration. Both sides of a weight sync run at once on
-    the same cores (the trainer writes bucket b+1 while the engine loads bucket b), and two copies that each start
-    every core's OpenMP thread oversubscribe them (threads spin-wait at their barriers). Measured on 2 cores (418 MiB,
-    in-place load, memcpy floor 0.043 s): 0.195 s with both sides at 2 threads, 0.142-0.160 s with the writer at 1,
-    0.137 s with both at 1. torch._C's setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(max(1, threads // 2))
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(threads)
 
 
 def available_cores() -> list:

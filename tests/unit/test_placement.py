@@ -1,12 +1,12 @@
-"""Placed weight writes (megarl.rollout.placement) on hand-written loaders shaped like vLLM's: where a probe finds each
+"""Placed weight writes (megarl.sync.placement) on hand-written loaders shaped like vLLM's: where a probe finds each
 HF tensor lands must be where the loader itself, run for real, puts it."""
 import os
 
 import pytest
 import torch
 
-from megarl.rollout import placement
-from megarl.rollout.shards import full_box, relative_slices
+from megarl.sync import placement
+from megarl.sync.shards import full_box, relative_slices
 
 HIDDEN, HEAD = 8, 2
 VOCAB, PADDED = 13, 16

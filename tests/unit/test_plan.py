@@ -10,7 +10,7 @@ import pytest
 
 from megarl.config import load_config
 from megarl.plan import plan_recipe
-from megarl.rollout.plan import build_plan
+from megarl.sync.plan import build_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3

@@ -3,7 +3,7 @@
     trainer rank k ──(its HF chunks, cut to the pieces each worker needs)──► rank hosting the worker (p2p, gloo)
     hosting rank ──(pieces written into a sparse shared-memory bucket file)──► its engine worker (megarl_load)
 
-The plan (megarl.rollout.shards) is computed once from the bridge mapping, the trainer's parameters and the layout
+The plan (megarl.sync.shards) is computed once from the bridge mapping, the trainer's parameters and the layout
 each engine worker reports; every rank derives the same moves and buckets from it, so no metadata travels per step.
 A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing gathers whole
 tensors, nothing is broadcast to the world.
@@ -15,7 +15,7 @@ per 4 KiB released, several times the copy itself; a reused slot costs the copy 
 vLLM still buffers from a slot (a layer whose tensors straddle buckets) before the slot is written again.
 
 Where a CPU engine worker takes its weights in place, its host writes straight into the worker's parameters instead
-(megarl.rollout.placement: the worker moved them into a shared-memory file at plan time and reported where each
+(megarl.sync.placement: the worker moved them into a shared-memory file at plan time and reported where each
 tensor lands): one copy per piece, no bucket file, no load call.
 
 Engine placement (megarl.rollout.replicas.EngineTopology): replica r spans trainer ranks [r*T, (r+1)*T) (T = engine
@@ -31,19 +31,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.bridge.mapping import Mapping
-from megarl.rollout.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
-                                   intersect, plan_moves, relative_slices, traffic, trainer_holdings)
-from megarl.rollout.replicas import EngineTopology
-from megarl.rollout.placement import arena_viewer, write_placed
-from megarl.rollout.threads import half_threads_during_sync
-from megarl.rollout.weights import add_checksums, tensor_checksum
-from megarl.rollout.worker_ext import region
+from megarl.sync.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
+                                intersect, plan_moves, relative_slices, traffic, trainer_holdings)
+from megarl.sync.placement import arena_viewer, write_placed
+from megarl.sync.weights import add_checksums, tensor_checksum
+from megarl.sync.worker_ext import half_threads_during_sync, region
+
+if TYPE_CHECKING:  # the engines' placement over the trainer ranks, passed in by the caller
+    from megarl.rollout.replicas import EngineTopology
 
 _ALIGN = 64
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class WeightSync:
         self._files = SlotFiles()
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
-        # placed writes (megarl.rollout.placement): {host: hf names its worker takes in place}, this rank's records
+        # placed writes (megarl.sync.placement): {host: hf names its worker takes in place}, this rank's records
         self.placed_names: dict = {}
         self.placed: dict = {}
         self.not_placed: dict = {}  # {host: why its worker (or which of its tensors) takes the bucket files}
@@ -179,7 +180,7 @@ class WeightSync:
     def place(self, engine: Any) -> None:
         """Once, before the first sync (a collective): every engine worker that takes its weights in place moves them
         into a shared-memory file and reports where each tensor lands; its host maps the file and from then on
-        writes its pieces there (megarl.rollout.placement). Workers and tensors that cannot keep the bucket files."""
+        writes its pieces there (megarl.sync.placement). Workers and tensors that cannot keep the bucket files."""
         from megarl.runtime import all_gather_objects
 
         mine = {}

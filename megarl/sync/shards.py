@@ -7,7 +7,7 @@ Both sides are described in HF coordinates, through the bridge's one mapping per
 * an engine worker needs, for each HF tensor, the box its vLLM weight loader reads: derived from the facts the live
   worker reports about its modules (`EngineModule` below: padded vocabulary ranges, query heads and replicated KV
   heads per rank, merged column splits, row splits, local experts under expert parallelism). `predict_engine_modules`
-  computes the same facts without an engine, for `megarl plan` and `python -m megarl.rollout.plan`; a test checks
+  computes the same facts without an engine, for `megarl plan` and `python -m megarl.sync.plan`; a test checks
   the prediction against a live engine.
 
 A box is one (start, stop) pair per dimension of the full HF tensor. `plan_moves` intersects needs with holdings and

