@@ -39,7 +39,8 @@ import torch.distributed as dist
 from megarl.bridge.mapping import Mapping
 from megarl.sync.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
                                 intersect, plan_moves, relative_slices, traffic, trainer_holdings)
-from megarl.sync.placement import arena_viewer, write_placed
+from megarl.sync.placement import region_viewer, write_placed
+from megarl.sync.pull import PullSources
 from megarl.sync.weights import add_checksums, tensor_checksum
 from megarl.sync.worker_ext import half_threads_during_sync, region
 
@@ -172,6 +173,12 @@ class WeightSync:
         # placed writes (megarl.sync.placement): {host: hf names its worker takes in place}, this rank's records
         self.placed_names: dict = {}
         self.placed: dict = {}
+        # hosts whose workers pull their pieces from the host's device memory (GPU: megarl.sync.pull)
+        self.pull_hosts: set = set()
+        self._bucket = 0
+        self._pulls: list = []  # this rank's pieces for its pulling worker in the bucket being delivered
+        self._sources = [PullSources(), PullSources()]  # by bucket parity: a bucket's sources live until b+2
+        self.device = next((lp.param.device for lp in local.values()), torch.device("cpu"))
         self.not_placed: dict = {}  # {host: why its worker (or which of its tensors) takes the bucket files}
         self._arena_views: Optional[Callable] = None
         self._index_file_hosts()
@@ -195,18 +202,21 @@ class WeightSync:
         for part in all_gather_objects(mine):
             reports.update(part)
         for host, rep in reports.items():
-            if "arena" not in rep:
+            if "arena" not in rep and not rep.get("pull"):
                 self.not_placed[host] = rep.get("why", "not reported")
                 continue
             self.placed_names[host] = set(rep["placed"])
             if rep["refused"]:
                 self.not_placed[host] = "; ".join(f"{k}: {v}" for k, v in sorted(rep["refused"].items())[:4])
+            if rep.get("pull"):  # the worker keeps its records and copies from this rank's memory itself
+                self.pull_hosts.add(host)
+                continue
             if host == self.rank:
                 self.placed = {h: [(tuple(tuple(b) for b in rec[0]),) + tuple(rec[1:]) for rec in recs]
                                for h, recs in rep["placed"].items()}
                 arena = torch.from_file(rep["arena"], shared=True, size=int(rep["size"]), dtype=torch.uint8)
                 os.unlink(rep["arena"])  # mapped by the worker and here: nothing is left in /dev/shm
-                self._arena_views = arena_viewer(arena)
+                self._arena_views = region_viewer([arena])
         self._index_file_hosts()
         if self.rank == 0 and reports:
             log.debug("weight sync: the workers hosted by ranks %s are written in place; %s",
@@ -231,7 +241,7 @@ class WeightSync:
         hosts = self.topology.members(replica) if replica is not None else []
         group = self._replica_groups[replica] if replica is not None and self.topology.engine_tp > 1 else None
         placing = any(h in self.placed_names for h in hosts)
-        loads = {b for b in range(len(self.buckets)) if self._files_for(b, hosts)}
+        loads = {b for b in range(len(self.buckets)) if self._loads_for(b, hosts)}
         loading = BackgroundLoad(engine) if engine is not None else None
         if engine is not None:
             engine.begin_update(verify=verify)
@@ -247,13 +257,16 @@ class WeightSync:
                     if loading is not None:
                         # before the barrier: past it, the replica's other hosts write bucket b+1 into b-1's slot
                         loading.wait()
-                    if group is not None:
+                    pulls = self._pull_metas(b, group)  # with the barrier below, where any worker pulls
+                    if group is not None and pulls is None:
                         dist.barrier(group=group)  # the replica's files are all written
                     if loading is not None:
-                        loading.start(self.metas(replica, b))
+                        loading.start(self.metas(replica, b, pulls))
                 if loading is not None:
                     loading.wait()
             placed = self._placed_report(stats, group) if placing else None
+            for sources in self._sources:
+                sources.release()
         except BaseException:
             if engine is not None:
                 try:
@@ -275,10 +288,16 @@ class WeightSync:
         """Whether bucket b has anything for the bucket files of `hosts` (all else is written in place)."""
         return not self._file_hosts[b].isdisjoint(hosts)
 
+    def _loads_for(self, b: int, hosts: Sequence[int]) -> bool:
+        """Whether bucket b needs a load call on the engine of `hosts`: bucket files, or pieces a worker pulls."""
+        return self._files_for(b, hosts) or not self._pull_hosts[b].isdisjoint(hosts)
+
     def _index_file_hosts(self) -> None:
         """Which hosts receive bucket files of each bucket, and their file layouts, for the placement as it stands
         (computed once, not per sync)."""
         self._file_hosts = [{mv.dst for mv in self._file_moves(b)} for b in range(len(self.buckets))]
+        self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.pull_hosts and self.is_placed(mv)}
+                            for moves in self.buckets]
         self._layouts.clear()
         self._slot_size.clear()
 
@@ -294,6 +313,10 @@ class WeightSync:
 
     def _deliver_bucket(self, b: int, moves: Sequence[Move], stats: dict) -> None:
         t0 = time.perf_counter()
+        self._bucket = b
+        if self.rank in self.pull_hosts:
+            self._sources[b % 2].release()  # bucket b-2's pieces: its load has ended (the replica passed b-1's)
+            self._pulls = []
         chunks: dict = {}
         ops, received = [], []
         for mv in moves:
@@ -301,8 +324,8 @@ class WeightSync:
                 piece = self._piece(mv, chunks).contiguous()
                 ops.append(dist.P2POp(dist.isend, piece, mv.dst, self.group))
                 stats["sent"] += mv.nbytes
-            elif mv.dst == self.rank and mv.src != self.rank:
-                buf = torch.empty(box_shape(mv.box), dtype=getattr(torch, self.dtypes[mv.hf]))
+            elif mv.dst == self.rank and mv.src != self.rank:  # on GPU device to device (NCCL), on CPU over gloo
+                buf = torch.empty(box_shape(mv.box), dtype=getattr(torch, self.dtypes[mv.hf]), device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buf, mv.src, self.group))
                 received.append((mv, buf))
                 stats["received"] += mv.nbytes
@@ -349,7 +372,10 @@ class WeightSync:
                 self._write_placed(mv.hf, common, view[relative_slices(common, block)], stats)
 
     def _write_placed(self, hf: str, box, piece: torch.Tensor, stats: dict) -> None:
-        write_placed(self._arena_views, self.placed[hf], box, piece)
+        if self.rank in self.pull_hosts:  # the worker copies it from here (its host keeps `piece` until then)
+            self._pulls.append((hf, box, self._sources[self._bucket % 2].spec(piece)))
+        else:
+            write_placed(self._arena_views, self.placed[hf], box, piece)
         stats["placed"] += piece.numel() * piece.element_size()
         stats["placed_tensors"].add(hf)
         if stats["sums"] is not None:  # the checksum's sums add up over the pieces of a tensor
@@ -380,13 +406,35 @@ class WeightSync:
     def _file_moves(self, b: int) -> list:
         return [mv for mv in self.buckets[b] if not self.is_placed(mv)]
 
-    def metas(self, replica: int, b: int) -> list:
-        """What each worker of `replica` reads of bucket b (None where it has nothing in it)."""
+    def metas(self, replica: int, b: int, pulls: Optional[dict] = None) -> list:
+        """What each worker of `replica` reads of bucket b (None where it has nothing in it): its bucket file's
+        meta, with {"pull": ...} added where it copies pieces from its host's device memory (`pulls`: by host)."""
         out = []
         for host in self.topology.members(replica):
-            has = self._files_for(b, [host])
-            out.append(self.bucket_file(b, host).meta if has else None)
+            meta = self.bucket_file(b, host).meta if self._files_for(b, [host]) else None
+            pull = (pulls or {}).get(host)
+            if pull is not None and pull["pieces"]:
+                meta = dict(meta or {}, pull=pull)
+            out.append(meta)
         return out
+
+    def _pull_metas(self, b: int, group) -> Optional[dict]:
+        """{host: its worker's pull of bucket b} for the hosts of this rank's replica, or None where no worker of
+        the replica pulls in bucket b. A collective of the replica's group (it stands in for the barrier: every
+        host has written and synchronized its device when it returns)."""
+        replica = self.topology.replica_of(self.rank)
+        if self._pull_hosts[b].isdisjoint(self.topology.members(replica)):
+            return None
+        mine = None
+        if self.rank in self._pull_hosts[b]:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the pieces are final before the worker reads them
+            mine = self._sources[b % 2].meta(self._pulls)
+        if group is None:
+            return {self.rank: mine}
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        return dict(zip(self.topology.members(replica), every))
 
     def _remove_leftovers(self, hosts: Sequence[int]) -> None:
         """After a failed sync: the slot files of a replica that its workers never opened (a worker unlinks each

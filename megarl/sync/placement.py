@@ -12,6 +12,10 @@ worker, once, at plan time:
 A tensor whose loader does anything else with the data (converts it, reshapes it, writes outside the parameters)
 is not placed: it keeps the bucket-file path, so the result is always what the loader itself would have produced.
 Writes the loader makes without the data (zeroing the padded vocabulary rows) are run once, where no copy lands.
+
+The records name a region (a storage of the worker's parameters) and a view of it, so they hold wherever the
+parameters live: on CPU the arena is the one region and the host writes into it; on GPU the regions are the
+worker's own parameter storages, which only the worker itself resolves at each load (megarl.sync.pull).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ from megarl.sync.shards import Box, box_numel, intersect, relative_slices
 _ALIGN = 64
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default}
 
-# A placement record: (box of the HF tensor, byte offset in the arena, sizes, strides (elements), dtype name)
+# A placement record: (box of the HF tensor, region, byte offset in the region, sizes, strides (elements), dtype name);
+# rec[1:] is the view spec of a region that `region_viewer` resolves.
 Record = tuple
 
 
@@ -91,6 +96,15 @@ def share_parameters(params: Iterable[torch.Tensor], path: str) -> torch.Tensor:
     return arena
 
 
+def parameter_regions(params: Iterable[torch.Tensor]) -> list:
+    """The distinct storages of `params` (in order of first use), each as a uint8 tensor over the whole storage."""
+    out: dict = {}
+    for p in params:
+        if p.numel() and _ptr(p) not in out:
+            out[_ptr(p)] = torch.empty(0, dtype=torch.uint8, device=p.device).set_(p.untyped_storage())
+    return list(out.values())
+
+
 def source_box(src: torch.Tensor, full: torch.Tensor) -> Optional[Box]:
     """The box of `full` (contiguous) that `src` views, or None if `src` is not a plain sub-box of it."""
     if _ptr(src) != _ptr(full) or src.dtype != full.dtype or src.dim() != full.dim():
@@ -111,22 +125,22 @@ def source_box(src: torch.Tensor, full: torch.Tensor) -> Optional[Box]:
 class _Probe(TorchDispatchMode):
     """Records (and does not run) the writes into the arena and every write of the placeholder's data."""
 
-    def __init__(self, arena_ptr: int):
+    def __init__(self, region_ptrs: dict):
         super().__init__()
-        self.arena_ptr = arena_ptr
+        self.regions = region_ptrs  # storage address -> region index
         self.full: Optional[torch.Tensor] = None
         self.copies: list = []  # (source box, dst view spec)
         self.fills: list = []  # (dst view spec, value)
         self.refused: list = []  # why the current tensor cannot be placed
 
     def spec(self, t: torch.Tensor) -> tuple:
-        return (t.storage_offset() * t.element_size(), tuple(t.shape), tuple(t.stride()),
+        return (self.regions[_ptr(t)], t.storage_offset() * t.element_size(), tuple(t.shape), tuple(t.stride()),
                 str(t.dtype).replace("torch.", ""))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         written = _written(func, args, kwargs)
-        into_arena = [t for t in written if _ptr(t) == self.arena_ptr]
+        into_arena = [t for t in written if _ptr(t) in self.regions]
         reads_data = self.full is not None and any(
             isinstance(a, torch.Tensor) and _ptr(a) == _ptr(self.full) for a in list(args) + list(kwargs.values()))
         if not into_arena and not (written and reads_data):
@@ -147,30 +161,33 @@ class _Probe(TorchDispatchMode):
         return written[0] if written else None
 
 
-def arena_viewer(arena: torch.Tensor) -> Callable[[tuple], torch.Tensor]:
-    """spec (byte offset, sizes, strides, dtype name) -> that view of the arena (a uint8 mapping, offset 0)."""
+def region_viewer(regions: Sequence[torch.Tensor]) -> Callable[[tuple], torch.Tensor]:
+    """spec (region, byte offset, sizes, strides, dtype name) -> that view of the region (uint8 tensors, offset 0)."""
     typed: dict = {}
 
     def view(spec: tuple) -> torch.Tensor:
-        byte_offset, sizes, strides, dtype = spec
-        t = typed.get(dtype)
+        index, byte_offset, sizes, strides, dtype = spec
+        t = typed.get((index, dtype))
         if t is None:
-            dt = getattr(torch, dtype)
-            t = typed[dtype] = arena[: arena.numel() - arena.numel() % torch.empty((), dtype=dt).element_size()].view(dt)
+            dt, region = getattr(torch, dtype), regions[index]
+            usable = region.numel() - region.numel() % torch.empty((), dtype=dt).element_size()
+            t = typed[(index, dtype)] = region[:usable].view(dt)
         return t.as_strided(tuple(sizes), tuple(strides), byte_offset // t.element_size())
 
     return view
 
 
-def probe_placements(load: Callable[[list], object], arena: torch.Tensor, needs: dict) -> tuple:
+def probe_placements(load: Callable[[list], object], regions: Sequence[torch.Tensor], needs: dict) -> tuple:
     """Where `load` (vLLM's model.load_weights) puts each HF tensor, for this worker's `needs` {hf name: (dtype,
-    full shape, need box)}; parameters live in `arena` (share_parameters). Returns ({hf name: [Record]}, {hf name:
-    why not placed}). Nothing in the arena changes, except fills that no copy covers (run as the loader would)."""
-    probe = _Probe(_ptr(arena))
+    full shape, need box)}; parameters live in `regions` (the arena of share_parameters, or parameter_regions).
+    Returns ({hf name: [Record]}, {hf name: why not placed}). Nothing in the regions changes, except fills that no
+    copy covers (run as the loader would)."""
+    probe = _Probe({_ptr(r): i for i, r in enumerate(regions)})
     placed, refused, fills = {}, {}, []
     for name, (dtype, shape, need) in needs.items():
         need = tuple(tuple(b) for b in need)
-        probe.full = torch.empty(tuple(shape), dtype=getattr(torch, dtype))  # never written: its pages stay unmapped
+        # never written: its pages stay unmapped (on the parameters' device, so the loader's copies stay plain copies)
+        probe.full = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=regions[0].device)
         probe.copies, probe.fills, probe.refused = [], [], []
         with torch.no_grad(), probe:
             load([(name, probe.full)])
@@ -183,7 +200,7 @@ def probe_placements(load: Callable[[list], object], arena: torch.Tensor, needs:
         placed[name] = [(box,) + spec for box, spec in probe.copies]
         fills.extend(probe.fills)
     probe.full = None
-    _run_uncovered_fills(arena, fills, [rec for recs in placed.values() for rec in recs])
+    _run_uncovered_fills(regions, fills, [rec for recs in placed.values() for rec in recs])
     return placed, refused
 
 
@@ -200,35 +217,40 @@ def _coverage_problem(boxes: Sequence[Box], need: Box) -> Optional[str]:
 
 
 def _span(spec: tuple) -> tuple:
-    """[first, end) in elements of the storage a view spec (byte offset, sizes, strides, dtype) touches."""
-    byte_offset, sizes, strides, dtype = spec
+    """[first, end) in elements of the region a view spec (region, byte offset, sizes, strides, dtype) touches."""
+    _, byte_offset, sizes, strides, dtype = spec
     first = byte_offset // torch.empty((), dtype=getattr(torch, dtype)).element_size()
     return first, first + 1 + sum((n - 1) * st for n, st in zip(sizes, strides) if n > 0)
 
 
-def _run_uncovered_fills(arena: torch.Tensor, fills: list, records: list) -> None:
+def _run_uncovered_fills(regions: Sequence[torch.Tensor], fills: list, records: list) -> None:
     """Run the loader's fills (vocabulary padding set to 0) on the elements no placed copy writes; the mask spans
-    only the fill and the copies that reach into it (the padded parameter, not the whole arena)."""
-    views = arena_viewer(arena)
+    only the fill and the copies that reach into it (the padded parameter, not the whole region)."""
+    views = region_viewer(regions)
     copies = [(rec[1:], _span(rec[1:])) for rec in records]
     for spec, value in fills:
         lo, hi = _span(spec)
-        near = [(c, span) for c, span in copies if span[0] < hi and span[1] > lo]
-        if any(c[3] != spec[3] for c, _ in near):
+        near = [(c, span) for c, span in copies if c[0] == spec[0] and span[0] < hi and span[1] > lo]
+        if any(c[4] != spec[4] for c, _ in near):
             continue  # another dtype over the same bytes: leave them as the copies will write them
         first = min([lo] + [span[0] for _, span in near])
-        covered = torch.zeros(max([hi] + [span[1] for _, span in near]) - first, dtype=torch.bool)
-        for (_, sizes, strides, _), span in near:
+        covered = torch.zeros(max([hi] + [span[1] for _, span in near]) - first, dtype=torch.bool,
+                              device=regions[spec[0]].device)
+        for (_, _, sizes, strides, _), span in near:
             covered.as_strided(sizes, strides, span[0] - first).fill_(True)
         with torch.no_grad():
-            views(spec)[~covered.as_strided(spec[1], spec[2], lo - first)] = value
+            views(spec)[~covered.as_strided(spec[2], spec[3], lo - first)] = value
 
 
-def write_placed(arena_views: Callable[[tuple], torch.Tensor], records: Sequence[Record], box: Box,
-                 piece: torch.Tensor) -> None:
-    """Copy `piece` (the part `box` of an HF tensor) to where the engine's loader would have put it."""
+def write_placed(views: Callable[[tuple], torch.Tensor], records: Sequence[Record], box: Box,
+                 piece: torch.Tensor) -> int:
+    """Copy `piece` (the part `box` of an HF tensor) to where the engine's loader would have put it (`views`: a
+    region_viewer of the worker's regions). Returns the bytes written."""
+    written = 0
     for rec in records:
         src_box, spec = rec[0], rec[1:]
         common = intersect(box, src_box)
         if common is not None:
-            arena_views(spec)[relative_slices(common, src_box)].copy_(piece[relative_slices(common, box)])
+            views(spec)[relative_slices(common, src_box)].copy_(piece[relative_slices(common, box)])
+            written += box_numel(common) * piece.element_size()
+    return written

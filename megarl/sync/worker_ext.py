@@ -101,6 +101,9 @@ def honour_cpu_expert_map() -> bool:
 # (`direct_update_blockers`). Decoding may be slower than with the packed kernels: the choice is the user's.
 
 PLAIN_CPU_WEIGHTS_ENV = "MEGARL_CPU_PLAIN_WEIGHTS"
+# Set to 1: a CPU worker places its weights for pulls (megarl.sync.pull) as a GPU worker does, in its own parameter
+# storages; how the layout of a real vLLM worker is recorded for the GPU path's stand-in (tests/helpers).
+PULL_ENV = "MEGARL_PULL_PLACEMENT"
 
 
 def keep_cpu_weights_plain() -> bool:
@@ -324,6 +327,8 @@ class MegarlWorkerExtension:
         blockers = direct_update_blockers(model)
         if blockers:
             return {"why": "its layers transform their weights after loading: " + "; ".join(blockers)}
+        if any(p.device.type == "cuda" for p in params) or os.environ.get(PULL_ENV) == "1":
+            return self._megarl_place_for_pulls(model, params, needs)
         if any(p.device.type != "cpu" for p in params):
             return {"why": "its parameters are not in host memory"}
         path = f"{prefix}-w{rank}-arena"
@@ -332,11 +337,36 @@ class MegarlWorkerExtension:
         except OSError as exc:
             return {"why": str(exc), "failed": True}
         try:
-            placed, refused = placement.probe_placements(model.load_weights, arena, needs)
+            placed, refused = placement.probe_placements(model.load_weights, [arena], needs)
         except Exception as exc:  # noqa: BLE001 - the weights stay valid (now in the file); the buckets still work
             os.unlink(path)
             return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
         return {"arena": path, "size": arena.numel(), "placed": placed, "refused": refused}
+
+    def _megarl_place_for_pulls(self, model: torch.nn.Module, params: list, needs: dict) -> dict:
+        """On GPU: the parameters stay where vLLM put them (its sleep-mode pool); the records name their storages,
+        and this worker copies each bucket's pieces from its host's device memory itself (megarl.sync.pull).
+        Returns {"pull": True, "placed": {hf name: [records]}, "refused": ..., "regions": [bytes per storage],
+        "params": [[name, region, byte offset, shape, stride, dtype]]} (the last two describe the layout for a
+        stand-in of this worker)."""
+        from megarl.sync import placement
+        from megarl.sync.pull import PulledWrites, pull_device
+
+        why = pull_device(params) if os.environ.get(PULL_ENV) != "1" else None
+        if why:
+            return {"why": why}
+        regions = placement.parameter_regions(params)
+        try:
+            placed, refused = placement.probe_placements(model.load_weights, regions, needs)
+        except Exception as exc:  # noqa: BLE001 - nothing was written: the buckets still work
+            return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
+        self._megarl_pulls = PulledWrites(placed, [r.numel() for r in regions])
+        index = {r.untyped_storage().data_ptr(): i for i, r in enumerate(regions)}
+        layout = [[name, index[p.untyped_storage().data_ptr()], p.storage_offset() * p.element_size(),
+                   list(p.shape), list(p.stride()), str(p.dtype).replace("torch.", "")]
+                  for name, p in model.named_parameters() if p.numel()]
+        return {"pull": True, "placed": placed, "refused": refused, "regions": [r.numel() for r in regions],
+                "params": layout}
 
     def megarl_begin_update(self, verify: bool = False) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
@@ -358,6 +388,10 @@ class MegarlWorkerExtension:
         if not meta:
             return 0
         state = self._megarl_state
+        if "pull" in meta:  # the pieces stay in the host's device memory: copied from there, in place
+            params = [p for p in self._megarl_model().parameters() if p.numel()]
+            self._megarl_pulls.load(params, meta["pull"])
+            return len(meta["pull"]["pieces"])
         buf = self._megarl_map(meta)
         ready = []
         for name, dtype, shape, offset, need, boxes in meta["tensors"]:

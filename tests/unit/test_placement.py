@@ -97,7 +97,7 @@ def test_placed_writes_equal_the_loader(arena_path, rank, tp):
     placed_model, loaded_model = Fused(rank, tp), Fused(rank, tp)
     arena = placement.share_parameters(list(placed_model.parameters()), arena_path)
     untouched = arena.clone()
-    records, refused = placement.probe_placements(placed_model.load_weights, arena, needs_of(rank, tp))
+    records, refused = placement.probe_placements(placed_model.load_weights, [arena], needs_of(rank, tp))
     assert refused == {} and set(records) == {"q", "k", "v", "embed", "norm"}
     # the probe wrote nothing but the padding rows' zeros
     changed = (arena != untouched).nonzero().flatten()
@@ -107,7 +107,7 @@ def test_placed_writes_equal_the_loader(arena_path, rank, tp):
     assert float(placed_model.embed[VOCAB:].abs().sum()) == 0.0
 
     weights = hf_tensors(seed=3)
-    views = placement.arena_viewer(torch.from_file(arena_path, shared=True, size=arena.numel(), dtype=torch.uint8))
+    views = placement.region_viewer([torch.from_file(arena_path, shared=True, size=arena.numel(), dtype=torch.uint8)])
     for name, (_, shape, need) in needs_of(rank, tp).items():
         need = tuple(tuple(b) for b in need)
         rows = need[0]
@@ -126,7 +126,7 @@ def test_loaders_that_transform_the_data_are_refused(arena_path):
     arena = placement.share_parameters(list(model.parameters()), arena_path)
     norm = model.norm.detach().clone()
     needs = {"converted": ("float32", [HIDDEN], [[0, HIDDEN]]), "scaled": ("float32", [HIDDEN], [[0, HIDDEN]])}
-    records, refused = placement.probe_placements(model.load_weights, arena, needs)
+    records, refused = placement.probe_placements(model.load_weights, [arena], needs)
     assert records == {}
     assert "converted or reshaped" in refused["converted"] and "mul_" in refused["scaled"]
     assert torch.equal(model.norm, norm)  # the probe changed nothing
@@ -136,7 +136,7 @@ def test_a_loader_that_reads_less_than_planned_is_refused(arena_path):
     model = Fused(0, 2)  # reads rows 0-4 of q
     arena = placement.share_parameters(list(model.parameters()), arena_path)
     needs = {"q": ("float32", [HIDDEN, HIDDEN], [[0, HIDDEN], [0, HIDDEN]])}  # a plan that expects all rows
-    records, refused = placement.probe_placements(model.load_weights, arena, needs)
+    records, refused = placement.probe_placements(model.load_weights, [arena], needs)
     assert records == {} and "less than the planned box" in refused["q"]
 
 
