@@ -75,6 +75,10 @@ class PulledWrites:
     def __init__(self, records: dict, region_sizes: Sequence[int]):
         self.records = records
         self.region_sizes = [int(n) for n in region_sizes]
+        # the sources of the last load, kept open until the next one: the trainer's parameter storages come back at
+        # every sync, and torch re-uses an opened handle only while a tensor of it is alive (opening one costs more
+        # than copying a small tensor)
+        self._kept: list = []
 
     def regions(self, params: Sequence[torch.Tensor]) -> list:
         regions = parameter_regions(params)
@@ -97,7 +101,7 @@ class PulledWrites:
         device = sources[0].device if sources else None
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        del sources, src
+        self._kept = sources
         return written
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import traceback
 from typing import Any, Optional, Sequence
 
@@ -73,6 +74,7 @@ class _Worker:
         self.allocate(None)
         self.updates = 0
         self.open = False
+        self.load_seconds = 0.0
 
     def allocate(self, contents: Optional[list]) -> None:
         """Parameter storages of the recorded sizes (filled from `contents` where given, else with a pattern no
@@ -107,8 +109,15 @@ class _Worker:
             return 0
         if set(meta) - {"pull"}:
             raise RuntimeError("the stand-in worker takes pulled pieces only (every tensor of its layout is placed)")
-        self.pulls.load(self.parameters(), meta["pull"])
+        t0 = time.perf_counter()
+        self.pulls.load(self.parameters(), meta["pull"])  # returns once the copies are done (the device waited)
+        self.load_seconds += time.perf_counter() - t0
         return len(meta["pull"]["pieces"])
+
+    def take_load_seconds(self) -> float:
+        """Seconds spent in loads (opening handles and copying) since the last call."""
+        seconds, self.load_seconds = self.load_seconds, 0.0
+        return seconds
 
     def end_update(self, placed=None) -> dict:
         self.open = False
@@ -139,6 +148,24 @@ class _Worker:
     def read(self) -> list:
         """Every parameter storage, on the host."""
         return [r.cpu() for r in self.regions]
+
+    def profile_loads(self, on: bool) -> dict:
+        """Start (on) or stop profiling this worker's loads; stopping returns {memcpy kind: bytes} of the loads."""
+        if on:
+            self._profiled = {}
+            original = self.load_bucket
+
+            def profiled(metas):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    n = original(metas)
+                for kind, nbytes in memcpy_bytes(prof).items():
+                    self._profiled[kind] = self._profiled.get(kind, 0) + nbytes
+                return n
+
+            self.load_bucket = profiled
+            return {}
+        self.__dict__.pop("load_bucket", None)
+        return self.__dict__.pop("_profiled", {})
 
 
 def _serve(conn, record: dict, device: str) -> None:
@@ -213,6 +240,14 @@ class StandInEngine:
         """The worker's parameter storages (uint8, on the host)."""
         return self._call("read")
 
+    def take_load_seconds(self) -> float:
+        """Seconds the worker spent in loads (opening the handles, copying, waiting for the device) since last asked."""
+        return self._call("take_load_seconds")
+
+    def profile_loads(self, on: bool) -> dict:
+        """Profile the worker's loads from now on (on), or stop and get {memcpy kind: bytes} (GPU)."""
+        return self._call("profile_loads", on)
+
     def shutdown(self) -> None:
         if self._proc.is_alive():
             try:
@@ -239,6 +274,21 @@ def expected_parameters(record: dict, hf: dict) -> tuple:
         for rec in recs:
             _mark(covered, rec[1:])
     return regions, covered
+
+
+def memcpy_bytes(prof) -> dict:
+    """{memcpy kind (e.g. "Memcpy DtoD (Device -> Device)", "Memcpy HtoD (Pinned -> Device)"): bytes} of the device
+    copies a torch.profiler run recorded (CUPTI's memcpy records, read from the exported trace)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name)).get("traceEvents", [])
+    out: dict = {}
+    for e in events:
+        if e.get("cat") == "gpu_memcpy":
+            out[e["name"]] = out.get(e["name"], 0) + int(e.get("args", {}).get("bytes", 0))
+    return out
 
 
 def _mark(covered: list, spec: tuple) -> None:

@@ -1,0 +1,130 @@
+"""The colocated GPU weight sync (pulled writes over CUDA IPC, megarl.sync.pull) against a device memcpy of the same
+bytes, one run, side-by-side ratio; and which memcpy kinds the sync used (PCIe: HtoD/DtoH bytes, expected 0).
+
+One trainer rank (Megatron TP1, the model on the GPU) and a stand-in engine worker in its own process on the same GPU,
+holding parameters in the layout a real vLLM worker reported for the same model (megarl.sync.standin; the layout of a
+1.1B Llama in bfloat16 is recorded in tests/fixtures/engine_layout). Figures: the best of --repeats each.
+  sync     the trainer's whole weight sync (handles, the worker's copies, the update opened and closed)
+  write    of which the worker's loads: opening the trainer's handles and copying every piece into its parameters
+  floor    one device copy of the same number of bytes (torch's copy_ between two preallocated buffers)
+
+    python bench/bench_ipc.py                                  # on a GPU: the 1.1B layout, bfloat16
+    python bench/bench_ipc.py --device cpu --layout tests/fixtures/engine_layout/llama_tiny_tp1.json   # smoke, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+DEFAULT_LAYOUT = ROOT / "tests" / "fixtures" / "engine_layout" / "llama_1b_bf16_tp1.json"
+
+
+def make_model_dir(record: dict, out: str) -> str:
+    """An HF checkpoint of the recorded model's config with random weights (the values do not matter here)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in record["config"].items() if k != "transformers_version"})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, record["dtype"]))
+    model.save_pretrained(out)
+    return out
+
+
+def measure(hf_dir: str, record: dict, device: str, repeats: int, bucket_mb: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+    from megarl.rollout.replicas import EngineTopology
+    from megarl.sync.delivery import plan_sync
+    from megarl.sync.standin import StandInEngine, memcpy_bytes
+
+    init_model_parallel(Layout(), seed=0)
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, record["dtype"]))
+    engine = StandInEngine(record, device=device)
+    cuda = device == "cuda"
+
+    def wait():
+        if cuda:
+            torch.cuda.synchronize()
+
+    try:
+        sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), bucket_mb << 20)
+        first = sync.run(engine)
+        nbytes = int(first["weight_sync/placed_bytes"])
+        times, writes = [], []
+        engine.take_load_seconds()
+        for _ in range(repeats):
+            wait()
+            t0 = time.perf_counter()
+            sync.run(engine)
+            times.append(time.perf_counter() - t0)
+            writes.append(engine.take_load_seconds())
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        floor = []
+        for _ in range(repeats + 1):
+            wait()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            wait()
+            floor.append(time.perf_counter() - t0)
+        kinds = {}
+        if cuda:
+            engine.profile_loads(True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                sync.run(engine)
+            kinds = {"worker": engine.profile_loads(False), "trainer": memcpy_bytes(prof)}
+        return {"bytes": nbytes, "sync": min(times), "write": min(writes), "floor": min(floor[1:]), "buckets": len(sync.buckets),
+                "kinds": kinds, "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
+    finally:
+        engine.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layout", default=str(DEFAULT_LAYOUT), help="a recorded worker layout (JSON)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=4096, help="rollout.update_weights_bucket_megabytes")
+    args = ap.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_ipc: no CUDA GPU here; use --device cpu for the smoke run", file=sys.stderr)
+        return 2
+    from megarl.launch_local import run_ranks
+
+    record = json.loads(Path(args.layout).read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = make_model_dir(record, os.path.join(tmp, "model"))
+        r = run_ranks("bench_ipc:measure", 1, {"hf_dir": hf_dir, "record": record, "device": args.device,
+                                                "repeats": args.repeats, "bucket_mb": args.bucket_mb},
+                      env={"PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT),
+                                                          os.environ.get("PYTHONPATH", "")])})[0]
+    gib = r["bytes"] / 2**30
+    print(f"device: {r['gpu']}; layout: {Path(args.layout).name} ({record['dtype']}, vLLM {record['vllm']} worker), "
+          f"{gib:.2f} GiB per sync in {r['buckets']} bucket(s)")
+    print(f"{'':<8}{'seconds':>10}{'GB/s':>8}{'x floor':>9}")
+    for name in ("sync", "write", "floor"):
+        print(f"{name:<8}{r[name]:>10.4f}{r['bytes'] / r[name] / 1e9:>8.1f}{r[name] / r['floor']:>9.2f}")
+    for side, kinds in r["kinds"].items():
+        print(f"memcpy during one sync, {side}: " + (", ".join(f"{k}: {v} B" for k, v in sorted(kinds.items()))
+                                                      or "none"))
+    if r["kinds"]:
+        pcie = sum(b for kinds in r["kinds"].values() for k, b in kinds.items() if "HtoD" in k or "DtoH" in k)
+        print(f"bytes over PCIe per sync: {pcie}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
