@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.bridge.mapping import Mapping
-from megarl.sync.shards import (EngineModule, Move, box_numel, box_shape, bucket_moves, engine_needs, full_box,
-                                intersect, plan_moves, relative_slices, traffic, trainer_holdings)
+from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_shape, bucket_moves, engine_needs,
+                                full_box, intersect, plan_moves, relative_slices, traffic, trainer_holdings)
 from megarl.sync.placement import region_viewer, write_placed
 from megarl.sync.pull import PullSources
 from megarl.sync.weights import add_checksums, tensor_checksum
@@ -155,12 +155,12 @@ class WeightSync:
     def __init__(self, mapping: Mapping, local: dict, owners: dict, dtypes: dict, layouts: dict,
                  topology: EngineTopology, bucket_bytes: int, rank: int, token: str, group=None):
         self.mapping, self.local, self.topology, self.rank, self.group = mapping, local, topology, rank, group
-        self.shapes = mapping.hf_shapes()
+        self.shapes = SyncTable.of(mapping).shapes
         self.dtypes = {h: dtypes[e.megatron] for e in mapping.entries if e.megatron in dtypes for h in e.hf}
         self.needs = {host: worker_needs(mapping, lay) for host, lay in layouts.items()}
         holdings = trainer_holdings(mapping, owners)
         sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in self.dtypes.items()}
-        self.moves = plan_moves(mapping.hf_names(), self.needs, holdings, sizes)
+        self.moves = plan_moves(SyncTable.of(mapping).order, self.needs, holdings, sizes)
         self.buckets = bucket_moves(self.moves, bucket_bytes)
         self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
         self.token = token  # the same on every rank: it names the bucket files a host writes and its worker reads

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.sync.delivery import gather_owners, layout_bucket, local_holdings, piece_of, shm_dir
-from megarl.sync.shards import (EngineModule, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
+from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
                                 relative_slices, traffic, trainer_holdings)
 from megarl.sync.worker_ext import region
 
@@ -369,7 +369,7 @@ def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: fl
             needs[receiver] = engine_needs(mapping, modules, worker.get("packed"))
     hf_dtypes = {h: all_dtypes[e.megatron] for e in mapping.entries if e.megatron in all_dtypes for h in e.hf}
     sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in hf_dtypes.items()}
-    moves = plan_moves(mapping.hf_names(), needs, trainer_holdings(mapping, owners), sizes)
+    moves = plan_moves(SyncTable.of(mapping).order, needs, trainer_holdings(mapping, owners), sizes)
     buckets = bucket_moves(moves, bucket_bytes)
     backend = transfer_backend(local)
     tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)

@@ -18,6 +18,7 @@ moves into buckets bounded per receiving rank; a tensor larger than a bucket is 
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Mapping as TMapping, Optional, Sequence
 
@@ -85,6 +86,48 @@ def split_rows(box: Box, max_numel: int) -> list:
     return [box[:dim] + ((s, min(s + step, hi)),) + box[dim + 1:] for s in range(lo, hi, step)]
 
 
+# ---- the mapping's table, computed once --------------------------------------------------------------------------
+class SyncTable:
+    """The mapping's tensors as the plan reads them, computed once per mapping and handed to every question the plan
+    asks (each worker's needs, each rank's holdings): every HF tensor's shape and whole box, the engine module it
+    belongs to under a packed-module naming, and the boxes each TP rank of a megatron tensor holds."""
+
+    _tables: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, mapping: Mapping):
+        self.mapping = mapping
+        self.order = mapping.hf_names()
+        self.shapes = mapping.hf_shapes()
+        self.whole = {h: full_box(shape) for h, shape in self.shapes.items()}
+        self._modules: dict = {}
+        self._held: dict = {}
+
+    @classmethod
+    def of(cls, mapping: Mapping) -> "SyncTable":
+        table = cls._tables.get(mapping)
+        if table is None:
+            table = cls._tables[mapping] = cls(mapping)
+        return table
+
+    def modules(self, packed: TMapping[str, Sequence[str]]) -> list:
+        """[(hf name, engine module, part or expert id, HF projection)] in checkpoint order (module_of, once per
+        packed-module naming)."""
+        key = tuple(sorted((k, tuple(v)) for k, v in packed.items()))
+        rows = self._modules.get(key)
+        if rows is None:
+            rows = self._modules[key] = [(h,) + module_of(h, packed) for h in self.order]
+        return rows
+
+    def held(self, entry, tp_rank: int, tp: int) -> list:
+        """The box of each of entry.hf that TP rank `tp_rank` of `tp` holds (vocabulary padding stripped)."""
+        key = (entry.megatron, tp_rank, tp)
+        boxes = self._held.get(key)
+        if boxes is None:
+            boxes = self._held[key] = [range_box(self.shapes[h], self.mapping.hf_chunk_range(entry, i, tp_rank, tp))
+                                       for i, h in enumerate(entry.hf)]
+        return boxes
+
+
 # ---- the engine side --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineModule:
@@ -127,9 +170,9 @@ def module_of(hf_name: str, packed: TMapping[str, Sequence[str]]) -> tuple:
 
 
 def need_box(hf_name: str, shape: Sequence[int], mod: Optional[EngineModule], part: Optional[int],
-             proj: str) -> Optional[Box]:
+             proj: str, whole: Optional[Box] = None) -> Optional[Box]:
     """The box of an HF tensor that a module reads (None: this rank does not hold it, e.g. an expert elsewhere)."""
-    whole = full_box(shape)
+    whole = whole or full_box(shape)
     if mod is None or mod.kind == "replicated":
         return whole
     bias = hf_name.endswith(".bias")
@@ -168,10 +211,10 @@ def engine_needs(mapping: Mapping, modules: TMapping[str, EngineModule],
         head, sep, _ = name.rpartition(".experts.")
         if sep and mod.kind == "moe":
             modules.setdefault(head + ".experts", mod)
+    table = SyncTable.of(mapping)
     out = {}
-    for hf_name, shape in mapping.hf_shapes().items():
-        module, part, proj = module_of(hf_name, packed)
-        box = need_box(hf_name, shape, modules.get(module), part, proj)
+    for hf_name, module, part, proj in table.modules(packed):
+        box = need_box(hf_name, table.shapes[hf_name], modules.get(module), part, proj, table.whole[hf_name])
         if box is not None:
             out[hf_name] = box
     return out
@@ -197,8 +240,7 @@ def predict_engine_modules(mapping: Mapping, tp: int, ep: int, rank: int) -> dic
     else:
         moe = EngineModule("moe", rank, tp, experts=tuple(range(spec.num_experts)))
     out = {}
-    for hf_name in mapping.hf_names():
-        module, part, proj = module_of(hf_name, DEFAULT_PACKED)
+    for hf_name, module, part, proj in SyncTable.of(mapping).modules(DEFAULT_PACKED):
         leaf = module.rpartition(".")[2]
         if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[module] = EngineModule("vocab", rank, tp, vocab=vocab)
@@ -219,15 +261,11 @@ def trainer_holdings(mapping: Mapping, owners: TMapping[str, Iterable[tuple]]) -
 
     owners: {megatron name: [(global rank, tp rank, tp size)]}, from the live model (every rank's parameters) or from
     a layout (`layout_owners`)."""
+    table = SyncTable.of(mapping)
     out: dict = {}
     for entry in mapping.entries:
-        shapes = [mapping.hf_shape(h) for h in entry.hf]
-        boxes: dict = {}  # (tp rank, tp size) -> the boxes of entry.hf (data-parallel replicas share them)
         for rank, tp_rank, tp in owners.get(entry.megatron, ()):
-            if (tp_rank, tp) not in boxes:
-                boxes[(tp_rank, tp)] = [range_box(shape, mapping.hf_chunk_range(entry, i, tp_rank, tp))
-                                        for i, shape in enumerate(shapes)]
-            for hf_name, box in zip(entry.hf, boxes[(tp_rank, tp)]):
+            for hf_name, box in zip(entry.hf, table.held(entry, tp_rank, tp)):
                 if box_numel(box):
                     out.setdefault(hf_name, []).append((rank, box))
     return out
