@@ -47,15 +47,21 @@ def model_shape(cfg: MegarlConfig) -> Optional[ModelShape]:
 
 def check_model_source(cfg: MegarlConfig) -> list[Issue]:
     m = cfg.model
+    if m.config_path and not Path(m.config_path).is_file():
+        return [Issue("model.config_path", m.config_path, "file not found: the layout checks read the model's shape "
+                      "from it", "point it at the model's config.json (e.g. `huggingface-cli download NAME "
+                      "config.json --local-dir DIR`), or unset it", keys=("model.config_path",))]
     if not m.path:
         return [Issue("model.path", m.path, "no model given", "set model.path to a Hugging Face model directory",
                       keys=("model.path",))]
     if Path(m.path).is_dir() or m.create_tiny is not None:
         return []
+    fix = ("ignore this when validating for another cluster; otherwise fix the path" if m.config_path else
+           "set model.config_path to the model's config.json (e.g. `huggingface-cli download NAME config.json "
+           "--local-dir DIR`) so validate can check the layout against the model; or fix the path")
     return [Issue("model.path", m.path, "directory not found on this machine; structural checks use "
-                  + (f"model.config_path" if m.config_path else "nothing (they are skipped)"),
-                  "ignore this when validating for another cluster; otherwise fix the path", keys=("model.path",),
-                  warning=True)]
+                  + ("model.config_path" if m.config_path else "nothing (they are skipped)"), fix,
+                  keys=("model.path",), warning=True)]
 
 
 def check_layout(cfg: MegarlConfig) -> list[Issue]:

@@ -88,6 +88,9 @@ class ModelConfig(_Section):
         None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = Field(
+        None, description="MoE models: compute the router's logits, softmax and top-k in this precision (megatron's "
+        "moe_router_dtype; fp32 keeps expert choices stable in bfloat16 training); None: the model dtype.")
     use_transformer_engine: Union[Literal["auto"], bool] = Field(
         "auto", description="Transformer Engine layer spec (true/false); auto uses it when CUDA and TE are available.")
 

@@ -39,6 +39,7 @@ def build_options(cfg: MegarlConfig) -> dict:
     return {"dtype": _DTYPES.get(m.dtype),
             "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
             "sequence_parallel": p.sequence_parallel or None,
+            **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
             **recompute_overrides(m.recompute)}
 
 

@@ -7,7 +7,7 @@ import yaml
 
 from megarl import cli
 from megarl.config import load_config
-from megarl.convert_verl import convert, read_inputs, script_overrides
+from megarl.convert_verl import HUGE_STEPS, convert, read_inputs, script_overrides
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
 PPO = FIXTURES / "ppo_gsm8k_quickstart.sh"
@@ -50,10 +50,10 @@ def test_grpo_quickstart_values(tmp_path, capsys):
     assert recipe["logging"]["wandb"] == {"enable": True, "project": "verl_grpo_example_gsm8k",
                                           "name": "qwen3_8b_function_rm"}
     assert "actor_rollout_ref.rollout.n = 5 -> rollout.n = 5" in err
-    # refused by name: an offload megarl cannot do, and epochs (megarl counts steps)
+    # refused by name: an offload megarl cannot do
     assert "actor_rollout_ref.ref.fsdp_config.param_offload = True: megarl trains with Megatron" in err
-    assert "trainer.total_epochs = 15: megarl counts steps" in err
-    assert "# REFUSED (not in this recipe): trainer.total_epochs" in text
+    # verl's run length is 15 epochs (no total_training_steps): kept, and total_steps does not cut it short
+    assert recipe["trainer"]["total_epochs"] == 15 and recipe["trainer"]["total_steps"] == HUGE_STEPS
     # placeholders the user fills in
     assert "model.path = 'Qwen/Qwen3-8B': not a directory here" in err
     assert "actor_rollout_ref.actor.fsdp_config.param_offload = False: no offload" in err
