@@ -71,15 +71,22 @@ class Conversion:
     label: str = ""  # "(verl default) " while verl's trainer defaults are applied
     trainer: str = "ppo_trainer"  # verl's base trainer config the command names
     later: dict = field(default_factory=dict)  # verl keys decided once every other key is known
+    layer: int = 1  # 0 verl's defaults, 1 config files, 2 command-line overrides: a later layer's key wins
+    layers: dict = field(default_factory=dict)  # megarl key -> the layer that set it
 
     def set(self, verl_key: str, value: Any, key: str, new: Any = None) -> None:
         new = value if new is None else new
+        if key in self.sources and self.layers.get(key, 0) < self.layer:  # a command-line key over a config file's
+            old = self.sources.pop(key)
+            self.mapped = [m for m in self.mapped if f" -> {key} = " not in m]
+            self.dropped.append(f"{old} = {_get(self.recipe, key)!r}: overridden by {verl_key} (the command line)")
         if key in self.sources and _get(self.recipe, key) != new:
             self.refuse(verl_key, value, f"megarl has one {key} (already {_get(self.recipe, key)!r} from "
                                          f"{self.sources[key]}); set it once")
             return
         _put(self.recipe, key, new)
         self.sources.setdefault(key, verl_key)
+        self.layers.setdefault(key, self.layer)
         self.mapped.append(f"{self.label}{verl_key} = {value!r} -> {key} = {new!r}")
 
     def drop(self, verl_key: str, value: Any, why: str) -> None:
@@ -184,6 +191,7 @@ class VerlInputs:
     config_path: Optional[str] = None
     config_name: Optional[str] = None
     script: Optional[Path] = None
+    file_keys: frozenset = frozenset()  # keys of settings read from config files (overridable by the command line)
 
     @property
     def defaults(self) -> dict:
@@ -240,7 +248,7 @@ def _apply_config(inputs: VerlInputs, base_dir: Optional[Path]) -> dict:
         cp = Path(os.path.expanduser(inputs.config_path))
         dirs += [cp] if cp.is_absolute() else [Path.cwd() / cp] + ([base_dir / cp] if base_dir else [])
     if base_dir:
-        dirs += [base_dir / "config", base_dir]
+        dirs += [base_dir / "config", base_dir, base_dir.parent / "config"]
     found = _find_config(stem, dirs)
     if stem in BASE_TRAINERS and (found is None or found.parent.parts[-3:] == ("verl", "trainer", "config")):
         inputs.trainer = stem
@@ -285,7 +293,9 @@ def gather(items: Sequence[str], environ: Optional[dict] = None, config_path: Op
             _read_overrides([item], overrides, inputs)
         else:
             raise ValueError(f"{item!r} is neither a key=value override nor a YAML or shell file")
-    inputs.settings = {**_apply_config(inputs, base_dir), **yaml_settings, **overrides}
+    from_files = {**_apply_config(inputs, base_dir), **yaml_settings}
+    inputs.settings = {**from_files, **overrides}
+    inputs.file_keys = frozenset(k for k in from_files if k not in overrides)
     unresolved_keys = {key for key, _, _ in inputs.unresolved}
     for key in unresolved_keys:  # an unresolved override stands in for any value of the same key from a file
         inputs.settings.pop(key, None)
@@ -645,6 +655,7 @@ for _prefix in ("reward_model.reward_kwargs.overlong_buffer_cfg.", "reward.rewar
     RULES.update({_prefix + name: _to("reward.overlong_buffer." + name) for name in ("enable", "len",
                                                                                      "penalty_factor")})
     RULES[_prefix + "log"] = _no_effect("a logging switch of verl's DAPO reward manager; it changes no reward")
+RULES["reward_model.overlong_buffer.log"] = RULES["reward_model.reward_kwargs.overlong_buffer_cfg.log"]
 _MULTI_TURN = AR + "rollout.multi_turn."
 RULES.update({_MULTI_TURN + name: _to("rollout.multi_turn." + name) for name in (
     "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
@@ -703,7 +714,7 @@ def _transformer_override(name: str) -> Optional[Callable[[Conversion, str, Any]
     if name in ("moe_token_dispatcher_type", "moe_enable_deepep", "moe_shared_expert_overlap"):
         return _no_effect("how tokens travel to their experts (communication, the same results); megarl uses "
                           "megatron's allgather dispatcher")
-    if name in ("deallocate_pipeline_outputs", "attention_backend"):
+    if name in ("deallocate_pipeline_outputs", "attention_backend", "use_flash_attn"):
         return _no_effect("a memory/kernel choice with the same results; megarl leaves it to megatron")
     if name == "recompute_granularity":
         return _recompute_granularity
@@ -800,30 +811,33 @@ def _apply(c: Conversion, key: str, value: Any, global_micro: dict) -> None:
 
 
 def convert(settings: dict[str, Any], defaults: Optional[dict] = None, unresolved: Sequence = (),
-            trainer: str = "ppo_trainer", check: bool = True) -> Conversion:
+            trainer: str = "ppo_trainer", check: bool = True, from_files: frozenset = frozenset()) -> Conversion:
     """verl settings -> a megarl recipe. `defaults`: verl's trainer defaults (applied under `settings`; None: those of
     `trainer`); `unresolved`: (key, text, why) of inputs that could not be read, refused by name; `check`: run
-    megarl validate's rules and refuse what they refuse."""
+    megarl validate's rules and refuse what they refuse; `from_files`: keys read from config files (the command
+    line's keys win over them)."""
     c = Conversion(trainer=trainer)
     defaults = TRAINER_DEFAULTS[trainer] if defaults is None else defaults
     settings = dict(settings)
     for key, text, why in unresolved:
         c.refuse(key, text, f"{why}; set it (export it, or --env NAME=VALUE) and convert again")
-    unresolved_keys = {key for key, _, _ in unresolved}
     reward_path = settings.pop("custom_reward_function.path", None)
     reward_name = settings.pop("custom_reward_function.name", None) or "compute_score"
     if reward_path and reward_path != EMPTY:  # verl's file + function name is megarl's "file.py:function"
         c.set("custom_reward_function.path", reward_path, "reward.reward_fn", f"{reward_path}:{reward_name}")
     global_micro: dict = {}
-    c.label = "(verl default) "
+    c.label, c.layer = "(verl default) ", 0
     for key, value in defaults.items():
-        if key not in settings and key not in unresolved_keys:
+        if key not in settings:  # an unresolved override leaves verl's default (and is refused by name above)
             _apply(c, key, value, global_micro)
     c.label = ""
+    # config-file keys first, so the command line wins where two verl keys set one megarl key; and
     # filter_overlong_prompts decides data.truncation whatever the order on the command line
-    order = sorted(settings, key=lambda k: k != "data.filter_overlong_prompts")
+    order = sorted(settings, key=lambda k: (k not in from_files, k != "data.filter_overlong_prompts"))
     for key in order:
+        c.layer = 1 if key in from_files else 2
         _apply(c, key, settings[key], global_micro)
+    c.layer = 2
     world = _get(c.recipe, "trainer.nnodes", 1) * _get(c.recipe, "trainer.n_gpus_per_node", 8)
     for key, value in global_micro.items():
         try:
@@ -973,7 +987,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, yaml.YAMLError) as exc:
         print(f"megarl convert-verl: {exc}", file=sys.stderr)
         return 1
-    c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer)
+    c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
     c.notes = inputs.notes + [f"verl trainer defaults: {inputs.trainer}"] + c.notes
     text = to_recipe_text(c, args.inputs)
     for line in report_lines(c):

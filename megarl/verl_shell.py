@@ -135,6 +135,8 @@ def lex(text: str) -> list[Token]:
 
     while i < n:
         c = text[i]
+        if c == "\\" and i + 1 == n:  # a continuation at the very end of the file continues into nothing
+            break
         if c == "\\" and i + 1 < n:
             if text[i + 1] == "\n":  # line continuation
                 i += 2
