@@ -455,6 +455,8 @@ def _filter_overlong(c: Conversion, verl_key: str, value: Any) -> None:
 
 def _logger(c: Conversion, verl_key: str, value: Any) -> None:
     names = [value] if isinstance(value, str) else list(value or [])
+    if not names:
+        c.drop(verl_key, value, "no logger: megarl still prints a line per reported step")
     for name in names:
         if name == "wandb":
             c.set(verl_key, value, "logging.wandb.enable", True)
@@ -838,7 +840,8 @@ def convert(settings: dict[str, Any], defaults: Optional[dict] = None, unresolve
         c.layer = 1 if key in from_files else 2
         _apply(c, key, settings[key], global_micro)
     c.layer = 2
-    world = _get(c.recipe, "trainer.nnodes", 1) * _get(c.recipe, "trainer.n_gpus_per_node", 8)
+    nodes, gpus = _get(c.recipe, "trainer.nnodes", 1), _get(c.recipe, "trainer.n_gpus_per_node", 8)
+    world = nodes * gpus if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (nodes, gpus)) else 8
     for key, value in global_micro.items():
         try:
             c.set(key, value, _MICRO_GLOBAL[key], max(1, math.ceil(int(value) / world)))

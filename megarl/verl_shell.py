@@ -35,16 +35,22 @@ class ShellParseError(ValueError):
 
 
 def marker(name: str) -> str:
-    return f"{_MARK}{name}{_MARK}"
+    """The stand-in for an unresolved name (whitespace encoded, so that word splitting never cuts it)."""
+    return _MARK + re.sub(r"[ \t\n]", chr(1), name) + _MARK
+
+
+def _decode(name: str) -> str:
+    return name.replace(chr(1), " ")
 
 
 def unresolved_names(text: str) -> tuple[str, ...]:
-    return tuple(dict.fromkeys(_MARKED.findall(text)))
+    return tuple(dict.fromkeys(_decode(n) for n in _MARKED.findall(text)))
 
 
 def show(text: str) -> str:
-    """A marked text as the user wrote it: \x00name\x00 -> ${name}."""
-    return _MARKED.sub(lambda m: "${" + m.group(1) + "}", text)
+    """A marked text as the user wrote it: \x00name\x00 -> ${name} ($(cmd) and $1 as they are)."""
+    return _MARKED.sub(lambda m: (_decode(m.group(1)) if m.group(1).startswith("$") else
+                                  "${" + _decode(m.group(1)) + "}"), text)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
