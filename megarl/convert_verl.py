@@ -875,7 +875,7 @@ def _derived(c: Conversion, settings: dict, defaults: dict) -> None:
         value = _get(c.recipe, actor_key)
         if value is not None and _get(c.recipe, megarl_key) is None:  # verl: ${oc.select:actor_rollout_ref.actor...}
             c.label = "(verl default) "
-            c.set(f"{AR}rollout.{megarl_key.rsplit('.', 1)[1]}", f"${{{AR}{actor_key}}}", megarl_key, value)
+            c.set(f"{AR}rollout.{megarl_key.rsplit('.', 1)[1]}", f"as {AR}{actor_key}", megarl_key, value)
             c.label = ""
     for key, value in c.later.items():
         if key.endswith("max_resp_len"):

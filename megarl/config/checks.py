@@ -366,14 +366,11 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
      "custom reward functions"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
-    ("rollout.log_prob_max_token_len_per_gpu", 16384, "it is the token budget of rollout.log_prob_use_dynamic_bsz, "
-     "which is not supported yet; leave it unset and use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
     ("reward.reward_model.micro_batch_size_per_gpu", 4, "learned reward models are not supported yet; unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "

@@ -170,19 +170,19 @@ def test_moe_dapo_script_side_by_side_with_verl():
         "trainer.total_epochs": (10, cfg.trainer.total_epochs),
         "trainer.n_gpus_per_node": (8, cfg.trainer.n_gpus_per_node), "trainer.nnodes": (1, cfg.trainer.nnodes),
         "data.truncation": ("left", cfg.data.truncation),
+        # verl's log-prob forwards: log_prob_use_dynamic_bsz follows actor.use_dynamic_bsz (${oc.select:...})
+        "rollout.log_prob_use_dynamic_bsz": (True, cfg.rollout.log_prob_use_dynamic_bsz),
+        "rollout.log_prob_max_token_len_per_gpu": (2048 + 8192, cfg.rollout.log_prob_max_token_len_per_gpu),
     }
     assert {k: v[0] for k, v in verl.items()} == {k: v[1] for k, v in verl.items()}
     refused = {line.split(" = ")[0] for line in c.refused}
-    assert refused == {  # offload (a separate megarl feature), verl's max_position_embeddings override, and the
-        # log-prob token budget verl derives from the actor's, which megarl does not run yet
+    assert refused == {  # offload (a separate megarl feature) and verl's max_position_embeddings override
         "actor_rollout_ref.actor.megatron.param_offload", "actor_rollout_ref.actor.megatron.grad_offload",
         "actor_rollout_ref.actor.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.param_offload",
         *(f"actor_rollout_ref.actor.optim.override_optimizer_config.{k}" for k in (
             "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
             "optimizer_cpu_offload")),
-        "actor_rollout_ref.model.override_config.model_config.max_position_embeddings",
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",  # verl: ${actor.use_dynamic_bsz}
-        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"}
+        "actor_rollout_ref.model.override_config.model_config.max_position_embeddings"}
 
 
 def test_an_unset_variable_is_refused_by_name_and_fails_strict(tmp_path, capsys):
