@@ -99,6 +99,17 @@ def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int) -> li
     Rows are packed longest first into the first micro-batch with room (first-fit decreasing: deterministic), and
     each micro-batch is cut to its own longest row, so padding is not computed."""
     lengths = sequence_lengths(batch).tolist()
+    out = []
+    for rows in token_budget_groups(lengths, max_tokens):
+        s = max(lengths[i] for i in rows)
+        idx = torch.tensor(sorted(rows))
+        out.append({k: _cut_columns(k, v[idx], s) for k, v in batch.items()})
+    return out
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Rows (indices into `lengths`) packed into groups of at most `max_tokens` tokens each, a longer row alone;
+    longest first into the first group with room (first-fit decreasing: deterministic, the same on every rank)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -111,11 +122,29 @@ def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int) -> li
         else:
             bins.append([i])
             loads.append(lengths[i])
-    out = []
-    for rows in bins:
-        s = max(lengths[i] for i in rows)
+    return bins
+
+
+def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor, max_tokens: int,
+                            width: int) -> Optional[torch.Tensor]:
+    """A forward-only pass in token-budget micro-batches (rollout.log_prob_use_dynamic_bsz).
+
+    forward(tokens [g, s], micro_batch_size) -> [g, <= s] per-position outputs (None off the last pipeline stage);
+    tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of rows holding at
+    most max_tokens tokens runs as one micro-batch cut to its longest row; the rows come back in their order as
+    [N, width], zero past each group's cut (positions no loss reads)."""
+    groups = token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
+    out = None
+    for rows in groups:
+        cut = min(tokens.shape[1], max(2, max(int(lengths[r]) for r in rows)))
         idx = torch.tensor(sorted(rows))
-        out.append({k: _cut_columns(k, v[idx], s) for k, v in batch.items()})
+        part = forward(tokens[idx, :cut], len(rows))
+        if part is None:
+            continue
+        if out is None:
+            out = part.new_zeros((tokens.shape[0], width))
+        w = min(width, part.shape[1])
+        out[idx.to(out.device), :w] = part[:, :w]
     return out
 
 

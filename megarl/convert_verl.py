@@ -1,9 +1,13 @@
-"""`megarl convert-verl`: a verl Hydra config (YAML) or verl command line -> a megarl recipe.
+"""`megarl convert-verl`: a verl Hydra config (YAML), verl command line or launch script -> a megarl recipe.
 
 Every verl key is either mapped (printed as `verl key = value -> megarl key = value`), dropped because it asks for
-nothing megarl would do differently (printed with the reason), or refused by name with what to do instead. verl
-defaults that differ from megarl's (adv_estimator gae, batch sizes, 8 GPUs per node) are written out explicitly, so
-the recipe trains what the verl command would have.
+nothing megarl would do differently (printed with the reason), or refused by name with what to do instead. Scripts are
+read as bash would expand them (megarl.verl_shell), never run; an override naming a variable that cannot be resolved
+is refused by the variable's name. `--config-path/--config-name` files (and their Hydra `defaults`) are read. The
+defaults of the verl trainer the command names (ppo_trainer, or ppo_megatron_trainer with its sequence parallelism and
+distributed optimizer) that differ from megarl's are applied first, so the recipe trains what the verl command would
+have. Finally the recipe goes through `megarl validate`'s own checks: whatever validate would refuse is refused here
+with validate's message and left out of the recipe (one set of rules for what megarl supports).
 """
 from __future__ import annotations
 
@@ -19,26 +23,41 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from megarl.config.loader import parse_value as override_value
+from megarl.verl_shell import ShellParseError, read_script
 
 DESCRIPTION = ("Turn a verl Hydra config (YAML) or a verl command line (key=value overrides, or a .sh script that "
                "runs verl.trainer.main_ppo) into a megarl recipe. Prints every key it mapped and refuses, by name, "
                "each it cannot; the recipe goes to stdout or --out.")
 
 AR = "actor_rollout_ref."
-_OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "lr_warmup_steps", "min_lr")
+_OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "min_lr")
 _MICRO_GLOBAL = {  # verl's deprecated global micro-batch sizes -> the per-GPU megarl key (divided by the world size)
     AR + "actor.ppo_micro_batch_size": "actor.ppo_micro_batch_size_per_gpu",
     AR + "rollout.log_prob_micro_batch_size": "rollout.log_prob_micro_batch_size_per_gpu",
     AR + "ref.log_prob_micro_batch_size": "ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
 }
-# verl defaults (ppo_trainer.yaml) that differ from megarl's; written out when the verl config leaves them unset.
-VERL_DEFAULTS = {
+# verl's defaults (verl/trainer/config/_generated_ppo_trainer.yaml and _generated_ppo_megatron_trainer.yaml) that
+# differ from megarl's and change what is trained or where; applied under the user's settings, through the same rules.
+_VERL_COMMON_DEFAULTS = {
     "algorithm.adv_estimator": "gae",
     "data.train_batch_size": 1024,
-    "actor.ppo_mini_batch_size": 256,
+    AR + "actor.ppo_mini_batch_size": 256,
+    AR + "rollout.tensor_model_parallel_size": 2,
     "trainer.n_gpus_per_node": 8,
+    "trainer.total_epochs": 30,
+    "trainer.device": "cuda",
 }
+TRAINER_DEFAULTS = {
+    "ppo_trainer": dict(_VERL_COMMON_DEFAULTS),
+    "ppo_megatron_trainer": {**_VERL_COMMON_DEFAULTS,
+                             AR + "actor.megatron.sequence_parallel": True,  # verl turns it off at TP 1 (kept so here)
+                             AR + "actor.megatron.use_distributed_optimizer": True},
+}
+VERL_DEFAULTS = {"algorithm.adv_estimator": "gae", "data.train_batch_size": 1024, "actor.ppo_mini_batch_size": 256,
+                 "trainer.n_gpus_per_node": 8}  # megarl keys of the common defaults (README, tests)
+EMPTY = ""  # a `key=` override with nothing after the `=` (an unset shell variable, typically)
+HUGE_STEPS = 1_000_000  # total_steps when verl's run length is given in epochs only: trainer.total_epochs decides
 
 
 @dataclass
@@ -49,22 +68,53 @@ class Conversion:
     refused: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     sources: dict = field(default_factory=dict)  # megarl key -> the verl key that set it
+    label: str = ""  # "(verl default) " while verl's trainer defaults are applied
+    trainer: str = "ppo_trainer"  # verl's base trainer config the command names
+    later: dict = field(default_factory=dict)  # verl keys decided once every other key is known
+    layer: int = 1  # 0 verl's defaults, 1 config files, 2 command-line overrides: a later layer's key wins
+    layers: dict = field(default_factory=dict)  # megarl key -> the layer that set it
 
     def set(self, verl_key: str, value: Any, key: str, new: Any = None) -> None:
         new = value if new is None else new
+        if key in self.sources and self.layers.get(key, 0) < self.layer:  # a command-line key over a config file's
+            old = self.sources.pop(key)
+            self.mapped = [m for m in self.mapped if f" -> {key} = " not in m]
+            self.dropped.append(f"{old} = {_get(self.recipe, key)!r}: overridden by {verl_key} (the command line)")
         if key in self.sources and _get(self.recipe, key) != new:
             self.refuse(verl_key, value, f"megarl has one {key} (already {_get(self.recipe, key)!r} from "
                                          f"{self.sources[key]}); set it once")
             return
         _put(self.recipe, key, new)
         self.sources.setdefault(key, verl_key)
-        self.mapped.append(f"{verl_key} = {value!r} -> {key} = {new!r}")
+        self.layers.setdefault(key, self.layer)
+        self.mapped.append(f"{self.label}{verl_key} = {value!r} -> {key} = {new!r}")
 
     def drop(self, verl_key: str, value: Any, why: str) -> None:
-        self.dropped.append(f"{verl_key} = {value!r}: {why}")
+        self.dropped.append(f"{self.label}{verl_key} = {value!r}: {why}")
 
     def refuse(self, verl_key: str, value: Any, why: str) -> None:
-        self.refused.append(f"{verl_key} = {value!r}: {why}")
+        self.refused.append(f"{self.label}{verl_key} = {value!r}: {why}")
+
+    def unset(self, key: str) -> None:
+        """Take a megarl key out of the recipe again (validate refuses it): its mapped line goes too."""
+        *parents, last = key.split(".")
+        node = self.recipe
+        for part in parents:
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node.pop(last, None)
+        verl_key = self.sources.pop(key, None)
+        self.mapped = [m for m in self.mapped if f" -> {key} = " not in m]
+        _prune(self.recipe)
+        return verl_key
+
+
+def _prune(tree: dict) -> None:
+    for k in list(tree):
+        if isinstance(tree[k], dict):
+            _prune(tree[k])
+            if not tree[k]:
+                del tree[k]
 
 
 def _put(tree: dict, key: str, value: Any) -> None:
@@ -99,8 +149,8 @@ def parse_value(text: str) -> Any:
 
 
 def script_overrides(text: str) -> list[str]:
-    """The key=value arguments of a shell command line or script running verl (line continuations, `$@`, pipes,
-    env assignments before the command and the command itself are skipped)."""
+    """The key=value arguments of a shell command line (no variables): tokens after the command up to a pipe, `&&`
+    or redirection. Scripts go through megarl.verl_shell instead (variables, arrays, conditions)."""
     tokens = shlex.split(text.replace("\\\n", " "), comments=True)
     out = []
     for token in tokens:
@@ -113,9 +163,11 @@ def script_overrides(text: str) -> list[str]:
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested verl config -> {dotted key: leaf value} (lists stay values)."""
+    """A nested verl config -> {dotted key: leaf value} (lists stay values; Hydra's `_target_` class names go)."""
     flat = {}
     for key, value in tree.items():
+        if key == "_target_":
+            continue
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
             flat.update(flatten(value, dotted + "."))
@@ -124,42 +176,189 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def read_inputs(items: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """verl settings from YAML files, .sh scripts and key=value overrides, later ones winning; and notes."""
-    settings: dict[str, Any] = {}
-    notes = []
+BASE_TRAINERS = tuple(TRAINER_DEFAULTS)
+
+
+@dataclass
+class VerlInputs:
+    """Everything read from the command line: the user's settings (config files, then overrides), the defaults of the
+    verl trainer named, inputs that could not be read (refused by name) and notes."""
+
+    settings: dict = field(default_factory=dict)
+    trainer: str = "ppo_trainer"
+    unresolved: list = field(default_factory=list)  # (key, text as written, why)
+    notes: list = field(default_factory=list)
+    config_path: Optional[str] = None
+    config_name: Optional[str] = None
+    script: Optional[Path] = None
+    file_keys: frozenset = frozenset()  # keys of settings read from config files (overridable by the command line)
+
+    @property
+    def defaults(self) -> dict:
+        return TRAINER_DEFAULTS[self.trainer]
+
+
+def _base_trainer(name: str) -> str:
+    """verl's base trainer a config name stands for: the Megatron one for any '*megatron*' name."""
+    return "ppo_megatron_trainer" if "megatron" in name else "ppo_trainer"
+
+
+def _find_config(name: str, dirs: Sequence[Path]) -> Optional[Path]:
+    stem = name[:-5] if name.endswith(".yaml") else name
+    for d in dirs:
+        candidate = d / f"{stem}.yaml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _load_config_file(path: Path, dirs: Sequence[Path], inputs: VerlInputs, depth: int = 0) -> dict:
+    """A verl config file's settings, its Hydra `defaults` first (files beside it; verl's base trainers by name)."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a verl config must be a mapping")
+    data.pop("hydra", None)  # Hydra's own search path: nothing to train
+    settings: dict = {}
+    for entry in data.pop("defaults", None) or []:
+        if entry == "_self_":
+            continue
+        if isinstance(entry, str) and entry.removesuffix(".yaml") in BASE_TRAINERS:
+            inputs.trainer = entry.removesuffix(".yaml")
+            continue
+        found = _find_config(entry, [path.parent, *dirs]) if isinstance(entry, str) and depth < 8 else None
+        if found is not None:
+            settings.update(_load_config_file(found, dirs, inputs, depth + 1))
+        else:
+            inputs.unresolved.append((f"defaults[{entry}]", f"{path.name}: defaults: {entry}", "a Hydra defaults "
+                                      "entry the converter cannot find beside the config; its settings are not read: "
+                                      "pass that file as an input"))
+    settings.update(flatten(data))
+    return settings
+
+
+def _apply_config(inputs: VerlInputs, base_dir: Optional[Path]) -> dict:
+    """The settings of --config-path/--config-name (or the script's): read when the file is found; verl's own trainer
+    configs stand for their defaults table."""
+    name = inputs.config_name
+    if not name:
+        return {}
+    stem = name.removesuffix(".yaml")
+    dirs = []
+    if inputs.config_path:
+        cp = Path(os.path.expanduser(inputs.config_path))
+        dirs += [cp] if cp.is_absolute() else [Path.cwd() / cp] + ([base_dir / cp] if base_dir else [])
+    if base_dir:
+        dirs += [base_dir / "config", base_dir, base_dir.parent / "config"]
+    found = _find_config(stem, dirs)
+    if stem in BASE_TRAINERS and (found is None or found.parent.parts[-3:] == ("verl", "trainer", "config")):
+        inputs.trainer = stem
+        return {}
+    if found is None:
+        inputs.trainer = _base_trainer(stem)
+        where = ", ".join(str(d) for d in dirs) or "any directory"
+        inputs.unresolved.append(("--config-name", name, f"not found in {where}; its settings are not read (the "
+                                  f"defaults of verl's {inputs.trainer} are used): give its directory with "
+                                  "--config-path"))
+        return {}
+    inputs.trainer = _base_trainer(stem)  # unless its defaults name the trainer
+    inputs.notes.append(f"read verl config {found}")
+    return _load_config_file(found, dirs, inputs)
+
+
+def gather(items: Sequence[str], environ: Optional[dict] = None, config_path: Optional[str] = None,
+           config_name: Optional[str] = None) -> VerlInputs:
+    """verl settings from YAML files, .sh scripts and key=value overrides, later ones winning."""
+    inputs = VerlInputs(config_path=config_path, config_name=config_name)
+    overrides: dict[str, Any] = {}
+    yaml_settings: dict[str, Any] = {}
+    base_dir = None
+    env = dict(os.environ) if environ is None else environ
     for item in items:
         path = Path(item)
         if "=" not in item and path.suffix in (".yaml", ".yml") and path.is_file():
-            settings.update(flatten(yaml.safe_load(path.read_text()) or {}))
+            yaml_settings.update(flatten(yaml.safe_load(path.read_text()) or {}))
         elif "=" not in item and path.is_file():
-            from_script, script_notes = read_inputs(script_overrides(path.read_text()))
-            settings.update(from_script)
-            notes += script_notes
+            read = read_script(path, env)
+            inputs.script, base_dir = path, path.resolve().parent
+            inputs.notes += read.notes
+            inputs.config_path = read.config_path or inputs.config_path
+            inputs.config_name = read.config_name or inputs.config_name
+            if inputs.config_name is None and read.module and read.module.endswith("main_dapo"):
+                inputs.config_name = "dapo_trainer"  # verl-recipe's DAPO entry point reads dapo_trainer.yaml
+            for text, names, why in read.unresolved:
+                key, sep, value = text.partition("=")
+                inputs.unresolved.append((key.lstrip("+~"), value if sep else text, why))
+            _read_overrides(read.overrides, overrides, inputs)
         elif "=" in item:
-            key, _, text = item.partition("=")
-            if key.startswith("~"):
-                notes.append(f"{item}: Hydra deletions have no meaning for a megarl recipe (skipped)")
-                continue
-            settings[key.lstrip("+")] = parse_value(text)
+            _read_overrides([item], overrides, inputs)
         else:
             raise ValueError(f"{item!r} is neither a key=value override nor a YAML or shell file")
-    return settings, notes
+    from_files = {**_apply_config(inputs, base_dir), **yaml_settings}
+    inputs.settings = {**from_files, **overrides}
+    inputs.file_keys = frozenset(k for k in from_files if k not in overrides)
+    unresolved_keys = {key for key, _, _ in inputs.unresolved}
+    for key in unresolved_keys:  # an unresolved override stands in for any value of the same key from a file
+        inputs.settings.pop(key, None)
+    return inputs
+
+
+def _read_overrides(items: Sequence[str], settings: dict, inputs: VerlInputs) -> None:
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            inputs.unresolved.append((item, item, "not a key=value override"))
+            continue
+        if key.startswith("~"):
+            inputs.notes.append(f"{item}: Hydra deletions have no meaning for a megarl recipe (skipped)")
+            continue
+        if key.startswith("hydra."):
+            inputs.notes.append(f"{item}: a setting of Hydra itself (skipped)")
+            continue
+        settings[key.lstrip("+")] = parse_value(text) if text.strip() else EMPTY
+
+
+def read_inputs(items: Sequence[str], environ: Optional[dict] = None) -> tuple[dict[str, Any], list[str]]:
+    """verl settings (the user's, without verl's defaults) from YAML files, .sh scripts and overrides; and notes."""
+    inputs = gather(items, environ)
+    return inputs.settings, inputs.notes
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Rules, one per verl key or key family
 
 
+def _optional(key: str) -> bool:
+    """Whether megarl's field `key` accepts None (null)."""
+    from megarl.config.loader import _model_fields
+    from megarl.config.schema import MegarlConfig
+
+    cls, parts = MegarlConfig, key.split(".")
+    for part in parts[:-1]:
+        cls = _model_fields(cls).get(part)
+        if cls is None:
+            return False
+    info = cls.model_fields.get(parts[-1])
+    return info is not None and not info.is_required() and (info.default is None or type(None) in
+                                                            getattr(info.annotation, "__args__", ()))
+
+
 def _to(key: str, fn: Optional[Callable[[Any], Any]] = None):
-    """A rule mapping the verl value to `key` (through fn)."""
+    """A rule mapping the verl value to `key` (through fn); null maps to null where megarl's key takes it, and
+    otherwise leaves megarl's default (verl's null means 'unset')."""
     def rule(c: Conversion, verl_key: str, value: Any) -> None:
-        c.set(verl_key, value, key, fn(value) if fn else None)
+        if value is None and not _optional(key):
+            c.drop(verl_key, value, f"null (unset): megarl keeps its default for {key}")
+            return
+        c.set(verl_key, value, key, fn(value) if fn and value is not None else None)
     return rule
 
 
 def _files(value: Any) -> list:
-    return [value] if isinstance(value, str) else list(value)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError("expected a file path or a list of them")
 
 
 def _is(value: Any, choices: tuple) -> bool:
@@ -190,11 +389,52 @@ def _off_only(why_off: str, why_refused: str, off: tuple = (None, False, 0, "", 
 
 def _freq(key: str):
     """verl's -1 (never) is megarl's 0."""
-    return _to(key, lambda v: 0 if v is not None and int(v) < 0 else v)
+    return _to(key, lambda v: 0 if int(v) < 0 else int(v))
 
 
 def _recompute(c: Conversion, verl_key: str, value: Any) -> None:
+    if c.trainer == "ppo_megatron_trainer" and verl_key.endswith("enable_gradient_checkpointing"):
+        # verl's Megatron workers recompute per override_transformer_config.recompute_*; this FSDP switch is unread
+        c.drop(verl_key, value, "read by verl's FSDP workers only; its Megatron trainer recomputes per "
+                                "override_transformer_config.recompute_granularity")
+        return
     c.set(verl_key, value, "model.recompute", "full" if value else "none")
+
+
+def _recompute_granularity(c: Conversion, verl_key: str, value: Any) -> None:
+    if value in (None, "full", "selective"):
+        c.set(verl_key, value, "model.recompute", value or "none")
+    else:
+        c.refuse(verl_key, value, "megarl recomputes 'full' layers or 'selective' (the attention core), or nothing")
+
+
+def _recompute_detail(allowed: tuple, what: str):
+    return _accept(allowed, f"megarl's {what}", f"megarl's full recomputation is uniform over 1-layer chunks and its "
+                   "selective one recomputes the attention core; drop it")
+
+
+def _steps_or_unset(key: str, why_unset: str):
+    """verl's -1 / null mean 'derive it' (warm-up from a ratio, steps from epochs)."""
+    def rule(c: Conversion, verl_key: str, value: Any) -> None:
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value < 0):
+            c.drop(verl_key, value, why_unset)
+        else:
+            c.set(verl_key, value, key)
+    return rule
+
+
+def _router_dtype(c: Conversion, verl_key: str, value: Any) -> None:
+    if value in (None, "fp32", "fp64"):
+        c.set(verl_key, value, "model.moe_router_dtype")
+    else:
+        c.refuse(verl_key, value, "megatron computes the router in fp32 or fp64 (or the model dtype: null)")
+
+
+def _megatron_dtype(c: Conversion, verl_key: str, value: Any) -> None:
+    if value in ("bfloat16", "float16", "float32"):
+        c.set(verl_key, value, "model.dtype")
+    else:
+        c.refuse(verl_key, value, "megarl trains in float32, bfloat16 or float16 (model.dtype)")
 
 
 def _truncation(c: Conversion, verl_key: str, value: Any) -> None:
@@ -215,6 +455,8 @@ def _filter_overlong(c: Conversion, verl_key: str, value: Any) -> None:
 
 def _logger(c: Conversion, verl_key: str, value: Any) -> None:
     names = [value] if isinstance(value, str) else list(value or [])
+    if not names:
+        c.drop(verl_key, value, "no logger: megarl still prints a line per reported step")
     for name in names:
         if name == "wandb":
             c.set(verl_key, value, "logging.wandb.enable", True)
@@ -249,7 +491,7 @@ def _resume_mode(c: Conversion, verl_key: str, value: Any) -> None:
 
 
 def _reward_manager(c: Conversion, verl_key: str, value: Any) -> None:
-    if value in ("naive", "dapo"):
+    if value in ("naive", "dapo", None):
         c.drop(verl_key, value, "megarl scores each sample with the reward function; overlong shaping is "
                                 "reward.overlong_buffer")
     else:
@@ -389,9 +631,46 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "trainer.balance_batch": _no_effect("a throughput option; megarl has no equivalent and results do not depend "
                                         "on it"),
     "trainer.log_val_generations": _no_effect("megarl saves rollouts with logging.save_rollouts"),
-    "trainer.total_epochs": lambda c, k, v: c.refuse(k, v, "megarl counts steps: set trainer.total_steps to "
-                                                     f"{v} x (training prompts / data.train_batch_size)"),
+    "trainer.total_epochs": _to("trainer.total_epochs"),
+    "trainer.total_training_steps": _steps_or_unset("trainer.total_steps", "unset: the run length comes from "
+                                                    "trainer.total_epochs"),
+    "data.trust_remote_code": _to("model.trust_remote_code"),
+    "data.gen_batch_size": lambda c, k, v: c.later.__setitem__(k, v),
+    AR + "hybrid_engine": _accept((True,), "megarl's engines always receive the actor's weights after each update",
+                                  "megarl's rollout always uses the actor's latest weights; drop it"),
+    AR + "nccl_timeout": _no_effect("a collective-communication timeout; megarl keeps torch.distributed's default"),
+    AR + "model.use_fused_kernels": _no_effect("verl's fused log-prob/entropy kernel saves memory; the values are the "
+                                               "same, and megarl computes log-probs from vocab-parallel logits itself"),
+    AR + "model.override_config.model_config.max_position_embeddings": lambda c, k, v: c.refuse(
+        k, v, "megarl reads the model's config.json as it is; raise max_position_embeddings there if you need to"),
+    AR + "ref.log_prob_use_dynamic_bsz": _to("rollout.log_prob_use_dynamic_bsz"),
+    AR + "ref.log_prob_max_token_len_per_gpu": _to("rollout.log_prob_max_token_len_per_gpu"),
+    AR + "ref.strategy": _accept(("megatron",), "megarl's trainer is Megatron", "megarl computes the reference with "
+                                 "Megatron whatever verl's strategy was; drop it"),
+    "critic.strategy": _accept(("megatron",), "megarl's trainer is Megatron", "megarl trains the critic with "
+                               "Megatron whatever verl's strategy was; drop it"),
+    "reward_model.reward_kwargs.max_resp_len": lambda c, k, v: c.later.__setitem__(k, v),
+    "reward.reward_kwargs.max_resp_len": lambda c, k, v: c.later.__setitem__(k, v),
+    "reward.reward_manager.name": _reward_manager,
 }
+for _prefix in ("reward_model.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.overlong_buffer_cfg."):
+    RULES.update({_prefix + name: _to("reward.overlong_buffer." + name) for name in ("enable", "len",
+                                                                                     "penalty_factor")})
+    RULES[_prefix + "log"] = _no_effect("a logging switch of verl's DAPO reward manager; it changes no reward")
+RULES["reward_model.overlong_buffer.log"] = RULES["reward_model.reward_kwargs.overlong_buffer_cfg.log"]
+_MULTI_TURN = AR + "rollout.multi_turn."
+RULES.update({_MULTI_TURN + name: _to("rollout.multi_turn." + name) for name in (
+    "max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+    "tool_response_truncate_side", "tool_config_path", "format")})
+RULES.update({
+    _MULTI_TURN + "interaction_config_path": _off_only("unset", "simulated-user interactions are not supported by "
+                                                       "megarl; drop it"),
+    _MULTI_TURN + "use_inference_chat_template": _off_only("off", "megarl renders every turn with the training chat "
+                                                           "template; drop it"),
+    _MULTI_TURN + "tokenization_sanity_check_mode": _no_effect(
+        "megarl builds the trajectory from the engine's own tokens; rollout.multi_turn.sanity_check counts drift"),
+    _MULTI_TURN + "num_repeat_rollouts": _off_only("unset", "megarl samples rollout.n responses per prompt; drop it"),
+})
 
 
 # verl keys whose megarl key has the same name under the given section: {verl prefix: (megarl prefix, names)}
@@ -424,6 +703,34 @@ _SAME_NAMES = {
 RULES.update({verl + name: _to(megarl + name) for verl, (megarl, names) in _SAME_NAMES.items() for name in names})
 
 
+_FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+            "gradient_accumulation_fusion", "persist_layer_norm", "moe_permute_fusion", "cross_entropy_loss_fusion")
+
+
+def _transformer_override(name: str) -> Optional[Callable[[Conversion, str, Any], None]]:
+    """verl's +override_transformer_config.* (megatron TransformerConfig fields)."""
+    if name in _FUSIONS:
+        return _no_effect("a kernel-fusion switch (the same math); megarl builds its layers with these fusions off")
+    if name == "moe_grouped_gemm":
+        return _no_effect("megarl uses grouped-GEMM experts whenever it uses Transformer Engine")
+    if name in ("moe_token_dispatcher_type", "moe_enable_deepep", "moe_shared_expert_overlap"):
+        return _no_effect("how tokens travel to their experts (communication, the same results); megarl uses "
+                          "megatron's allgather dispatcher")
+    if name in ("deallocate_pipeline_outputs", "attention_backend", "use_flash_attn"):
+        return _no_effect("a memory/kernel choice with the same results; megarl leaves it to megatron")
+    if name == "recompute_granularity":
+        return _recompute_granularity
+    if name == "recompute_method":
+        return _recompute_detail((None, "uniform"), "full recomputation is uniform")
+    if name == "recompute_num_layers":
+        return _recompute_detail((None, 1), "full recomputation takes 1-layer chunks")
+    if name == "recompute_modules":
+        return _recompute_detail((None, ["core_attn"]), "selective recomputation is the attention core")
+    if name == "moe_router_dtype":
+        return _router_dtype
+    return None
+
+
 def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
     """Rules for families of keys: optimizers, Megatron layouts, FSDP settings, validation sampling."""
     short = key.removeprefix(AR)
@@ -435,6 +742,19 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
             return _to(target + name)
         if name in ("warmup_style", "lr_scheduler_type"):
             return _lr_schedule
+        if name == "lr_decay_style":
+            return _lr_schedule
+        if name == "lr_warmup_steps":
+            return _steps_or_unset(target + name, "verl's -1: the warm-up comes from lr_warmup_steps_ratio")
+        if name in ("lr_decay_steps", "use_checkpoint_opt_param_scheduler", "lr_wsd_decay_steps"):
+            return _off_only("unset: the schedule spans the run", "megarl's schedule decays over the whole run; "
+                             "drop it")
+        if name in ("weight_decay_incr_style", "lr_wsd_decay_style"):
+            return _accept(("constant", "exponential") if "wsd" in name else ("constant",), "megarl's default",
+                           "megarl keeps the weight decay constant; drop it")
+        if name == "optimizer":
+            return _accept(("adam", "adamw", "AdamW"), "megarl's optimizer is Adam with decoupled weight decay",
+                           "megarl's optimizer is Adam (AdamW); drop it")
         if name in ("lr_warmup_steps_ratio", "min_lr_ratio", "total_training_steps", "lr_warmup_init"):
             return _off_only("unset", f"give the warm-up in steps ({target}lr_warmup_steps) and the final rate "
                                       f"as a value ({target}min_lr)")
@@ -446,51 +766,163 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
             return _off_only("no offload", _OFFLOAD)
         if name == "seed":
             return _no_effect("megarl seeds everything from trainer.seed")
+        if name in ("use_mbridge", "vanilla_mbridge"):
+            return _no_effect("megarl converts Hugging Face weights to Megatron and back itself (megarl.bridge)")
+        if name in ("use_remove_padding",):
+            return _no_effect(_NO_PADDING_SWITCH)
+        if name in ("forward_only", "dist_checkpointing_prefix"):
+            return _no_effect("internal to verl's Megatron workers")
+        if name in ("use_dist_checkpointing", "dist_checkpointing_path"):
+            return _off_only("off: the initial weights come from the Hugging Face model", "megarl loads the initial "
+                             "weights from the Hugging Face directory in model.path; drop it and point model.path at "
+                             "the Hugging Face model")
+        if name == "dtype":
+            return _megatron_dtype
+        if name.startswith("override_transformer_config."):
+            return _transformer_override(name.removeprefix("override_transformer_config."))
     if ".fsdp_config." in f".{rest}":
         return _off_only("no offload (an FSDP setting)", _OFFLOAD) if "offload" in key else _no_effect(_FSDP)
     if short.startswith("rollout.val_kwargs."):
         return _to("rollout.val_kwargs." + short.removeprefix("rollout.val_kwargs."))
+    if rest == "use_torch_compile" or short == "actor.use_torch_compile":
+        return _no_effect("torch.compile of verl's own helpers: speed only")
     if short.startswith("actor.checkpoint.") or short.startswith("critic.checkpoint."):
         return _no_effect("megarl checkpoints the model, optimizer and scheduler together")
     return None
 
 
-def convert(settings: dict[str, Any]) -> Conversion:
-    c = Conversion()
+def _apply(c: Conversion, key: str, value: Any, global_micro: dict) -> None:
+    """One verl key through its rule; a value the rule cannot use is refused by name, never a traceback."""
+    if value == EMPTY:
+        c.refuse(key, value, "an empty value (an unset shell variable?); give it a value or drop it")
+        return
+    if isinstance(value, str) and "${" in value:
+        c.drop(key, value, "a Hydra interpolation: megarl derives its own values")
+        return
+    if key in _MICRO_GLOBAL:
+        global_micro[key] = value
+        return
+    rule = RULES.get(key) or _family_rule(key)
+    if rule is None:
+        c.refuse(key, value, "no megarl equivalent; drop it, or see `megarl validate` for megarl's keys")
+        return
+    try:
+        rule(c, key, value)
+    except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+        c.refuse(key, value, f"not a usable value ({exc}); fix it or drop it")
+
+
+def convert(settings: dict[str, Any], defaults: Optional[dict] = None, unresolved: Sequence = (),
+            trainer: str = "ppo_trainer", check: bool = True, from_files: frozenset = frozenset()) -> Conversion:
+    """verl settings -> a megarl recipe. `defaults`: verl's trainer defaults (applied under `settings`; None: those of
+    `trainer`); `unresolved`: (key, text, why) of inputs that could not be read, refused by name; `check`: run
+    megarl validate's rules and refuse what they refuse; `from_files`: keys read from config files (the command
+    line's keys win over them)."""
+    c = Conversion(trainer=trainer)
+    defaults = TRAINER_DEFAULTS[trainer] if defaults is None else defaults
     settings = dict(settings)
+    for key, text, why in unresolved:
+        c.refuse(key, text, f"{why}; set it (export it, or --env NAME=VALUE) and convert again")
     reward_path = settings.pop("custom_reward_function.path", None)
     reward_name = settings.pop("custom_reward_function.name", None) or "compute_score"
-    if reward_path:  # verl's file + function name is megarl's "file.py:function"
+    if reward_path and reward_path != EMPTY:  # verl's file + function name is megarl's "file.py:function"
         c.set("custom_reward_function.path", reward_path, "reward.reward_fn", f"{reward_path}:{reward_name}")
-    global_micro = {}
+    global_micro: dict = {}
+    c.label, c.layer = "(verl default) ", 0
+    for key, value in defaults.items():
+        if key not in settings:  # an unresolved override leaves verl's default (and is refused by name above)
+            _apply(c, key, value, global_micro)
+    c.label = ""
+    # config-file keys first, so the command line wins where two verl keys set one megarl key; and
     # filter_overlong_prompts decides data.truncation whatever the order on the command line
-    order = sorted(settings, key=lambda k: k != "data.filter_overlong_prompts")
+    order = sorted(settings, key=lambda k: (k not in from_files, k != "data.filter_overlong_prompts"))
     for key in order:
-        value = settings[key]
-        if isinstance(value, str) and "${" in value:
-            c.drop(key, value, "a Hydra interpolation: megarl derives its own values")
-            continue
-        if key in _MICRO_GLOBAL:
-            global_micro[key] = value
-            continue
-        rule = RULES.get(key) or _family_rule(key)
-        if rule is None:
-            c.refuse(key, value, "no megarl equivalent; drop it, or see `megarl validate` for megarl's keys")
-        else:
-            rule(c, key, value)
-    world = _get(c.recipe, "trainer.nnodes", 1) * _get(c.recipe, "trainer.n_gpus_per_node",
-                                                       VERL_DEFAULTS["trainer.n_gpus_per_node"])
+        c.layer = 1 if key in from_files else 2
+        _apply(c, key, settings[key], global_micro)
+    c.layer = 2
+    nodes, gpus = _get(c.recipe, "trainer.nnodes", 1), _get(c.recipe, "trainer.n_gpus_per_node", 8)
+    world = nodes * gpus if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (nodes, gpus)) else 8
     for key, value in global_micro.items():
-        if value is None:
-            c.drop(key, value, "unset")
-        else:
+        try:
             c.set(key, value, _MICRO_GLOBAL[key], max(1, math.ceil(int(value) / world)))
-    for key, value in VERL_DEFAULTS.items():
-        if _get(c.recipe, key) is None:
-            _put(c.recipe, key, value)
-            c.mapped.append(f"(verl default) -> {key} = {value!r}")
+        except (TypeError, ValueError) as exc:
+            c.drop(key, value, "unset") if value is None else c.refuse(key, value, f"not a usable value ({exc})")
+    _derived(c, settings, defaults)
+    if _get(c.recipe, "model.path") is None:
+        _put(c.recipe, "model.path", "FILL_IN/hf_model_dir")
+        c.notes.append("model.path: the verl config names no model; fill in a local Hugging Face model directory")
+    if check:
+        validate_against_megarl(c)
+    if _get(c.recipe, "trainer.total_epochs") is not None and _get(c.recipe, "trainer.total_steps") is None:
+        c.label = "(verl default) "
+        c.set("trainer.total_training_steps", None, "trainer.total_steps", HUGE_STEPS)
+        c.label = ""
+        c.notes.append(f"trainer.total_steps = {HUGE_STEPS}: verl's run length is trainer.total_epochs (no "
+                       "trainer.total_training_steps); megarl stops at whichever ends first")
     _placeholder_notes(c)
     return c
+
+
+def _derived(c: Conversion, settings: dict, defaults: dict) -> None:
+    """Settings verl derives from others: sequence parallelism off at TP 1, the log-prob token budgets following the
+    actor's, DAPO's reward length and generation batch."""
+    if _get(c.recipe, "parallelism.sequence_parallel") and _get(c.recipe, "parallelism.tensor_model_parallel_size",
+                                                                1) == 1:
+        verl_key = c.unset("parallelism.sequence_parallel")
+        c.drop(verl_key, True, "verl turns sequence parallelism off at tensor_model_parallel_size 1 (so does megarl)")
+    for actor_key, megarl_key in (("actor.use_dynamic_bsz", "rollout.log_prob_use_dynamic_bsz"),
+                                  ("actor.ppo_max_token_len_per_gpu", "rollout.log_prob_max_token_len_per_gpu")):
+        value = _get(c.recipe, actor_key)
+        if value is not None and _get(c.recipe, megarl_key) is None:  # verl: ${oc.select:actor_rollout_ref.actor...}
+            c.label = "(verl default) "
+            c.set(f"{AR}rollout.{megarl_key.rsplit('.', 1)[1]}", f"as {AR}{actor_key}", megarl_key, value)
+            c.label = ""
+    for key, value in c.later.items():
+        if key.endswith("max_resp_len"):
+            length = _get(c.recipe, "rollout.response_length", 512)
+            if value is None or value == length:
+                c.drop(key, value, "megarl's overlong buffer ends at rollout.response_length (the same length)")
+            else:
+                c.refuse(key, value, f"megarl's overlong penalty counts up to rollout.response_length = {length}; set "
+                                     "max_resp_len to data.max_response_length")
+        elif key == "data.gen_batch_size":
+            train = _get(c.recipe, "data.train_batch_size", 8)
+            if value is None or value == train:
+                c.drop(key, value, "generation rounds of data.train_batch_size prompts (megarl's default)")
+            elif isinstance(value, int) and value > train:
+                c.set(key, value, "rollout.over_sample_rate", (value - train) / train)
+            else:
+                c.refuse(key, value, "megarl generates at least data.train_batch_size prompts per round; drop it")
+
+
+def validate_against_megarl(c: Conversion) -> None:
+    """Run `megarl validate`'s rules on the recipe; refuse each verl key whose megarl key they reject, with validate's
+    own message, and take it out of the recipe. Problems of settings no verl key gave are refused as the recipe's."""
+    from megarl.config import ConfigError, load_config
+
+    seen = set()
+    for _ in range(6):
+        try:
+            load_config(data=c.recipe)
+            return
+        except ConfigError as exc:
+            issues = exc.issues
+        progress = False
+        for issue in issues:
+            keys = [issue.key] + [k for k in issue.keys if k != issue.key]
+            owner = next((k for k in keys if k in c.sources), None)
+            text = issue.render()
+            if owner is None:
+                if text not in seen:
+                    seen.add(text)
+                    c.refuse("(recipe)", None, f"megarl validate: {text}")
+                continue
+            value = _get(c.recipe, owner)
+            verl_key = c.unset(owner)
+            c.refused.append(f"{verl_key} = {value!r} -> {owner}: megarl validate refuses it: {text}")
+            progress = True
+        if not progress:
+            return
 
 
 def _placeholder_notes(c: Conversion) -> None:
@@ -500,18 +932,15 @@ def _placeholder_notes(c: Conversion) -> None:
         if value and not Path(os.path.expanduser(os.path.expandvars(value))).exists():
             c.notes.append(f"{key} = {value!r}: not a directory here; megarl reads a local Hugging Face model "
                            "directory: download it (e.g. `huggingface-cli download NAME --local-dir DIR`) and put "
-                           "DIR here")
+                           "DIR here" + (" (or, to check the layout before downloading, set model.config_path to the "
+                                         "model's config.json)" if key == "model.path" else ""))
     if _get(c.recipe, "trainer.total_steps") is None:
         c.notes.append("trainer.total_steps: not given (verl counts epochs); megarl runs its default of 10 steps "
                        "unless you set it")
-    if _get(c.recipe, "model.path") is None:
-        _put(c.recipe, "model.path", "FILL_IN/hf_model_dir")
-        c.notes.append("model.path: the verl config names no model; fill in a local Hugging Face model directory")
     for key in ("data.train_files", "data.val_files"):
         for f in _get(c.recipe, key) or []:
-            if "$" in f or not Path(os.path.expanduser(f)).exists():
-                c.notes.append(f"{key}: {f!r} is not a file here; point it at the parquet/jsonl file (megarl does "
-                               "not expand shell variables)")
+            if not Path(os.path.expanduser(f)).exists():
+                c.notes.append(f"{key}: {f!r} is not a file here; point it at the parquet/jsonl file")
 
 
 def to_recipe_text(c: Conversion, sources: Sequence[str]) -> str:
@@ -539,16 +968,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "actor_rollout_ref.rollout.n=8 (later ones win)")
     parser.add_argument("--out", "-o", default=None, help="write the recipe here instead of stdout")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any key was refused")
+    parser.add_argument("--config-path", "-cp", default=None, help="verl's --config-path: the directory of the "
+                        "--config-name file (a script's own flags are read from the script)")
+    parser.add_argument("--config-name", "-cn", default=None, help="verl's --config-name: a config file whose "
+                        "settings (and Hydra defaults) are read under the overrides; verl's ppo_trainer / "
+                        "ppo_megatron_trainer select that trainer's defaults")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a shell variable for the script (as if exported before running it); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
+    environ = dict(os.environ)
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"megarl convert-verl: --env {item!r}: expected NAME=VALUE", file=sys.stderr)
+            return 1
+        environ[name] = value
     try:
-        settings, notes = read_inputs(args.inputs)
+        inputs = gather(args.inputs, environ, args.config_path, args.config_name)
     except (ValueError, OSError, yaml.YAMLError) as exc:
         print(f"megarl convert-verl: {exc}", file=sys.stderr)
         return 1
-    c = convert(settings)
-    c.notes = notes + c.notes
+    c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
+    c.notes = inputs.notes + [f"verl trainer defaults: {inputs.trainer}"] + c.notes
     text = to_recipe_text(c, args.inputs)
     for line in report_lines(c):
         print(line, file=sys.stderr)

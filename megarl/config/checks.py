@@ -47,15 +47,21 @@ def model_shape(cfg: MegarlConfig) -> Optional[ModelShape]:
 
 def check_model_source(cfg: MegarlConfig) -> list[Issue]:
     m = cfg.model
+    if m.config_path and not Path(m.config_path).is_file():
+        return [Issue("model.config_path", m.config_path, "file not found: the layout checks read the model's shape "
+                      "from it", "point it at the model's config.json (e.g. `huggingface-cli download NAME "
+                      "config.json --local-dir DIR`), or unset it", keys=("model.config_path",))]
     if not m.path:
         return [Issue("model.path", m.path, "no model given", "set model.path to a Hugging Face model directory",
                       keys=("model.path",))]
     if Path(m.path).is_dir() or m.create_tiny is not None:
         return []
+    fix = ("ignore this when validating for another cluster; otherwise fix the path" if m.config_path else
+           "set model.config_path to the model's config.json (e.g. `huggingface-cli download NAME config.json "
+           "--local-dir DIR`) so validate can check the layout against the model; or fix the path")
     return [Issue("model.path", m.path, "directory not found on this machine; structural checks use "
-                  + (f"model.config_path" if m.config_path else "nothing (they are skipped)"),
-                  "ignore this when validating for another cluster; otherwise fix the path", keys=("model.path",),
-                  warning=True)]
+                  + ("model.config_path" if m.config_path else "nothing (they are skipped)"), fix,
+                  keys=("model.path",), warning=True)]
 
 
 def check_layout(cfg: MegarlConfig) -> list[Issue]:
@@ -360,14 +366,11 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
      "custom reward functions"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
-    ("rollout.log_prob_max_token_len_per_gpu", 16384, "it is the token budget of rollout.log_prob_use_dynamic_bsz, "
-     "which is not supported yet; leave it unset and use rollout.log_prob_micro_batch_size_per_gpu"),
     ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
     ("reward.reward_model.micro_batch_size_per_gpu", 4, "learned reward models are not supported yet; unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "

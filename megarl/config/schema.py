@@ -88,6 +88,9 @@ class ModelConfig(_Section):
         None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
+    moe_router_dtype: Optional[Literal["fp32", "fp64"]] = Field(
+        None, description="MoE models: compute the router's logits, softmax and top-k in this precision (megatron's "
+        "moe_router_dtype; fp32 keeps expert choices stable in bfloat16 training); None: the model dtype.")
     use_transformer_engine: Union[Literal["auto"], bool] = Field(
         "auto", description="Transformer Engine layer spec (true/false); auto uses it when CUDA and TE are available.")
 
@@ -267,9 +270,11 @@ class RolloutConfig(_Section):
         "are off. raw: the model's distribution at temperature 1.")
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per trainer forward when "
                                                    "recomputing old logprobs.")
-    log_prob_use_dynamic_bsz: bool = Field(False, description="Pack logprob micro-batches by token budget.")
-    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per logprob micro-batch "
-                                                "(log_prob_use_dynamic_bsz; not supported yet).")
+    log_prob_use_dynamic_bsz: bool = Field(False, description="Forward-only passes (old logprobs, reference "
+                                           "logprobs, critic values) in micro-batches packed by token budget instead "
+                                           "of a fixed row count (the same values; memory bounded by tokens).")
+    log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per forward-only micro-batch "
+                                                "(log_prob_use_dynamic_bsz); a longer sequence runs alone.")
     update_weights_bucket_megabytes: int = Field(512, ge=1, description="Weight-sync bucket size.")
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling overrides for validation.")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn rollout settings.")

@@ -10,7 +10,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megarl.batching import mini_batch_rows, select_rows, split_by_token_budget, split_micro
+from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_rows, sequence_lengths,
+                             split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
 from megarl.megatron.forward import token_logprobs, token_values
@@ -39,6 +40,7 @@ def build_options(cfg: MegarlConfig) -> dict:
     return {"dtype": _DTYPES.get(m.dtype),
             "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
             "sequence_parallel": p.sequence_parallel or None,
+            **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
             **recompute_overrides(m.recompute)}
 
 
@@ -46,6 +48,19 @@ def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width: int) -> torch.Tenso
     rows = dp_row_range(ids.shape[0], rt)
     local = fn(ids[rows])
     return gather_model_output(local, (rows.stop - rows.start, width))
+
+
+def _forward_only(cfg: MegarlConfig, rt: Runtime, batch: dict, forward, micro: int, width: int) -> torch.Tensor:
+    """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
+    of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz.
+    forward(tokens [g, s], micro_batch_size) -> [g, <= s]."""
+    r, ids = cfg.rollout, batch["input_ids"]
+    if r.log_prob_use_dynamic_bsz and "response_mask" in batch:
+        rows = dp_row_range(ids.shape[0], rt)
+        lengths = sequence_lengths(batch)[rows]
+        local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width)
+        return gather_model_output(local, (rows.stop - rows.start, width))
+    return _forward_rows(rt, ids, lambda x: forward(x, _micro(x.shape[0], micro)), width)
 
 
 def _average(metrics: list[dict]) -> dict:
@@ -97,9 +112,8 @@ class PolicyWorker(_Worker):
         micro = (self.cfg.rollout.log_prob_micro_batch_size_per_gpu if self.trainable is not None
                  else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
         t = self.loss_settings.temperature
-        ids = batch["input_ids"]
-        return _forward_rows(rt, ids, lambda x: token_logprobs(self.chunks, x, _micro(x.shape[0], micro), t),
-                             ids.shape[1] - 1)
+        return _forward_only(self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro,
+                             batch["input_ids"].shape[1] - 1)
 
     def update(self, batch: dict, rt: Runtime, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
@@ -139,10 +153,9 @@ class CriticWorker(_Worker):
     def values(self, batch: dict, rt: Runtime) -> torch.Tensor:
         """V(prefix up to t) aligned with logprob positions: [N, T]."""
         micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
-        ids = batch["input_ids"]
-        s = ids.shape[1]
-        return _forward_rows(rt, ids, lambda x: _cut(token_values(self.chunks, x, _micro(x.shape[0], micro)), s - 1),
-                             s - 1)
+        s = batch["input_ids"].shape[1]
+        return _forward_only(self.cfg, rt, batch,
+                             lambda x, mb: _cut(token_values(self.chunks, x, mb), x.shape[1] - 1), micro, s - 1)
 
     def update(self, batch: dict, rt: Runtime, step: int) -> dict:
         c, n = self.cfg.critic, self.cfg.rollout.n

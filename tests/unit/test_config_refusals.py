@@ -137,8 +137,7 @@ def test_device_cuda_without_cuda_is_a_warning():
     assert [w.key for w in cfg._warnings if w.key.startswith("trainer")] == ["trainer.device"]
 
 
-@pytest.mark.parametrize("override", ["rollout.log_prob_max_token_len_per_gpu=4096",
-                                      "reward.reward_model.path=rm", "reward.reward_model.micro_batch_size_per_gpu=8",
+@pytest.mark.parametrize("override", ["reward.reward_model.path=rm", "reward.reward_model.micro_batch_size_per_gpu=8",
                                       "data.dataloader_num_workers=2"])
 def test_settings_without_effect_are_refused(override):
     key = override.split("=")[0]

@@ -7,7 +7,7 @@ import yaml
 
 from megarl import cli
 from megarl.config import load_config
-from megarl.convert_verl import convert, read_inputs, script_overrides
+from megarl.convert_verl import HUGE_STEPS, convert, read_inputs, script_overrides
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
 PPO = FIXTURES / "ppo_gsm8k_quickstart.sh"
@@ -50,10 +50,10 @@ def test_grpo_quickstart_values(tmp_path, capsys):
     assert recipe["logging"]["wandb"] == {"enable": True, "project": "verl_grpo_example_gsm8k",
                                           "name": "qwen3_8b_function_rm"}
     assert "actor_rollout_ref.rollout.n = 5 -> rollout.n = 5" in err
-    # refused by name: an offload megarl cannot do, and epochs (megarl counts steps)
+    # refused by name: an offload megarl cannot do
     assert "actor_rollout_ref.ref.fsdp_config.param_offload = True: megarl trains with Megatron" in err
-    assert "trainer.total_epochs = 15: megarl counts steps" in err
-    assert "# REFUSED (not in this recipe): trainer.total_epochs" in text
+    # verl's run length is 15 epochs (no total_training_steps): kept, and total_steps does not cut it short
+    assert recipe["trainer"]["total_epochs"] == 15 and recipe["trainer"]["total_steps"] == HUGE_STEPS
     # placeholders the user fills in
     assert "model.path = 'Qwen/Qwen3-8B': not a directory here" in err
     assert "actor_rollout_ref.actor.fsdp_config.param_offload = False: no offload" in err
@@ -115,3 +115,152 @@ def test_yaml_config_and_overrides_agree(tmp_path):
 def test_script_parsing_stops_at_the_pipe():
     text = "A=1 python3 -m verl.trainer.main_ppo \\\n  data.x=1 \\\n  trainer.y='a b' 2>&1 | tee z.log data.no=2"
     assert script_overrides(text) == ["data.x=1", "trainer.y=a b"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# verl's own launch scripts (tests/fixtures/verl/upstream, copied unchanged; see its README)
+
+import random  # noqa: E402
+
+from megarl.config import ConfigError  # noqa: E402
+from megarl.convert_verl import RULES, gather  # noqa: E402
+
+UP = FIXTURES / "upstream"
+ENV = {"HOME": "/home/u", "PATH": "/usr/bin"}
+
+
+def _gathered(script, env=ENV):
+    inputs = gather([str(script)], dict(env))
+    return inputs, convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer,
+                           from_files=inputs.file_keys)
+
+
+def test_moe_dapo_script_side_by_side_with_verl():
+    """run_qwen3moe-30b_megatron_96gb.sh against verl's resolved config: the script's values (read off the script by
+    hand) over verl's ppo_megatron_trainer defaults (verl/trainer/config/_generated_ppo_megatron_trainer.yaml)."""
+    inputs, c = _gathered(UP / "run_qwen3moe-30b_megatron_96gb.sh", {**ENV, "aime24_test_path": "/d/aime.parquet"})
+    assert inputs.trainer == "ppo_megatron_trainer" and not any("$" in str(v) for v in c.mapped)
+    cfg = load_config(data=c.recipe)
+    verl = {  # verl's resolved setting -> megarl's
+        "algorithm.adv_estimator": ("grpo", cfg.algorithm.adv_estimator),
+        "data.train_batch_size": (512, cfg.data.train_batch_size),
+        "actor.ppo_mini_batch_size": (128, cfg.actor.ppo_mini_batch_size),
+        "actor.ppo_micro_batch_size_per_gpu": (2, cfg.actor.ppo_micro_batch_size_per_gpu),
+        "actor.use_dynamic_bsz": (True, cfg.actor.use_dynamic_bsz),
+        "actor.ppo_max_token_len_per_gpu": (2048 + 8192, cfg.actor.ppo_max_token_len_per_gpu),
+        "rollout.n": (16, cfg.rollout.n),
+        "data.max_prompt_length": (2048, cfg.rollout.prompt_length),
+        "data.max_response_length": (8192, cfg.rollout.response_length),
+        "actor.clip_ratio_low": (0.2, cfg.actor.clip_low), "actor.clip_ratio_high": (0.28, cfg.actor.clip_high),
+        "actor.clip_ratio_c": (10.0, cfg.actor.clip_ratio_c),
+        "actor.use_kl_loss": (False, cfg.actor.use_kl_loss), "algorithm.use_kl_in_reward": (False, cfg.algorithm.use_kl_in_reward),
+        "overlong_buffer_cfg.enable": (True, cfg.reward.overlong_buffer.enable),
+        "overlong_buffer_cfg.len": (4096, cfg.reward.overlong_buffer.len),
+        "overlong_buffer_cfg.penalty_factor": (1.0, cfg.reward.overlong_buffer.penalty_factor),
+        "megatron.tensor_model_parallel_size": (1, cfg.parallelism.tensor_model_parallel_size),
+        "megatron.pipeline_model_parallel_size": (1, cfg.parallelism.pipeline_model_parallel_size),
+        "megatron.expert_model_parallel_size": (8, cfg.parallelism.expert_model_parallel_size),
+        "megatron.expert_tensor_parallel_size": (1, cfg.parallelism.expert_tensor_parallel_size),
+        "megatron.sequence_parallel (off at TP 1)": (False, cfg.parallelism.sequence_parallel),
+        "megatron.use_distributed_optimizer": (True, cfg.parallelism.use_distributed_optimizer),
+        "override_transformer_config.moe_router_dtype": ("fp32", cfg.model.moe_router_dtype),
+        "rollout.tensor_model_parallel_size": (4, cfg.rollout.tensor_model_parallel_size),
+        "actor.optim.lr": (1e-6, cfg.actor.optim.lr), "actor.optim.weight_decay": (0.1, cfg.actor.optim.weight_decay),
+        "actor.optim.lr_warmup_steps": (10, cfg.actor.optim.lr_warmup_steps),
+        "trainer.total_epochs": (10, cfg.trainer.total_epochs),
+        "trainer.n_gpus_per_node": (8, cfg.trainer.n_gpus_per_node), "trainer.nnodes": (1, cfg.trainer.nnodes),
+        "data.truncation": ("left", cfg.data.truncation),
+        # verl's log-prob forwards: log_prob_use_dynamic_bsz follows actor.use_dynamic_bsz (${oc.select:...})
+        "rollout.log_prob_use_dynamic_bsz": (True, cfg.rollout.log_prob_use_dynamic_bsz),
+        "rollout.log_prob_max_token_len_per_gpu": (2048 + 8192, cfg.rollout.log_prob_max_token_len_per_gpu),
+    }
+    assert {k: v[0] for k, v in verl.items()} == {k: v[1] for k, v in verl.items()}
+    refused = {line.split(" = ")[0] for line in c.refused}
+    assert refused == {  # offload (a separate megarl feature) and verl's max_position_embeddings override
+        "actor_rollout_ref.actor.megatron.param_offload", "actor_rollout_ref.actor.megatron.grad_offload",
+        "actor_rollout_ref.actor.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.param_offload",
+        *(f"actor_rollout_ref.actor.optim.override_optimizer_config.{k}" for k in (
+            "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
+            "optimizer_cpu_offload")),
+        "actor_rollout_ref.model.override_config.model_config.max_position_embeddings"}
+
+
+def test_an_unset_variable_is_refused_by_name_and_fails_strict(tmp_path, capsys):
+    code, recipe, text = _convert_cli(tmp_path, UP / "run_qwen3moe-30b_megatron_96gb.sh", extra=("--strict",))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "data.val_files = \"['${aime24_test_path}']\": ${aime24_test_path}: not set" in err
+    assert "$" not in yaml.safe_dump(recipe)
+    code, recipe, _ = _convert_cli(tmp_path, UP / "run_qwen3moe-30b_megatron_96gb.sh",
+                                   extra=("--env", "aime24_test_path=/d/aime.parquet"))
+    assert recipe["data"]["val_files"] == ["/d/aime.parquet"]
+
+
+def test_dense_grpo_script_validates_with_verl_megatron_defaults(tmp_path, capsys):
+    inputs, c = _gathered(UP / "run_qwen2-7b_math_megatron.sh")
+    assert inputs.config_name == "ppo_megatron_trainer.yaml" and inputs.trainer == "ppo_megatron_trainer"
+    assert not c.refused
+    cfg = load_config(data=c.recipe)
+    assert cfg.data.train_files == ["/home/u/data/gsm8k/train.parquet", "/home/u/data/math/train.parquet"]
+    assert (cfg.parallelism.tensor_model_parallel_size, cfg.parallelism.pipeline_model_parallel_size) == (2, 2)
+    assert cfg.parallelism.sequence_parallel and cfg.parallelism.use_distributed_optimizer  # verl's Megatron defaults
+    assert cfg.trainer.total_epochs == 15 and cfg.trainer.device == "cuda"
+
+
+def test_multi_turn_script_reads_its_config_file_beside_it():
+    inputs, c = _gathered(UP / "run_qwen2.5-3b_megatron_gsm8k_multiturn.sh")
+    assert inputs.settings["actor_rollout_ref.rollout.multi_turn.enable"] is True  # from config/*.yaml
+    assert inputs.settings["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 5
+    assert inputs.settings["data.train_batch_size"] == 1024  # the command line over the file's 256
+    assert any(m.startswith("actor_rollout_ref.rollout.multi_turn.max_assistant_turns = 5 -> ") for m in c.mapped)
+    refused = " ".join(c.refused)
+    # real gaps, named: sglang, context parallelism, virtual pipeline, and verl's tool-config format
+    assert "rollout.name = 'sglang'" in refused and "parallelism.context_parallel_size" in refused
+    assert "parallelism.virtual_pipeline_model_parallel_size" in refused
+
+
+def test_arrays_and_ray_submit_script_converts(tmp_path):
+    inputs, c = _gathered(UP / "test_dapo_8b_megatron_fp8train.sh")
+    assert not inputs.unresolved and not any("\\" in k for k in inputs.settings)
+    assert c.recipe["reward"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0}
+
+
+def test_one_truth_converter_refuses_with_validates_message():
+    c = convert({"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2,
+                 "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size": 2,
+                 "trainer.n_gpus_per_node": 2, "trainer.device": "cpu"})
+    with pytest.raises(ConfigError) as exc:
+        load_config(data={"parallelism": {"pipeline_model_parallel_size": 2,
+                                          "virtual_pipeline_model_parallel_size": 2},
+                          "trainer": {"n_gpus_per_node": 2, "device": "cpu"}, "model": {"path": "x"}})
+    message = next(i.render() for i in exc.value.issues if i.key.endswith("virtual_pipeline_model_parallel_size"))
+    line = next(r for r in c.refused if "virtual_pipeline" in r)
+    assert line.endswith(message) and "virtual_pipeline_model_parallel_size" not in str(c.recipe)
+    load_config(data=c.recipe)  # what is left validates
+
+
+_VALUES = ["", "null", "-1", "0", "1e-6", "True", "[1, 2]", "{a: 1}", "abc", "[", "'", "${x.y}", "~/p", "-",
+           "[a,b", "1.5", "fp32", "megatron", "None"]
+
+
+def test_fuzz_malformed_overrides_never_raise():
+    rng = random.Random(0)
+    keys = sorted(RULES) + ["trainer.nnodes", "actor_rollout_ref.actor.ppo_micro_batch_size", "x", "a.b.c", "=",
+                            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers"]
+    for _ in range(300):
+        items = [f"{rng.choice(keys)}={rng.choice(_VALUES)}" for _ in range(rng.randint(1, 8))]
+        items += [rng.choice(["justaword", "=1", "+=2", "~a.b=1"])] if rng.random() < 0.3 else []
+        try:
+            inputs = gather(items, ENV)
+        except ValueError:
+            continue  # refused with a message, as the CLI prints it
+        c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer)
+        reported = {line.split(" = ")[0].removeprefix("(verl default) ") for line in c.mapped + c.dropped + c.refused}
+        assert set(inputs.settings) - {"custom_reward_function.name"} <= reported | {"custom_reward_function.path"}
+
+
+def test_validate_suggests_and_checks_model_config_path(tmp_path):
+    cfg = load_config(data={"model": {"path": str(tmp_path / "absent")}, "rollout": {"n": 2}})
+    assert any("model.config_path" in w.fix for w in cfg._warnings)
+    with pytest.raises(ConfigError, match="model.config_path.*file not found"):
+        load_config(data={"model": {"path": "x", "config_path": str(tmp_path / "nope.json")}, "rollout": {"n": 2}})
