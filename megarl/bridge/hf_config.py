@@ -41,15 +41,23 @@ CAUSAL_LM = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1, Kimi-K2, Moonlight: MLA + sigmoid-routed MoE
+    "Glm4MoeForCausalLM": "glm4_moe",  # GLM-4.5 / GLM-4.5-Air
 }
 # Reward / value models: the same backbone with a `score` head (num_labels=1); loadable as critics.
 SEQUENCE_CLASSIFICATION = {name.replace("ForCausalLM", "ForSequenceClassification"): fam
                            for name, fam in CAUSAL_LM.items()}
 SUPPORTED_ARCHITECTURES = tuple(CAUSAL_LM) + tuple(SEQUENCE_CLASSIFICATION)
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+# Families whose router is DeepSeek's: sigmoid scores, `e_score_correction_bias` added for the choice only,
+# group-limited top-k, renormalised top-k probabilities times routed_scaling_factor, `first_k_dense_replace` dense
+# layers, `n_shared_experts` shared experts of moe_intermediate_size each.
+SIGMOID_ROUTER_FAMILIES = ("deepseek_v3", "glm4_moe")
 # rope types megatron-core 0.16.1 reproduces exactly: "default" (plain), "llama3" (RotaryEmbedding._apply_scaling,
 # all four parameters honoured, see megarl.megatron.model), "linear" (seq_len_interpolation_factor).
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# MLA's decoupled rope additionally takes YaRN (megatron-core's YarnRotaryEmbedding inside MultiLatentAttention).
+MLA_ROPE_TYPES = ("default", "yarn")
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,42 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (MLA only)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    partial: float = 1.0  # fraction of head_dim that is rotated (GLM-4.5: 0.5); the first dims, non-interleaved
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention sizes (DeepSeek-V2/V3, Kimi-K2). q_lora_rank None: a plain q projection."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # the checkpoint's rope dims are in interleaved pairs (false: mapping kind "rope")
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def kv_cache_elements_per_token(self) -> int:
+        """Per layer: the compressed latent plus the shared rope key (what vLLM's MLA backends cache)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """DeepSeek-style router (SIGMOID_ROUTER_FAMILIES): sigmoid scores, expert bias for the choice only."""
+
+    expert_bias: bool = True  # `e_score_correction_bias` in the checkpoint
+    num_groups: int = 1  # n_group
+    group_topk: int = 1  # topk_group
+    scaling_factor: float = 1.0  # routed_scaling_factor
 
 
 @dataclass(frozen=True)
@@ -92,6 +136,10 @@ class ArchSpec:
     shared_expert_ffn_hidden_size: int = 0  # Qwen2-MoE shared expert (0: none)
     shared_expert_gate: bool = False  # Qwen2-MoE sigmoid gate on the shared expert output
     moe_layers: tuple = ()  # per layer: True where the MLP is a MoE block
+    mla: Optional[MLASpec] = None  # multi-latent attention (deepseek_v3); None: grouped-query attention
+    router: Optional[RouterSpec] = None  # DeepSeek-style sigmoid router; None: softmax router
+    attn_out_bias: bool = False  # o_proj bias (never, today: refused)
+    mtp_layers: int = 0  # `num_nextn_predict_layers`: multi-token-prediction layers in the checkpoint, not loaded
 
     @property
     def is_moe(self) -> bool:
@@ -120,19 +168,43 @@ def _field(cfg: dict, name: str, path: str, default: Any = ..., kinds=(int,)) ->
     return value
 
 
-def _rope(cfg: dict, path: str) -> RopeSpec:
+def _rope(cfg: dict, path: str, mla: bool = False, partial_ok: bool = False) -> RopeSpec:
     params = dict(cfg.get("rope_parameters") or {})
     params.update(cfg.get("rope_scaling") or {})
     theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
+    allowed = MLA_ROPE_TYPES if mla else SUPPORTED_ROPE_TYPES
+    if kind not in allowed:
         raise BridgeError(f"{path}: rope scaling type rope_type={kind!r} is not supported by megatron-core's "
-                          f"RotaryEmbedding; supported: {list(SUPPORTED_ROPE_TYPES)}")
+                          f"{'MLA rotary embedding' if mla else 'RotaryEmbedding'}; supported: {list(allowed)}")
     partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise BridgeError(f"{path}: partial_rotary_factor={partial} is not supported (only 1.0)")
+    if partial is None:
+        partial = 1.0
+    if partial != 1.0 and not partial_ok:
+        raise BridgeError(f"{path}: partial_rotary_factor={partial} is not supported for {cfg.get('architectures')} "
+                          "(only 1.0; GLM-4.5 takes a partial rotary factor)")
+    if not 0 < float(partial) <= 1:
+        raise BridgeError(f"{path}: partial_rotary_factor={partial} must be in (0, 1]")
     if kind == "default":
-        return RopeSpec(theta=float(theta))
+        return RopeSpec(theta=float(theta), partial=float(partial))
+    if kind == "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise BridgeError(f"{path}: rope_scaling.{key} is missing for rope_type='yarn'")
+        if params.get("attention_factor") is not None:
+            raise BridgeError(f"{path}: rope_scaling.attention_factor={params['attention_factor']} is not supported: "
+                              "megatron-core derives YaRN's attention factor from mscale / mscale_all_dim")
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale_all_dim and not mscale:
+            # HF then scales cos/sin by yarn_mscale(factor); megatron by yarn_mscale(factor, 1) / yarn_mscale(factor,
+            # mscale_all_dim): no setting of megatron's reproduces it
+            raise BridgeError(f"{path}: rope_scaling.mscale_all_dim={mscale_all_dim} without mscale is not supported")
+        return RopeSpec(theta=float(theta), type="yarn", factor=float(params["factor"]),
+                        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                        # HF ignores mscale unless mscale_all_dim is set too
+                        mscale=float(mscale) if mscale_all_dim else 1.0, mscale_all_dim=float(mscale_all_dim or 0.0),
+                        partial=float(partial))
     if "factor" not in params:
         raise BridgeError(f"{path}: rope_scaling.factor is missing for rope_type={kind!r}")
     if kind == "linear":
@@ -176,14 +248,15 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise BridgeError(f"{path}: hidden_act={act!r} is not supported (the bridge maps SwiGLU MLPs: 'silu')")
-    for flag in ("attention_bias", "mlp_bias"):
+    # GLM-4.5's attention_bias puts biases on q/k/v only (o_proj has none): megatron's add_qkv_bias
+    for flag in (("mlp_bias",) if family == "glm4_moe" else ("attention_bias", "mlp_bias")):
         if cfg.get(flag):
             raise BridgeError(f"{path}: {flag}=true is not supported (megatron adds biases to q/k/v only "
                               "via add_qkv_bias; an o_proj/MLP bias has no exact counterpart here)")
     if family in ("qwen2", "qwen2_moe"):
         qkv_bias = bool(cfg.get("qkv_bias", True))
     else:
-        qkv_bias = False
+        qkv_bias = family == "glm4_moe" and bool(cfg.get("attention_bias", False))
     sliding = None
     if family == "mistral" or cfg.get("use_sliding_window"):
         sliding = cfg.get("sliding_window") or None
@@ -191,7 +264,14 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
 
     moe: dict = {}
     ffn = _field(cfg, "intermediate_size", path)
-    if family in MOE_FAMILIES:
+    extra: dict = {}
+    if family in SIGMOID_ROUTER_FAMILIES:
+        moe, extra = _sigmoid_router_moe(cfg, path, family, layers)
+        if family == "deepseek_v3":
+            extra["mla"] = _mla(cfg, path, heads)
+            head_dim = extra["mla"].q_head_dim
+            kv_heads = heads  # MLA: every head has its own k/v (from the shared latent)
+    elif family in MOE_FAMILIES:
         if family == "mixtral":
             num_experts = _field(cfg, "num_local_experts", path)
             moe_ffn = ffn
@@ -221,10 +301,64 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
         num_key_value_heads=kv_heads, head_dim=head_dim, ffn_hidden_size=ffn,
         vocab_size=_field(cfg, "vocab_size", path),
         max_position_embeddings=_field(cfg, "max_position_embeddings", path, 4096),
-        rope=_rope(cfg, path), norm_eps=float(_field(cfg, "rms_norm_eps", path, 1e-6, kinds=(int, float))),
-        qkv_bias=qkv_bias, qk_layernorm=family in ("qwen3", "qwen3_moe"),
+        rope=_rope(cfg, path, mla=family == "deepseek_v3", partial_ok=family == "glm4_moe"),
+        norm_eps=float(_field(cfg, "rms_norm_eps", path, 1e-6, kinds=(int, float))),
+        qkv_bias=qkv_bias, qk_layernorm=family in ("qwen3", "qwen3_moe") or (
+            family == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
-        sliding_window=sliding, torch_dtype=str(dtype), score_head=score_head, **moe)
+        sliding_window=sliding, torch_dtype=str(dtype), score_head=score_head, **moe, **extra)
+
+
+def _mla(cfg: dict, path: str, heads: int) -> MLASpec:
+    q_lora = _field(cfg, "q_lora_rank", path, None)
+    mla = MLASpec(q_lora_rank=q_lora, kv_lora_rank=_field(cfg, "kv_lora_rank", path),
+                  qk_nope_head_dim=_field(cfg, "qk_nope_head_dim", path),
+                  qk_rope_head_dim=_field(cfg, "qk_rope_head_dim", path), v_head_dim=_field(cfg, "v_head_dim", path),
+                  rope_interleave=bool(cfg.get("rope_interleave", True)))
+    if mla.qk_rope_head_dim % 2:
+        raise BridgeError(f"{path}: qk_rope_head_dim={mla.qk_rope_head_dim} must be even (rope rotates pairs)")
+    return mla
+
+
+def _sigmoid_router_moe(cfg: dict, path: str, family: str, layers: int) -> tuple:
+    """The MoE fields of a DeepSeek-V3 / GLM-4.5 config (see SIGMOID_ROUTER_FAMILIES); raises on what megatron-core's
+    router cannot reproduce."""
+    num_experts = _field(cfg, "n_routed_experts", path)
+    topk = _field(cfg, "num_experts_per_tok", path)
+    groups = _field(cfg, "n_group", path, 1)
+    group_topk = _field(cfg, "topk_group", path, 1)
+    if not 1 < topk <= num_experts:
+        raise BridgeError(f"{path}: num_experts_per_tok={topk} must be in 2..{num_experts}: megatron-core's sigmoid "
+                          "router renormalises the top-k scores only for top-k > 1")
+    if not cfg.get("norm_topk_prob", True):
+        raise BridgeError(f"{path}: norm_topk_prob=false is not supported: megatron-core's sigmoid router always "
+                          "renormalises the top-k scores (every released DeepSeek-V3 / Kimi-K2 / GLM-4.5 uses true)")
+    if num_experts % groups or group_topk > groups:
+        raise BridgeError(f"{path}: n_group={groups} must divide n_routed_experts={num_experts} and be >= "
+                          f"topk_group={group_topk}")
+    if groups > 1 and topk // group_topk != 2:
+        # HF scores a group by its top-2 experts; megatron-core by its top (topk // topk_group) experts
+        raise BridgeError(f"{path}: num_experts_per_tok={topk} // topk_group={group_topk} must be 2 with n_group="
+                          f"{groups} > 1: HF scores a group by the sum of its top-2 experts, megatron-core by its top "
+                          "(num_experts_per_tok // topk_group) (DeepSeek-V3: 8 // 4)")
+    first_dense = _field(cfg, "first_k_dense_replace", path, 0)
+    if cfg.get("moe_layer_freq", 1) not in (None, 1):
+        raise BridgeError(f"{path}: moe_layer_freq={cfg['moe_layer_freq']} is not supported (transformers builds a MoE "
+                          "block in every layer from first_k_dense_replace on; only 1)")
+    pattern = tuple(i >= first_dense for i in range(layers))
+    shared = _field(cfg, "n_shared_experts", path, 0) or 0
+    moe_ffn = _field(cfg, "moe_intermediate_size", path)
+    scaling = float(_field(cfg, "routed_scaling_factor", path, 1.0, kinds=(int, float)))
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise BridgeError(f"{path}: topk_method={cfg.get('topk_method')!r} is not supported (only 'noaux_tc': "
+                          "sigmoid scores with e_score_correction_bias)")
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise BridgeError(f"{path}: scoring_func={cfg.get('scoring_func')!r} is not supported (only 'sigmoid')")
+    moe = dict(num_experts=num_experts, moe_topk=topk, moe_ffn_hidden_size=moe_ffn, moe_norm_topk_prob=True,
+               shared_expert_ffn_hidden_size=shared * moe_ffn, shared_expert_gate=False, moe_layers=pattern)
+    extra = dict(router=RouterSpec(expert_bias=True, num_groups=groups, group_topk=group_topk, scaling_factor=scaling),
+                 mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))
+    return moe, extra
 
 
 def load_spec(hf_dir: Union[str, Path]) -> ArchSpec:
@@ -258,6 +392,16 @@ def check_layout(spec: ArchSpec, tp: int = 1, pp: int = 1, ep: int = 1, etp: Opt
                           "shared_expert_intermediate_size"))
     elif ep != 1:
         raise BridgeError(f"expert_model_parallel_size={ep} needs a MoE model; {spec.architecture} is dense")
+    if spec.mla is not None:
+        # megatron-core's local MLA spec (and megarl's TE one) column-splits the down projections too
+        kv_rows = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        rules.append((tp, "tensor_model_parallel_size", kv_rows, "kv_lora_rank + qk_rope_head_dim"))
+        if spec.mla.q_lora_rank is not None:
+            rules.append((tp, "tensor_model_parallel_size", spec.mla.q_lora_rank, "q_lora_rank"))
+        if tp >= 1 and kv_rows % tp == 0 and not spec.mla.rope_interleave and spec.mla.qk_rope_head_dim > kv_rows // tp:
+            raise BridgeError(f"tensor_model_parallel_size={tp} splits the rope rows of kv_a_proj_with_mqa "
+                              f"({kv_rows} rows, the last {spec.mla.qk_rope_head_dim} rope): they must stay on one "
+                              "TP rank; use a smaller TP")
     for size, size_name, value, value_name in rules:
         if size < 1 or value % size:
             raise BridgeError(f"{size_name}={size} does not divide {value_name}={value}")

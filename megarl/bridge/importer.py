@@ -146,7 +146,7 @@ def load_hf_weights(model, hf_dir: Union[str, Path], spec: Optional[ArchSpec] = 
         rank = lp.tp_rank if entry.tp_dim is not None else 0
         chunks = [ckpt.read(h, mapping.hf_chunk_range(entry, i, rank, tp)) for i, h in enumerate(entry.hf)]
         nbytes += sum(c.numel() * c.element_size() for c in chunks)
-        shard = mapping.to_megatron(entry, chunks, tp)
+        shard = mapping.to_megatron(entry, chunks, tp, rank)
         if tuple(shard.shape) != tuple(lp.param.shape):
             raise BridgeError(f"{lp.local_name} (global {lp.name}) has shape {tuple(lp.param.shape)} on this rank but "
                               f"{list(entry.hf)} give {tuple(shard.shape)}: the model was built from another config")

@@ -15,6 +15,12 @@ kind says how the chunks of one or more HF tensors make one megatron shard:
   qkv      [q; k; v] -> linear_qkv, rows grouped per KV group g: [q heads of g, k_g, v_g]. TP splits contiguously
            over groups, so a shard is the same interleave of chunk r of q, k and v.
   gate_up  [gate; up] -> linear_fc1 (SwiGLU): shard r is [chunk r of gate; chunk r of up].
+  rope     MLA projections whose rows end in rope dims (per block of `Rule.block` rows, the last qk_rope_head_dim
+           rows), for checkpoints with `rope_interleave: false`. megatron-core's MLA always reads the rope dims as
+           interleaved pairs (x0, x1), (x2, x3), ... (it de-interleaves before rotating halves, as DeepSeek's own
+           checkpoints and HF `rope_interleave: true` do: those map plainly). A half-rotated checkpoint's rope rows
+           [a0..a(r/2-1), b0..b(r/2-1)] are stored interleaved: [a0, b0, a1, b1, ...]. The permutation stays inside
+           one TP chunk (checked by check_layout).
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch
 
 from megarl.bridge.hf_config import ArchSpec, BridgeError
 
-PLAIN, VOCAB, QKV, GATE_UP = "plain", "vocab", "qkv", "gate_up"
+PLAIN, VOCAB, QKV, GATE_UP, ROPE = "plain", "vocab", "qkv", "gate_up", "rope"
 LM_HEAD, VALUE_HEAD = "lm", "value"
 
 
@@ -38,6 +44,7 @@ class Rule:
     kind: str = PLAIN
     tp_dim: Optional[int] = None  # dim split over tensor parallelism (of the megatron and of each HF tensor)
     expert: bool = False  # routed-expert weight: sharded over EP, split over the expert-TP group
+    block: int = 0  # rope kind: rows per block (a q head, or the whole kv down-projection)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,27 @@ def _attention_rules(spec: ArchSpec) -> list:
     return rules
 
 
+def _mla_rules(spec: ArchSpec) -> list:
+    """DeepSeek-V3 multi-latent attention (megatron-core MLASelfAttention, local-spec names)."""
+    a, m = "model.layers.{L}.self_attn.", "decoder.layers.{L}.self_attention."
+    mla = spec.mla
+    q_kind, kv_kind = (PLAIN, PLAIN) if mla.rope_interleave else (ROPE, ROPE)
+    rules = [Rule("decoder.layers.{L}.input_layernorm.weight", ("model.layers.{L}.input_layernorm.weight",))]
+    if mla.q_lora_rank is None:
+        rules.append(Rule(m + "linear_q_proj.weight", (a + "q_proj.weight",), q_kind, 0, block=mla.q_head_dim))
+    else:
+        rules += [Rule(m + "linear_q_down_proj.weight", (a + "q_a_proj.weight",), PLAIN, 0),
+                  Rule(m + "q_layernorm.weight", (a + "q_a_layernorm.weight",)),
+                  Rule(m + "linear_q_up_proj.weight", (a + "q_b_proj.weight",), q_kind, 0, block=mla.q_head_dim)]
+    rules += [Rule(m + "linear_kv_down_proj.weight", (a + "kv_a_proj_with_mqa.weight",), kv_kind, 0,
+                   block=mla.kv_lora_rank + mla.qk_rope_head_dim),
+              Rule(m + "kv_layernorm.weight", (a + "kv_a_layernorm.weight",)),
+              Rule(m + "linear_kv_up_proj.weight", (a + "kv_b_proj.weight",), PLAIN, 0),
+              Rule(m + "linear_proj.weight", (a + "o_proj.weight",), PLAIN, 1),
+              Rule("decoder.layers.{L}.pre_mlp_layernorm.weight", ("model.layers.{L}.post_attention_layernorm.weight",))]
+    return rules
+
+
 def _mlp_rules(mg: str, hf: str, gate: str, up: str, down: str, expert: bool = False) -> list:
     return [Rule(mg + "linear_fc1.weight", (hf + gate, hf + up), GATE_UP, 0, expert),
             Rule(mg + "linear_fc2.weight", (hf + down,), PLAIN, 1, expert)]
@@ -99,10 +127,13 @@ def _moe_rules(spec: ArchSpec) -> list:
         return rules
     hf = "model.layers.{L}.mlp."
     rules = [Rule(mg + "router.weight", (hf + "gate.weight",))]
+    if spec.router is not None and spec.router.expert_bias:
+        rules.append(Rule(mg + "router.expert_bias", (hf + "gate.e_score_correction_bias",)))
     rules += _mlp_rules(mg + "experts.local_experts.{E}.", hf + "experts.{E}.",
                         "gate_proj.weight", "up_proj.weight", "down_proj.weight", expert=True)
     if spec.shared_expert_ffn_hidden_size:
-        rules += _mlp_rules(mg + "shared_experts.", hf + "shared_expert.",
+        shared = "shared_experts." if spec.router is not None else "shared_expert."  # DeepSeek/GLM vs Qwen2-MoE
+        rules += _mlp_rules(mg + "shared_experts.", hf + shared,
                             "gate_proj.weight", "up_proj.weight", "down_proj.weight")
         if spec.shared_expert_gate:
             rules.append(Rule(mg + "shared_experts.gate_weight", (hf + "shared_expert_gate.weight",)))
@@ -127,7 +158,8 @@ class Mapping:
             raise BridgeError(f"padded vocab {self.padded_vocab} < vocab_size={spec.vocab_size}")
         entries = [Entry(Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB, 0),
                          "embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
-        attention, dense, moe = _attention_rules(spec), _dense_mlp_rules(), _moe_rules(spec) if spec.is_moe else []
+        attention = _mla_rules(spec) if spec.mla is not None else _attention_rules(spec)
+        dense, moe = _dense_mlp_rules(), _moe_rules(spec) if spec.is_moe else []
         for layer in range(spec.num_layers):
             for rule in attention + (moe if spec.moe_layers[layer] else dense):
                 experts = range(spec.num_experts) if rule.expert else [None]
@@ -173,6 +205,8 @@ class Mapping:
         if entry.kind == QKV:
             rows = (s.num_attention_heads if i == 0 else s.num_key_value_heads) * hd
             return (rows,) if name.endswith(".bias") else (rows, h)
+        if s.mla is not None and ".self_attention." in name:
+            return self._mla_shape(name)
         if name.endswith("q_layernorm.weight") or name.endswith("k_layernorm.weight"):
             return (hd,)
         if name.endswith("layernorm.weight"):
@@ -181,6 +215,8 @@ class Mapping:
             return (h, s.num_attention_heads * hd)
         if name.endswith("router.weight"):
             return (s.num_experts, h)
+        if name.endswith("router.expert_bias"):
+            return (s.num_experts,)
         if name.endswith("gate_weight") or name == "output_layer.weight":
             return (1, h)
         ffn = (s.moe_ffn_hidden_size if entry.rule.expert else
@@ -190,6 +226,40 @@ class Mapping:
         if name.endswith("linear_fc2.weight"):
             return (h, ffn)
         raise AssertionError(f"no shape rule for {name}")
+
+    def _mla_shape(self, name: str) -> tuple:
+        s, mla = self.spec, self.spec.mla
+        n, h = s.num_attention_heads, s.hidden_size
+        q_in = h if mla.q_lora_rank is None else mla.q_lora_rank
+        shapes = {"linear_q_down_proj.weight": (mla.q_lora_rank, h),
+                  "q_layernorm.weight": (mla.q_lora_rank,),
+                  "linear_q_up_proj.weight": (n * mla.q_head_dim, q_in),
+                  "linear_q_proj.weight": (n * mla.q_head_dim, q_in),
+                  "linear_kv_down_proj.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+                  "kv_layernorm.weight": (mla.kv_lora_rank,),
+                  "linear_kv_up_proj.weight": (n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+                  "linear_proj.weight": (h, n * mla.v_head_dim)}
+        return shapes[name.split(".self_attention.")[1]]
+
+    def rope_order(self, entry: Entry, start: int, stop: int) -> Optional[torch.Tensor]:
+        """Rope entries: the HF rows, relative to `start`, that megatron rows [start, stop) hold (None: same order).
+        Within each block of `entry.rule.block` rows, the last qk_rope_head_dim rows r hold HF rows 0, r/2, 1,
+        r/2 + 1, ... of that rope part."""
+        if entry.kind != ROPE:
+            return None
+        block, r = entry.rule.block, self.spec.mla.qk_rope_head_dim
+        rows = torch.arange(start, stop)
+        off = rows % block
+        j = off - (block - r)
+        rope = j >= 0
+        src = rows.clone()
+        jr = j[rope]
+        perm = torch.where(jr % 2 == 0, jr // 2, r // 2 + jr // 2)
+        src[rope] = rows[rope] - jr + perm
+        if bool(((src < start) | (src >= stop)).any()):
+            raise BridgeError(f"{entry.hf[0]}: rows {start}:{stop} split its rope dims over TP ranks; choose a TP size "
+                              "that keeps the rope rows on one rank")
+        return src - start
 
     def hf_shapes(self) -> dict:
         """{hf name: shape}, computed once (the mapping does not change; planning a large model asks it per rank)."""
@@ -225,10 +295,17 @@ class Mapping:
             start = min(start, stop)
         return entry.tp_dim, start, stop
 
-    def to_megatron(self, entry: Entry, chunks: list, tp: int = 1) -> torch.Tensor:
+    def _chunk_start(self, entry: Entry, tp_rank: int, tp: int) -> int:
+        rng = self.hf_chunk_range(entry, 0, tp_rank, tp)
+        return 0 if rng is None else rng[1]
+
+    def to_megatron(self, entry: Entry, chunks: list, tp: int = 1, tp_rank: int = 0) -> torch.Tensor:
         """One megatron TP shard from the HF chunks returned by hf_chunk_range (one per entry.hf)."""
         if entry.kind == PLAIN:
             return chunks[0]
+        if entry.kind == ROPE:
+            start = self._chunk_start(entry, tp_rank, tp)
+            return chunks[0][self.rope_order(entry, start, start + chunks[0].shape[0])]
         if entry.kind == VOCAB:
             rows = self.padded_vocab // tp
             chunk = chunks[0]
@@ -253,6 +330,10 @@ class Mapping:
         `to_megatron` for one shard: live weight sync reshards these chunks without gathering whole tensors."""
         if entry.kind == PLAIN:
             return [(entry.hf[0], shard)]
+        if entry.kind == ROPE:
+            start = self._chunk_start(entry, tp_rank, tp)
+            order = self.rope_order(entry, start, start + shard.shape[0])
+            return [(entry.hf[0], shard[torch.argsort(order)])]
         if entry.kind == VOCAB:
             _, start, stop = self.hf_chunk_range(entry, 0, tp_rank, tp)
             return [(entry.hf[0], shard[: stop - start])]
@@ -300,6 +381,9 @@ class Mapping:
         if entry.kind == PLAIN:
             full = shards[0] if entry.tp_dim is None else cat(shards, entry.tp_dim)
             return [(entry.hf[0], full)]
+        if entry.kind == ROPE:
+            full = torch.cat(shards, dim=0)
+            return [(entry.hf[0], full[torch.argsort(self.rope_order(entry, 0, full.shape[0]))])]
         if entry.kind == VOCAB:
             return [(entry.hf[0], cat(shards)[: self.spec.vocab_size])]
         if entry.kind == GATE_UP:
@@ -333,6 +417,9 @@ _TE_RENAMES = (
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
     (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
     (re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r".mlp.experts.local_experts.\2.\1.weight"),
+    # MLA: the TE spec fuses the q/kv latent norms into the up projections
+    (re.compile(r"\.self_attention\.linear_q_up_proj\.layer_norm_weight$"), ".self_attention.q_layernorm.weight"),
+    (re.compile(r"\.self_attention\.linear_kv_up_proj\.layer_norm_weight$"), ".self_attention.kv_layernorm.weight"),
 )
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")

@@ -48,7 +48,11 @@ def local_params(model) -> list:
             if indices:
                 expert_offset = int(indices[0])
                 break
-        for name, param in chunk.named_parameters():
+        # the router's expert bias (DeepSeek-V3 / GLM-4.5 e_score_correction_bias) is a persistent buffer, not a
+        # parameter: the bridge moves it like one (import, export, sync, merge)
+        tensors = list(chunk.named_parameters()) + [(n, b) for n, b in chunk.named_buffers()
+                                                     if n.endswith(".router.expert_bias")]
+        for name, param in tensors:
             canonical = canonical_name(name)
             gname = globalize(canonical, lambda i: layers[i].layer_number - 1, expert_offset)
             expert = ".local_experts." in canonical

@@ -194,6 +194,15 @@ def _patch_grad_clip():
     mo.clip_grad_by_total_norm_fp32 = clip
 
 
+def _patch_mla_without_te():
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    # the module sets HAVE_TE when megatron's TE extension module imports, even with TE itself absent (its classes
+    # are then MagicMock placeholders), and later tests isinstance(linear_proj, TELinear)
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+
+
 PATCHES: tuple[_Patch, ...] = (
     _Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (torch.cuda.current_device() "
            "as a tensor device in ~175 places)", (), _patch_current_device),
@@ -218,6 +227,9 @@ PATCHES: tuple[_Patch, ...] = (
            ("megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
             "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32",
             "megatron.core.utils:to_local_if_dtensor"), _patch_grad_clip),
+    _Patch("mla_without_te", "MLASelfAttention: 'isinstance() arg 2 must be a type' (TELinear is a placeholder while HAVE_TE)",
+           ("megatron.core.transformer.multi_latent_attention:HAVE_TE",
+            "megatron.core.transformer.multi_latent_attention:TELinear"), _patch_mla_without_te),
 )
 
 

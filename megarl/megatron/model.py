@@ -58,7 +58,7 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
                        sequence_parallel: Optional[bool] = None, moe_dispatcher: str = "allgather", **overrides):
     """The megatron TransformerConfig for `spec` in the current parallel layout (after init_model_parallel)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = dtype or default_dtype()
     use_te = te_available() if use_te is None else use_te
@@ -93,8 +93,43 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         if spec.shared_expert_ffn_hidden_size:
             kw.update(moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size,
                       moe_shared_expert_gate=spec.shared_expert_gate)
+        if spec.router is not None:  # DeepSeek-V3 / GLM-4.5: see megarl.bridge.hf_config.SIGMOID_ROUTER_FAMILIES
+            r = spec.router
+            kw.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                      moe_router_enable_expert_bias=r.expert_bias, moe_router_bias_update_rate=0.0,
+                      moe_router_topk_scaling_factor=r.scaling_factor if r.scaling_factor != 1.0 else None,
+                      moe_router_num_groups=r.num_groups if r.num_groups > 1 else None,
+                      moe_router_group_topk=r.group_topk if r.num_groups > 1 else None)
+    if spec.mla is None:
+        kw.update(overrides)
+        return TransformerConfig(**kw)
+    mla, rope = spec.mla, spec.rope
+    # qk_layernorm builds MLA's q/kv latent norms (q_a_layernorm, kv_a_layernorm)
+    kw.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=mla.q_lora_rank,
+              kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+              v_head_dim=mla.v_head_dim, kv_channels=mla.q_head_dim, rotary_base=rope.theta,
+              rope_type="yarn" if rope.type == "yarn" else "rope", rotary_scaling_factor=rope.factor,
+              original_max_position_embeddings=rope.original_max_position_embeddings, beta_fast=rope.beta_fast,
+              beta_slow=rope.beta_slow, mscale=rope.mscale, mscale_all_dim=rope.mscale_all_dim)
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    return MLATransformerConfig(**kw)
+
+
+def _mla_column_parallel_down_projections(block_spec, use_te: bool) -> None:
+    """megatron-core's TE MLA spec replicates the q/kv down projections (TELinear 'duplicated'); its local spec
+    column-splits them. megarl uses the column split on both, so one mapping (megarl.bridge.mapping) serves both.
+    Without TE the core attention is megarl's MLADotProductAttention (the local one cannot take MLA's head sizes)."""
+    if not use_te:
+        from megarl.megatron.mla_attention import use_local_mla_core_attention
+
+        use_local_mla_core_attention(block_spec)
+        return
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+    for layer in block_spec.layer_specs:
+        sub = layer.submodules.self_attention.submodules
+        sub.linear_q_down_proj = TEColumnParallelLinear
+        sub.linear_kv_down_proj = TEColumnParallelLinear
 
 
 @contextlib.contextmanager
@@ -156,6 +191,8 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                             vp_stage=vp_stage)
+    if spec.mla is not None:
+        _mla_column_parallel_down_projections(block_spec, use_te)
     rope = spec.rope
     with _tensor_cuda_is_identity_on_cpu():
         model = GPTModel(
@@ -163,7 +200,7 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
             vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_pad_multiple),
             max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
-            position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope.theta,
+            position_embedding_type="rope", rotary_percent=rope.partial, rotary_base=rope.theta,
             rope_scaling=rope.type == "llama3", rope_scaling_factor=rope.factor if rope.type == "llama3" else 8.0,
             seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None, vp_stage=vp_stage,
         )

@@ -57,10 +57,36 @@ TINY_PRESETS = {
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
         decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
+    # DeepSeek-V3 (MLA): q LoRA, YaRN rope (interleaved in the checkpoint), 8 experts in 4 groups (top-2 groups,
+    # top-4 experts), a shared expert, routed_scaling_factor, one dense first layer. The latent sizes are vLLM's
+    # CPU MLA minimum (kv_lora_rank 32 + rope 16 per token).
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False, max_position_embeddings=256,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # DeepSeek-V3 without q LoRA (DeepSeek-V2-Lite / Moonlight style q_proj), plain rope, no expert groups,
+    # two dense first layers.
+    "deepseek_v3_noqlora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=1.0, first_k_dense_replace=2, tie_word_embeddings=False, rope_theta=50000.0)),
+    # GLM-4.5: partial rotary (half of head_dim), q/k/v bias, QK norm, sigmoid router with bias, shared expert,
+    # one dense first layer.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=1.5, first_k_dense_replace=1, tie_word_embeddings=False, rope_theta=1000000.0)),
 }
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 MOE_ARCHS = ("mixtral", "qwen3_moe", "qwen2_moe")
 ARCHS = DENSE_ARCHS + MOE_ARCHS
+# DeepSeek-V3 / GLM-4.5 shapes (own tests: tests/dist/test_bridge_deepseek.py)
+SIGMOID_MOE_ARCHS = ("deepseek_v3", "deepseek_v3_noqlora", "glm4_moe")
 
 
 def make_tokenizer(out_dir: Union[str, Path, None] = None, vocab_size: int = TOKENIZER_VOCAB):
@@ -113,6 +139,9 @@ def randomize_(model, init_std: float = 0.1, seed: int = 0) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek/GLM router bias: changes which experts are chosen
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def make_tiny_model(arch: str, out_dir: Union[str, Path], *, seed: int = 0, init_std: float = 0.1,

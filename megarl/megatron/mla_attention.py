@@ -1,0 +1,31 @@
+"""Core attention for megatron-core's multi-latent attention without Transformer Engine (CPU, local spec).
+
+megatron-core 0.16.1 builds MLA's core attention with `k_channels` / `v_channels` (keys are qk_nope + qk_rope wide,
+values v_head_dim), which only TEDotProductAttention accepts; the local `DotProductAttention` also sizes its output
+from `kv_channels`. Its math needs neither: scores and context are computed from the tensors' own sizes. This
+subclass takes the two arguments and sizes the output [sq, b, heads_per_partition * v_channels]; everything else
+(causal mask, fp32 softmax, the given softmax_scale with YaRN's mscale) is megatron's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+class MLADotProductAttention(DotProductAttention):
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                         attention_type=attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if v_channels is not None:
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+
+def use_local_mla_core_attention(block_spec) -> None:
+    """Swap the local spec's core attention of every MLA layer for MLADotProductAttention."""
+    for layer in block_spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = MLADotProductAttention
