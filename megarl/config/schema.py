@@ -119,6 +119,20 @@ class OptimConfig(_Section):
     clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
 
 
+class PolicyLossOptions(_Section):
+    """Settings of the policy losses that have their own (verl's names); each is read only by the losses named."""
+
+    tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
+    tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for negative advantages.")
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov: share of tokens whose gradient is cut.")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of the tokens cut.")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of the tokens cut.")
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov: share of tokens given the KL penalty.")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="kl_cov: coefficient of the |log ratio| penalty.")
+    dro_beta: Optional[float] = Field(None, gt=0, description="dro: coefficient of the quadratic log-ratio penalty "
+                                      "(required with policy_loss=dro).")
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -126,7 +140,10 @@ class ActorConfig(_Section):
     ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per micro-batch (dynamic bsz).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     shuffle: bool = Field(False, description="Shuffle sequences between mini-batches.")
-    policy_loss: str = Field("vanilla", description="Policy loss: vanilla (PPO clip), gspo, cispo.")
+    policy_loss: str = Field("vanilla", description="Policy loss (verl's names): vanilla (PPO clip), gspo, cispo, "
+                             "sapo, gpg, clip_cov, kl_cov, geo_mean, dro, dppo_tv, dppo_kl.")
+    policy_loss_options: PolicyLossOptions = Field(default_factory=PolicyLossOptions,
+                                                   description="Settings of sapo, clip_cov, kl_cov and dro.")
     clip_ratio: float = Field(0.2, gt=0, description="Default for clip_ratio_low/high when they are not set.")
     clip_ratio_low: Optional[float] = Field(None, gt=0, description="Lower clip (ratio >= 1 - low).")
     clip_ratio_high: Optional[float] = Field(None, gt=0, description="Upper clip (ratio <= 1 + high); DAPO "
@@ -333,7 +350,12 @@ class RolloutCorrectionConfig(_Section):
 
 class AlgorithmConfig(_Section):
     adv_estimator: str = Field("grpo", description="gae, grpo, drgrpo, rloo, reinforce_plus_plus, "
-                               "reinforce_plus_plus_baseline, remax.")
+                               "reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, gdpo, "
+                               "optimal_token_baseline.")
+    gdpo_reward_keys: Optional[list[str]] = Field(None, description="gdpo: the reward function's extra values (keys "
+                                                  "of its returned dict) normalised one by one; None: the reward.")
+    gdpo_reward_weights: Optional[list[float]] = Field(None, description="gdpo: weight of each of gdpo_reward_keys; "
+                                                       "None: 1 each.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     norm_adv_by_std_in_grpo: bool = Field(True, description="False gives Dr.GRPO.")
