@@ -239,8 +239,11 @@ def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> d
     diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
     metrics.update({"rollout/logprob_abs_diff_mean": algo.masked_mean(diff, mask).item(),
                     "rollout/logprob_abs_diff_max": diff[mask].max().item() if mask.any() else 0.0})
-    metrics.update({k: float(v) for k, v in algo.rollout_mismatch_metrics(
-        batch["old_log_probs"], batch["rollout_log_probs"], mask).items()})
+    mismatch = {k: float(v) for k, v in algo.rollout_mismatch_metrics(
+        batch["old_log_probs"], batch["rollout_log_probs"], mask).items()}
+    metrics.update(mismatch)
+    # verl's names for the same values (rollout_corr/kl, rollout_corr/log_ppl_abs_diff, rollout_corr/chi2_token, ...)
+    metrics.update({f"rollout_corr/{algo.VERL_MISMATCH_NAMES[k]}": v for k, v in mismatch.items()})
     return metrics
 
 
@@ -292,17 +295,28 @@ def apply_rollout_correction(cfg: MegarlConfig, batch: dict) -> dict:
     metrics = {}
     if rc.is_level is not None:
         weights, m = algo.rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask,
-                                             level=rc.is_level, threshold=rc.is_threshold)
+                                             level=rc.is_level, threshold=rc.is_threshold,
+                                             threshold_lower=rc.is_threshold_lower,
+                                             mode="truncate" if rc.is_threshold_lower is None else "mask")
         batch["rollout_is_weights"] = weights
-        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+        metrics.update(_correction_metrics(m))
     if rc.rejection_level is not None:
         keep, m = algo.rollout_rejection_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask,
-                                              level=rc.rejection_level, threshold=rc.rejection_threshold)
+                                              level=rc.rejection_level, threshold=rc.rejection_threshold,
+                                              threshold_lower=rc.rejection_threshold_lower)
         batch["response_mask"] = mask & keep.bool()
-        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+        metrics.update(_correction_metrics(m))
     if rc.use_rollout_log_probs:
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
     return metrics
+
+
+def _correction_metrics(m: dict) -> dict:
+    """rollout_correction/<name>, and verl's rollout_corr/<name> for those verl logs too."""
+    out = {f"rollout_correction/{k}": float(v) for k, v in m.items()}
+    out.update({f"rollout_corr/{algo.VERL_CORRECTION_NAMES[k]}": float(v) for k, v in m.items()
+                if k in algo.VERL_CORRECTION_NAMES})
+    return out
 
 
 class EngineGeneration:

@@ -57,7 +57,13 @@ from megarl.algo.losses import (
     sapo_loss,
 )
 from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from megarl.algo.rollout_correction import rollout_is_weights, rollout_mismatch_metrics, rollout_rejection_mask
+from megarl.algo.rollout_correction import (
+    VERL_CORRECTION_NAMES,
+    VERL_MISMATCH_NAMES,
+    rollout_is_weights,
+    rollout_mismatch_metrics,
+    rollout_rejection_mask,
+)
 from megarl.algo.value import explained_variance, value_loss
 
 __all__ = [
@@ -72,7 +78,8 @@ __all__ = [
     "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",
     "entropy_from_logits", "sum_pi_squared_from_logits",
     "overlong_reward_penalty", "filter_groups_by_metric",
-    "rollout_is_weights", "rollout_rejection_mask", "rollout_mismatch_metrics",
+    "rollout_is_weights", "rollout_rejection_mask", "rollout_mismatch_metrics", "VERL_MISMATCH_NAMES",
+    "VERL_CORRECTION_NAMES",
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "group_ids", "group_mean_std",
 ]

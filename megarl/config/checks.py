@@ -200,7 +200,7 @@ def check_algorithm_names(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue("rollout.n", cfg.rollout.n, f"adv_estimator '{cfg.algorithm.adv_estimator}' compares "
                             "samples of the same prompt; with n=1 every advantage is 0",
                             "set rollout.n to 2 or more (e.g. 8)", keys=("rollout.n", "algorithm.adv_estimator")))
-    issues += _policy_loss_option_issues(cfg) + _gdpo_issues(cfg)
+    issues += _policy_loss_option_issues(cfg) + _gdpo_issues(cfg) + _rollout_correction_issues(cfg)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         issues.append(Issue("critic.enable", False, "adv_estimator 'gae' needs a critic", "set critic.enable=true or "
                             "choose a critic-free estimator such as grpo", keys=("critic.enable",)))
@@ -227,6 +227,28 @@ def _policy_loss_option_issues(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue("actor.policy_loss_options.dro_beta", None, "policy_loss 'dro' needs the coefficient of "
                             "its quadratic log-ratio penalty", "set actor.policy_loss_options.dro_beta (e.g. 0.1)",
                             keys=("actor.policy_loss_options.dro_beta", "actor.policy_loss")))
+    return issues
+
+
+def _rollout_correction_issues(cfg: MegarlConfig) -> list[Issue]:
+    rc, p, issues = cfg.algorithm.rollout_correction, "algorithm.rollout_correction.", []
+    ratio_level = rc.rejection_level in ("token", "sequence", "geometric")
+    if ratio_level and rc.rejection_threshold <= 1:
+        issues.append(Issue(p + "rejection_threshold", rc.rejection_threshold, f"rejection_level '{rc.rejection_level}'"
+                            " bounds a ratio from above: it must be > 1", "set it above 1 (e.g. 2.0, or 1.001 for "
+                            "geometric)", keys=(p + "rejection_threshold", p + "rejection_level")))
+    if rc.rejection_threshold_lower is not None and not ratio_level:
+        issues.append(Issue(p + "rejection_threshold_lower", rc.rejection_threshold_lower, "only the ratio rejection "
+                            "levels (token, sequence, geometric) have a lower bound", "remove it",
+                            keys=(p + "rejection_threshold_lower", p + "rejection_level")))
+    if rc.is_threshold_lower is not None and (rc.is_level is None or rc.is_threshold_lower > rc.is_threshold):
+        issues.append(Issue(p + "is_threshold_lower", rc.is_threshold_lower, "IcePop's lower bound needs is_level and "
+                            "must not exceed is_threshold", "set is_level, or remove it",
+                            keys=(p + "is_threshold_lower", p + "is_level", p + "is_threshold")))
+    if rc.loss_type == "reinforce" and cfg.actor.policy_loss != "vanilla":
+        issues.append(Issue(p + "loss_type", "reinforce", "the REINFORCE loss replaces actor.policy_loss, which is "
+                            f"'{cfg.actor.policy_loss}'", "keep actor.policy_loss=vanilla, or use loss_type=ppo_clip",
+                            keys=(p + "loss_type", "actor.policy_loss")))
     return issues
 
 

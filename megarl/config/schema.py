@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Sections
@@ -338,14 +338,82 @@ class FilterGroupsConfig(_Section):
     max_num_gen_batches: int = Field(10, ge=0, description="Extra generation rounds allowed per step; 0: unlimited.")
 
 
+def _rc(is_level=None, is_threshold=2.0, is_threshold_lower=None, rejection_level=None, rejection_threshold=None,
+        rejection_threshold_lower=None, bypass=False, reinforce=False) -> dict:
+    d = {"is_level": is_level, "is_threshold": is_threshold, "is_threshold_lower": is_threshold_lower,
+         "rejection_level": rejection_level, "use_rollout_log_probs": bypass,
+         "loss_type": "reinforce" if reinforce else "ppo_clip"}
+    if rejection_level is not None:
+        d.update(rejection_threshold=rejection_threshold, rejection_threshold_lower=rejection_threshold_lower)
+    return d
+
+
+_GEO = dict(rejection_level="geometric", rejection_threshold=1.001, rejection_threshold_lower=0.999)
+_K3 = dict(rejection_level="seq_mean_k3", rejection_threshold=0.01)
+# verl's RolloutCorrectionConfig presets (verl/trainer/config/algorithm.py) with their default arguments, in megarl's
+# settings: verl's rollout_rs seq_sum_k1 is rejection_level sequence, seq_mean_k1 geometric; a "lower_upper" IS
+# threshold (IcePop) is is_threshold_lower; bypass_mode is use_rollout_log_probs.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict] = {
+    "disabled": _rc(),
+    "decoupled_token_is": _rc("token"),
+    "decoupled_seq_is": _rc("sequence"),
+    "decoupled_token_icepop": _rc("token", 5.0, 0.5),
+    "decoupled_seq_is_rs": _rc("sequence", rejection_level="sequence", rejection_threshold=2.0,
+                               rejection_threshold_lower=0.5),
+    "decoupled_geo_rs": _rc(**_GEO),
+    "decoupled_geo_rs_seq_tis": _rc("sequence", **_GEO),
+    "decoupled_geo_rs_token_tis": _rc("token", **_GEO),
+    "decoupled_k3_rs": _rc(**_K3),
+    "decoupled_k3_rs_seq_tis": _rc("sequence", **_K3),
+    "decoupled_k3_rs_token_tis": _rc("token", **_K3),
+    "bypass_ppo_clip": _rc(bypass=True),
+    "bypass_ppo_clip_geo_rs": _rc(bypass=True, **_GEO),
+    "bypass_ppo_clip_k3_rs": _rc(bypass=True, **_K3),
+    "bypass_pg_is": _rc("sequence", bypass=True, reinforce=True),
+    "bypass_pg_token_icepop": _rc("token", 5.0, 0.5, bypass=True, reinforce=True),
+    "bypass_pg_geo_rs": _rc(bypass=True, reinforce=True, **_GEO),
+    "bypass_pg_geo_rs_seq_tis": _rc("sequence", bypass=True, reinforce=True, **_GEO),
+    "bypass_pg_geo_rs_token_tis": _rc("token", bypass=True, reinforce=True, **_GEO),
+}
+
+
 class RolloutCorrectionConfig(_Section):
+    preset: Optional[str] = Field(None, description="A verl preset (decoupled_token_is, decoupled_seq_is, "
+                                  "bypass_ppo_clip, ... : ROLLOUT_CORRECTION_PRESETS) that sets the fields below; a "
+                                  "field given as well must agree with it.")
     use_rollout_log_probs: bool = Field(False, description="Use the engine's logprobs as old logprobs instead of "
-                                        "recomputing them with the actor.")
+                                        "recomputing them with the actor (verl's bypass mode).")
+    loss_type: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="ppo_clip: actor.policy_loss; "
+                                                        "reinforce: the plain policy gradient -w A log pi (policy "
+                                                        "loss gpg) with the importance weights w (verl's bypass "
+                                                        "REINFORCE).")
     is_level: Optional[Literal["token", "sequence"]] = Field(None, description="Truncated importance sampling level.")
     is_threshold: float = Field(2.0, gt=0, description="Upper truncation of the importance weights.")
-    rejection_level: Optional[Literal["token", "sequence", "geometric"]] = Field(None,
-                                                                                 description="Reject tokens/sequences whose ratio leaves [1/threshold, threshold]; None: off.")
-    rejection_threshold: float = Field(2.0, gt=1, description="Ratio bound for rejection.")
+    is_threshold_lower: Optional[float] = Field(None, gt=0, description="IcePop: weights outside [is_threshold_lower, "
+                                                "is_threshold] are set to 0 instead of truncated; None: truncation.")
+    rejection_level: Optional[Literal["token", "sequence", "geometric", "seq_mean_k3"]] = Field(
+        None, description="Reject tokens/sequences whose ratio leaves [rejection_threshold_lower, "
+        "rejection_threshold] (seq_mean_k3: whose mean k3 divergence exceeds rejection_threshold); None: off.")
+    rejection_threshold: float = Field(2.0, gt=0, description="Ratio bound for rejection (> 1), or the k3 bound.")
+    rejection_threshold_lower: Optional[float] = Field(None, ge=0, le=1, description="Lower ratio bound; None: "
+                                                       "1 / rejection_threshold.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if name not in ROLLOUT_CORRECTION_PRESETS:
+            raise ValueError(f"unknown rollout_correction preset {name!r}; expected one of "
+                             f"{sorted(ROLLOUT_CORRECTION_PRESETS)}")
+        expanded = dict(data)
+        for key, value in ROLLOUT_CORRECTION_PRESETS[name].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"rollout_correction.{key}={data[key]!r} contradicts preset {name!r} (which sets "
+                                 f"{value!r}): drop one of them")
+            expanded[key] = value
+        return expanded
 
 
 class AlgorithmConfig(_Section):

@@ -41,7 +41,10 @@ class PolicyLossSettings:
         options = dict(tau_pos=o.tau_pos, tau_neg=o.tau_neg, clip_cov_ratio=o.clip_cov_ratio, clip_cov_lb=o.clip_cov_lb,
                        clip_cov_ub=o.clip_cov_ub, kl_cov_ratio=o.kl_cov_ratio, ppo_kl_coef=o.ppo_kl_coef,
                        dro_beta=o.dro_beta)
-        return cls(vocab_size=vocab_size, policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+        # verl's bypass REINFORCE (rollout_correction.loss_type=reinforce) is the plain policy gradient with the
+        # correction's importance weights: gpg's loss, which multiplies them in
+        reinforce = cfg.algorithm.rollout_correction.loss_type == "reinforce"
+        return cls(vocab_size=vocab_size, policy_loss="gpg" if reinforce else a.policy_loss, loss_agg_mode=a.loss_agg_mode,
                    clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
                    entropy_coeff=a.entropy_coeff, use_kl_loss=cfg.kl_loss_active, kl_loss_coef=a.kl_loss_coef,
                    kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0,
