@@ -129,10 +129,10 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
                             width: int) -> Optional[torch.Tensor]:
     """A forward-only pass in token-budget micro-batches (rollout.log_prob_use_dynamic_bsz).
 
-    forward(tokens [g, s], micro_batch_size) -> [g, <= s] per-position outputs (None off the last pipeline stage);
+    forward(tokens [g, s], micro_batch_size) -> [g, <= s, ...] per-position outputs (None off the last pipeline stage);
     tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of rows holding at
     most max_tokens tokens runs as one micro-batch cut to its longest row; the rows come back in their order as
-    [N, width], zero past each group's cut (positions no loss reads)."""
+    [N, width, ...], zero past each group's cut (positions no loss reads)."""
     groups = token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
     out = None
     for rows in groups:
@@ -142,7 +142,7 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
         if part is None:
             continue
         if out is None:
-            out = part.new_zeros((tokens.shape[0], width))
+            out = part.new_zeros((tokens.shape[0], width) + tuple(part.shape[2:]))
         w = min(width, part.shape[1])
         out[idx.to(out.device), :w] = part[:, :w]
     return out

@@ -691,8 +691,11 @@ _SAME_NAMES = {
         "enable", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "cliprange_value", "loss_agg_mode")),
     "reward_model.overlong_buffer.": ("reward.overlong_buffer.", (
         "enable", "len", "penalty_factor")),
+    AR + "actor.policy_loss.": ("actor.policy_loss_options.", (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")),
     "algorithm.": ("algorithm.", (
-        "adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")),
+        "adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty",
+        "gdpo_reward_keys", "gdpo_reward_weights")),
     "algorithm.kl_ctrl.": ("algorithm.kl_ctrl.", (
         "type", "kl_coef", "target_kl", "horizon")),
     "algorithm.filter_groups.": ("algorithm.filter_groups.", (
@@ -701,6 +704,7 @@ _SAME_NAMES = {
         "val_before_train", "n_gpus_per_node", "nnodes", "device")),
 }
 RULES.update({verl + name: _to(megarl + name) for verl, (megarl, names) in _SAME_NAMES.items() for name in names})
+RULES.update({AR + f"actor.{name}": _to(f"actor.policy_loss_options.{name}") for name in ("tau_pos", "tau_neg")})
 
 
 _FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",

@@ -124,13 +124,35 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
 def old_log_probs_from_update(cfg: MegarlConfig, actor_updates: bool) -> bool:
     """True when the separate old-logprob pass can be skipped: the actor updates this step and the batch gets exactly
     one optimizer step (ppo_epochs 1, one mini-batch), so the policy trained is still the one that sampled, and nothing
-    reads the old logprobs before the update (no KL penalty in the reward, no rollout correction). The update then
+    reads the old logprobs before the update (no KL penalty in the reward, no rollout correction, no
+    optimal_token_baseline). The update then
     takes them from its own forward, detached (PPO ratio exactly 1, as verl and TRL do)."""
     a, rc = cfg.actor, cfg.algorithm.rollout_correction
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
     read_before = (cfg.kl_in_reward_active or rc.is_level is not None or rc.rejection_level is not None
-                   or rc.use_rollout_log_probs)
+                   or rc.use_rollout_log_probs or cfg.algorithm.adv_estimator == "optimal_token_baseline")
     return actor_updates and one_step and not read_before
+
+
+# estimators that compare the samples of one prompt (they read the batch's prompt_index)
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk", "gdpo",
+                    "optimal_token_baseline")
+
+
+def reward_components(cfg: MegarlConfig, per_sample: dict, num_samples: int) -> Optional[torch.Tensor]:
+    """gdpo's reward dimensions [N, K]: the reward functions' extra values named by algorithm.gdpo_reward_keys (None
+    when no keys are set: gdpo then normalises the reward alone)."""
+    keys = cfg.algorithm.gdpo_reward_keys
+    if cfg.algorithm.adv_estimator != "gdpo" or not keys:
+        return None
+    missing = [k for k in keys if k not in per_sample]
+    if missing:
+        raise ValueError(f"algorithm.gdpo_reward_keys names {missing}, but the reward function returned no such "
+                         f"values (it returned {sorted(per_sample)}): return a dict with a value per key")
+    components = torch.stack([per_sample[k].to(torch.float32) for k in keys], dim=1)
+    if components.shape[0] != num_samples or bool(components.isnan().any()):
+        raise ValueError(f"algorithm.gdpo_reward_keys {keys}: every sample needs a numeric value for every key")
+    return components
 
 
 def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
@@ -147,10 +169,16 @@ def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
     kwargs = dict(token_level_rewards=rewards, response_mask=batch["response_mask"])
     if a.adv_estimator == "gae":
         kwargs.update(values=batch["values"], gamma=a.gamma, lam=a.lam)
-    elif a.adv_estimator in ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"):
+    elif a.adv_estimator in GROUP_ESTIMATORS:
         kwargs.update(index=batch["prompt_index"])
-        if a.adv_estimator == "grpo":
+        if a.adv_estimator in ("grpo", "grpo_passk", "gdpo"):
             kwargs.update(norm_adv_by_std=a.norm_adv_by_std_in_grpo)
+        if a.adv_estimator == "gdpo":
+            # popped: [N, K] has no token axis, and nothing after the advantages reads it
+            kwargs.update(reward_components=batch.pop("reward_components", None), reward_weights=a.gdpo_reward_weights)
+        if a.adv_estimator == "optimal_token_baseline":
+            kwargs.update(old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"],
+                          rollout_is_weights=batch.get("rollout_is_weights"))
     elif a.adv_estimator == "reinforce_plus_plus":
         kwargs.update(gamma=a.gamma)
     elif a.adv_estimator == "remax":
@@ -211,8 +239,11 @@ def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> d
     diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
     metrics.update({"rollout/logprob_abs_diff_mean": algo.masked_mean(diff, mask).item(),
                     "rollout/logprob_abs_diff_max": diff[mask].max().item() if mask.any() else 0.0})
-    metrics.update({k: float(v) for k, v in algo.rollout_mismatch_metrics(
-        batch["old_log_probs"], batch["rollout_log_probs"], mask).items()})
+    mismatch = {k: float(v) for k, v in algo.rollout_mismatch_metrics(
+        batch["old_log_probs"], batch["rollout_log_probs"], mask).items()}
+    metrics.update(mismatch)
+    # verl's names for the same values (rollout_corr/kl, rollout_corr/log_ppl_abs_diff, rollout_corr/chi2_token, ...)
+    metrics.update({f"rollout_corr/{algo.VERL_MISMATCH_NAMES[k]}": v for k, v in mismatch.items()})
     return metrics
 
 
@@ -264,17 +295,28 @@ def apply_rollout_correction(cfg: MegarlConfig, batch: dict) -> dict:
     metrics = {}
     if rc.is_level is not None:
         weights, m = algo.rollout_is_weights(batch["old_log_probs"], batch["rollout_log_probs"], mask,
-                                             level=rc.is_level, threshold=rc.is_threshold)
+                                             level=rc.is_level, threshold=rc.is_threshold,
+                                             threshold_lower=rc.is_threshold_lower,
+                                             mode="truncate" if rc.is_threshold_lower is None else "mask")
         batch["rollout_is_weights"] = weights
-        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+        metrics.update(_correction_metrics(m))
     if rc.rejection_level is not None:
         keep, m = algo.rollout_rejection_mask(batch["old_log_probs"], batch["rollout_log_probs"], mask,
-                                              level=rc.rejection_level, threshold=rc.rejection_threshold)
+                                              level=rc.rejection_level, threshold=rc.rejection_threshold,
+                                              threshold_lower=rc.rejection_threshold_lower)
         batch["response_mask"] = mask & keep.bool()
-        metrics.update({f"rollout_correction/{k}": float(v) for k, v in m.items()})
+        metrics.update(_correction_metrics(m))
     if rc.use_rollout_log_probs:
         batch["old_log_probs"] = batch["rollout_log_probs"].clone()
     return metrics
+
+
+def _correction_metrics(m: dict) -> dict:
+    """rollout_correction/<name>, and verl's rollout_corr/<name> for those verl logs too."""
+    out = {f"rollout_correction/{k}": float(v) for k, v in m.items()}
+    out.update({f"rollout_corr/{algo.VERL_CORRECTION_NAMES[k]}": float(v) for k, v in m.items()
+                if k in algo.VERL_CORRECTION_NAMES})
+    return out
 
 
 class EngineGeneration:
@@ -333,7 +375,7 @@ def batch_size_drawn(cfg: MegarlConfig) -> int:
 
 
 def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg: MegarlConfig, rt: Runtime,
-                 timer: Timer, seed: Optional[int] = None):
+                 timer: Timer, seed: Optional[int] = None, per_sample: Optional[dict] = None):
     """Prompts, rollout and rewards of one step: (records, rollout, scores, metrics). The first round's batch comes
     from the rollout schedule (megarl.rollout.schedule: generated now, or ahead in the async modes).
 
@@ -341,9 +383,10 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
     prompts are generated until train_batch_size prompts whose samples' metric is not constant are collected: a
     group with all-equal rewards has zero advantage and only dilutes the batch. At most max_num_gen_batches rounds
     (0: no limit); the rounds are reported as dapo/gen_rounds. `seed` makes the step's sampling reproducible (each
-    extra round shifts it)."""
+    extra round shifts it). per_sample, if given, receives the reward functions' extra per-sample values of the
+    returned rows (see `score`)."""
     fg, target, draw = cfg.algorithm.filter_groups, cfg.data.train_batch_size, batch_size_drawn(cfg)
-    kept: list[tuple[PromptRecord, RolloutBatch, torch.Tensor]] = []
+    kept: list[tuple[PromptRecord, RolloutBatch, torch.Tensor, dict]] = []
     rounds, seen_groups = 0, 0
     generated: list[tuple[dict, int]] = []  # each round's rollout/* and reward/* metrics with its sample count
     while True:
@@ -359,6 +402,8 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
             scores, reward_metrics = score(reward_fn, rollout, records, tokenizer, cfg, rt, per_sample=extras)
         rounds += 1
         if not fg.enable:
+            if per_sample is not None:
+                per_sample.update(extras)
             return records, rollout, scores, {**reward_metrics, **schedule_metrics}
         generated.append(({**rollout.metrics, **reward_metrics}, len(rollout)))
         metric = extras.get("acc", scores) if fg.metric == "acc" else scores
@@ -366,7 +411,8 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
         seen_groups += m["num_groups"]
         for group in sorted(set(rollout.prompt_index[keep].tolist())):
             rows = (rollout.prompt_index == group).nonzero().flatten().tolist()
-            kept.append((records[group], rollout.select(rows), scores[rows]))
+            kept.append((records[group], rollout.select(rows), scores[rows],
+                         {k: v[rows] for k, v in extras.items()}))
         if len(kept) >= target:
             break
         if fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches:
@@ -378,6 +424,9 @@ def sample_batch(schedule, step: int, engine, loader, reward_fn, tokenizer, cfg:
     kept = kept[:target]
     rollout = RolloutBatch.concat([k[1] for k in kept], prompt_index=list(range(len(kept))))
     scores = torch.cat([k[2] for k in kept])
+    if per_sample is not None:
+        per_sample.update({name: torch.cat([k[3][name] for k in kept]) for name in kept[0][3]
+                           if all(name in k[3] for k in kept)})
     _, final = algo.filter_groups_by_metric(scores, rollout.prompt_index)
     # rollout/* and reward/* describe everything generated in the step's rounds; train/* the kept batch
     every_round = combine_round_metrics(generated)

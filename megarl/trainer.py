@@ -159,9 +159,14 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
         timer = steps.Timer()
         with timer("step"):
+            per_sample: dict = {}
             records, rollout, scores, reward_metrics = steps.sample_batch(
-                schedule, step, engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step))
+                schedule, step, engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step),
+                per_sample=per_sample)
             batch = build_train_batch(rollout, scores, pad_id)
+            components = steps.reward_components(cfg, per_sample, len(rollout))
+            if components is not None:
+                batch["reward_components"] = components
             if cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is each prompt's baseline
                 with timer("remax_baseline"):
                     batch["reward_baselines"], baseline_metrics = steps.remax_baselines(
@@ -172,7 +177,11 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
             on_policy = steps.old_log_probs_from_update(cfg, actor_updates)  # else a separate pass computes them
             if not on_policy:
                 with timer("old_log_prob"):
-                    batch["old_log_probs"] = actor.log_probs(batch, rt)
+                    if cfg.algorithm.adv_estimator == "optimal_token_baseline":  # it also reads sum_v pi(v)^2
+                        batch["old_log_probs"], batch["sum_pi_squared"] = actor.log_probs(batch, rt,
+                                                                                         sum_pi_squared=True)
+                    else:
+                        batch["old_log_probs"] = actor.log_probs(batch, rt)
             if ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"] = ref.log_probs(batch, rt)

@@ -12,14 +12,20 @@ keyword arguments only, drawn from ESTIMATOR_KWARGS:
   norm_adv_by_std             divide group-centred scores by the group std (grpo; False is Dr.GRPO)
   epsilon                     added to the group std before dividing
   whiten                      whiten gae advantages over the batch
+  reward_components   [B, K]  gdpo: K reward dimensions per sample (None: the one outcome score)
+  reward_weights      [K]     gdpo: weight of each dimension (None: 1 each)
+  old_log_probs       [B, T]  optimal_token_baseline: log-prob of the sampled token under the sampling policy
+  sum_pi_squared      [B, T]  optimal_token_baseline: sum over the vocabulary of pi^2 at each position
+  rollout_is_weights  [B, T]  optimal_token_baseline: rollout-correction weights (None: no correction)
 
 Each returns (advantages [B, T], returns [B, T]), both 0 on masked positions and computed without autograd
 (advantages are constants of the policy loss). An estimator ignores the keywords other estimators use, raises
 ValueError when one it needs is None or missing, and rejects keywords no estimator knows (a typo such as
 `norm_adv_by_std_in_grpo` must not be silently ignored).
 
-Group of one: a lone sample has no peers to compare with, so grpo, drgrpo, rloo and the reinforce++ group
-baseline give it a group-relative score of 0 (no learning signal), rather than its raw reward.
+Group of one: a lone sample has no peers to compare with, so grpo, drgrpo, rloo, the reinforce++ group baseline,
+opo, gpg, gdpo and optimal_token_baseline give it a group-relative score of 0 (no learning signal), rather than its
+raw reward (verl gives some of them the raw reward).
 
 Masked tokens inside a response (e.g. tool output in multi-turn rollouts) are skipped by the recursive
 estimators: they neither add reward nor discount, and the value bootstraps from the next valid token.
@@ -45,6 +51,7 @@ from megarl.algo.masked import masked_whiten
 ESTIMATOR_KWARGS = frozenset({
     "token_level_rewards", "response_mask", "index", "values", "reward_baselines",
     "gamma", "lam", "norm_adv_by_std", "epsilon", "whiten",
+    "reward_components", "reward_weights", "old_log_probs", "sum_pi_squared", "rollout_is_weights",
 })
 
 
@@ -224,6 +231,179 @@ def remax_advantage(*, token_level_rewards=None, response_mask=None, reward_base
     return adv, returns
 
 
+@torch.no_grad()
+def opo_advantage(*, token_level_rewards=None, response_mask=None, index=None,
+                  **unused) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (On-Policy RL with Optimal reward baseline, Hao et al. 2025, arXiv 2505.23585; verl's "opo").
+
+    token_level_rewards, response_mask: [B, T]; index: [B]. The baseline is the length-weighted mean score of the group,
+        b = sum_j |o_j| * score_j / sum_j |o_j|      (|o_j| = valid tokens of response j)
+        A_i = score_i - b
+    the optimal baseline for a sequence-level reward when the per-token gradient norms are about equal (the gradient
+    variance of a response grows with its length). Broadcast over the valid tokens; returns == advantages. A group of
+    one gets 0 (verl gives it its raw score; see the module docstring).
+    """
+    _check_kwargs("opo", unused, token_level_rewards=token_level_rewards, response_mask=response_mask, index=index)
+    mask = _check_rewards(token_level_rewards, response_mask)
+    scores = _outcome_scores(token_level_rewards, mask)
+    lengths = mask.sum(-1).to(torch.float64)
+    ids, num_groups = group_ids(index, scores.shape[0], device=scores.device)
+
+    def per_group(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, ids, x)[ids]
+
+    count = per_group(torch.ones_like(scores))
+    baseline = per_group(lengths * scores) / per_group(lengths).clamp(min=1)
+    adv = torch.where(count > 1, scores - baseline, torch.zeros_like(scores))
+    return _broadcast(adv, mask, token_level_rewards.dtype)
+
+
+@torch.no_grad()
+def gpg_advantage(*, token_level_rewards=None, response_mask=None, index=None,
+                  **unused) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Group Policy Gradient, Chu et al. 2025, arXiv 2504.02546), as verl's "gpg" estimator computes it.
+
+    token_level_rewards, response_mask: [B, T]; index: [B].
+        A_i = alpha * (score_i - group_mean),   alpha = B / max(1, #samples in the batch with a non-zero score)
+    alpha rescales the batch gradient so that samples contributing nothing do not dilute it (verl counts non-zero
+    scores; with 0/1 rewards that is the correct samples). No std division (f_norm = 1). Broadcast over the valid
+    tokens; returns == advantages. A group of one gets 0. Pair with actor.policy_loss=gpg (plain policy gradient).
+    """
+    _check_kwargs("gpg", unused, token_level_rewards=token_level_rewards, response_mask=response_mask, index=index)
+    mask = _check_rewards(token_level_rewards, response_mask)
+    scores = _outcome_scores(token_level_rewards, mask)
+    mean, _, _ = _group_stats(scores, index)
+    alpha = scores.shape[0] / max(1, int(torch.count_nonzero(scores)))
+    return _broadcast(alpha * (scores - mean), mask, token_level_rewards.dtype)
+
+
+@torch.no_grad()
+def grpo_passk_advantage(*, token_level_rewards=None, response_mask=None, index=None, norm_adv_by_std: bool = True,
+                         epsilon: float = 1e-6, **unused) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, "Pass@k Training", arXiv 2503.19595; verl's "grpo_passk").
+
+    token_level_rewards, response_mask: [B, T]; index: [B]. Only the best response of each group learns: its advantage
+    is (best score - second-best score), divided by (group std + epsilon) when norm_adv_by_std; every other response
+    gets 0. This optimises the group's maximum (pass@k with k = the group size) rather than its mean. Ties go to the
+    first of the best responses in batch order (its advantage is then 0 anyway). Groups must have at least 2 samples
+    (ValueError otherwise: the second best is undefined). Broadcast over the valid tokens; returns == advantages.
+    """
+    _check_kwargs("grpo_passk", unused, token_level_rewards=token_level_rewards, response_mask=response_mask,
+                  index=index)
+    mask = _check_rewards(token_level_rewards, response_mask)
+    scores = _outcome_scores(token_level_rewards, mask)
+    ids, num_groups = group_ids(index, scores.shape[0], device=scores.device)
+    _, std, count = group_mean_std(scores, ids, num_groups)
+    if bool((count < 2).any()):
+        lone = sorted({int(i) for i in ids[count < 2]})
+        raise ValueError(f"grpo_passk needs at least 2 samples per group (the second-best score is its baseline); "
+                         f"group(s) {lone[:5]} have one; set rollout.n >= 2")
+    adv = torch.zeros_like(scores)
+    for g in range(num_groups):
+        rows = (ids == g).nonzero().flatten()
+        ordered = torch.sort(scores[rows], descending=True).values
+        best = rows[int(torch.argmax(scores[rows]))]  # argmax gives the first of equal maxima
+        gap = ordered[0] - ordered[1]
+        adv[best] = gap / (std[best] + epsilon) if norm_adv_by_std else gap
+    return _broadcast(adv, mask, token_level_rewards.dtype)
+
+
+@torch.no_grad()
+def gdpo_advantage(*, token_level_rewards=None, response_mask=None, index=None, reward_components=None,
+                   reward_weights=None, norm_adv_by_std: bool = True, epsilon: float = 1e-6,
+                   **unused) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (Group reward-Decoupled normalization Policy Optimization, Liu et al. 2026, arXiv 2601.05242; verl's
+    "gdpo").
+
+    token_level_rewards, response_mask: [B, T]; index: [B]; reward_components: [B, K] (K reward dimensions per sample,
+    e.g. correctness and format) or None (then K = 1: the outcome score); reward_weights: [K] or None (all 1).
+        A_k = GRPO advantage of dimension k alone (group-centred, / (group std + epsilon) when norm_adv_by_std)
+        A   = whiten over the batch's valid tokens of sum_k w_k A_k
+    Normalising each dimension before summing keeps distinct reward combinations apart (GRPO on the sum maps (1, 0)
+    and (0, 1) to the same advantage) and stops one dimension's scale drowning the others. With reward_components the
+    token rewards are not read (as in verl: a KL-in-reward penalty does not enter). Groups of one contribute 0 before
+    the whitening. returns == advantages.
+    """
+    _check_kwargs("gdpo", unused, token_level_rewards=token_level_rewards, response_mask=response_mask, index=index)
+    mask = _check_rewards(token_level_rewards, response_mask)
+    if reward_components is None:
+        components = _outcome_scores(token_level_rewards, mask)[:, None]
+    else:
+        check_ndim("reward_components", reward_components, 2, "[B, K]")
+        check_floating("reward_components", reward_components)
+        check_batch_vector("reward_components[:, 0]", reward_components[:, 0], token_level_rewards.shape[0])
+        check_finite("reward_components", reward_components, "check the reward function's extra values")
+        components = reward_components.to(torch.float64)
+    k = components.shape[1]
+    if reward_weights is None:
+        weights = torch.ones(k, dtype=torch.float64)
+    else:
+        weights = torch.as_tensor(reward_weights, dtype=torch.float64)
+        check_batch_vector("reward_weights", weights, k)
+    ids, num_groups = group_ids(index, components.shape[0], device=components.device)
+    total = torch.zeros(components.shape[0], dtype=torch.float64, device=components.device)
+    for j in range(k):
+        mean, std, _ = group_mean_std(components[:, j], ids, num_groups)
+        centred = components[:, j] - mean
+        if norm_adv_by_std:
+            centred = centred / (std + epsilon)
+        total = total + weights[j] * centred
+    per_token, _ = _broadcast(total, mask, torch.float64)
+    adv = masked_whiten(per_token, mask).to(token_level_rewards.dtype)
+    return adv, adv.clone()
+
+
+@torch.no_grad()
+def optimal_token_baseline_advantage(*, token_level_rewards=None, response_mask=None, index=None,
+                                     old_log_probs=None, sum_pi_squared=None, rollout_is_weights=None,
+                                     epsilon: float = 1e-8, **unused) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline (verl's "optimal_token_baseline"): a per-position baseline shared by a prompt's group.
+
+    token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights (optional): [B, T];
+    index: [B]. The variance-minimising baseline for the gradient at position t weighs each trajectory by the squared
+    norm of its score function so far. With logit gradients, ||d log pi(y_j) / d logits||^2 = 1 - 2 pi_j + sum pi^2,
+        w_j = 1 - 2 pi(y_j) + sum_v pi(v)^2            (pi(y_j) = exp(old_log_probs), per valid token)
+        w_j *= rho_j^2                                  when rollout_is_weights rho are given (truncated IS)
+        W_t = sum_{j <= t, valid} w_j                   (cumulative path variance)
+        G_t = sum_{s >= t, valid} r_s                   (return to go)
+        B_t = sum_i G_{i,t} W_{i,t} / (sum_i W_{i,t} + epsilon)   over the group's responses valid at t
+        A_t = G_t - B_t
+    As verl does, where one response of a group is strictly the longest, its positions beyond the second-longest get
+    baseline 0 (only it is valid there, so the baseline would cancel its own return). A group of one gets 0 (megarl's
+    convention; verl keeps its raw return). Returns (advantages, returns = G), 0 on masked positions.
+    """
+    _check_kwargs("optimal_token_baseline", unused, token_level_rewards=token_level_rewards,
+                  response_mask=response_mask, index=index, old_log_probs=old_log_probs,
+                  sum_pi_squared=sum_pi_squared)
+    mask = _check_rewards(token_level_rewards, response_mask)
+    check_same_shape("old_log_probs", old_log_probs, "token_level_rewards", token_level_rewards)
+    check_same_shape("sum_pi_squared", sum_pi_squared, "token_level_rewards", token_level_rewards)
+    rewards = _zero_padding(token_level_rewards, mask).to(torch.float64)
+    returns = _zero_padding(rewards.flip(-1).cumsum(-1).flip(-1), mask)
+    w = 1 - 2 * old_log_probs.to(torch.float64).exp() + sum_pi_squared.to(torch.float64)
+    if rollout_is_weights is not None:
+        check_same_shape("rollout_is_weights", rollout_is_weights, "token_level_rewards", token_level_rewards)
+        w = w * rollout_is_weights.to(torch.float64) ** 2
+    cum_w = _zero_padding(w, mask).cumsum(-1)
+    maskf = mask.to(torch.float64)
+    ids, num_groups = group_ids(index, rewards.shape[0], device=rewards.device)
+    num = torch.zeros(num_groups, rewards.shape[1], dtype=torch.float64).index_add_(0, ids, returns * cum_w * maskf)
+    den = torch.zeros(num_groups, rewards.shape[1], dtype=torch.float64).index_add_(0, ids, cum_w * maskf)
+    baselines = (num / (den + epsilon))[ids]
+    lengths = mask.sum(-1)
+    count = torch.zeros(num_groups, dtype=torch.long).index_add_(0, ids, torch.ones_like(lengths))[ids]
+    for g in range(num_groups):
+        rows = (ids == g).nonzero().flatten()
+        if rows.numel() < 2:
+            continue
+        sorted_lengths = torch.sort(lengths[rows]).values
+        longest, second = int(sorted_lengths[-1]), int(sorted_lengths[-2])
+        if longest > second:
+            baselines[rows[lengths[rows] == longest][0], second:] = 0.0
+    adv = torch.where((count > 1)[:, None] & mask, returns - baselines, torch.zeros_like(returns))
+    return adv.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
 ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": gae_advantage,
     "grpo": grpo_advantage,
@@ -232,4 +412,9 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "reinforce_plus_plus": reinforce_pp_advantage,
     "reinforce_plus_plus_baseline": reinforce_pp_baseline_advantage,
     "remax": remax_advantage,
+    "opo": opo_advantage,
+    "gpg": gpg_advantage,
+    "grpo_passk": grpo_passk_advantage,
+    "gdpo": gdpo_advantage,
+    "optimal_token_baseline": optimal_token_baseline_advantage,
 }

@@ -44,3 +44,28 @@ def entropy_from_logits(logits: torch.Tensor, *, all_reduce_max: Reduce | None =
         sum_exp = all_reduce_sum(sum_exp)
         sum_exp_z = all_reduce_sum(sum_exp_z)
     return sum_exp.log() - sum_exp_z / sum_exp
+
+
+@torch.no_grad()
+def sum_pi_squared_from_logits(logits: torch.Tensor, *, all_reduce_max: Reduce | None = None,
+                               all_reduce_sum: Reduce | None = None) -> torch.Tensor:
+    """sum_v p_v^2 of softmax(logits) over the last dim (the collision probability; optimal_token_baseline's
+    ||grad_logits log p(y)||^2 = 1 - 2 p(y) + sum_v p_v^2 reads it).
+
+    logits: [..., V]; returns [...] in float32 (or wider). With z = logits - max and S = sum_v e^z_v,
+    sum_v p_v^2 = sum_v e^(2 z_v) / S^2, so nothing larger than e^0 is exponentiated. Vocab-parallel reductions as in
+    entropy_from_logits (no gradient: the result is a constant of the advantage).
+    """
+    check_floating("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V > 0; got shape {tuple(logits.shape)}")
+    if (all_reduce_max is None) != (all_reduce_sum is None):
+        raise ValueError("pass both all_reduce_max and all_reduce_sum (vocab-parallel) or neither")
+    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    local_max = z.amax(dim=-1)
+    shift = local_max if all_reduce_max is None else all_reduce_max(local_max)
+    exp_z = (z - shift.unsqueeze(-1)).exp()
+    sum_exp, sum_exp2 = exp_z.sum(-1), (exp_z * exp_z).sum(-1)
+    if all_reduce_sum is not None:
+        sum_exp, sum_exp2 = all_reduce_sum(sum_exp), all_reduce_sum(sum_exp2)
+    return sum_exp2 / sum_exp ** 2

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Sections
@@ -122,6 +122,20 @@ class OptimConfig(_Section):
     clip_grad: float = Field(1.0, ge=0, description="Global gradient-norm clip; 0 disables.")
 
 
+class PolicyLossOptions(_Section):
+    """Settings of the policy losses that have their own (verl's names); each is read only by the losses named."""
+
+    tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages.")
+    tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for negative advantages.")
+    clip_cov_ratio: float = Field(2e-4, gt=0, le=1, description="clip_cov: share of tokens whose gradient is cut.")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: lower bound of the covariance of the tokens cut.")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: upper bound of the covariance of the tokens cut.")
+    kl_cov_ratio: float = Field(2e-4, gt=0, le=1, description="kl_cov: share of tokens given the KL penalty.")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="kl_cov: coefficient of the |log ratio| penalty.")
+    dro_beta: Optional[float] = Field(None, gt=0, description="dro: coefficient of the quadratic log-ratio penalty "
+                                      "(required with policy_loss=dro).")
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -129,7 +143,10 @@ class ActorConfig(_Section):
     ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per micro-batch (dynamic bsz).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     shuffle: bool = Field(False, description="Shuffle sequences between mini-batches.")
-    policy_loss: str = Field("vanilla", description="Policy loss: vanilla (PPO clip), gspo, cispo.")
+    policy_loss: str = Field("vanilla", description="Policy loss (verl's names): vanilla (PPO clip), gspo, cispo, "
+                             "sapo, gpg, clip_cov, kl_cov, geo_mean, dro, dppo_tv, dppo_kl.")
+    policy_loss_options: PolicyLossOptions = Field(default_factory=PolicyLossOptions,
+                                                   description="Settings of sapo, clip_cov, kl_cov and dro.")
     clip_ratio: float = Field(0.2, gt=0, description="Default for clip_ratio_low/high when they are not set.")
     clip_ratio_low: Optional[float] = Field(None, gt=0, description="Lower clip (ratio >= 1 - low).")
     clip_ratio_high: Optional[float] = Field(None, gt=0, description="Upper clip (ratio <= 1 + high); DAPO "
@@ -326,19 +343,92 @@ class FilterGroupsConfig(_Section):
     max_num_gen_batches: int = Field(10, ge=0, description="Extra generation rounds allowed per step; 0: unlimited.")
 
 
+def _rc(is_level=None, is_threshold=2.0, is_threshold_lower=None, rejection_level=None, rejection_threshold=None,
+        rejection_threshold_lower=None, bypass=False, reinforce=False) -> dict:
+    d = {"is_level": is_level, "is_threshold": is_threshold, "is_threshold_lower": is_threshold_lower,
+         "rejection_level": rejection_level, "use_rollout_log_probs": bypass,
+         "loss_type": "reinforce" if reinforce else "ppo_clip"}
+    if rejection_level is not None:
+        d.update(rejection_threshold=rejection_threshold, rejection_threshold_lower=rejection_threshold_lower)
+    return d
+
+
+_GEO = dict(rejection_level="geometric", rejection_threshold=1.001, rejection_threshold_lower=0.999)
+_K3 = dict(rejection_level="seq_mean_k3", rejection_threshold=0.01)
+# verl's RolloutCorrectionConfig presets (verl/trainer/config/algorithm.py) with their default arguments, in megarl's
+# settings: verl's rollout_rs seq_sum_k1 is rejection_level sequence, seq_mean_k1 geometric; a "lower_upper" IS
+# threshold (IcePop) is is_threshold_lower; bypass_mode is use_rollout_log_probs.
+ROLLOUT_CORRECTION_PRESETS: dict[str, dict] = {
+    "disabled": _rc(),
+    "decoupled_token_is": _rc("token"),
+    "decoupled_seq_is": _rc("sequence"),
+    "decoupled_token_icepop": _rc("token", 5.0, 0.5),
+    "decoupled_seq_is_rs": _rc("sequence", rejection_level="sequence", rejection_threshold=2.0,
+                               rejection_threshold_lower=0.5),
+    "decoupled_geo_rs": _rc(**_GEO),
+    "decoupled_geo_rs_seq_tis": _rc("sequence", **_GEO),
+    "decoupled_geo_rs_token_tis": _rc("token", **_GEO),
+    "decoupled_k3_rs": _rc(**_K3),
+    "decoupled_k3_rs_seq_tis": _rc("sequence", **_K3),
+    "decoupled_k3_rs_token_tis": _rc("token", **_K3),
+    "bypass_ppo_clip": _rc(bypass=True),
+    "bypass_ppo_clip_geo_rs": _rc(bypass=True, **_GEO),
+    "bypass_ppo_clip_k3_rs": _rc(bypass=True, **_K3),
+    "bypass_pg_is": _rc("sequence", bypass=True, reinforce=True),
+    "bypass_pg_token_icepop": _rc("token", 5.0, 0.5, bypass=True, reinforce=True),
+    "bypass_pg_geo_rs": _rc(bypass=True, reinforce=True, **_GEO),
+    "bypass_pg_geo_rs_seq_tis": _rc("sequence", bypass=True, reinforce=True, **_GEO),
+    "bypass_pg_geo_rs_token_tis": _rc("token", bypass=True, reinforce=True, **_GEO),
+}
+
+
 class RolloutCorrectionConfig(_Section):
+    preset: Optional[str] = Field(None, description="A verl preset (decoupled_token_is, decoupled_seq_is, "
+                                  "bypass_ppo_clip, ... : ROLLOUT_CORRECTION_PRESETS) that sets the fields below; a "
+                                  "field given as well must agree with it.")
     use_rollout_log_probs: bool = Field(False, description="Use the engine's logprobs as old logprobs instead of "
-                                        "recomputing them with the actor.")
+                                        "recomputing them with the actor (verl's bypass mode).")
+    loss_type: Literal["ppo_clip", "reinforce"] = Field("ppo_clip", description="ppo_clip: actor.policy_loss; "
+                                                        "reinforce: the plain policy gradient -w A log pi (policy "
+                                                        "loss gpg) with the importance weights w (verl's bypass "
+                                                        "REINFORCE).")
     is_level: Optional[Literal["token", "sequence"]] = Field(None, description="Truncated importance sampling level.")
     is_threshold: float = Field(2.0, gt=0, description="Upper truncation of the importance weights.")
-    rejection_level: Optional[Literal["token", "sequence", "geometric"]] = Field(None,
-                                                                                 description="Reject tokens/sequences whose ratio leaves [1/threshold, threshold]; None: off.")
-    rejection_threshold: float = Field(2.0, gt=1, description="Ratio bound for rejection.")
+    is_threshold_lower: Optional[float] = Field(None, gt=0, description="IcePop: weights outside [is_threshold_lower, "
+                                                "is_threshold] are set to 0 instead of truncated; None: truncation.")
+    rejection_level: Optional[Literal["token", "sequence", "geometric", "seq_mean_k3"]] = Field(
+        None, description="Reject tokens/sequences whose ratio leaves [rejection_threshold_lower, "
+        "rejection_threshold] (seq_mean_k3: whose mean k3 divergence exceeds rejection_threshold); None: off.")
+    rejection_threshold: float = Field(2.0, gt=0, description="Ratio bound for rejection (> 1), or the k3 bound.")
+    rejection_threshold_lower: Optional[float] = Field(None, ge=0, le=1, description="Lower ratio bound; None: "
+                                                       "1 / rejection_threshold.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if name not in ROLLOUT_CORRECTION_PRESETS:
+            raise ValueError(f"unknown rollout_correction preset {name!r}; expected one of "
+                             f"{sorted(ROLLOUT_CORRECTION_PRESETS)}")
+        expanded = dict(data)
+        for key, value in ROLLOUT_CORRECTION_PRESETS[name].items():
+            if key in data and data[key] != value:
+                raise ValueError(f"rollout_correction.{key}={data[key]!r} contradicts preset {name!r} (which sets "
+                                 f"{value!r}): drop one of them")
+            expanded[key] = value
+        return expanded
 
 
 class AlgorithmConfig(_Section):
     adv_estimator: str = Field("grpo", description="gae, grpo, drgrpo, rloo, reinforce_plus_plus, "
-                               "reinforce_plus_plus_baseline, remax.")
+                               "reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, gdpo, "
+                               "optimal_token_baseline.")
+    gdpo_reward_keys: Optional[list[str]] = Field(None, description="gdpo: the reward function's extra values (keys "
+                                                  "of its returned dict) normalised one by one; None: the reward.")
+    gdpo_reward_weights: Optional[list[float]] = Field(None, description="gdpo: weight of each of gdpo_reward_keys; "
+                                                       "None: 1 each.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor.")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     norm_adv_by_std_in_grpo: bool = Field(True, description="False gives Dr.GRPO.")

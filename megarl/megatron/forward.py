@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megarl import runtime
+from megarl import algo, runtime
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple:
@@ -128,6 +128,28 @@ def token_logprobs(model, tokens: torch.Tensor, micro_batch_size: int = 1, tempe
 
     def fn(logits, mb):
         return logprobs_from_logits(logits[:, : s - 1], mb[:, 1:s], vocab_size, temperature)
+
+    return run_microbatches(model, tokens, micro_batch_size, fn)
+
+
+def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_size: int = 1,
+                                      temperature: float = 1.0, vocab_size: Optional[int] = None
+                                      ) -> Optional[torch.Tensor]:
+    """[N, S-1, 2] (float32) on the last pipeline stage, None elsewhere: [..., 0] the per-token logprobs (as
+    token_logprobs), [..., 1] sum_v pi(v)^2 over the full vocabulary at each position (optimal_token_baseline)."""
+    from megarl.megatron.losses import _tp_reductions
+
+    chunk = _first(model)
+    vocab_size = vocab_size or chunk.megarl_spec.vocab_size
+    s = tokens.shape[1]
+
+    def fn(logits, mb):
+        logits = logits[:, : s - 1]
+        logp = logprobs_from_logits(logits, mb[:, 1:s], vocab_size, temperature)
+        reduce_max, reduce_sum = _tp_reductions()
+        x = scaled_local_logits(logits, vocab_size, temperature, pad_fill=float("-inf"))
+        sq = algo.sum_pi_squared_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
+        return torch.stack([logp, sq], dim=-1)
 
     return run_microbatches(model, tokens, micro_batch_size, fn)
 

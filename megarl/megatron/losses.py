@@ -11,7 +11,7 @@ is cut to [b, T] like the logprobs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,14 +33,22 @@ class PolicyLossSettings:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0  # the rollout temperature: logprobs must be of the distribution that was sampled
+    loss_options: dict = field(default_factory=dict)  # the settings of policy_loss's own (algo.POLICY_LOSS_OPTIONS)
 
     @classmethod
     def from_config(cls, cfg, vocab_size: int) -> "PolicyLossSettings":
-        a = cfg.actor
-        return cls(vocab_size=vocab_size, policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+        a, o = cfg.actor, cfg.actor.policy_loss_options
+        options = dict(tau_pos=o.tau_pos, tau_neg=o.tau_neg, clip_cov_ratio=o.clip_cov_ratio, clip_cov_lb=o.clip_cov_lb,
+                       clip_cov_ub=o.clip_cov_ub, kl_cov_ratio=o.kl_cov_ratio, ppo_kl_coef=o.ppo_kl_coef,
+                       dro_beta=o.dro_beta)
+        # verl's bypass REINFORCE (rollout_correction.loss_type=reinforce) is the plain policy gradient with the
+        # correction's importance weights: gpg's loss, which multiplies them in
+        reinforce = cfg.algorithm.rollout_correction.loss_type == "reinforce"
+        return cls(vocab_size=vocab_size, policy_loss="gpg" if reinforce else a.policy_loss, loss_agg_mode=a.loss_agg_mode,
                    clip_ratio_low=a.clip_low, clip_ratio_high=a.clip_high, clip_ratio_c=a.clip_ratio_c,
                    entropy_coeff=a.entropy_coeff, use_kl_loss=cfg.kl_loss_active, kl_loss_coef=a.kl_loss_coef,
-                   kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0)
+                   kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0,
+                   loss_options={k: options[k] for k in algo.POLICY_LOSS_OPTIONS.get(a.policy_loss, ())})
 
 
 def _tp_reductions():
@@ -93,7 +101,7 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
         pg_loss, pg_metrics = policy_loss(
             old_log_prob, log_prob, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
             clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
-            rollout_is_weights=mb.get("rollout_is_weights"), **agg)
+            rollout_is_weights=mb.get("rollout_is_weights"), **s.loss_options, **agg)
         loss = pg_loss
         # how far this update is off-policy: exactly 0 on the first mini-batch of a step (same weights as rollout)
         log_ratio = (log_prob.detach() - old_log_prob).abs()

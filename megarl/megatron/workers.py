@@ -14,7 +14,7 @@ from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_ro
                              split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
-from megarl.megatron.forward import token_logprobs, token_values
+from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
 from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
 from megarl.megatron.model import build_and_load
 from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
@@ -44,23 +44,25 @@ def build_options(cfg: MegarlConfig) -> dict:
             **recompute_overrides(m.recompute)}
 
 
-def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width: int) -> torch.Tensor:
+def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width) -> torch.Tensor:
+    """fn's per-row output [rows, *width] on this rank's DP rows, gathered to [N, *width] on every rank."""
     rows = dp_row_range(ids.shape[0], rt)
     local = fn(ids[rows])
-    return gather_model_output(local, (rows.stop - rows.start, width))
+    return gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
 
 
-def _forward_only(cfg: MegarlConfig, rt: Runtime, batch: dict, forward, micro: int, width: int) -> torch.Tensor:
+def _forward_only(cfg: MegarlConfig, rt: Runtime, batch: dict, forward, micro: int, width: int,
+                  trailing: tuple = ()) -> torch.Tensor:
     """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
     of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz.
-    forward(tokens [g, s], micro_batch_size) -> [g, <= s]."""
+    forward(tokens [g, s], micro_batch_size) -> [g, <= s, *trailing]."""
     r, ids = cfg.rollout, batch["input_ids"]
     if r.log_prob_use_dynamic_bsz and "response_mask" in batch:
         rows = dp_row_range(ids.shape[0], rt)
         lengths = sequence_lengths(batch)[rows]
         local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width)
-        return gather_model_output(local, (rows.stop - rows.start, width))
-    return _forward_rows(rt, ids, lambda x: forward(x, _micro(x.shape[0], micro)), width)
+        return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
+    return _forward_rows(rt, ids, lambda x: forward(x, _micro(x.shape[0], micro)), (width, *trailing))
 
 
 def _average(metrics: list[dict]) -> dict:
@@ -107,13 +109,19 @@ class PolicyWorker(_Worker):
         self.cfg = cfg
         self.loss_settings = PolicyLossSettings.from_config(cfg, self.spec.vocab_size)
 
-    def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
-        """Logprobs [N, T] of every token given its prefix, at the rollout temperature."""
+    def log_probs(self, batch: dict, rt: Runtime, sum_pi_squared: bool = False):
+        """Logprobs [N, T] of every token given its prefix, at the rollout temperature. sum_pi_squared: also
+        sum_v pi(v)^2 [N, T] at each position (optimal_token_baseline), returned as a pair."""
         micro = (self.cfg.rollout.log_prob_micro_batch_size_per_gpu if self.trainable is not None
                  else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
         t = self.loss_settings.temperature
+        ids = batch["input_ids"]
+        if sum_pi_squared:  # beside each logprob, as a trailing pair
+            both = _forward_only(self.cfg, rt, batch, lambda x, mb: token_logprobs_and_sum_pi_squared(
+                self.chunks, x, mb, t), micro, ids.shape[1] - 1, trailing=(2,))
+            return both[..., 0].contiguous(), both[..., 1].contiguous()
         return _forward_only(self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro,
-                             batch["input_ids"].shape[1] - 1)
+                             ids.shape[1] - 1)
 
     def update(self, batch: dict, rt: Runtime, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.

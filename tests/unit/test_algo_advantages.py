@@ -225,9 +225,12 @@ def test_gae_hand_values():
 def test_every_estimator_accepts_the_union_of_kwargs():
     kwargs = dict(token_level_rewards=_rewards(), response_mask=MASK, index=INDEX,
                   values=torch.zeros(5, 4, dtype=torch.float64), gamma=1.0, lam=1.0, norm_adv_by_std=True,
-                  reward_baselines=torch.zeros(5, dtype=torch.float64), epsilon=1e-6)
+                  reward_baselines=torch.zeros(5, dtype=torch.float64), epsilon=1e-6,
+                  old_log_probs=torch.full((5, 4), -1.0, dtype=torch.float64),
+                  sum_pi_squared=torch.full((5, 4), 0.3, dtype=torch.float64))
     for name, fn in ADV_ESTIMATORS.items():
-        adv, ret = fn(**kwargs)
+        # pass@k has no second-best in a group of one: give it groups of two or more
+        adv, ret = fn(**{**kwargs, "index": ["p0", "p0", "p1", "p1", "p1"]} if name == "grpo_passk" else kwargs)
         assert adv.shape == ret.shape == (5, 4), name
         assert adv[~MASK].abs().max().item() == 0.0, name
         assert torch.isfinite(adv).all(), name

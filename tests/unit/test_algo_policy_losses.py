@@ -98,19 +98,23 @@ def test_dual_clip_bounds_negative_advantage_loss():
     assert unbounded.item() > 1e5
 
 
+# settings a loss has no default for (dro's beta)
+OPTIONS = {"dro": {"dro_beta": 0.1}}
+
+
 def test_extreme_log_ratios_stay_finite():
     old = torch.zeros(2, 3, dtype=torch.float64)
     lp = torch.tensor([[100.0, -100.0, 0.0], [50.0, -50.0, 0.0]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, -1.0]], dtype=torch.float64)
     for name, fn in POLICY_LOSSES.items():
         lp.grad = None
-        loss, m = fn(old, lp, adv, torch.ones(2, 3))
+        loss, m = fn(old, lp, adv, torch.ones(2, 3), **OPTIONS.get(name, {}))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), name
         assert all(torch.isfinite(v) for v in m.values()), name
 
 
-@pytest.mark.parametrize("name", ["vanilla", "gspo", "cispo"])
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_padding_garbage_is_ignored(name):
     old, lp, adv = _tensors()
     garbage_lp = lp.detach().clone()
@@ -118,8 +122,8 @@ def test_padding_garbage_is_ignored(name):
     garbage_lp.requires_grad_(True)
     garbage_old = old.clone()
     garbage_old[~MASK] = float("inf")
-    clean, _ = POLICY_LOSSES[name](old, lp, adv, MASK)
-    dirty, _ = POLICY_LOSSES[name](garbage_old, garbage_lp, adv, MASK)
+    clean, _ = POLICY_LOSSES[name](old, lp, adv, MASK, **OPTIONS.get(name, {}))
+    dirty, _ = POLICY_LOSSES[name](garbage_old, garbage_lp, adv, MASK, **OPTIONS.get(name, {}))
     dirty.backward()
     assert dirty.item() == pytest.approx(clean.item())
     assert garbage_lp.grad[~MASK].abs().max().item() == 0.0 and torch.isfinite(garbage_lp.grad).all()
@@ -218,7 +222,8 @@ def test_all_losses_share_the_signature():
     old, lp, adv = _tensors()
     for name, fn in POLICY_LOSSES.items():
         loss, m = fn(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=MASK, loss_agg_mode="token-mean",
-                     clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, rollout_is_weights=None)
+                     clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, rollout_is_weights=None,
+                     **OPTIONS.get(name, {}))
         assert loss.dim() == 0
         assert {"pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "ppo_kl"} <= set(m), name
 

@@ -264,3 +264,20 @@ def test_validate_suggests_and_checks_model_config_path(tmp_path):
     assert any("model.config_path" in w.fix for w in cfg._warnings)
     with pytest.raises(ConfigError, match="model.config_path.*file not found"):
         load_config(data={"model": {"path": "x", "config_path": str(tmp_path / "nope.json")}, "rollout": {"n": 2}})
+
+
+@pytest.mark.parametrize("estimator,loss", [("opo", "sapo"), ("gpg", "gpg"), ("grpo_passk", "clip_cov"),
+                                            ("gdpo", "kl_cov"), ("optimal_token_baseline", "geo_mean"),
+                                            ("grpo", "dro"), ("grpo", "dppo_tv"), ("grpo", "dppo_kl")])
+def test_verl_estimator_and_loss_names_map(estimator, loss):
+    ar = "actor_rollout_ref.actor."
+    c = convert({"algorithm.adv_estimator": estimator, ar + "policy_loss.loss_mode": loss,
+                 ar + "policy_loss.clip_cov_ratio": 0.0002, ar + "policy_loss.kl_cov_ratio": 0.0002,
+                 ar + "policy_loss.ppo_kl_coef": 0.1, ar + "tau_pos": 1.0, ar + "tau_neg": 1.05,
+                 ar + "policy_loss.dro_beta": 0.5 if loss == "dro" else None,
+                 "actor_rollout_ref.rollout.n": 4})
+    assert not c.refused
+    assert c.recipe["algorithm"]["adv_estimator"] == estimator and c.recipe["actor"]["policy_loss"] == loss
+    options = c.recipe["actor"]["policy_loss_options"]
+    assert options["tau_neg"] == 1.05 and options["kl_cov_ratio"] == 0.0002
+    assert load_config(data={**c.recipe, "model": {"path": "unused"}}) is not None
