@@ -38,6 +38,7 @@ def build_options(cfg: MegarlConfig) -> dict:
     m, p = cfg.model, cfg.parallelism
     return {"dtype": _DTYPES.get(m.dtype),
             "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
+            "fusions": m.fusions,
             "sequence_parallel": p.sequence_parallel or None,
             **recompute_overrides(m.recompute)}
 
