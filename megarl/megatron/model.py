@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -44,7 +45,11 @@ DEFAULT_VOCAB_PAD_MULTIPLE = 128
 
 
 def te_available() -> bool:
-    """Transformer Engine layer specs are used when CUDA is available and transformer_engine imports."""
+    """Transformer Engine layer specs are used when CUDA is available and transformer_engine imports, unless the
+    environment says MEGARL_USE_TE=0 (`make test-gpu TE=0` and the benchmarks' no-TE rows: the path without TE on a
+    machine that has it)."""
+    if os.environ.get("MEGARL_USE_TE") == "0":
+        return False
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
