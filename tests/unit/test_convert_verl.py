@@ -115,3 +115,17 @@ def test_yaml_config_and_overrides_agree(tmp_path):
 def test_script_parsing_stops_at_the_pipe():
     text = "A=1 python3 -m verl.trainer.main_ppo \\\n  data.x=1 \\\n  trainer.y='a b' 2>&1 | tee z.log data.no=2"
     assert script_overrides(text) == ["data.x=1", "trainer.y=a b"]
+
+
+def test_megatron_offload_keys_map_to_megarls_offload():
+    c = convert({"actor_rollout_ref.actor.megatron.param_offload": True,
+                 "actor_rollout_ref.actor.megatron.grad_offload": True,
+                 "actor_rollout_ref.actor.megatron.optimizer_offload": True,
+                 "actor_rollout_ref.ref.megatron.param_offload": True,
+                 "critic.megatron.optimizer_offload": True})
+    assert not c.refused
+    r = c.recipe
+    assert r["actor"]["offload"] == {"params": True, "grads": True, "optimizer": True}
+    assert r["ref"]["offload"] is True and r["critic"]["offload"] == {"optimizer": True}
+    cfg = load_config(data=r)
+    assert cfg.actor.offload.any and cfg.ref.offload and cfg.critic.offload.optimizer and not cfg.critic.offload.params
