@@ -61,5 +61,10 @@ RUN pip install -c /opt/constraints-gpu.txt -e '.[test]'
 COPY recipes ./recipes
 COPY launch ./launch
 COPY tests ./tests
+# `make test-gpu` and `make gpu-check` in the image use its /opt/venv Python (first on PATH), which has CUDA torch:
+#   docker run --gpus all --ipc=host megarl:gpu make test-gpu
+COPY Makefile pytest.ini ./
+COPY scripts ./scripts
+COPY bench ./bench
 
 CMD ["megarl", "--help"]

@@ -8,7 +8,7 @@ RECIPE ?= recipes/grpo_tiny_cpu.yaml
 RUN_DIR ?= runs/grpo_tiny_cpu
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-slow test-gpu clean-env
+.PHONY: env demo test test-slow test-gpu gpu-check clean-env
 
 env: $(STAMP)
 
@@ -38,8 +38,20 @@ test: env
 test-slow: env
 	bash scripts/run_tests.sh -m "slow and not gpu" $(PYTEST_ARGS)
 
-test-gpu: env
-	bash scripts/run_tests.sh -m gpu $(PYTEST_ARGS)
+# The gpu-marked tests on a CUDA machine, in its CUDA Python (never the CPU env above; see README "GPU"):
+#   make test-gpu [PYTHON=python3.12 | VENV=/opt/venv] [WHEELS=DIR] [TE=0|1]
+# Only a PYTHON or VENV given on the command line or in the environment is used, not the CPU defaults above.
+test-gpu:
+	@GPU_PYTHON="$(if $(filter command line environment,$(origin PYTHON)),$(PYTHON))" \
+	 GPU_VENV="$(if $(filter command line environment,$(origin VENV)),$(VENV))" \
+	 bash scripts/gpu_tests.sh $(PYTEST_ARGS)
+
+# Every GPU acceptance measurement in one command (tests with and without TE, verify, doctor, bench, offload):
+#   make gpu-check [WHEELS=DIR] [OUT=gpu-check]
+gpu-check:
+	@GPU_PYTHON="$(if $(filter command line environment,$(origin PYTHON)),$(PYTHON))" \
+	 GPU_VENV="$(if $(filter command line environment,$(origin VENV)),$(VENV))" \
+	 bash scripts/gpu_check.sh
 
 clean-env:
 	rm -rf $(VENV)

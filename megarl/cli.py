@@ -1,4 +1,4 @@
-"""`megarl` command line: validate | train | sft | verify | plan | merge | import | report | convert-verl."""
+"""`megarl` command line: validate | train | sft | verify | plan | merge | import | report | convert-verl | doctor."""
 from __future__ import annotations
 
 import argparse
@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(pl)
     sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs with "
                    "HF transformers (see `megarl verify --help`)")
+    sub.add_parser("doctor", add_help=False, help="versions, devices and short probes of this machine (megatron vs "
+                   "HF, one update vs torch, the engine's first tokens); exit 1 on a failure")
     from megarl.checkpoint import merge as _merge
 
     mg = sub.add_parser("merge", help="megarl checkpoint (any TP/PP/EP layout) -> Hugging Face model directory",
@@ -141,6 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "verify":  # verify owns its own argument parser
         return _cmd_verify(argparse.Namespace(), argv[1:])
+    if argv and argv[0] == "doctor":
+        from megarl import doctor
+
+        return doctor.main(argv[1:])
     if argv and argv[0] == "plan":  # overrides may come before or after the options
         from megarl import plan
 

@@ -534,8 +534,10 @@ def _lr_schedule(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl schedules: constant, linear, cosine")
 
 
-_OFFLOAD = "megarl trains with Megatron and keeps parameters, gradients and optimizer states in accelerator " \
-           "memory (no offload); drop it and check the memory with `megarl plan`"
+_OFFLOAD = "megarl trains with Megatron; its offload around rollout is the megatron keys (param_offload, " \
+           "grad_offload, optimizer_offload -> actor/critic.offload.*, ref.offload); check the memory with `megarl plan`"
+# verl's Megatron offload keys -> megarl's (the reference has parameters only)
+_MEGATRON_OFFLOAD = {"param_offload": "params", "grad_offload": "grads", "optimizer_offload": "optimizer"}
 _NO_PADDING_SWITCH = "megarl masks padding out of every loss; there is no padded/unpadded switch"
 _FSDP = "an FSDP setting; megarl trains with Megatron (set parallelism.* instead)"
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -766,6 +768,11 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
         name = rest.removeprefix("megatron.")
         if name in _PARALLEL:
             return _to(f"parallelism.{name}")
+        if name in _MEGATRON_OFFLOAD and role == "ref":
+            return _to("ref.offload") if name == "param_offload" else _no_effect("the reference has no gradients "
+                                                                                  "or optimizer states")
+        if name in _MEGATRON_OFFLOAD:
+            return _to(f"{role}.offload.{_MEGATRON_OFFLOAD[name]}")
         if "offload" in name:
             return _off_only("no offload", _OFFLOAD)
         if name == "seed":

@@ -24,7 +24,11 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
   Colocated with enable_sleep_mode it releases everything while the trainer computes; without it, it keeps its share.
 * Sync buffers: two buckets (rollout.update_weights_bucket_megabytes): the one being gathered and the one being loaded.
 * Reserve: CUDA context, NCCL and allocator fragmentation, a fixed RESERVE_GIB.
-Phases (the peak is their maximum): rollout (states + engine), logprob forwards (states + forward logits [+ engine
+* Offload (actor.offload, critic.offload, ref.offload): the selected states (parameters, gradients, optimizer) are in
+  pinned host memory from the weight sync to the next forward, so the rollout phase holds only the rest, and a
+  colocated engine's KV cache can grow by what was freed (the plan names the gpu_memory_utilization that takes it). Its
+  cost is a round trip of those bytes over the host link, estimated at HOST_LINK_GBPS.
+Phases (the peak is their maximum): rollout (states [- offloaded] + engine), logprob forwards (states + forward logits [+ engine
 if it does not sleep]), training (states + activations [+ engine]), weight sync (states + engine weights + buffers).
 "States" are the parameters, gradients and optimizer states of actor, critic and reference, always resident.
 
@@ -53,6 +57,7 @@ GIB = 1024 ** 3
 RESERVE_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
 DEFAULT_GPU_MEM_GIB = 80.0
 DEFAULT_LINK_GBPS = 50.0  # GB/s: one 400 Gb/s NIC per GPU
+HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
 
 class PlanError(ValueError):
@@ -85,6 +90,7 @@ class PlanReport:
     terms: dict[str, float]  # GiB, the most loaded GPU's terms
     sync_bytes_per_engine_rank: int
     sync_seconds_lower_bound: float
+    offloaded_bytes: int = 0  # trainer states in host memory during rollout on the most loaded GPU
 
 
 def _read_hf_config(cfg) -> dict:
@@ -271,6 +277,18 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     sync_buffers = 2 * (r.update_weights_bucket_megabytes << 20)
     reserve = int(RESERVE_GIB * GIB)
 
+    # offload around rollout: the selected states per stage
+    def offloaded_bytes(s: int) -> int:
+        total = 0
+        for m in models:
+            sel = {"actor": cfg.actor.offload, "critic": cfg.critic.offload}.get(m.name)
+            if m.name == "ref":
+                total += m.params[s] if cfg.ref.offload else 0
+            elif sel is not None:
+                total += ((m.params[s] if sel.params else 0) + (m.grads[s] if sel.grads else 0)
+                          + (m.optim[s] if sel.optimizer else 0))
+        return total
+
     # phases on the most loaded GPU of each stage, as the trainer runs them: rollout -> the engine sleeps (KV cache
     # and weights freed) -> logprob forwards -> training -> it wakes its weights -> sync -> it wakes its KV cache
     sleeps = r.enable_sleep_mode and r.free_cache_engine and not separate
@@ -286,7 +304,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         eng_busy = engine_reserve if engine_here else 0
         eng_idle = 0 if sleeps or not engine_here else engine_reserve
         phases = {
-            "rollout": states + eng_busy + reserve,
+            "rollout": states - offloaded_bytes(s) + eng_busy + reserve,
             "logprob forward": states + fwd + eng_idle + reserve,
             "train": states + train_act + eng_idle + reserve,
             # a sleeping engine wakes its weights (not its KV cache) to receive the sync
@@ -298,6 +316,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     s, phase, peak, phases, train_act, fwd, engine_here = best
 
     terms: dict[str, float] = {}
+    offloaded = offloaded_bytes(s)
     for m in models:
         terms[f"{m.name} parameters"] = m.params[s] / GIB
         if m.grads:
@@ -314,6 +333,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         terms["engine weights"] = engine_weights / GIB
     if phase == "weight sync":
         terms["sync buffers"] = sync_buffers / GIB
+    if phase == "rollout" and offloaded:
+        terms["offloaded to host (rollout)"] = -offloaded / GIB
     terms["reserve (CUDA context, NCCL, fragmentation)"] = reserve / GIB
 
     fits_mem = peak <= gpu_bytes
@@ -389,11 +410,20 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     if separate:
         lines[-2] += (" (engines placed separately: each engine GPU receives its whole shard from the trainer GPUs "
                       "over the transfer group; the engines do not sleep, and the trainer GPUs hold no engine)")
+    if any(offloaded_bytes(st) for st in range(pp)):
+        least = min(offloaded_bytes(st) for st in range(pp))
+        grown = min(0.95, r.gpu_memory_utilization + least / gpu_bytes)
+        lines += ["", f"offload around rollout: {offloaded / GIB:.2f} GiB of trainer states per GPU (at least "
+                  f"{least / GIB:.2f} on every stage) in pinned host memory while the engine generates; "
+                  f"round trip >= {2 * offloaded / (HOST_LINK_GBPS * 1e9):.2f} s at {HOST_LINK_GBPS:g} GB/s",
+                  f"  the engine's KV cache can grow by {least / GIB:.2f} GiB = {least // kv_per_token:,} tokens: "
+                  f"rollout.gpu_memory_utilization up to {grown:.2f}" + ("" if colocated else
+                                                                       " (engines placed separately: no gain)")]
     fits = not reasons
     verdict = "FITS" if fits else "DOES NOT FIT"
     lines += ["", f"verdict: {verdict} (peak {peak / GIB:.1f} of {gpu_mem_gib:g} GiB per GPU)"]
     lines += [f"  - {x}" for x in reasons]
-    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, engine_weights, sync_lb)
+    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, engine_weights, sync_lb, offloaded)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

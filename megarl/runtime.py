@@ -69,6 +69,9 @@ def use_device(setting: str) -> None:
 def start(cfg: MegarlConfig) -> Runtime:
     """Initialise torch.distributed and megatron's parallel state for the recipe's layout."""
     use_device(cfg.trainer.device)
+    from megarl.megatron.precision import apply_precision
+
+    apply_precision(cfg.model.allow_tf32)  # before CUDA starts: the libraries read their TF32 override then
     init_distributed()
     world = dist.get_world_size()
     if world != cfg.world_size:

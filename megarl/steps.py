@@ -213,13 +213,17 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     return plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes)
 
 
-def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False) -> dict:
+def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False,
+                 before_kv_cache=None) -> dict:
     """Deliver the actor's weights to every engine worker (every rank takes part). With sleep mode the engine wakes
-    its weights only, receives them, then wakes its KV cache."""
+    its weights only, receives them, then wakes its KV cache. `before_kv_cache()` runs after the delivery, before the
+    KV cache wakes (the trainer offloads its states there)."""
     sleeping = engine is not None and getattr(engine, "sleeps", False)
     if sleeping:
         engine.wake_up(["weights"])
     metrics = sync.run(engine, verify=verify)
+    if before_kv_cache is not None:
+        before_kv_cache()
     if sleeping:
         engine.wake_up(["kv_cache"])
     return metrics if rt.is_rank0 else {}
@@ -322,8 +326,9 @@ def _correction_metrics(m: dict) -> dict:
 class EngineGeneration:
     """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation)."""
 
-    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime):
+    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None):
         self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
+        self.offload = offload  # the trainer's OffloadAroundRollout, or None
 
     def start(self, records: Sequence[PromptRecord], seed: int) -> list:
         return start_generate(self.engine, records, self.rt, seed=seed, multi_turn=self.cfg.rollout.multi_turn.enable)
@@ -332,7 +337,11 @@ class EngineGeneration:
         return finish_generate(handles, self.rt)
 
     def sync(self) -> dict:
-        return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
+        if self.offload is None or not self.offload.active:
+            return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
+        self.offload.onload()  # the sync reads the actor's weights
+        return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
+                            before_kv_cache=self.offload.offload)
 
     def abort(self) -> None:
         if self.engine is not None:

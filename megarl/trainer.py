@@ -110,7 +110,7 @@ def train(cfg: MegarlConfig) -> dict:
 def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     from transformers import AutoTokenizer
 
-    from megarl.megatron.workers import CriticWorker, PolicyWorker
+    from megarl.megatron.workers import CriticWorker, OffloadAroundRollout, PolicyWorker
     from megarl.sft import run_sft, sft_output_dir
 
     cfg = prepare(cfg, rt.is_rank0)
@@ -139,6 +139,12 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     ckpt = Checkpointer(cfg, rt, models={"actor": actor, "critic": critic},
                         states={"loader": loader, "kl_ctrl": kl_ctrl, "schedule": schedule})  # schedule after loader
     start_step = ckpt.resume()  # 0 for a fresh run
+    # actor/critic/ref.offload: states in host memory from each weight sync to the next forward (and from here to the
+    # first forward, so the engine starts with their memory free); a checkpoint brings them back to be written
+    offload = OffloadAroundRollout(cfg, actor, critic, ref)
+    if offload.active:
+        ckpt.before_save.append(offload.onload)
+        offload.offload()
     engine = start_engine(cfg, model_path, rt)
     if compute_device().type == "cpu":
         keep_trainer_on(engine_cores(cfg, trainer_side=True))
@@ -147,9 +153,10 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     sync = steps.weight_sync(actor, engine, cfg, rt)
     # The engine holds the HF model's weights (or random ones with load_format=dummy): give it the actor's before the
     # first rollout and before val_before_train when they differ (a resume, or dummy weights).
+    generation = steps.EngineGeneration(engine, actor, sync, cfg, rt, offload=offload)
     if start_step or cfg.rollout.load_format == "dummy":
-        steps.sync_weights(actor, engine, sync, cfg, rt)
-    schedule.generation = steps.EngineGeneration(engine, actor, sync, cfg, rt)
+        generation.sync()
+    schedule.generation = generation
     schedule.resumed(start_step)
     logger = MetricsLogger.for_run(cfg, enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
@@ -173,6 +180,9 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                         engine, reward_fn, records, rollout, tokenizer, cfg, rt)
                 reward_metrics.update(baseline_metrics)
             steps.engine_sleep(engine)
+            if offload.offloaded:
+                with timer("onload"):
+                    offload.onload()
             actor_updates = critic is None or step > cfg.critic.warmup_steps
             on_policy = steps.old_log_probs_from_update(cfg, actor_updates)  # else a separate pass computes them
             if not on_policy:
@@ -203,10 +213,14 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
             with timer("val"):  # with the actor's weights: the engines finish what they generate ahead, then sync
                 metrics.update(schedule.settle())
                 metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
-        logger.log(step, {**metrics, **timer.metrics()})
+        logger.log(step, {**metrics, **offload.metrics(), **timer.metrics()})
         if cfg.logging.save_rollouts and rt.is_rank0:
             write_rollouts(rt.run_dir / "rollouts" / f"step_{step}.jsonl", records, rollout, batch, scores, tokenizer)
-        if ckpt.after_step(step):  # saves when due (save_freq, last step, SIGTERM); True: stop after a SIGTERM
+        was_offloaded = offload.offloaded
+        stop = ckpt.after_step(step)  # saves when due (save_freq, last step, SIGTERM); True: stop after a SIGTERM
+        if was_offloaded and not stop:
+            offload.offload()  # a save brought the states back: out again until the next forward
+        if stop:
             break
     ckpt.close()
     logger.close()

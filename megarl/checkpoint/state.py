@@ -350,6 +350,7 @@ class Checkpointer:
         self.rt = rt
         self.models = {k: _trainable(m) for k, m in models.items() if m is not None}
         self.states = {k: s for k, s in states.items() if s is not None}
+        self.before_save: list = []  # callables run before a save (the trainer brings offloaded states back)
         self.root = checkpoints_dir(cfg.trainer.run_dir)
         self.stop = StopRequest(cfg.checkpoint.save_on_sigterm)
         self.last_saved: Optional[int] = None
@@ -388,6 +389,8 @@ class Checkpointer:
         from megarl.config import write_resolved
 
         t0 = time.perf_counter()
+        for hook in self.before_save:
+            hook()
         for s in self.states.values():  # e.g. the rollout schedule awaits its generations in flight (collective)
             if hasattr(s, "before_save"):
                 s.before_save()

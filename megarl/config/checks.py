@@ -523,6 +523,12 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue("rollout.enable_sleep_mode", True, f"trainer.mode={mode} generates while the trainer "
                             "trains; a sleeping engine cannot", "set rollout.enable_sleep_mode=false, or "
                             "trainer.mode=sync", keys=keys + ("rollout.enable_sleep_mode",)))
+    for key, on in (("actor.offload", cfg.actor.offload.any), ("critic.offload", cfg.critic.offload.any),
+                    ("ref.offload", cfg.ref.offload)):
+        if on:  # offload frees the trainer's memory while the engine generates; here the trainer trains meanwhile
+            issues.append(Issue(key, True, f"trainer.mode={mode} trains while the engines generate, so the trainer's "
+                                "states cannot leave its GPUs during generation", f"set {key}=false, or "
+                                "trainer.mode=sync", keys=keys + (key,)))
     if cfg.rollout.mode == "ray":
         issues.append(Issue("rollout.mode", "ray", f"trainer.mode={mode} drives the colocated engine processes; Ray "
                             "engines generate only in sync mode", "use rollout.mode=colocated, or trainer.mode=sync",

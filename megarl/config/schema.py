@@ -93,6 +93,11 @@ class ModelConfig(_Section):
         "moe_router_dtype; fp32 keeps expert choices stable in bfloat16 training); None: the model dtype.")
     use_transformer_engine: Union[Literal["auto"], bool] = Field(
         "auto", description="Transformer Engine layer spec (true/false); auto uses it when CUDA and TE are available.")
+    allow_tf32: bool = Field(False, description="Let float32 matrix products on a GPU use TF32 tensor cores (about "
+                             "1e-3 relative error); false: float32 means float32. bf16 training is unaffected.")
+    fusions: Union[Literal["auto"], bool] = Field(
+        "auto", description="Fused kernels (rope, SwiGLU, gradient-accumulation into main_grad): auto turns on each "
+        "one whose kernel is there and logs why the others are off; false turns all off.")
 
 
 class ParallelismConfig(_Section):
@@ -136,6 +141,26 @@ class PolicyLossOptions(_Section):
                                       "(required with policy_loss=dro).")
 
 
+class OffloadConfig(_Section):
+    """Trainer states moved to pinned host memory from the weight sync to the next forward, so a colocated engine
+    gets their GPU memory for its KV cache (verl: param_offload, grad_offload, optimizer_offload)."""
+
+    params: bool = Field(False, description="Parameters (and the distributed optimizer's parameter buffers).")
+    grads: bool = Field(False, description="Gradient buffers (megatron's main_grad).")
+    optimizer: bool = Field(False, description="Optimizer states and fp32 main parameters.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bool(cls, value):
+        if isinstance(value, bool):  # actor.offload=true: all three
+            return {"params": value, "grads": value, "optimizer": value}
+        return value
+
+    @property
+    def any(self) -> bool:
+        return self.params or self.grads or self.optimizer
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -159,6 +184,8 @@ class ActorConfig(_Section):
     kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss term.")
     kl_loss_type: str = Field("low_var_kl", description="kl (k1), abs, mse (k2), low_var_kl (k3).")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Move the actor's states "
+                                     "to pinned host memory while the engine generates (true/false for all three).")
 
     @property
     def clip_low(self) -> float:
@@ -179,6 +206,8 @@ class CriticConfig(_Section):
     loss_agg_mode: str = Field("token-mean", description="Aggregation of the value loss.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5),
                                description="Critic optimizer and LR schedule.")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Move the critic's states to pinned "
+                                   "host memory while the engine generates.")
 
 
 class RefConfig(_Section):
@@ -186,6 +215,8 @@ class RefConfig(_Section):
                                    "positive coefficient is used.")
     log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reference forward on one rank "
                                                    "(the actor's use rollout.log_prob_micro_batch_size_per_gpu).")
+    offload: bool = Field(False, description="Move the reference's parameters to pinned host memory while the engine "
+                          "generates.")
 
 
 class ValKwargs(_Section):

@@ -22,11 +22,16 @@ from megarl import algo, runtime
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple:
-    """(position_ids [B, S], attention_mask [1, 1, S, S] with True = masked) for a right-padded batch."""
+    """(position_ids [B, S], attention_mask [1, 1, S, S] with True = masked) for a right-padded batch.
+
+    The mask is marked causal (megarl.megatron.layer_spec.mark_causal): megarl's SDPA attention then uses the kernel's
+    own causal masking and never reads it."""
+    from megarl.megatron.layer_spec import mark_causal
+
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, s, s)
-    return pos, mask
+    return pos, mark_causal(mask)
 
 
 def scaled_local_logits(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,

@@ -105,8 +105,10 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
         loss = pg_loss
         # how far this update is off-policy: exactly 0 on the first mini-batch of a step (same weights as rollout)
         log_ratio = (log_prob.detach() - old_log_prob).abs()
+        # |log ratio| >= 0, so filling non-response positions with 0 gives the max over the mask (0 when empty)
+        # without the host synchronisation that boolean indexing or `if mask.any()` costs
         metrics = {"pg_loss": pg_loss.detach(), **pg_metrics,
-                   "log_ratio_abs_max": log_ratio[mask].max() if mask.any() else torch.zeros(())}
+                   "log_ratio_abs_max": log_ratio.masked_fill(~mask.bool(), 0.0).max()}
         with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
             entropy = vocab_parallel_entropy(logits if s.entropy_coeff else logits.detach(), s.vocab_size,
                                              s.temperature)

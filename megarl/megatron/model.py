@@ -5,8 +5,12 @@
 
 Choices (each one is what makes megarl's logprobs equal HF transformers'):
 - Layer spec: Transformer Engine (`get_gpt_decoder_block_spec(use_transformer_engine=True)`, grouped-GEMM experts)
-  when CUDA is available and transformer_engine imports; megatron's local spec otherwise (CPU). The bridge maps both
-  naming schemes. dtype: float32 on CPU, bfloat16 on GPU, unless given.
+  when CUDA is available and transformer_engine imports; otherwise megatron's local spec with megarl's RMSNorm (in
+  params_dtype) and core attention through torch's scaled_dot_product_attention (megarl.megatron.layer_spec). The
+  bridge maps both naming schemes. dtype: float32 on CPU, bfloat16 on GPU, unless given; every parameter is in it.
+- Fusions (`fusions="auto"`): rope fusion (TE's kernel), SwiGLU fusion (megatron's fused bias-SwiGLU, CUDA) and
+  gradient-accumulation fusion (TE layers add weight gradients into megatron's fp32 main_grad buffers) each on when
+  its kernel is there, off with the reason logged and kept in `model.megarl_fusions` otherwise.
 - RMSNorm, SwiGLU (gated_linear_unit + silu), no linear biases except Qwen2's q/k/v bias, QK RMSNorm for Qwen3,
   dropout 0, rope with the checkpoint's theta. Llama-3 rope scaling uses megatron's own `_apply_scaling` with all four
   HF parameters (megatron's constructor hard-codes three of them); "linear" scaling uses
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -40,7 +45,11 @@ DEFAULT_VOCAB_PAD_MULTIPLE = 128
 
 
 def te_available() -> bool:
-    """Transformer Engine layer specs are used when CUDA is available and transformer_engine imports."""
+    """Transformer Engine layer specs are used when CUDA is available and transformer_engine imports, unless the
+    environment says MEGARL_USE_TE=0 (`make test-gpu TE=0` and the benchmarks' no-TE rows: the path without TE on a
+    machine that has it)."""
+    if os.environ.get("MEGARL_USE_TE") == "0":
+        return False
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
@@ -50,13 +59,51 @@ def te_available() -> bool:
     return True
 
 
+FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "gradient_accumulation_fusion")
+
+
+def fusion_settings(use_te: bool, enabled: bool = True) -> dict:
+    """{TransformerConfig fusion field: (on, reason)} for this machine: on where its kernel is there.
+
+    enabled=False (model.fusions=false) turns every fusion off."""
+    if not enabled:
+        return {name: (False, "model.fusions=false") for name in FUSIONS}
+    cuda = torch.cuda.is_available()
+    out = {}
+    if not use_te:
+        out["apply_rope_fusion"] = (False, "needs Transformer Engine's fused rope kernel (not in this spec)")
+    else:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        kernel = getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None
+        out["apply_rope_fusion"] = (kernel, "Transformer Engine's fused rope" if kernel
+                                    else "this Transformer Engine build has no fused rope kernel")
+    out["bias_activation_fusion"] = ((True, "megatron's fused SwiGLU (torch.compile'd on CUDA)") if cuda
+                                     else (False, "no CUDA: the fused SwiGLU kernel only pays off on a GPU"))
+    if use_te:
+        out["gradient_accumulation_fusion"] = (True, "Transformer Engine layers accumulate weight gradients into the "
+                                               "fp32 main_grad buffers")
+    else:
+        from megatron.core.tensor_parallel import layers
+
+        apex = bool(getattr(layers, "_grad_accum_fusion_available", False)) and cuda
+        out["gradient_accumulation_fusion"] = (apex, "apex's fused_weight_gradient_mlp_cuda" if apex else
+                                               "needs Transformer Engine layers (or apex's fused_weight_gradient_mlp"
+                                               "_cuda)")
+    return out
+
+
 def default_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
 def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_te: Optional[bool] = None,
-                       sequence_parallel: Optional[bool] = None, moe_dispatcher: str = "allgather", **overrides):
-    """The megatron TransformerConfig for `spec` in the current parallel layout (after init_model_parallel)."""
+                       sequence_parallel: Optional[bool] = None, moe_dispatcher: str = "allgather",
+                       fusions: Union[str, bool] = False, **overrides):
+    """The megatron TransformerConfig for `spec` in the current parallel layout (after init_model_parallel).
+
+    fusions: "auto" (or True) turns on each fusion of `fusion_settings` whose kernel is there; False none (the
+    default here, for callers that build configs for comparisons; build_gpt_model passes its own)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -79,8 +126,8 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False,
+        **{name: on for name, (on, _) in fusion_settings(use_te, fusions not in (False, "off")).items()},
     )
     if spec.is_moe:
         kw.update(
@@ -173,28 +220,38 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
                     use_te: Optional[bool] = None, vocab_pad_multiple: int = DEFAULT_VOCAB_PAD_MULTIPLE,
                     sequence_parallel: Optional[bool] = None, pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
-                    moe_dispatcher: str = "allgather", head_seed: int = 0, **config_overrides):
+                    moe_dispatcher: str = "allgather", head_seed: int = 0, fusions: Union[str, bool] = "auto",
+                    **config_overrides):
     """A GPTModel for this rank's pipeline stage (weights randomly initialised; see load_hf_weights / build_and_load).
 
-    The model carries `megarl_spec` (the ArchSpec) and `megarl_head` ("lm" or "value") for the bridge and forward.
+    The model carries `megarl_spec` (the ArchSpec), `megarl_head` ("lm" or "value") for the bridge and forward, and
+    `megarl_fusions` ({fusion: (on, reason)}).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from megarl.megatron.layer_spec import local_block_spec
+
     use_te = te_available() if use_te is None else use_te
     config = transformer_config(spec, dtype=dtype, use_te=use_te, sequence_parallel=sequence_parallel,
-                                moe_dispatcher=moe_dispatcher, **config_overrides)
+                                moe_dispatcher=moe_dispatcher, fusions=fusions, **config_overrides)
+    fusion_state = {name: (getattr(config, name), reason)
+                    for name, (_, reason) in fusion_settings(use_te, fusions not in (False, "off")).items()}
+    _log_fusions(fusion_state)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
-    block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
-                                            vp_stage=vp_stage)
+    if use_te:
+        block_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                                vp_stage=vp_stage)
+    else:
+        block_spec = local_block_spec(config, vp_stage=vp_stage)
     if spec.mla is not None:
         _mla_column_parallel_down_projections(block_spec, use_te)
     rope = spec.rope
-    with _tensor_cuda_is_identity_on_cpu():
+    with _tensor_cuda_is_identity_on_cpu(), _output_layer_without_apex(config):
         model = GPTModel(
             config=config, transformer_layer_spec=block_spec,
             vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_pad_multiple),
@@ -217,7 +274,56 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
             model.output_layer.cuda()
     model.megarl_spec = spec
     model.megarl_head = VALUE_HEAD if value_head else LM_HEAD
+    model.megarl_fusions = fusion_state
     return model
+
+
+_logged_fusions: set = set()
+
+
+def _log_fusions(state: dict) -> None:
+    import logging
+
+    key = tuple(sorted((k, v[0]) for k, v in state.items()))
+    if key in _logged_fusions:
+        return
+    _logged_fusions.add(key)
+    log = logging.getLogger("megarl")
+    for name, (on, reason) in state.items():
+        log.info("fusion %s: %s (%s)", name, "on" if on else "off", reason)
+
+
+@contextlib.contextmanager
+def _output_layer_without_apex(config):
+    """With gradient_accumulation_fusion on, Transformer Engine's layers add weight gradients into main_grad
+    themselves, but GPTModel's output layer is megatron's ColumnParallelLinear, whose fused path needs apex's
+    fused_weight_gradient_mlp_cuda (and refuses to build without it). While GPTModel is built, a ColumnParallelLinear
+    sees the fusion off: it then produces an ordinary weight gradient, which megatron's DDP hook adds into main_grad
+    (one add for one [vocab, hidden] matrix; every TE layer keeps its fusion)."""
+    if not config.gradient_accumulation_fusion:
+        yield
+        return
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "_grad_accum_fusion_available", False):  # apex is there: nothing to work around
+        yield
+        return
+    original = layers.ColumnParallelLinear.__init__
+
+    def init(self, *args, **kwargs):
+        cfg = kwargs.get("config")
+        saved = cfg.gradient_accumulation_fusion
+        cfg.gradient_accumulation_fusion = False
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            cfg.gradient_accumulation_fusion = saved
+
+    layers.ColumnParallelLinear.__init__ = init
+    try:
+        yield
+    finally:
+        layers.ColumnParallelLinear.__init__ = original
 
 
 def build_and_load(hf_dir: Union[str, Path], *, value_head: bool = False, strict: bool = True, **build_kwargs):

@@ -48,6 +48,9 @@ def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
     from megarl.megatron import cpu_compat
 
     cpu_compat.apply()
+    from megarl.megatron import host_sync
+
+    host_sync.install()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

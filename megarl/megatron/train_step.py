@@ -157,11 +157,13 @@ def _reduce_metrics(results: list[dict], n_micro: int) -> dict:
         keys = runtime.broadcast_strings(keys, src=last, group=pp_group)
     values = torch.zeros(len(keys), dtype=torch.float64, device=runtime.compute_device())
     if results:
-        for i, k in enumerate(keys):
-            total = sum(r[k].double() for r in results)
-            values[i] = total if k.endswith("loss") else total / n_micro
+        # one stack on the device: no per-metric transfer
+        totals = torch.stack([sum(r[k].double().to(values.device) for r in results) for k in keys])
+        scale = torch.tensor([1.0 if k.endswith("loss") else 1.0 / n_micro for k in keys], dtype=torch.float64)
+        values = totals * scale.to(values.device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         runtime.broadcast(values, src=last, group=pp_group)
     runtime.all_reduce(values, group=ps.get_data_parallel_group())
     dp = ps.get_data_parallel_world_size()
-    return {k: float(values[i] if k.endswith("loss") else values[i] / dp) for i, k in enumerate(keys)}
+    host = values.tolist()  # the step's one synchronisation for metrics
+    return {k: host[i] if k.endswith("loss") else host[i] / dp for i, k in enumerate(keys)}

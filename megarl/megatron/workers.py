@@ -39,6 +39,7 @@ def build_options(cfg: MegarlConfig) -> dict:
     m, p = cfg.model, cfg.parallelism
     return {"dtype": _DTYPES.get(m.dtype),
             "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
+            "fusions": m.fusions,
             "sequence_parallel": p.sequence_parallel or None,
             **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
             **recompute_overrides(m.recompute)}
@@ -97,6 +98,56 @@ class _Worker:
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
                 out.append(train_mini_batch(self.trainable, micro, make_loss(denominator)))
         return _average(out)
+
+
+class OffloadAroundRollout:
+    """The trainer's states in pinned host memory while the engine generates (actor.offload, critic.offload,
+    ref.offload; megarl.megatron.offload does the moving).
+
+    The trainer calls `offload()` after each weight sync, before the engine wakes its KV cache (and once before the
+    engine starts), and `onload()` before the next forward and before a checkpoint is written. Both are no-ops when
+    nothing is configured or nothing is offloaded; `metrics()` reports the last round trip."""
+
+    def __init__(self, cfg: MegarlConfig, actor=None, critic=None, ref=None):
+        from megarl.megatron.offload import StateOffloader
+
+        self.offloaders = []
+        for worker, offload in ((actor, cfg.actor.offload), (critic, cfg.critic.offload)):
+            if worker is not None and offload.any:
+                t = worker.trainable
+                self.offloaders.append(StateOffloader(t.chunks, t.optimizer, params=offload.params,
+                                                      grads=offload.grads, optimizer_states=offload.optimizer))
+        if ref is not None and cfg.ref.offload:
+            chunks = ref.chunks if isinstance(ref.chunks, (list, tuple)) else [ref.chunks]
+            self.offloaders.append(StateOffloader(chunks, None, params=True, grads=False, optimizer_states=False))
+        self._metrics: dict = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.offloaders)
+
+    @property
+    def offloaded(self) -> bool:
+        return any(o.offloaded for o in self.offloaders)
+
+    def offload(self) -> dict:
+        if not self.offloaders or self.offloaded:
+            return {}
+        stats = [o.offload() for o in self.offloaders]
+        self._metrics.update({"offload/bytes": float(sum(s["bytes"] for s in stats)),
+                              "offload/freed_gib": sum(s["freed_bytes"] for s in stats) / 2 ** 30,
+                              "timing/offload_s": sum(s["seconds"] for s in stats)})
+        return dict(self._metrics)
+
+    def onload(self) -> dict:
+        if not self.offloaded:
+            return {}
+        stats = [o.onload() for o in self.offloaders]
+        self._metrics["timing/onload_s"] = sum(s["seconds"] for s in stats)
+        return dict(self._metrics)
+
+    def metrics(self) -> dict:
+        return dict(self._metrics)
 
 
 class PolicyWorker(_Worker):

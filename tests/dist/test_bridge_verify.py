@@ -36,3 +36,61 @@ def test_under_a_launcher_uses_the_given_ranks(qwen2_dir):
 def test_bad_layout_is_refused_before_starting_ranks(qwen2_dir, capsys):
     assert main(["--hf", qwen2_dir, "--tp", "3"]) == 2
     assert "tensor_model_parallel_size=3 does not divide num_attention_heads=4" in capsys.readouterr().err
+
+
+def _corrupt_norm(src, dst):
+    """A copy of the checkpoint with one layer's post-attention norm weight reversed: what a bridge that sliced or
+    permuted that tensor wrongly would load."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in Path(dst).glob("*.safetensors"):
+        sd = load_file(f)
+        key = next((k for k in sd if k.endswith("layers.1.post_attention_layernorm.weight")), None)
+        if key:
+            sd[key] = sd[key].flip(0).contiguous()
+            save_file(sd, f, metadata={"format": "pt"})
+            return dst
+    raise AssertionError("no norm weight found")
+
+
+def test_bf16_tolerance_catches_a_wrong_mapping_that_the_old_bound_let_pass(tmp_path):
+    import torch
+
+    from megarl import verify
+    from megarl.bridge.hf_config import load_spec
+
+    good = str(make_tiny_model("qwen3", tmp_path / "qwen3"))
+    bad = _corrupt_norm(good, str(tmp_path / "qwen3_bad"))
+    tokens, lengths, _ = verify.make_batch(good, load_spec(good).vocab_size, 4, 64)
+    hf, scale = verify.hf_logprobs(good, tokens, lengths)  # the reference: the checkpoint's true model
+    tol = verify.precision_tolerance(verify.BF16_UNIT, scale)
+    got = {}
+    for name, d in (("good", good), ("bad", bad)):
+        (r,) = run_ranks("megarl.verify:_rank_body", 1, {"hf_dir": d, "tokens": tokens, "dtype": "bfloat16"},
+                         timeout=300)
+        got[name] = r["megatron"]
+    mean = {k: verify.mean_abs_diff(hf, v, lengths) for k, v in got.items()}
+    worst = {k: verify.compare(hf, v, lengths)[0] for k, v in got.items()}
+    assert mean["good"] <= tol < mean["bad"], (mean, tol)
+    assert worst["bad"] < 0.5  # the former bf16 bound (max difference <= 0.5) passed this wrong mapping
+    assert torch.isfinite(got["bad"]).all()
+
+
+def test_bf16_verify_passes_with_its_derived_tolerance(qwen2_dir, capsys):
+    assert main(["--hf", qwen2_dir, "--dtype", "bfloat16", "--seq-len", "32", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "x bf16 unit roundoff x logits scale" in out and "OK" in out
+
+
+def test_a_precision_sized_float32_difference_is_not_blamed_on_the_bridge():
+    from megarl.verify import TF32_UNIT, diagnose
+
+    scale = 1.0
+    tf32_sized = diagnose(max_diff=4e-3, mean_diff=2 * TF32_UNIT * scale, scale=scale, dtype="float32", tf32=True)
+    assert "TF32 rounding" in tf32_sized and "NVIDIA_TF32_OVERRIDE=0" in tf32_sized and "bridge" not in tf32_sized
+    mapping = diagnose(max_diff=1.0, mean_diff=0.3, scale=scale, dtype="float32", tf32=False)
+    assert "maps incorrectly" in mapping

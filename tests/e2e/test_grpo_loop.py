@@ -89,3 +89,16 @@ def test_missing_reward_file_is_a_clear_error(tmp_path):
                        timeout=600)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "no/such/file.py" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_offload_around_rollout_leaves_the_run_unchanged(tp1):
+    """actor.offload and ref.offload move the trainer's states to host memory from each weight sync to the next
+    forward (and bring them back for a checkpoint): the run is the same step for step, and the metrics show the cost."""
+    tmp, base = tp1
+    got = _run(tmp, "offload", ["actor.offload=true", "ref.offload=true", "checkpoint.save_freq=2"])
+    assert len(got) == len(base) == 3
+    for a, b in zip(base, got):
+        for key in ("actor/pg_loss", "actor/grad_norm", "train/reward_mean"):
+            assert a[key] == b[key], (key, a[key], b[key])
+        assert b["offload/bytes"] > 0 and b["timing/onload_s"] >= 0 and b["timing/offload_s"] >= 0
+    assert (tmp / "offload" / "checkpoints").exists() or any((tmp / "offload").rglob("step_2"))

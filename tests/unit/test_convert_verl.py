@@ -173,12 +173,14 @@ def test_moe_dapo_script_side_by_side_with_verl():
         # verl's log-prob forwards: log_prob_use_dynamic_bsz follows actor.use_dynamic_bsz (${oc.select:...})
         "rollout.log_prob_use_dynamic_bsz": (True, cfg.rollout.log_prob_use_dynamic_bsz),
         "rollout.log_prob_max_token_len_per_gpu": (2048 + 8192, cfg.rollout.log_prob_max_token_len_per_gpu),
+        "actor.megatron.param_offload": (True, cfg.actor.offload.params),
+        "actor.megatron.grad_offload": (True, cfg.actor.offload.grads),
+        "actor.megatron.optimizer_offload": (True, cfg.actor.offload.optimizer),
+        "ref.megatron.param_offload": (True, cfg.ref.offload),
     }
     assert {k: v[0] for k, v in verl.items()} == {k: v[1] for k, v in verl.items()}
     refused = {line.split(" = ")[0] for line in c.refused}
-    assert refused == {  # offload (a separate megarl feature) and verl's max_position_embeddings override
-        "actor_rollout_ref.actor.megatron.param_offload", "actor_rollout_ref.actor.megatron.grad_offload",
-        "actor_rollout_ref.actor.megatron.optimizer_offload", "actor_rollout_ref.ref.megatron.param_offload",
+    assert refused == {  # verl's max_position_embeddings override
         *(f"actor_rollout_ref.actor.optim.override_optimizer_config.{k}" for k in (
             "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
             "optimizer_cpu_offload")),
@@ -281,3 +283,17 @@ def test_verl_estimator_and_loss_names_map(estimator, loss):
     options = c.recipe["actor"]["policy_loss_options"]
     assert options["tau_neg"] == 1.05 and options["kl_cov_ratio"] == 0.0002
     assert load_config(data={**c.recipe, "model": {"path": "unused"}}) is not None
+
+
+def test_megatron_offload_keys_map_to_megarls_offload():
+    c = convert({"actor_rollout_ref.actor.megatron.param_offload": True,
+                 "actor_rollout_ref.actor.megatron.grad_offload": True,
+                 "actor_rollout_ref.actor.megatron.optimizer_offload": True,
+                 "actor_rollout_ref.ref.megatron.param_offload": True,
+                 "critic.megatron.optimizer_offload": True})
+    assert not c.refused
+    r = c.recipe
+    assert r["actor"]["offload"] == {"params": True, "grads": True, "optimizer": True}
+    assert r["ref"]["offload"] is True and r["critic"]["offload"] == {"optimizer": True}
+    cfg = load_config(data=r)
+    assert cfg.actor.offload.any and cfg.ref.offload and cfg.critic.offload.optimizer and not cfg.critic.offload.params

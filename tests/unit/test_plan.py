@@ -119,3 +119,28 @@ def test_too_few_gpus_for_trainer_and_ray_engines_is_refused():
 def test_large_recipes_fit_where_they_are_planned(recipe, nodes, mem):
     _, report = _plan(recipe, nodes, 8, mem)
     assert report.fits, report.text
+
+
+def test_offload_around_rollout_is_counted_and_grows_the_kv_cache():
+    _, base = _plan("ppo_llama3_70b.yaml", 16, 8, 80)
+    _, off = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ("actor.offload=true", "critic.offload=true", "ref.offload=true"))
+    # hand calculation as above: stage 0, 1/TP of 20 layers and the embedding
+    h, layers, q, kv, f, vocab = 8192, 80, 64 * 128, 8 * 128, 28672, 128256
+    params = (layers // 4 * (h * q + 2 * h * kv + q * h + 3 * h * f) + vocab * h) / 8
+    state = params * 2 + params * 4 + params * 12 / 4
+    hand = 2 * state + params * 2  # actor and critic states, the reference's parameters
+    assert abs(off.offloaded_bytes - hand) / hand < 0.10, (off.offloaded_bytes / GIB, hand / GIB)
+    assert base.offloaded_bytes == 0
+    rollout = {r.text.split("phases: ")[1].split(" GiB")[0]: r for r in (base, off)}
+    before, after = (float(t.split("rollout ")[1].split(",")[0]) for t in rollout)
+    assert abs((before - after) - off.offloaded_bytes / GIB) < 0.15, (before, after)
+    assert "the engine's KV cache can grow by" in off.text and "rollout.gpu_memory_utilization up to" in off.text
+
+
+def test_offload_takes_verl_style_booleans_per_state():
+    from megarl.config import load_config
+
+    cfg = load_config(ROOT / "recipes" / "grpo_tiny_cpu.yaml", ["actor.offload.optimizer=true", "ref.offload=true"])
+    assert (cfg.actor.offload.params, cfg.actor.offload.grads, cfg.actor.offload.optimizer) == (False, False, True)
+    cfg = load_config(ROOT / "recipes" / "grpo_tiny_cpu.yaml", ["actor.offload=true"])
+    assert cfg.actor.offload.params and cfg.actor.offload.grads and cfg.actor.offload.optimizer

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Source this (`. scripts/gpu_env.sh`) to get GPU_PY: a Python whose torch is a CUDA build with a visible GPU, and a
+# PYTHONPATH on which megarl (this checkout) and its GPU dependencies import. It never uses the CPU env (.venv) and
+# never installs torch.
+#   GPU_VENV=DIR     use DIR/bin/python                (make test-gpu VENV=DIR)
+#   GPU_PYTHON=EXE   use that interpreter               (make test-gpu PYTHON=EXE)
+#   otherwise        the first of python3, python on PATH (the machine's, or the Docker image's /opt/venv)
+#   WHEELS=DIR       wheels to install, without an index and without dependencies, into GPU_SITE (default
+#                    .gpu-site, git-ignored) for what that Python lacks: megatron-core, pydantic, Transformer Engine
+#                    (transformer_engine, transformer_engine_cu*, transformer_engine_torch), nvdlfw_inspect, ...
+#                    Any torch wheel in DIR is skipped: the machine's CUDA torch stays the one used.
+# On failure it prints one line "error: ..." and returns 1 (the caller exits with it).
+_gpu_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_gpu_fail() { echo "error: $*" >&2; return 1; }
+
+_gpu_pick() {
+    local cands=()
+    if [ -n "${GPU_VENV:-}" ]; then cands=("$GPU_VENV/bin/python")
+    elif [ -n "${GPU_PYTHON:-}" ]; then cands=("$GPU_PYTHON")
+    else
+        local c
+        for c in python3 python; do
+            c=$(command -v "$c" 2>/dev/null) || continue
+            # the project's CPU env is never the GPU Python
+            case "$(cd "$(dirname "$c")/.." 2>/dev/null && pwd -P)" in "$(cd "$_gpu_root/.venv" 2>/dev/null && pwd -P)") continue;; esac
+            cands+=("$c")
+        done
+    fi
+    [ ${#cands[@]} -gt 0 ] || { _gpu_fail "make test-gpu: no Python found (give one with PYTHON=... or VENV=...)"; return 1; }
+    local why="" py
+    for py in "${cands[@]}"; do
+        local out
+        out=$("$py" - <<'PY' 2>&1
+import sys
+try:
+    import torch
+except Exception as exc:
+    print(f"{sys.executable}: torch does not import ({exc.__class__.__name__}: {exc})"); sys.exit(1)
+if torch.version.cuda is None:
+    print(f"{sys.executable}: torch {torch.__version__} is a CPU build"); sys.exit(1)
+if not torch.cuda.is_available():
+    print(f"{sys.executable}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"); sys.exit(1)
+print(sys.executable)
+PY
+        )
+        if [ $? -eq 0 ]; then GPU_PY=$(echo "$out" | tail -1); return 0; fi
+        why="${why:+$why; }$(echo "$out" | tail -1)"
+    done
+    _gpu_fail "make test-gpu needs a CUDA GPU and a Python whose torch is a CUDA build: $why"
+}
+
+_gpu_wheels() {
+    [ -n "${WHEELS:-}" ] || return 0
+    [ -d "$WHEELS" ] || { _gpu_fail "WHEELS=$WHEELS is not a directory"; return 1; }
+    GPU_SITE=${GPU_SITE:-$_gpu_root/.gpu-site}
+    local stamp="$GPU_SITE/.installed-from"
+    local listing
+    listing=$(cd "$WHEELS" && ls -1 ./*.whl 2>/dev/null | sort | tr '\n' ' ')
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$listing" ]; then return 0; fi
+    mkdir -p "$GPU_SITE"
+    local plain=() ext=() w
+    for w in "$WHEELS"/*.whl; do
+        case "$(basename "$w")" in
+            torch-*|torchvision-*|torchaudio-*|triton-*) echo "note: skipping $(basename "$w"): the machine's torch is used" >&2;;
+            transformer_engine_torch-*) ext+=("$w");;  # a second wheel into TE's package folder: unpacked below
+            *) plain+=("$w");;
+        esac
+    done
+    if [ ${#plain[@]} -gt 0 ]; then
+        "$GPU_PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$GPU_SITE" "${plain[@]}" \
+            || { _gpu_fail "pip could not install the wheels of $WHEELS into $GPU_SITE"; return 1; }
+    fi
+    for w in "${ext[@]}"; do
+        "$GPU_PY" -m zipfile -e "$w" "$GPU_SITE" || { _gpu_fail "could not unpack $w"; return 1; }
+    done
+    echo "$listing" > "$stamp"
+}
+
+gpu_env() {
+    _gpu_pick || return 1
+    _gpu_wheels || return 1
+    export PYTHONPATH="${GPU_SITE:+$GPU_SITE:}$_gpu_root${PYTHONPATH:+:$PYTHONPATH}"
+    export GPU_PY
+    "$GPU_PY" -c "import torch, megatron.core, pydantic, transformers, megarl" 2>/dev/null || {
+        _gpu_fail "$GPU_PY cannot import megarl's dependencies ($("$GPU_PY" -c 'import megatron.core, pydantic, transformers' 2>&1 | tail -1)); give WHEELS=DIR with their wheels, or install them into that env"
+        return 1
+    }
+}

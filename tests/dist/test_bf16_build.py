@@ -1,0 +1,44 @@
+"""A bf16 build holds no float32 parameter (megatron's torch-norm fallback left every RMSNorm weight float32, so each
+norm cast activations up and back), for dense and MoE models, the critic's value head included, and its core attention
+is megarl's SDPA module. The Transformer Engine spec is checked on a GPU (`make test-gpu`)."""
+import pytest
+
+from megarl.launch_local import run_ranks
+from tests.helpers.tiny_models import make_tiny_model
+
+
+def build_rank(dirs, use_te):
+    import torch
+
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    init_model_parallel(Layout(), seed=0)
+    out = {}
+    for name, (d, critic) in dirs.items():
+        model, _ = build_and_load(d, dtype=torch.bfloat16, value_head=critic, use_te=use_te)
+        out[name] = {"not_bf16": [n for n, p in model.named_parameters() if p.dtype != torch.bfloat16],
+                     "attention": {type(m).__name__ for n, m in model.named_modules() if n.endswith("core_attention")},
+                     "params": sum(1 for _ in model.parameters())}
+    return out
+
+
+def _dirs(tmp_path):
+    return {"qwen3 (qk norm)": (str(make_tiny_model("qwen3", tmp_path / "qwen3")), False),
+            "qwen2_moe (router, shared expert gate)": (str(make_tiny_model("qwen2_moe", tmp_path / "qwen2_moe")), False),
+            "llama critic": (str(make_tiny_model("llama", tmp_path / "llama")), True)}
+
+
+def test_bf16_build_without_te_holds_no_float32_parameter(tmp_path):
+    (r,) = run_ranks(f"{__name__}:build_rank", 1, {"dirs": _dirs(tmp_path), "use_te": False}, timeout=300)
+    for name, got in r.items():
+        assert got["params"] > 0 and got["not_bf16"] == [], (name, got)
+        assert got["attention"] == {"SDPAttention"}, (name, got)
+
+
+@pytest.mark.gpu
+def test_bf16_build_with_te_holds_no_float32_parameter(tmp_path):
+    (r,) = run_ranks(f"{__name__}:build_rank", 1, {"dirs": _dirs(tmp_path), "use_te": True}, timeout=300)
+    for name, got in r.items():
+        assert got["params"] > 0 and got["not_bf16"] == [], (name, got)
+        assert got["attention"] == {"TEDotProductAttention"}, (name, got)
