@@ -1,9 +1,11 @@
-"""`megarl verify --hf DIR [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron model with HF.
+"""`megarl verify --hf DIR [--lora ADAPTER_DIR] [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron
+model with HF.
 
 Loads the HF checkpoint into megarl at the given layout, computes per-token logprobs of a batch of sequences (text from
 the checkpoint's tokenizer, right-padded to different lengths; random ids when there is no tokenizer), computes the same
 with HF transformers (float32, eager attention), prints a table per sequence and the max absolute difference over real
-tokens, and returns 1 when it exceeds the tolerance.
+tokens, and returns 1 when it exceeds the tolerance. With --lora, a PEFT LoRA adapter directory is loaded onto the base
+on both sides: megarl's adapters on its megatron linears, and `peft.PeftModel.from_pretrained` on the HF model.
 
 Ranks. As a plain command (no WORLD_SIZE in the environment) it starts the ranks itself with
 megarl.launch_local.run_ranks: world size = TP * PP * EP, i.e. data parallel size = EP (megatron's expert-parallel group
@@ -40,6 +42,8 @@ def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1) -> int:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megarl verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--lora", default=None, help="PEFT LoRA adapter directory (adapter_config.json + "
+                   "adapter_model.safetensors) to load onto the base on both sides")
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
@@ -94,7 +98,8 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
-                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1) -> dict:
+                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
+                      lora: Optional[str] = None) -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
     (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
     logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
@@ -107,6 +112,12 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    if lora:
+        from megarl.lora.layers import apply_lora, load_adapters
+        from megarl.lora.peft_io import read_adapter, settings_from_peft
+
+        apply_lora(model, spec, settings_from_peft(lora))
+        load_adapters(model, read_adapter(lora))
     model.eval()
     out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
@@ -146,11 +157,16 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
             engine.shutdown()
 
 
-def hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU."""
+def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lora: Optional[str] = None) -> torch.Tensor:
+    """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU; with `lora`, of the base with that PEFT
+    adapter loaded by peft.PeftModel.from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    if lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()
@@ -169,7 +185,8 @@ def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -
 def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl") -> int:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
-    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
+    lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
+    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}", file=out)
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
     for i, n, d, mean in rows:
@@ -203,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora)
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -233,13 +250,13 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
     """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
     got = next(r["megatron"] for r in results if r.get("megatron") is not None)
     if args.engine == "megatron":
-        max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
-        return report(args, rows, max_diff, source)
+        max_diff, rows = compare(hf_logprobs(args.hf, tokens, args.lora), got, lengths)
+        return report(args, rows, max_diff, source, reference="HF+PEFT" if args.lora else "HF")
     engine = next(r for r in results if "vllm" in r)
     vllm = torch.zeros_like(got)
     for i, row in enumerate(engine["vllm"]):
         vllm[i, : len(row)] = torch.tensor(row)
-    hf_diff, _ = compare(hf_logprobs(args.hf, tokens), got, lengths)
+    hf_diff, _ = compare(hf_logprobs(args.hf, tokens, args.lora), got, lengths)
     sync = engine["sync"]
     print(f"weight sync into vLLM (engine TP{args.engine_tp} EP{args.engine_ep}): "
           f"{sync['weight_sync/num_tensors']:.0f} tensors, {sync['weight_sync/bytes'] / 2**20:.1f} MiB in "
