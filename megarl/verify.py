@@ -1,9 +1,11 @@
-"""`megarl verify --hf DIR [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron model with HF.
+"""`megarl verify --hf DIR [--lora ADAPTER_DIR] [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron
+model with HF.
 
 Loads the HF checkpoint into megarl at the given layout, computes per-token logprobs of a batch of sequences (text from
 the checkpoint's tokenizer, right-padded to different lengths; random ids when there is no tokenizer), computes the same
 with HF transformers (float32, eager attention), prints a table per sequence and the max absolute difference over real
-tokens, and returns 1 when it exceeds the tolerance.
+tokens, and returns 1 when it exceeds the tolerance. With --lora, a PEFT LoRA adapter directory is loaded onto the base
+on both sides: megarl's adapters on its megatron linears, and `peft.PeftModel.from_pretrained` on the HF model.
 
 Precision. float32 is compared in float32: TF32 is off in every rank (megarl.megatron.precision, NVIDIA_TF32_OVERRIDE=0
 included, which Transformer Engine's GEMMs obey), and the tolerance is 1e-5 on the max difference. In bfloat16 the
@@ -51,6 +53,8 @@ def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1) -> int:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megarl verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--lora", default=None, help="PEFT LoRA adapter directory (adapter_config.json + "
+                   "adapter_model.safetensors) to load onto the base on both sides")
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
@@ -137,7 +141,8 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
-                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1) -> dict:
+                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
+                      lora: Optional[str] = None) -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
     (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
     logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
@@ -152,6 +157,12 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    if lora:
+        from megarl.lora.layers import apply_lora, load_adapters
+        from megarl.lora.peft_io import read_adapter, settings_from_peft
+
+        apply_lora(model, spec, settings_from_peft(lora))
+        load_adapters(model, read_adapter(lora))
     model.eval()
     out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
@@ -191,12 +202,18 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
             engine.shutdown()
 
 
-def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None):
+def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None,
+                lora: Optional[str] = None):
     """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU; with `lengths` also the logits'
-    scale over the real positions (logits_scale)."""
+    scale over the real positions (logits_scale); with `lora`, of the base with that PEFT adapter loaded by
+    peft.PeftModel.from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    if lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()[:, :-1]
@@ -229,7 +246,8 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
            mean_diff: float = 0.0, scale: float = 1.0, tf32: bool = False) -> int:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
-    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
+    lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
+    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}; TF32 {'on' if tf32 else 'off'}", file=out)
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
     for i, n, d, mean in rows:
@@ -277,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora)
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -307,11 +325,11 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
     """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
     got = next(r["megatron"] for r in results if r.get("megatron") is not None)
     tf32 = any(r.get("tf32") for r in results)
-    hf, scale = hf_logprobs(args.hf, tokens, lengths)
+    hf, scale = hf_logprobs(args.hf, tokens, lengths, getattr(args, "lora", None))
     if args.engine == "megatron":
         max_diff, rows = compare(hf, got, lengths)
-        return report(args, rows, max_diff, source, mean_diff=mean_abs_diff(hf, got, lengths), scale=scale,
-                      tf32=tf32)
+        return report(args, rows, max_diff, source, reference="HF+PEFT" if getattr(args, "lora", None) else "HF",
+                      mean_diff=mean_abs_diff(hf, got, lengths), scale=scale, tf32=tf32)
     engine = next(r for r in results if "vllm" in r)
     vllm = torch.zeros_like(got)
     for i, row in enumerate(engine["vllm"]):

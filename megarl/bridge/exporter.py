@@ -94,7 +94,7 @@ def export_hf_weights(model, spec: ArchSpec, bucket_bytes: int = DEFAULT_BUCKET_
         hf = None
         if rank in group:
             lp = mine[entry.megatron]
-            shard = lp.param.detach()
+            shard = lp.value()  # base + LoRA delta when the weight has adapters
             if len(group) > 1:  # gathered back to back into one buffer: dim-0 splits need no further copy
                 gathered = torch.empty((len(group) * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype,
                                        device=shard.device)

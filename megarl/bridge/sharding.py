@@ -19,6 +19,13 @@ class LocalParam:
     tp_size: int
     tp_group: Optional[Any]
 
+    def value(self) -> torch.Tensor:
+        """The tensor as the model computes with it: with enabled LoRA adapters on this weight, base + scaling * B A
+        (a new tensor); otherwise the parameter (detached)."""
+        from megarl.lora.layers import merged_value
+
+        return merged_value(self.param)
+
 
 def unwrap(model) -> list:
     """The GPTModel chunks behind DDP / Float16Module wrappers (a list: one per virtual pipeline stage)."""
@@ -32,7 +39,7 @@ def unwrap(model) -> list:
 
 
 def local_params(model) -> list:
-    """Every parameter of this rank's model chunk(s) with its global name and TP placement."""
+    """Every parameter of this rank's model chunk(s) with its global name and TP placement (LoRA adapters excluded)."""
     from megatron.core import parallel_state as ps
 
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
@@ -53,6 +60,8 @@ def local_params(model) -> list:
         tensors = list(chunk.named_parameters()) + [(n, b) for n, b in chunk.named_buffers()
                                                      if n.endswith(".router.expert_bias")]
         for name, param in tensors:
+            if getattr(param, "megarl_lora", False):  # LoRA adapters are no HF weights (megarl.lora moves them)
+                continue
             canonical = canonical_name(name)
             gname = globalize(canonical, lambda i: layers[i].layer_number - 1, expert_offset)
             expert = ".local_experts." in canonical

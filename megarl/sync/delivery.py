@@ -483,7 +483,7 @@ def _own_shard(mapping: Mapping, local: dict, hf: str) -> tuple:
     entry = mapping.by_hf[hf]
     lp = local[entry.megatron]
     split = entry.tp_dim is not None and lp.tp_size > 1
-    return entry, lp.param.detach(), lp.tp_rank if split else 0, lp.tp_size if split else 1
+    return entry, lp.value(), lp.tp_rank if split else 0, lp.tp_size if split else 1
 
 
 def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:

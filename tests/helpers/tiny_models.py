@@ -225,3 +225,24 @@ def read_checkpoint(hf_dir: Union[str, Path]) -> dict:
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+def make_peft_adapter(hf_dir: Union[str, Path], out_dir: Union[str, Path], *, rank: int = 4, alpha: float = 8.0,
+                      target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                      seed: int = 0, scale: float = 0.05) -> Path:
+    """A PEFT LoRA adapter for the model in hf_dir, made and saved by PEFT itself, with random non-zero A and B
+    (entries N(0, scale)) so that every adapter changes the logprobs. Returns out_dir."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules),
+                                                  lora_dropout=0.0, init_lora_weights=False))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    peft_model.save_pretrained(str(out_dir))
+    return Path(out_dir)
