@@ -1,5 +1,9 @@
 """`megarl verify --hf DIR [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron model with HF.
 
+A reward model (*ForSequenceClassification, num_labels 1) is compared by its scores instead: megarl's value head read
+at each sequence's last real token (as reward.reward_model scores samples during RL) against HF
+AutoModelForSequenceClassification's logits of each sequence alone (no padding).
+
 Loads the HF checkpoint into megarl at the given layout, computes per-token logprobs of a batch of sequences (text from
 the checkpoint's tokenizer, right-padded to different lengths; random ids when there is no tokenizer), computes the same
 with HF transformers (float32, eager attention), prints a table per sequence and the max absolute difference over real
@@ -94,10 +98,12 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
-                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1) -> dict:
-    """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
-    (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
-    logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
+                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
+                      reward_model: bool = False) -> dict:
+    """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] (reward_model: scores [B] at the
+    last real token of each row) on the rank that reports them (last pipeline stage, TP rank 0, DP rank 0), else
+    None}; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real tokens) and "sync"
+    (weight-sync metrics)."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs
@@ -106,9 +112,16 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=seed)
-    model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype), value_head=reward_model)
     model.eval()
-    out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
+    if reward_model:
+        from megarl.megatron.forward import token_values
+        from megarl.reward.model import last_token_scores
+
+        values = token_values(model, tokens, micro_batch_size=micro_batch)
+        out = None if values is None else last_token_scores(values, lengths)
+    else:
+        out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None}
     if engine == "vllm":
@@ -157,6 +170,25 @@ def hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
+def hf_scores(hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """HF AutoModelForSequenceClassification scores [B] (float32, eager attention), each sequence alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return torch.stack([model(input_ids=tokens[i:i + 1, :n]).logits.float()[0, 0]
+                            for i, n in enumerate(lengths.tolist())])
+
+
+def compare_scores(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """(max abs score difference, [(seq, n_tokens, diff, reference score)])."""
+    rows = [(i, n, abs(float(got[i]) - float(reference[i])), float(reference[i]))
+            for i, n in enumerate(lengths.tolist())]
+    return max(r[2] for r in rows), rows
+
+
 def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:
     """(max abs diff over real tokens, [(seq, n_tokens, max diff, mean ref logprob)]) ."""
     rows = []
@@ -166,19 +198,21 @@ def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -
     return max(r[2] for r in rows), rows
 
 
-def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl") -> int:
+def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl",
+           quantity: str = "logprob") -> int:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
     print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}", file=out)
-    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
+    head = f"{reference} score" if quantity == "score" else f"mean {reference} logprob"
+    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {head:>16}", file=out)
     for i, n, d, mean in rows:
         print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
     ok = max_diff <= args.tol
-    print(f"max abs logprob difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
+    print(f"max abs {quantity} difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
           f"{'OK' if ok else 'FAILED'}", file=out)
     if not ok:
-        print(f"error: {other}'s logprobs differ from {reference}'s by {max_diff:.3e} > --tol {args.tol:.1e}; the "
+        print(f"error: {other}'s {quantity}s differ from {reference}'s by {max_diff:.3e} > --tol {args.tol:.1e}; the "
               "checkpoint may use a feature the bridge maps incorrectly (report it with this output)", file=out)
     return 0 if ok else 1
 
@@ -193,9 +227,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
-        if spec.score_head:
-            raise BridgeError(f"{args.hf}: {spec.architecture} is a value/reward model; verify compares the "
-                              "logprobs of causal LMs")
+        if spec.score_head and args.engine == "vllm":
+            raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine vllm compares the "
+                              "logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
         check_layout(spec, args.tp, args.pp, args.ep)
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -203,7 +237,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, reward_model=spec.score_head)
+    args.reward_model = spec.score_head
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -232,6 +267,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, source: str) -> int:
     """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
     got = next(r["megatron"] for r in results if r.get("megatron") is not None)
+    if getattr(args, "reward_model", False):
+        max_diff, rows = compare_scores(hf_scores(args.hf, tokens, lengths), got, lengths)
+        return report(args, rows, max_diff, source, quantity="score")
     if args.engine == "megatron":
         max_diff, rows = compare(hf_logprobs(args.hf, tokens), got, lengths)
         return report(args, rows, max_diff, source)

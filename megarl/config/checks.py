@@ -10,6 +10,7 @@ from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
 from megarl.layout import Layout
+from megarl.reward.checks import check_learned_rewards
 
 P = "parallelism."
 
@@ -361,15 +362,11 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
     ("rollout.log_prob_use_dynamic_bsz", False, "use rollout.log_prob_micro_batch_size_per_gpu"),
-    ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
-     "custom reward functions"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
     ("rollout.log_prob_max_token_len_per_gpu", 16384, "it is the token budget of rollout.log_prob_use_dynamic_bsz, "
      "which is not supported yet; leave it unset and use rollout.log_prob_micro_batch_size_per_gpu"),
-    ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
-    ("reward.reward_model.micro_batch_size_per_gpu", 4, "learned reward models are not supported yet; unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "
      "in worker processes; leave it at 0"),
 )
@@ -563,7 +560,7 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
-    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb)
+    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:
