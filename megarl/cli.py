@@ -1,4 +1,5 @@
-"""`megarl` command line: validate | train | sft | verify | plan | merge | import | report | convert-verl | doctor."""
+"""`megarl` command line: validate | train | sft | rm | verify | plan | merge | import | report | convert-verl |
+doctor."""
 from __future__ import annotations
 
 import argparse
@@ -76,6 +77,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 1 if cfg is None else _run_job(cfg, "megarl.sft:sft_entry")
 
 
+def _cmd_rm(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    return 1 if cfg is None else _run_job(cfg, "megarl.rm:rm_entry")
+
+
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     from megarl import verify
 
@@ -93,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("recipe", help="recipe YAML, e.g. recipes/grpo_tiny_cpu.yaml")
     v.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as rollout.temperature=0.7")
     for name, what in (("train", "run an RL recipe (SFT warm-start first when sft.enable)"),
-                       ("sft", "supervised fine-tuning with the recipe's sft section; writes an HF model")):
+                       ("sft", "supervised fine-tuning with the recipe's sft section; writes an HF model"),
+                       ("rm", "train a Bradley-Terry reward model on preference pairs (the recipe's rm section); "
+                        "writes an HF *ForSequenceClassification model")):
         p = sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}. Started as a plain command "
                            "it launches the recipe's trainer.nnodes * trainer.n_gpus_per_node ranks on this machine; "
                            "under torchrun it uses the ranks it is given.")
@@ -108,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     from megarl.plan import add_arguments
 
     add_arguments(pl)
-    sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs with "
-                   "HF transformers (see `megarl verify --help`)")
+    sub.add_parser("verify", add_help=False, help="load an HF model at a Megatron layout and compare logprobs (reward "
+                   "models: scores) with HF transformers (see `megarl verify --help`)")
     sub.add_parser("doctor", add_help=False, help="versions, devices and short probes of this machine (megatron vs "
                    "HF, one update vs torch, the engine's first tokens); exit 1 on a failure")
     from megarl.checkpoint import merge as _merge
@@ -171,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megarl import convert_verl
 
         return convert_verl.run(args)
-    return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft}[args.command](args)
+    return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft, "rm": _cmd_rm}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from megarl.config.schema import WandbConfig
 
 # The terminal line shows these, in this order, when present, under their full names (train/ vs val/ is explicit).
-CONSOLE_KEYS = ("sft/loss", "train/reward_mean", "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy",
-                "actor/grad_norm", "critic/vf_loss", "train/response_length_mean", "timing/step_s")
+CONSOLE_KEYS = ("sft/loss", "rm/loss", "rm/accuracy", "rm/val_accuracy", "rm/val_margin", "train/reward_mean",
+                "val/reward_mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm",
+                "critic/vf_loss", "train/response_length_mean", "timing/step_s")
 # Kept in memory for the end-of-run summary (everything else is in metrics.jsonl).
 _SUMMARY_PREFIXES = ("train/reward_mean", "val/reward_mean", "sft/loss", "timing/")
 REPORTS_PER_RUN = 6  # terminal lines per run besides the first, last and validation steps
@@ -179,5 +180,8 @@ def write_rollouts(path: Path, records, rollout, batch: dict, scores, tokenizer)
                    "ground_truth": rec.ground_truth, "reward": float(scores[i]),
                    "advantages": [round(float(a), 6) for a in batch["advantages"][i][mask]],
                    "response_length": int(rollout.response_lengths[i]), "finish_reason": rollout.finish_reasons[i]}
+            components = getattr(rollout, "reward_components", None)  # reward.components / the reward model
+            if components:
+                row["reward_components"] = {k: float(v[i]) for k, v in components.items()}
             f.write(json.dumps(row, default=str) + "\n")
     tmp.replace(path)

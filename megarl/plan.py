@@ -19,6 +19,9 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
                     1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight. The last stage
                     adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
 * Reference: parameters only, plus the logits of one forward micro-batch.
+* Reward model (reward.reward_model.enable): parameters only (frozen, at the trainer's layout), counted from its
+  config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
+  attention and MLP over TP, experts over EP, a 1-wide head.
 * Engine (vLLM): it takes gpu_memory_utilization * GPU memory: its weight shard (from the plan), an activation
   estimate for max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence).
   Colocated with enable_sleep_mode it releases everything while the trainer computes; without it, it keeps its share.
@@ -134,6 +137,20 @@ def _per_stage_max(values: dict[int, int], world: int, pp: int) -> list[int]:
     return [max(values[r] for r in range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
+def reward_model_stage_bytes(cfg, policy_hf: dict, tp: int, pp: int, ep: int, pbytes: int) -> list[int]:
+    """Parameter bytes per pipeline stage of reward.reward_model on one GPU (see the module doc)."""
+    path = Path(cfg.reward.reward_model.path or "") / "config.json"
+    hf = json.loads(path.read_text()) if cfg.reward.reward_model.path and path.is_file() else policy_hf
+    m = ModelShape.from_hf_config(hf.get("text_config", hf))
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    mlp = 3 * m.hidden * m.moe_ffn * m.experts // ep if m.experts else 3 * m.hidden * m.ffn
+    layer = (m.hidden * (q + 2 * kv) + q * m.hidden + mlp) // tp + 2 * m.hidden
+    per_stage = [layer * (m.layers // pp) for _ in range(pp)]
+    per_stage[0] += m.vocab * m.hidden // tp
+    per_stage[-1] += m.hidden * 2  # final norm and the score head
+    return [n * pbytes for n in per_stage]
+
+
 def activation_bytes_per_token_layer(shape: ModelShape, tp: int, sp: bool, recompute: str, top_k: int) -> int:
     """Stored activation bytes of one token in one layer (bf16) under the recompute setting (see the module doc)."""
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -246,6 +263,9 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     ref = ModelMemory("ref", list(stage_all)) if cfg.ref_enabled else None
     if ref is not None:
         models.append(ref)
+
+    if cfg.reward.reward_model.enable:
+        models.append(ModelMemory("reward model", reward_model_stage_bytes(cfg, hf, tp, pp, ep, pbytes)))
 
     # forward-only logits (old/ref logprobs) on the last stage
     fwd_micro = max(r.log_prob_micro_batch_size_per_gpu,

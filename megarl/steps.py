@@ -86,18 +86,35 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
           rt: Runtime, per_sample: Optional[dict] = None) -> tuple[torch.Tensor, dict]:
     """One reward per sample (rank 0 scores, everyone receives): rule/custom rewards plus DAPO overlong shaping.
 
-    per_sample, if given, receives the reward functions' extra per-sample values (e.g. "acc") as [N] tensors."""
-    result = None
+    per_sample, if given, receives the reward functions' extra per-sample values (e.g. "acc") as [N] tensors.
+    reward_fn may be a megarl.reward.combine.StepReward (reward model, components): its learned scores are computed
+    first, on every rank; the components' raw scores are set on rollout.reward_components."""
+    from megarl.reward.combine import StepReward
+
+    result, learned, learned_metrics, raw = None, {}, {}, None
+    if isinstance(reward_fn, StepReward):
+        learned, learned_metrics = reward_fn.learned_scores(rollout, records, rt)
     if rt.is_rank0:
         samples = []
         for i in range(len(rollout)):
             rec = records[int(rollout.prompt_index[i])]
             text = tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True)
             samples.append(RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info, rec.uid))
-        scores, extra, report = compute_rewards(reward_fn, samples, cfg.reward.timeout_s, cfg.reward.num_workers,
-                                                cfg.reward.reward_kwargs)
-        scores = torch.tensor(scores, dtype=torch.float32)
-        metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"]}
+        if isinstance(reward_fn, StepReward) and reward_fn.components:
+            scores, extra, report, raw = reward_fn.total(samples, learned, cfg)
+        elif "reward_model" in learned:  # no components: the reward model alone, as verl
+            scores, extra, report = learned["reward_model"], {}, {"num_timed_out": 0, "seconds": 0.0}
+            raw = {"reward_model": scores}
+        else:
+            scores, extra, report = compute_rewards(getattr(reward_fn, "rule", reward_fn), samples,
+                                                    cfg.reward.timeout_s, cfg.reward.num_workers,
+                                                    cfg.reward.reward_kwargs)
+        scores = torch.as_tensor(scores, dtype=torch.float32)
+        metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"],
+                   **learned_metrics}
+        if raw is not None:
+            metrics.update({f"reward/{name}_mean": float(v.mean()) for name, v in raw.items()})
+            metrics["reward/total_mean"] = float(scores.mean())
         if rollout.tool_rewards is not None:  # what the sample's tool calls contributed (multi-turn)
             scores = scores + rollout.tool_rewards
             metrics["reward/tool_reward_mean"] = float(rollout.tool_rewards.mean())
@@ -114,10 +131,12 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
             metrics.update({f"reward/{k}": float(v) for k, v in m.items()})
         extras = {k: torch.tensor([float(v) if isinstance(v, (int, float)) else float("nan") for v in values])
                   for k, values in extra.items()}
-        result = (scores, metrics, extras)
-    scores, metrics, extras = broadcast_object(result)
+        result = (scores, metrics, extras, raw)
+    scores, metrics, extras, raw = broadcast_object(result)
     if per_sample is not None:
         per_sample.update(extras)
+    if raw is not None:
+        rollout.reward_components = raw
     return scores, metrics
 
 
@@ -263,6 +282,7 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     multi-turn rollouts, the tool rates (val/tool/use_rate, ...)."""
     if not records:
         return {}
+    reward_fn = getattr(reward_fn, "rule", reward_fn)  # a learned reward trains; the rule measures (combine.py)
     parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)

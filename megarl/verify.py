@@ -1,6 +1,10 @@
 """`megarl verify --hf DIR [--lora ADAPTER_DIR] [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron
 model with HF.
 
+A reward model (*ForSequenceClassification, num_labels 1) is compared by its scores instead: megarl's value head read
+at each sequence's last real token (as reward.reward_model scores samples during RL) against HF
+AutoModelForSequenceClassification's logits of each sequence alone (no padding).
+
 Loads the HF checkpoint into megarl at the given layout, computes per-token logprobs of a batch of sequences (text from
 the checkpoint's tokenizer, right-padded to different lengths; random ids when there is no tokenizer), computes the same
 with HF transformers (float32, eager attention), prints a table per sequence and the max absolute difference over real
@@ -142,10 +146,11 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
                       lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
-                      lora: Optional[str] = None) -> dict:
-    """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
-    (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
-    logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
+                      lora: Optional[str] = None, reward_model: bool = False) -> dict:
+    """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] (reward_model: scores [B] at the
+    last real token of each row) on the rank that reports them (last pipeline stage, TP rank 0, DP rank 0), else
+    None}; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real tokens) and "sync"
+    (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs
@@ -156,7 +161,7 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     apply_precision(allow_tf32=False)  # float32 means float32 (the parent set the libraries' override already)
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                expert_model_parallel_size=ep), seed=seed)
-    model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype), value_head=reward_model)
     if lora:
         from megarl.lora.layers import apply_lora, load_adapters
         from megarl.lora.peft_io import read_adapter, settings_from_peft
@@ -164,7 +169,14 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
         apply_lora(model, spec, settings_from_peft(lora))
         load_adapters(model, read_adapter(lora))
     model.eval()
-    out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
+    if reward_model:
+        from megarl.megatron.forward import token_values
+        from megarl.reward.model import last_token_scores
+
+        values = token_values(model, tokens, micro_batch_size=micro_batch)
+        out = None if values is None else last_token_scores(values, lengths)
+    else:
+        out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect()}
     if engine == "vllm":
@@ -228,6 +240,25 @@ def real_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] < (lengths[:, None] - 1)
 
 
+def hf_scores(hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """HF AutoModelForSequenceClassification scores [B] (float32, eager attention), each sequence alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return torch.stack([model(input_ids=tokens[i:i + 1, :n]).logits.float()[0, 0]
+                            for i, n in enumerate(lengths.tolist())])
+
+
+def compare_scores(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:
+    """(max abs score difference, [(seq, n_tokens, diff, reference score)])."""
+    rows = [(i, n, abs(float(got[i]) - float(reference[i])), float(reference[i]))
+            for i, n in enumerate(lengths.tolist())]
+    return max(r[2] for r in rows), rows
+
+
 def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:
     """(max abs diff over real tokens, [(seq, n_tokens, max diff, mean ref logprob)]) ."""
     rows = []
@@ -243,16 +274,17 @@ def mean_abs_diff(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Ten
 
 
 def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl",
-           mean_diff: float = 0.0, scale: float = 1.0, tf32: bool = False) -> int:
+           mean_diff: float = 0.0, scale: float = 1.0, tf32: bool = False, quantity: str = "logprob") -> int:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
     lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
     print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}; TF32 {'on' if tf32 else 'off'}", file=out)
-    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
+    head = f"{reference} score" if quantity == "score" else f"mean {reference} logprob"
+    print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {head:>16}", file=out)
     for i, n, d, mean in rows:
         print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
-    if getattr(args, "derived_tol", False):
+    if getattr(args, "derived_tol", False) and quantity == "logprob":
         tol = precision_tolerance(BF16_UNIT, scale)
         ok = mean_diff <= tol
         print(f"max abs logprob difference {max_diff:.3e}; mean abs logprob difference {mean_diff:.3e} ({other} vs "
@@ -262,12 +294,12 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
         stat = mean_diff
     else:
         ok = max_diff <= args.tol
-        print(f"max abs logprob difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
-              f"{'OK' if ok else 'FAILED'}; mean {mean_diff:.3e}", file=out)
+        print(f"max abs {quantity} difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
+              f"{'OK' if ok else 'FAILED'}" + (f"; mean {mean_diff:.3e}" if quantity == "logprob" else ""), file=out)
         bound = f"--tol {args.tol:.1e}"
         stat = max_diff
     if not ok:
-        print(f"error: {other}'s logprobs differ from {reference}'s by {stat:.3e} > {bound}; "
+        print(f"error: {other}'s {quantity}s differ from {reference}'s by {stat:.3e} > {bound}; "
               + diagnose(max_diff, mean_diff, scale, args.dtype, tf32), file=out)
     return 0 if ok else 1
 
@@ -282,9 +314,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
-        if spec.score_head:
-            raise BridgeError(f"{args.hf}: {spec.architecture} is a value/reward model; verify compares the "
-                              "logprobs of causal LMs")
+        if spec.score_head and args.engine == "vllm":
+            raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine vllm compares the "
+                              "logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
         check_layout(spec, args.tp, args.pp, args.ep)
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -295,7 +327,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora, reward_model=spec.score_head)
+    args.reward_model = spec.score_head
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
@@ -325,6 +358,9 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
     """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
     got = next(r["megatron"] for r in results if r.get("megatron") is not None)
     tf32 = any(r.get("tf32") for r in results)
+    if getattr(args, "reward_model", False):
+        max_diff, rows = compare_scores(hf_scores(args.hf, tokens, lengths), got, lengths)
+        return report(args, rows, max_diff, source, quantity="score", tf32=tf32)
     hf, scale = hf_logprobs(args.hf, tokens, lengths, getattr(args, "lora", None))
     if args.engine == "megatron":
         max_diff, rows = compare(hf, got, lengths)

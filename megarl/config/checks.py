@@ -10,6 +10,7 @@ from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
 from megarl.layout import Layout
+from megarl.reward.checks import check_learned_rewards
 
 P = "parallelism."
 
@@ -428,13 +429,9 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
-     "custom reward functions"),
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
-    ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
-    ("reward.reward_model.micro_batch_size_per_gpu", 4, "learned reward models are not supported yet; unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "
      "in worker processes; leave it at 0"),
 )
@@ -634,7 +631,7 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
-    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb)
+    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

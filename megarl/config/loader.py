@@ -78,6 +78,9 @@ def _model_fields(cls: type[BaseModel]) -> dict[str, Optional[type[BaseModel]]]:
     out = {}
     for name, info in cls.model_fields.items():
         ann = info.annotation
+        if getattr(ann, "__origin__", None) is dict:  # named entries (reward.components): pydantic checks their keys
+            out[name] = None
+            continue
         candidates = [ann] + list(getattr(ann, "__args__", ()))
         out[name] = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
     return out

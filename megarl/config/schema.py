@@ -340,9 +340,32 @@ class OverlongBufferConfig(_Section):
 
 
 class RewardModelConfig(_Section):
-    enable: bool = Field(False, description="Score responses with a reward model.")
-    path: Optional[str] = Field(None, description="HF sequence-classification model directory.")
-    micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reward-model forward.")
+    """A discriminative reward model (verl's reward_model.*): a megatron *ForSequenceClassification (num_labels 1)
+    at the trainer's layout, scoring each sample at its last token. See megarl.reward.model."""
+
+    enable: bool = Field(False, description="Score responses with a reward model. With no reward.components the "
+                         "step's reward is its score alone (as verl); validation stays scored by the rule function.")
+    path: Optional[str] = Field(None, description="HF *ForSequenceClassification (num_labels 1) directory, e.g. "
+                                "what `megarl rm` writes.")
+    micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per reward-model forward on one rank.")
+    max_length: Optional[int] = Field(None, ge=2, description="Tokens the reward model sees per sample (the start of "
+                                      "the prompt is cut beyond it); None: no limit.")
+
+
+class RewardComponentConfig(_Section):
+    """One named part of the step's reward (reward.components)."""
+
+    type: Literal["rule", "reward_model"] = Field("rule", description="rule: a reward function; reward_model: "
+                                                  "reward.reward_model's score.")
+    fn: Optional[str] = Field(None, description="type rule: a registered reward name or 'path/to/file.py:function'; "
+                              "None: reward.reward_fn (or the per-row data_source routing).")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="type rule: keyword arguments of its function "
+                                   "(reward.reward_kwargs are not added).")
+    weight: float = Field(1.0, description="Its weight in the total (ignored by reward.combine_fn, which gets the "
+                          "components themselves).")
+    normalize: bool = Field(False, description="Standardise it over the step's samples ((x - mean) / (std + 1e-6)) "
+                            "before clipping and weighting.")
+    clip: Optional[tuple[float, float]] = Field(None, description="[low, high] bounds applied after normalize.")
 
 
 class RewardConfig(_Section):
@@ -358,6 +381,11 @@ class RewardConfig(_Section):
                                                   description="DAPO overlong reward shaping.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
                                             description="Learned reward model scoring.")
+    components: dict[str, RewardComponentConfig] = Field(
+        default_factory=dict, description="Named parts of the step's reward (rule functions, the reward model), each logged as reward/<name>_mean; the total is their weighted sum or reward.combine_fn. Empty: the "
+        "reward model's score when it is enabled, else reward.reward_fn.")
+    combine_fn: Optional[str] = Field(None, description="'path/to/file.py:function' taking {name: [N] float tensor} "
+                                      "(after normalize/clip) and returning the [N] total; None: weighted sum.")
 
 
 class KLControlConfig(_Section):
@@ -556,6 +584,34 @@ class SFTConfig(_Section):
                                description="SFT optimizer and LR schedule.")
 
 
+class RMConfig(_Section):
+    """Reward-model training from preference pairs (`megarl rm RECIPE`, megarl.rm)."""
+
+    train_files: list[str] = Field(default_factory=list, description="Preference pairs (.parquet or .jsonl): a "
+                                   "prompt column (data.prompt_key) and chosen/rejected responses (text or assistant "
+                                   "messages). Empty with data.synthetic: pairs built from the synthetic task.")
+    val_files: list[str] = Field(default_factory=list, description="Held-out pairs; empty: val_fraction of "
+                                 "train_files is held out.")
+    val_fraction: float = Field(0.1, ge=0, lt=1, description="Share of the training pairs held out when val_files "
+                                "is empty.")
+    chosen_key: str = Field("chosen", description="Column of the preferred response.")
+    rejected_key: str = Field("rejected", description="Column of the other response.")
+    model_path: Optional[str] = Field(None, description="HF model the reward model starts from (a causal LM: its "
+                                      "head is replaced by a new one-output score head); None: the SFT output when "
+                                      "sft.enable (trained first if missing), else model.path.")
+    output_dir: Optional[str] = Field(None, description="Where the *ForSequenceClassification directory is written; "
+                                      "None: <run_dir>/rm_model.")
+    epochs: int = Field(1, ge=1, description="Passes over the training pairs.")
+    total_steps: Optional[int] = Field(None, ge=1, description="Optimizer steps; None: epochs.")
+    batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
+    micro_batch_size_per_gpu: int = Field(8, ge=1, description="Pairs per forward/backward on one rank.")
+    max_length: int = Field(1024, ge=2, description="Maximum prompt+response tokens of one side (longer pairs are "
+                            "cut from the right, counted in the log).")
+    eval_freq: int = Field(0, ge=0, description="Evaluate the held-out pairs every N steps (always at the end).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4),
+                               description="Reward-model optimizer and LR schedule.")
+
+
 class MegarlConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets and batching.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The Hugging Face model trained.")
@@ -574,6 +630,7 @@ class MegarlConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Saving and resuming.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, tensorboard and jsonl metrics.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-start (`megarl sft`).")
+    rm: RMConfig = Field(default_factory=RMConfig, description="Reward-model training (`megarl rm`).")
     _warnings: list = PrivateAttr(default_factory=list)
 
     @property

@@ -80,6 +80,32 @@ def make_arithmetic_dataset(n: int, seed: int, max_operand: int = 20, min_operan
     return rows
 
 
+def make_arithmetic_preferences(n: int, seed: int, max_operand: int = 20, answer_format: str = "gsm8k",
+                                split: str = "train") -> list[dict[str, Any]]:
+    """n preference pairs for reward-model training (`megarl rm`): the question, `chosen` its correct answer, and
+    `rejected` a wrong one, half of them near misses (off by 1 to 3, the mistakes an SFT policy makes) and half any
+    other number in [0, 2 * max_operand]. Reproducible from seed; use different seeds for train and val."""
+    rng = random.Random(f"megarl-arithmetic-pairs:{seed}")
+    rows = []
+    top = 2 * max_operand
+    for i in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        total = a + b
+        if rng.random() < 0.5:
+            wrong = total + rng.choice([d for d in (-3, -2, -1, 1, 2, 3) if 0 <= total + d <= top])
+        else:
+            wrong = rng.choice([w for w in range(top + 1) if w != total])
+        # the wrong answer in the same format: a response to a question whose sum is `wrong`, with this question's terms
+        rejected = format_response(a, b, answer_format).rsplit(" ", 1)[0] + f" {wrong}" if answer_format == "gsm8k" \
+            else {"short": str(wrong), "worked": f"{a} + {b} = {wrong} #### {wrong}"}[answer_format]
+        rows.append({
+            "data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": format_question(a, b)}],
+            "chosen": format_response(a, b, answer_format), "rejected": rejected,
+            "ground_truth": str(total), "extra_info": {"index": i, "split": split, "a": a, "b": b, "wrong": wrong},
+        })
+    return rows
+
+
 def write_dataset(rows: Sequence[dict[str, Any]], path: str) -> str:
     """Write rows to .parquet or .jsonl (by extension), creating the directory; returns path."""
     ext = os.path.splitext(path)[1].lower()

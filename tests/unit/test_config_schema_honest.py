@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Accepted but not read here; validation refuses any value other than the one given (and says why).
 REFUSED = {
-    "reward.reward_model.enable": (True, "learned reward models are not supported yet"),
-    "reward.reward_model.path": ("rm", "learned reward models are not supported yet"),
-    "reward.reward_model.micro_batch_size_per_gpu": (8, "learned reward models are not supported yet"),
     "data.dataloader_num_workers": (2, "prompts are read into memory once at start"),
     "rollout.pipeline_model_parallel_size": (2, "use rollout.tensor_model_parallel_size"),
 }
