@@ -59,6 +59,11 @@ class PullSources:
         On GPU every write into the sources must have finished (the caller synchronizes its device first)."""
         return {"sources": [bytes(ForkingPickler.dumps(s)) for s in self.storages], "pieces": list(pieces)}
 
+    def handle(self, tensor: torch.Tensor) -> bytes:
+        """A handle of a whole tensor (a device bucket its worker reads with its loaders), kept like the sources."""
+        self.storages.append(tensor)
+        return bytes(ForkingPickler.dumps(tensor))
+
     def release(self) -> None:
         self.index.clear()
         self.storages.clear()
