@@ -271,8 +271,6 @@ class WeightSync:
                 if loading is not None:
                     loading.wait()
             placed = self._placed_report(stats, group) if placing else None
-            for sources in self._sources:
-                sources.release()
         except BaseException:
             if engine is not None:
                 try:
@@ -281,14 +279,29 @@ class WeightSync:
                     pass
                 engine.abort_update()
                 self._remove_leftovers(self.topology.members(replica))
+            self._release_device_memory()
             raise
         if loading is not None:
             stats["load_s"] = loading.seconds
         result = {}
         if engine is not None:
             result = engine.end_update(placed=placed) if placed else engine.end_update()
+        if any(h in self.pull_hosts for h in hosts):
+            if group is not None:
+                dist.barrier(group=group)  # the workers closed the update: they hold nothing of the hosts' memory
+            self._release_device_memory()
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
+
+    def _release_device_memory(self) -> None:
+        """After a sync: nothing of this rank's device memory stays held for its worker (the handles' sources, the
+        device buckets), so an offload before rollout frees all it moves and the engine's KV cache gets it."""
+        for sources in self._sources:
+            sources.release()
+        if self._files.device is not None:
+            self._files.drop()
+            if self.device.type == "cuda":
+                torch.cuda.ipc_collect()  # blocks the worker has released are freed now, not at a later allocation
 
     def _files_for(self, b: int, hosts: Sequence[int]) -> bool:
         """Whether bucket b has anything for the bucket files of `hosts` (all else is written in place)."""

@@ -478,6 +478,14 @@ class MegarlWorkerExtension:
                 state["tied_reloaded"] += 1
                 yield alias, tensor
 
+    def _megarl_release_host_memory(self) -> None:
+        """Drop what this worker opened of its host rank's device memory (megarl.sync.pull), so the rank can free it
+        (offloading its states to the host before the engine wakes) as soon as the update ends."""
+        pulls = getattr(self, "_megarl_pulls", None)
+        if pulls is not None:
+            pulls.release()
+        self.__dict__.pop("_megarl_device_buckets", None)
+
     def megarl_end_update(self, placed: Optional[list] = None) -> dict:
         """Close the reload pass; with verify, compare every engine tensor (as its kernel reads it) with the boxes
         received. placed[rank]: what this worker's host wrote into its parameters directly ({"tensors", "bytes",
@@ -509,6 +517,7 @@ class MegarlWorkerExtension:
                                "tied_reloaded": state["tied_reloaded"], "in_place": state["direct"]}
         if state["sums"] is not None:
             out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
+        self._megarl_release_host_memory()
         self._megarl_state = None
         return out
 
@@ -532,6 +541,7 @@ class MegarlWorkerExtension:
 
         model = self._megarl_model()
         if self._megarl_state and self._megarl_state["direct"]:
+            self._megarl_release_host_memory()
             self._megarl_state = None
             return
         for layer in model.modules():
@@ -542,6 +552,7 @@ class MegarlWorkerExtension:
         finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         if self._megarl_state and self._megarl_state["armed"]:
             disarm_moe_reprocessing(model)
+        self._megarl_release_host_memory()
         self._megarl_state = None
 
     def megarl_checksums(self) -> dict:
