@@ -6,6 +6,7 @@
 # 3. megarl doctor
 # 4. bench/bench_train.py at 1.1B/2048 and 3B/4096: megarl TE, megarl no TE, plain torch; MFU, peak memory, the top
 #    kernels of one profiled step, and the offload round trip of megarl's states (bytes, seconds, memory freed)
+# 5. with WHEELS: the benchmark again where Transformer Engine is not installed at all (no TE kernels anywhere)
 # Logs go to OUT (default gpu-check/, git-ignored), one file per part, and OUT/summary.txt lists each part's result.
 # Exit code: 0 when every part passed, 1 otherwise. The machine's CUDA torch is used; WHEELS=DIR supplies what it lacks
 # (megatron-core, pydantic, Transformer Engine; see scripts/gpu_env.sh) and never a torch.
@@ -75,6 +76,24 @@ grep -hE "^(PASS|FAIL|skip)" "$OUT/doctor.log" | sed 's/^/   /' | tee -a "$SUMMA
 part bench-train "$GPU_PY" bench/bench_train.py --sizes 1b,3b --profile 12 --offload
 grep -hE "^\[|^megarl|^plain|offload round trip|out of GPU memory" "$OUT/bench-train.log" | sed 's/^/   /' \
     | tee -a "$SUMMARY"
+
+# 5. without Transformer Engine installed at all (megatron's own optimizer kernels too), when TE came from WHEELS:
+#    the same wheels minus TE into a second folder, and the benchmark's no-TE and torch rows from there
+if [ -n "${WHEELS:-}" ]; then
+    NO_TE_SITE="${GPU_SITE:-.gpu-site}-no-te"
+    mkdir -p "$NO_TE_SITE"
+    mapfile -t no_te < <(ls "$WHEELS"/*.whl | grep -v -e transformer_engine -e nvdlfw_inspect -e '/torch-')
+    if "$GPU_PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$NO_TE_SITE" "${no_te[@]}" \
+        && ! PYTHONPATH="$NO_TE_SITE:$PWD" "$GPU_PY" -c "import transformer_engine" 2>/dev/null; then
+        part bench-train-without-te env PYTHONPATH="$NO_TE_SITE:$PWD" "$GPU_PY" bench/bench_train.py --sizes 1b,3b \
+            --contenders no-te,torch --profile 12
+        grep -hE "^\[|^megarl|^plain|out of GPU memory" "$OUT/bench-train-without-te.log" | sed 's/^/   /' \
+            | tee -a "$SUMMARY"
+    else
+        echo "== bench-train-without-te: skipped (Transformer Engine is installed in $GPU_PY's own site-packages)" \
+            | tee -a "$SUMMARY"
+    fi
+fi
 
 echo "gpu-check: $([ "$failed" -eq 0 ] && echo 'every part passed' || echo 'some parts FAILED'); see $SUMMARY" \
     | tee -a "$SUMMARY"
