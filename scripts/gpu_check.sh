@@ -7,6 +7,7 @@
 # 4. bench/bench_train.py at 1.1B/2048 and 3B/4096: megarl TE, megarl no TE, plain torch; MFU, peak memory, the top
 #    kernels of one profiled step, and the offload round trip of megarl's states (bytes, seconds, memory freed)
 # 5. with WHEELS: the benchmark again where Transformer Engine is not installed at all (no TE kernels anywhere)
+# 6. bench/bench_ipc.py: the colocated GPU weight sync of a 1.1B model vs a device memcpy, and its bytes over PCIe
 # Logs go to OUT (default gpu-check/, git-ignored), one file per part, and OUT/summary.txt lists each part's result.
 # Exit code: 0 when every part passed, 1 otherwise. The machine's CUDA torch is used; WHEELS=DIR supplies what it lacks
 # (megatron-core, pydantic, Transformer Engine; see scripts/gpu_env.sh) and never a torch.
@@ -76,6 +77,12 @@ grep -hE "^(PASS|FAIL|skip)" "$OUT/doctor.log" | sed 's/^/   /' | tee -a "$SUMMA
 part bench-train "$GPU_PY" bench/bench_train.py --sizes 1b,3b --profile 12 --offload
 grep -hE "^\[|^megarl|^plain|offload round trip|out of GPU memory" "$OUT/bench-train.log" | sed 's/^/   /' \
     | tee -a "$SUMMARY"
+
+# 6. the colocated weight sync without leaving the GPU (pulled writes over CUDA IPC into a stand-in worker with a
+#    real vLLM worker's recorded layout; the bitwise and sleep/wake tests ran in part 1): a 1.1B model's pieces vs a
+#    device memcpy of the same bytes, and the bytes per memcpy kind (HtoD/DtoH: over PCIe)
+part bench-ipc "$GPU_PY" bench/bench_ipc.py
+grep -hE "^device|^sync|^write|^floor|^memcpy|over PCIe" "$OUT/bench-ipc.log" | sed 's/^/   /' | tee -a "$SUMMARY"
 
 # 5. without Transformer Engine installed at all (megatron's own optimizer kernels too), when TE came from WHEELS:
 #    the same wheels minus TE into a second folder, and the benchmark's no-TE and torch rows from there
