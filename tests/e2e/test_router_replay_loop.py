@@ -25,6 +25,9 @@ def test_r2_records_then_replays_at_ep2(tmp_path):
     run_ranks("megarl.trainer:train_entry", cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=900)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:  # the figures, for the record (pytest -s)
+        print({k: round(v, 6) for k, v in m.items() if k.startswith("router_replay/") or k in (
+            "rollout/logprob_abs_diff_mean", "actor/log_ratio_abs_max", "actor/kl")})
     for m in metrics:
         # the old-logprob pass records (replays nothing); every needed token of the later passes has a route
         assert m["router_replay/old_log_prob_replayed_share"] == 0.0

@@ -78,3 +78,16 @@ def test_convert_verl_maps_the_mode_and_drops_the_engine_switch():
     assert any(line.startswith("actor_rollout_ref.rollout.enable_rollout_routing_replay") for line in c.dropped)
     c = convert({"actor_rollout_ref.actor.megatron.router_replay.mode": "disabled"})
     assert c.recipe["actor"]["router_replay"]["mode"] == "none"
+
+
+def test_token_budget_forward_reports_each_groups_rows():
+    from megarl.batching import forward_by_token_budget
+
+    seen = []
+    tokens = torch.arange(4 * 6).view(4, 6)
+    lengths = torch.tensor([6, 2, 5, 3])
+    out = forward_by_token_budget(lambda x, mb: x.float(), tokens, lengths, 8, 6, on_rows=lambda idx: seen.append(
+        idx.tolist()))
+    rows = sorted(r for group in seen for r in group)
+    assert rows == [0, 1, 2, 3] and len(seen) > 1  # every row once, in several groups
+    assert torch.equal(out[:, :2], tokens[:, :2].float())
