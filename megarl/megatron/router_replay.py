@@ -249,12 +249,15 @@ def reduce_counts(counts: ReplayCounts) -> ReplayCounts:
     return ReplayCounts(*v)
 
 
-def metrics(prefix: str, counts: ReplayCounts) -> dict:
+def metrics(prefix: str, counts: ReplayCounts, recorded: bool = False) -> dict:
     """router_replay/<prefix>_* metrics of one pass: agreement (router's own choice == route, over routed pairs),
-    replayed_share (replayed pairs / needed pairs), fallback_share (needed pairs without a route)."""
+    replayed_share (replayed pairs / needed pairs), fallback_share (needed pairs without a route). recorded: a
+    recording pass (R2's old-logprob pass), which has no routes to fall back from: replayed_share (0) only."""
     needed = max(counts.needed, 1)
-    out = {f"router_replay/{prefix}_replayed_share": counts.replayed / needed,
-           f"router_replay/{prefix}_fallback_share": (counts.needed - counts.with_route) / needed}
+    out = {f"router_replay/{prefix}_replayed_share": counts.replayed / needed}
+    if recorded:
+        return out
+    out[f"router_replay/{prefix}_fallback_share"] = (counts.needed - counts.with_route) / needed
     if counts.with_route:
         out[f"router_replay/{prefix}_agreement"] = counts.agree / counts.with_route
     return out

@@ -120,7 +120,8 @@ class _Worker:
             counts = router_replay.end()
         if action == "record":
             batch["routed_experts"] = router_replay.gather_recorded()
-        self.replay_metrics.update(router_replay.metrics(name, router_replay.reduce_counts(counts)))
+        self.replay_metrics.update(router_replay.metrics(name, router_replay.reduce_counts(counts),
+                                                         recorded=action == "record"))
         return out
 
     def _update(self, batch: dict, rt: Runtime, mini_batch_size: int, micro_batch_size: int, epochs: int,

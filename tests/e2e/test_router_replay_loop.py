@@ -39,3 +39,6 @@ def test_r2_records_then_replays_at_ep2(tmp_path):
     assert first["router_replay/update_agreement"] > 0.999, first
     assert first["router_replay/ref_agreement"] > 0.999, first  # the reference is the actor before any update
     assert first["actor/log_ratio_abs_max"] < 1e-5, first
+    assert "router_replay/old_log_prob_fallback_share" not in first  # a recording pass has nothing to fall back from
+    # step 2: the update's forwards still replay exactly what the recording forward chose (same weights)
+    assert metrics[1]["router_replay/update_agreement"] > 0.999 and metrics[1]["actor/log_ratio_abs_max"] < 1e-5

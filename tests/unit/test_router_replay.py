@@ -36,6 +36,8 @@ def test_metrics_shares():
     m = rr.metrics("update", rr.ReplayCounts(needed=10, with_route=8, agree=6, replayed=8))
     assert m == {"router_replay/update_replayed_share": 0.8, "router_replay/update_fallback_share": 0.2,
                  "router_replay/update_agreement": 0.75}
+    assert rr.metrics("old_log_prob", rr.ReplayCounts(needed=10), recorded=True) == {
+        "router_replay/old_log_prob_replayed_share": 0.0}
 
 
 def test_micro_batch_slices_routes_by_global_row_and_pads():
