@@ -124,7 +124,8 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(list(zip(micro, micro_rows))), model=chunks if len(chunks) > 1 else chunks[0],
+            forward_step_func=step, data_iterator=iter(list(zip(micro, micro_rows))),
+            model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
             forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):

@@ -7,6 +7,8 @@ importance ratios drift. Routing replay makes a forward use a given routing inst
 - R2 (verl's name): the trainer's first forward of a step (the old-logprob pass) records every token's experts; the
   reference forward and the update forwards replay them, so the policy ratio compares the same expert paths.
 - R3: the engine's routing (vLLM's routed experts) is replayed in the old-logprob, reference and update forwards.
+  The replay here takes any given routes; megarl's engine does not return vLLM's yet (vLLM 0.32 returns them only
+  from its Model Runner V2, which needs Triton), so `megarl validate` refuses R3 for now.
 
 Routes are kept per sample in one layout whatever the parallel layout: `routes [N, S, L, k]` (int, -1 = no route)
 indexed by row, token position and decoder layer (0-based, as vLLM's routed experts), beside `need [N, S]` (bool, the

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import torch
 
 from megarl import runtime
-from megarl.megatron import router_replay
 from megarl.config.schema import OptimConfig
+from megarl.megatron import router_replay
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
 

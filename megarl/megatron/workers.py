@@ -14,9 +14,9 @@ from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_ro
                              split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
+from megarl.megatron import router_replay
 from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
 from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
-from megarl.megatron import router_replay
 from megarl.megatron.model import build_and_load
 from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
 from megarl.runtime import Runtime, dp_row_range, gather_model_output
