@@ -150,7 +150,9 @@ def old_log_probs_from_update(cfg: MegarlConfig, actor_updates: bool) -> bool:
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
     read_before = (cfg.kl_in_reward_active or rc.is_level is not None or rc.rejection_level is not None
                    or rc.use_rollout_log_probs or cfg.algorithm.adv_estimator == "optimal_token_baseline")
-    return actor_updates and one_step and not read_before
+    # R2 records the routing in the old-logprob pass, which the reference and update forwards replay
+    recorded = cfg.actor.router_replay.mode == "R2"
+    return actor_updates and one_step and not read_before and not recorded
 
 
 # estimators that compare the samples of one prompt (they read the batch's prompt_index)

@@ -212,7 +212,8 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                 sync_metrics = schedule.updated()
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
-                   **rollout.metrics, "train/epoch": loader.epoch}
+                   **rollout.metrics, "train/epoch": loader.epoch,
+                   **(ref.replay_metrics if ref is not None else {})}
         if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
             with timer("val"):  # with the actor's weights: the engines finish what they generate ahead, then sync
                 metrics.update(schedule.settle())

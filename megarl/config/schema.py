@@ -161,6 +161,17 @@ class OffloadConfig(_Section):
         return self.params or self.grads or self.optimizer
 
 
+class RouterReplayConfig(_Section):
+    """MoE routing replay (verl: actor_rollout_ref.actor.megatron.router_replay.mode)."""
+
+    mode: Literal["none", "R2", "R3"] = Field(
+        "none", description="none: every forward routes with its own router. R2: the old-logprob pass records each "
+        "token's experts and the reference and update forwards replay them. R3: the rollout engine's routing is "
+        "replayed in the old-logprob, reference and update forwards (not available yet: the engine does not return "
+        "routed experts). Tokens without a recorded route fall back to the router, counted in "
+        "router_replay/*_fallback_share.")
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -186,6 +197,8 @@ class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Move the actor's states "
                                      "to pinned host memory while the engine generates (true/false for all three).")
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig,
+                                              description="MoE routing replay (R2 / R3).")
 
     @property
     def clip_low(self) -> float:
