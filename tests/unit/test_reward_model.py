@@ -150,3 +150,15 @@ def test_combine_weights_normalize_clip_by_hand():
     assert torch.allclose(got, torch.tensor([0.0, 0.5, 0.5, 0.0]) * b.clamp(-1, 1), atol=1e-5)
     with pytest.raises(ValueError, match="reward.combine_fn returned"):
         combine(raw, settings, combine_fn=lambda c: torch.zeros(3))
+
+
+def test_convert_verl_maps_the_reward_model_keys():
+    from megarl.convert_verl import convert
+
+    c = convert({"reward_model.enable": True, "reward_model.model.path": "/ckpt/rm",
+                 "reward_model.micro_batch_size_per_gpu": 16, "reward_model.max_length": 2048})
+    assert not c.refused, c.refused
+    text = "\n".join(c.mapped)
+    for key in ("reward.reward_model.enable", "reward.reward_model.path", "reward.reward_model.micro_batch_size_per_gpu",
+                "reward.reward_model.max_length"):
+        assert key in text, text
