@@ -596,8 +596,10 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "critic.ppo_mini_batch_size": _no_effect("megarl's critic uses the actor's mini-batches "
                                              "(actor.ppo_mini_batch_size)"),
     # reward
-    "reward_model.enable": _off_only("no learned reward model", "learned reward models are not supported yet; "
-                                     "use a rule-based or custom reward function (reward.reward_fn)"),
+    "reward_model.enable": _to("reward.reward_model.enable"),
+    "reward_model.model.path": _to("reward.reward_model.path"),
+    "reward_model.micro_batch_size_per_gpu": _to("reward.reward_model.micro_batch_size_per_gpu"),
+    "reward_model.max_length": _to("reward.reward_model.max_length"),
     "reward_model.reward_manager": _reward_manager,
     # algorithm
     "algorithm.rollout_correction.bypass_mode": _to("algorithm.rollout_correction.use_rollout_log_probs"),

@@ -131,10 +131,11 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     val_records = load_data(cfg, tokenizer, "val")
     reward_fn = reward_fn_from_config(cfg.reward)
 
-    if cfg.reward.reward_model.enable or cfg.reward.components:  # a reward model and/or named components
+    if cfg.reward.reward_model.enable or cfg.reward.judge.enable or cfg.reward.components:  # megarl.reward.combine
         from megarl.reward.combine import StepReward
 
-        reward_fn = StepReward(cfg, tokenizer, reward_fn)
+        reward_fn = StepReward(cfg, tokenizer, reward_fn, rt.is_rank0)
+        cleanups.callback(reward_fn.close)
     actor = PolicyWorker(model_path, cfg, trainable=True)
     ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
