@@ -913,9 +913,9 @@ def validate_against_megarl(c: Conversion) -> None:
             owner = next((k for k in keys if k in c.sources), None)
             text = issue.render()
             if owner is None:
-                if text not in seen:
+                if text not in seen:  # a rule over settings no verl key gave (or one already refused)
                     seen.add(text)
-                    c.refuse("(recipe)", None, f"megarl validate: {text}")
+                    c.refused.append(f"(recipe) megarl validate: {text}")
                 continue
             value = _get(c.recipe, owner)
             verl_key = c.unset(owner)

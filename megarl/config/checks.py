@@ -368,7 +368,9 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 _NOT_YET = (
     ("reward.reward_model.enable", False, "learned reward models are not supported yet; use rule-based or "
      "custom reward functions"),
-    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
+    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet (on GPU it needs Transformer "
+     "Engine's context-parallel attention and each sequence's tokens split over the CP ranks in the forward, the "
+     "logprob gather and the loss; on CPU megatron has no context-parallel attention at all); set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
     ("reward.reward_model.path", None, "learned reward models are not supported yet; unset it"),
