@@ -929,7 +929,7 @@ def _placeholder_notes(c: Conversion) -> None:
     """Paths that must exist where megarl runs: hub ids and missing files are flagged for the user to fill in."""
     for key in ("model.path", "critic.model_path", "model.tokenizer_path"):
         value = _get(c.recipe, key)
-        if value and not Path(os.path.expanduser(os.path.expandvars(value))).exists():
+        if value and value != "FILL_IN/hf_model_dir" and not Path(os.path.expanduser(value)).exists():
             c.notes.append(f"{key} = {value!r}: not a directory here; megarl reads a local Hugging Face model "
                            "directory: download it (e.g. `huggingface-cli download NAME --local-dir DIR`) and put "
                            "DIR here" + (" (or, to check the layout before downloading, set model.config_path to the "
@@ -991,8 +991,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"megarl convert-verl: {exc}", file=sys.stderr)
         return 1
     c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
-    c.notes = inputs.notes + [f"verl trainer defaults: {inputs.trainer}"] + c.notes
+    c.notes = inputs.notes + c.notes
     text = to_recipe_text(c, args.inputs)
+    print(f"verl trainer: {inputs.trainer} (its defaults that differ from megarl's apply under the settings given)",
+          file=sys.stderr)
     for line in report_lines(c):
         print(line, file=sys.stderr)
     if args.out:
