@@ -281,8 +281,8 @@ def gather(items: Sequence[str], environ: Optional[dict] = None, config_path: Op
             read = read_script(path, env)
             inputs.script, base_dir = path, path.resolve().parent
             inputs.notes += read.notes
-            inputs.config_path = read.config_path or inputs.config_path
-            inputs.config_name = read.config_name or inputs.config_name
+            inputs.config_path = config_path or read.config_path  # the converter's own flags win over the script's
+            inputs.config_name = config_name or read.config_name
             if inputs.config_name is None and read.module and read.module.endswith("main_dapo"):
                 inputs.config_name = "dapo_trainer"  # verl-recipe's DAPO entry point reads dapo_trainer.yaml
             for text, names, why in read.unresolved:
