@@ -281,8 +281,8 @@ def gather(items: Sequence[str], environ: Optional[dict] = None, config_path: Op
             read = read_script(path, env)
             inputs.script, base_dir = path, path.resolve().parent
             inputs.notes += read.notes
-            inputs.config_path = read.config_path or inputs.config_path
-            inputs.config_name = read.config_name or inputs.config_name
+            inputs.config_path = config_path or read.config_path  # the converter's own flags win over the script's
+            inputs.config_name = config_name or read.config_name
             if inputs.config_name is None and read.module and read.module.endswith("main_dapo"):
                 inputs.config_name = "dapo_trainer"  # verl-recipe's DAPO entry point reads dapo_trainer.yaml
             for text, names, why in read.unresolved:
@@ -933,13 +933,16 @@ def validate_against_megarl(c: Conversion) -> None:
             owner = next((k for k in keys if k in c.sources), None)
             text = issue.render()
             if owner is None:
-                if text not in seen:
+                if text not in seen:  # a rule over settings no verl key gave (or one already refused)
                     seen.add(text)
-                    c.refuse("(recipe)", None, f"megarl validate: {text}")
+                    c.refused.append(f"(recipe) megarl validate: {text}")
                 continue
             value = _get(c.recipe, owner)
+            # every verl key that set this megarl key (two can agree on one value) is refused, none lost
+            givers = [m.split(" = ")[0].removeprefix("(verl default) ") for m in c.mapped if f" -> {owner} = " in m]
             verl_key = c.unset(owner)
-            c.refused.append(f"{verl_key} = {value!r} -> {owner}: megarl validate refuses it: {text}")
+            for giver in dict.fromkeys([verl_key] + [g for g in givers if g != verl_key]):
+                c.refused.append(f"{giver} = {value!r} -> {owner}: megarl validate refuses it: {text}")
             progress = True
         if not progress:
             return
@@ -949,7 +952,7 @@ def _placeholder_notes(c: Conversion) -> None:
     """Paths that must exist where megarl runs: hub ids and missing files are flagged for the user to fill in."""
     for key in ("model.path", "critic.model_path", "model.tokenizer_path"):
         value = _get(c.recipe, key)
-        if value and not Path(os.path.expanduser(os.path.expandvars(value))).exists():
+        if value and value != "FILL_IN/hf_model_dir" and not Path(os.path.expanduser(value)).exists():
             c.notes.append(f"{key} = {value!r}: not a directory here; megarl reads a local Hugging Face model "
                            "directory: download it (e.g. `huggingface-cli download NAME --local-dir DIR`) and put "
                            "DIR here" + (" (or, to check the layout before downloading, set model.config_path to the "
@@ -1011,8 +1014,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"megarl convert-verl: {exc}", file=sys.stderr)
         return 1
     c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
-    c.notes = inputs.notes + [f"verl trainer defaults: {inputs.trainer}"] + c.notes
+    c.notes = inputs.notes + c.notes
     text = to_recipe_text(c, args.inputs)
+    print(f"verl trainer: {inputs.trainer} (its defaults that differ from megarl's apply under the settings given)",
+          file=sys.stderr)
     for line in report_lines(c):
         print(line, file=sys.stderr)
     if args.out:

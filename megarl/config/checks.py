@@ -429,7 +429,9 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet; set it to 1"),
+    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet (on GPU it needs Transformer "
+     "Engine's context-parallel attention and each sequence's tokens split over the CP ranks in the forward, the "
+     "logprob gather and the loss; on CPU megatron has no context-parallel attention at all); set it to 1"),
     ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
      "unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "

@@ -25,3 +25,16 @@ def test_gspo_and_ppo_with_critic_run(tmp_path):
     for m in ppo:
         assert m["critic/vf_loss"] > 0 and "actor/reward_kl" in m
     assert ppo[0]["actor/reward_kl"] == 0.0  # reference == actor before the first update
+
+
+def test_ppo_with_log_prob_token_budgets(tmp_path):
+    """rollout.log_prob_use_dynamic_bsz: old logprobs, reference logprobs and critic values in micro-batches of at
+    most 40 tokens (prompts of 16 and responses of up to 8 tokens: one or two sequences each)."""
+    ppo = _run(tmp_path, "ppo_budget", ["algorithm.adv_estimator=gae", "algorithm.lam=0.95",
+                                        "algorithm.use_kl_in_reward=true", "critic.ppo_micro_batch_size_per_gpu=8",
+                                        "rollout.log_prob_use_dynamic_bsz=true",
+                                        "rollout.log_prob_max_token_len_per_gpu=40", "trainer.total_steps=2"])
+    assert [m["step"] for m in ppo] == [1, 2]
+    assert ppo[0]["rollout/logprob_abs_diff_mean"] < 1e-4  # old logprobs agree with the engine's
+    assert ppo[0]["actor/reward_kl"] == 0.0  # reference logprobs equal the actor's before the first update
+    assert all(m["critic/vf_loss"] > 0 for m in ppo)

@@ -297,3 +297,17 @@ def test_megatron_offload_keys_map_to_megarls_offload():
     assert r["ref"]["offload"] is True and r["critic"]["offload"] == {"optimizer": True}
     cfg = load_config(data=r)
     assert cfg.actor.offload.any and cfg.ref.offload and cfg.critic.offload.optimizer and not cfg.critic.offload.params
+
+
+def test_config_path_flag_wins_over_the_scripts(tmp_path, capsys):
+    (tmp_path / "gsm8k_multiturn_megatron_grpo.yaml").write_text(
+        "defaults:\n  - ppo_megatron_trainer\n  - _self_\nactor_rollout_ref:\n  rollout:\n    multi_turn:\n"
+        "      enable: true\n      max_assistant_turns: 3\n")
+    inputs = gather([str(UP / "run_qwen2.5-3b_megatron_gsm8k_multiturn.sh")], dict(ENV), config_path=str(tmp_path))
+    assert inputs.settings["actor_rollout_ref.rollout.multi_turn.max_assistant_turns"] == 3
+    assert inputs.trainer == "ppo_megatron_trainer"
+    missing = gather(["algorithm.adv_estimator=grpo"], dict(ENV), config_path=str(tmp_path), config_name="nope")
+    assert [k for k, _, _ in missing.unresolved] == ["--config-name"]  # refused by name, not silently skipped
+    code = cli.main(["convert-verl", "--config-name=nope", "--config-path", str(tmp_path), "--strict",
+                     "algorithm.adv_estimator=grpo", "--out", str(tmp_path / "r.yaml")])
+    assert code == 1 and "--config-name = 'nope': not found in" in capsys.readouterr().err
