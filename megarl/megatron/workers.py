@@ -37,7 +37,9 @@ def build_options(cfg: MegarlConfig) -> dict:
     bfloat16 on GPU; Transformer Engine when CUDA and TE are available; sequence parallelism for MoE with TP > 1)."""
     m, p = cfg.model, cfg.parallelism
     return {"dtype": _DTYPES.get(m.dtype),
-            "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
+            # LoRA adapters sit on megatron's local linears: auto picks the local spec for a LoRA run
+            "use_te": (False if cfg.actor.lora.enabled else None) if m.use_transformer_engine == "auto"
+            else m.use_transformer_engine,
             "sequence_parallel": p.sequence_parallel or None,
             **recompute_overrides(m.recompute)}
 
