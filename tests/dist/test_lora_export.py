@@ -47,7 +47,8 @@ def save_lora_rank(hf_dir, adapter_dir, run_dir, batch, tp):
         "checkpoint": {"save_on_sigterm": False}})
     rt = Runtime(rank=rank, world_size=world, dp_rank=0, dp_size=1, run_dir=run_dir)
     loss = PolicyLossSettings(vocab_size=spec.vocab_size)
-    train_mini_batch(actor, [batch], make_policy_loss_fn(loss, loss_denominator([batch["response_mask"]], "token-mean")))
+    denominator = loss_denominator([batch["response_mask"]], "token-mean")
+    train_mini_batch(actor, [batch], make_policy_loss_fn(loss, denominator))
     Checkpointer(cfg, rt, models={"actor": actor}, states={}).save(1)
     return {"logprobs": token_logprobs(actor.chunks, batch["input_ids"], micro_batch_size=4),
             "adapters": gather_adapters(actor.chunks)}

@@ -73,7 +73,8 @@ def test_ppo_quickstart_values_and_verl_defaults(tmp_path):
 
 def test_unknown_and_unsupported_keys_are_refused_by_name():
     c = convert({"actor_rollout_ref.rollout.name": "sglang", "trainer.some_new_knob": 3,
-                 "actor_rollout_ref.actor.peft.peft_type": "ia3", "actor_rollout_ref.actor.fsdp_config.param_offload": True,
+                 "actor_rollout_ref.actor.peft.peft_type": "ia3",
+                 "actor_rollout_ref.actor.fsdp_config.param_offload": True,
                  "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1})
     refused = {line.split(" = ")[0] for line in c.refused}
     assert refused == {"actor_rollout_ref.rollout.name", "trainer.some_new_knob",

@@ -42,7 +42,8 @@ def test_all_linear_and_experts_per_expert():
     assert projections == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     experts = [t for t in targets.targets if t.expert]
     assert len(experts) == 4 * 4 * 3  # layers x experts x (w1, w3, w2)
-    assert "base_model.model.model.layers.0.block_sparse_moe.experts.3.w1.lora_B.weight" in {t.peft_key("B") for t in experts}
+    keys = {t.peft_key("B") for t in experts}
+    assert "base_model.model.model.layers.0.block_sparse_moe.experts.3.w1.lora_B.weight" in keys
     # Mixtral's own names select the same adapters
     alias = resolve_targets(_mapping("mixtral"), LoraSettings(rank=4, target_modules=("w1", "w2", "w3")))
     assert {t.hf_weight for t in alias.targets} == {t.hf_weight for t in experts}
