@@ -59,6 +59,8 @@ log = logging.getLogger("megarl")
 _LORA = ".lora.lora_"
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 _EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.weight$")
+# a LoRA actor's expert adapters: one tensor per layer, projection and A/B with a leading expert dimension
+_LORA_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.(lora\.lora_[AB]\.\w+)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -543,9 +545,13 @@ def _checkpoint_sources(ckpt: DistCheckpoint) -> tuple:
             layers = [((L,), f"decoder.layers.{L}.{m.group(1)}") for L in range(ckpt.shape(key)[0])]
         for index, name in layers:
             m = _EXPERTS.match(name)
+            lm = _LORA_EXPERTS.match(name)
             if m:  # routed experts of a layer: one tensor with a leading expert dimension
                 for e in range(ckpt.shape(key)[len(index)]):
                     sources[f"{m.group(1)}.local_experts.{e}.{m.group(2)}.weight"] = Source(key, index + (e,))
+            elif lm:
+                for e in range(ckpt.shape(key)[len(index)]):
+                    sources[f"{lm.group(1)}.local_experts.{e}.{lm.group(2)}.{lm.group(3)}"] = Source(key, index + (e,))
             else:
                 sources[canonical_name(name)] = Source(key, index)
     return sources, skipped
@@ -664,19 +670,25 @@ def _any_nonzero(t: torch.Tensor) -> bool:
     return bool(flat[:4096].any()) or bool(flat.any())
 
 
-def lora_adapters(ckpt: DistCheckpoint, plan: MergePlan, step: Path) -> tuple:
-    """The LoRA adapters saved with a LoRA actor: ({PEFT key: whole tensor}, LoraSettings). Each adapter tensor is
-    one global checkpoint tensor (TP shards are its chunks), named after the megatron linear it adapts."""
-    from megarl.lora.targets import ALIASES, LoraSettings, Target
+def lora_settings(step: Path):
+    """The LoraSettings of a LoRA actor's checkpoint, from the run's config.resolved.yaml (actor.lora)."""
+    from megarl.lora.targets import LoraSettings
 
     lo = (_resolved_config(step).get("actor") or {}).get("lora") or {}
     if not lo.get("rank"):
         raise MergeError(f"{step}: the checkpoint holds LoRA adapters but its config.resolved.yaml has no actor.lora "
                          "rank (alpha is needed to merge them)")
     targets = lo.get("target_modules", "all-linear")
-    settings = LoraSettings(rank=int(lo["rank"]), alpha=float(lo.get("alpha", 16.0)),
-                            dropout=float(lo.get("dropout", 0.0)),
-                            target_modules=targets if isinstance(targets, str) else tuple(targets))
+    return LoraSettings(rank=int(lo["rank"]), alpha=float(lo.get("alpha", 16.0)), dropout=float(lo.get("dropout", 0.0)),
+                        target_modules=targets if isinstance(targets, str) else tuple(targets))
+
+
+def lora_adapters(ckpt: DistCheckpoint, plan: MergePlan, step: Path) -> tuple:
+    """The LoRA adapters saved with a LoRA actor: ({PEFT key: whole tensor}, LoraSettings). Each adapter tensor is
+    one global checkpoint tensor (TP shards are its chunks), named after the megatron linear it adapts."""
+    from megarl.lora.targets import ALIASES, Target
+
+    settings = lora_settings(step)
     out = {}
     for name, src in sorted(plan.lora.items()):
         module, rest = name.split(_LORA)
@@ -856,6 +868,10 @@ def megatron_outputs_rank(model_dir: str, hf_dir: str, tokens, critic: bool):
     ckpt = DistCheckpoint(model_dir)
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     model = build_gpt_model(spec, value_head=critic, dtype=torch.float32, vocab_pad_multiple=rows)
+    if any(_LORA in k for k in ckpt.tensors):  # a LoRA actor: the merged weights are compared with base + adapters
+        from megarl.lora.layers import apply_lora
+
+        apply_lora(model, spec, lora_settings(Path(model_dir).parent))
     state = dist_checkpointing.load(model.sharded_state_dict(), model_dir, strict="assume_ok_unexpected")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -933,6 +949,9 @@ def run(args) -> int:
         print(f"merged {report.step_dir / report.model} -> {report.out}: {report.tensors} tensors, "
               f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.3f} s ({report.gb_per_s:.2f} GB/s)",
               file=sys.stderr)
+        if args.verify and args.lora == "adapter" and (report.out / "adapter_config.json").exists():
+            raise MergeError("--verify compares HF weights; for a PEFT adapter directory run "
+                             "`megarl verify --hf BASE --lora DIR`")
         if args.verify:
             diff = verify_merge(report)
             print(f"verify: max |{'value' if report.model == 'critic' else 'logprob'} diff| transformers vs megatron "
