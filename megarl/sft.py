@@ -97,7 +97,8 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     examples = encode_sft(records, tokenizer, s.max_length, d.apply_chat_template)
     loader = PromptLoader(examples, seed=cfg.trainer.seed, shuffle=True, drop_last=True)
     total = s.total_steps or s.epochs * loader.batches_per_epoch(s.batch_size)
-    worker = PolicyWorker(cfg.model.path, cfg, trainable=True, optim=s.optim, total_steps=total)
+    worker = PolicyWorker(cfg.model.path, cfg, trainable=True, optim=s.optim, total_steps=total,
+                          use_lora=False)  # the warm start trains the whole model
     micro = cfg.actor.ppo_micro_batch_size_per_gpu
     logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard,
                            console=cfg.logging.console, total_steps=total, summary=False)

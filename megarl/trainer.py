@@ -137,7 +137,9 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
         reward_fn = StepReward(cfg, tokenizer, reward_fn, rt.is_rank0)
         cleanups.callback(reward_fn.close)
     actor = PolicyWorker(model_path, cfg, trainable=True)
-    ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
+    ref = None
+    if cfg.ref_enabled:  # with LoRA the reference is the actor's frozen base: its adapters switched off
+        ref = actor.reference() if cfg.actor.lora.enabled else PolicyWorker(model_path, cfg, trainable=False)
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
     kl_ctrl = make_kl_controller(cfg)
     schedule = steps.rollout_schedule(cfg, loader)  # trainer.mode: which batch is generated when, by which weights

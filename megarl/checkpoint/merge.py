@@ -56,8 +56,11 @@ from megarl.checkpoint.state import LAYOUT_VERSION, checkpoints_dir, complete_ch
 
 log = logging.getLogger("megarl")
 
+_LORA = ".lora.lora_"
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 _EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.weight$")
+# a LoRA actor's expert adapters: one tensor per layer, projection and A/B with a leading expert dimension
+_LORA_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.(lora\.lora_[AB]\.\w+)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -519,6 +522,7 @@ class MergePlan:
     dtype: torch.dtype  # output dtype
     checkpoint_dtype: torch.dtype
     hf_tensors: list = field(default_factory=list)  # [(hf name, shape, dtype)] in write order
+    lora: dict = field(default_factory=dict)  # LoRA adapter name (megatron module + .lora.lora_A.q_proj) -> Source
 
     @property
     def nbytes(self) -> int:
@@ -541,9 +545,13 @@ def _checkpoint_sources(ckpt: DistCheckpoint) -> tuple:
             layers = [((L,), f"decoder.layers.{L}.{m.group(1)}") for L in range(ckpt.shape(key)[0])]
         for index, name in layers:
             m = _EXPERTS.match(name)
+            lm = _LORA_EXPERTS.match(name)
             if m:  # routed experts of a layer: one tensor with a leading expert dimension
                 for e in range(ckpt.shape(key)[len(index)]):
                     sources[f"{m.group(1)}.local_experts.{e}.{m.group(2)}.weight"] = Source(key, index + (e,))
+            elif lm:
+                for e in range(ckpt.shape(key)[len(index)]):
+                    sources[f"{lm.group(1)}.local_experts.{e}.{lm.group(2)}.{lm.group(3)}"] = Source(key, index + (e,))
             else:
                 sources[canonical_name(name)] = Source(key, index)
     return sources, skipped
@@ -578,7 +586,8 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
         dt = ckpt.dtype(src.key)
         dtypes[dt] = dtypes.get(dt, 0) + math.prod(got) * torch.tensor([], dtype=dt).element_size()
     tied_copy = {"output_layer.weight"} if spec.tie_word_embeddings and head == LM_HEAD else set()
-    extra = sorted(n for n in sources if n not in used and n not in tied_copy)
+    lora = {n: s for n, s in sources.items() if _LORA in n}  # adapters of a LoRA actor (megarl.lora)
+    extra = sorted(n for n in sources if n not in used and n not in tied_copy and n not in lora)
     if extra:
         problems.append(f"{len(extra)} checkpoint tensors have no place in a {spec.architecture} with this config: "
                         f"{name_sample(extra)}")
@@ -592,7 +601,7 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
                  dtype or ckpt_dtype)
     out_dtype = dtype or ckpt_dtype
     plan = MergePlan(spec, head, mapping, {e.megatron: sources[e.megatron] for e in mapping.entries}, out_dtype,
-                     ckpt_dtype)
+                     ckpt_dtype, lora=lora)
     plan.hf_tensors = [(h, tuple(mapping.hf_shape(h)), out_dtype) for h in mapping.hf_names()]
     # every HF name exactly once
     names = [h for h, _, _ in plan.hf_tensors]
@@ -602,15 +611,18 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
     return plan
 
 
-def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
+def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None, deltas: Optional[dict] = None):
     """Yield (hf_name, tensor) in plan order; one megatron tensor (or one expert slice) in memory at a time.
 
     before_read(nbytes): called with the output bytes of each megatron tensor before it is read (a writer that still
-    holds earlier tensors waits there until they fit)."""
+    holds earlier tensors waits there until they fit).
+    deltas: {hf name: (A, B, scaling)}: those tensors are written as base + (B @ A) * scaling, PEFT's merge (LoRA)."""
     sizes = {h: math.prod(shape) * torch.tensor([], dtype=d).element_size() for h, shape, d in plan.hf_tensors}
+    deltas = deltas or {}
     for entry in plan.mapping.entries:
         src = plan.sources[entry.megatron]
-        direct = _verbatim(ckpt, plan, entry, src)
+        adapted = any(h in deltas for h in entry.hf)
+        direct = None if adapted else _verbatim(ckpt, plan, entry, src)
         if direct is not None:  # bytes already laid out as HF stores them: copied file to file, never read here
             yield from direct
             continue
@@ -618,6 +630,9 @@ def stream_hf_tensors(ckpt: DistCheckpoint, plan: MergePlan, before_read=None):
             before_read(sum(sizes[h] for h in entry.hf))
         tensor = ckpt.read(src.key, src.index)
         for name, t in plan.mapping.to_hf(entry, [tensor], views=True):  # views: no copy the writer does not need
+            if name in deltas:
+                a, b, scaling = deltas[name]
+                t = t.to(a.dtype) + (b @ a) * scaling
             t = t.to(plan.dtype)
             if not _any_nonzero(t) and _any_nonzero(tensor):
                 raise MergeError(f"{name}: all zeros after conversion from {src.describe()}, which is not all zeros")
@@ -653,6 +668,39 @@ def _any_nonzero(t: torch.Tensor) -> bool:
     costs several times a copy."""
     flat = t.reshape(-1)
     return bool(flat[:4096].any()) or bool(flat.any())
+
+
+def lora_settings(step: Path):
+    """The LoraSettings of a LoRA actor's checkpoint, from the run's config.resolved.yaml (actor.lora)."""
+    from megarl.lora.targets import LoraSettings
+
+    lo = (_resolved_config(step).get("actor") or {}).get("lora") or {}
+    if not lo.get("rank"):
+        raise MergeError(f"{step}: the checkpoint holds LoRA adapters but its config.resolved.yaml has no actor.lora "
+                         "rank (alpha is needed to merge them)")
+    targets = lo.get("target_modules", "all-linear")
+    return LoraSettings(rank=int(lo["rank"]), alpha=float(lo.get("alpha", 16.0)), dropout=float(lo.get("dropout", 0.0)),
+                        target_modules=targets if isinstance(targets, str) else tuple(targets))
+
+
+def lora_adapters(ckpt: DistCheckpoint, plan: MergePlan, step: Path) -> tuple:
+    """The LoRA adapters saved with a LoRA actor: ({PEFT key: whole tensor}, LoraSettings). Each adapter tensor is
+    one global checkpoint tensor (TP shards are its chunks), named after the megatron linear it adapts."""
+    from megarl.lora.targets import ALIASES, Target
+
+    settings = lora_settings(step)
+    out = {}
+    for name, src in sorted(plan.lora.items()):
+        module, rest = name.split(_LORA)
+        which, proj = rest.split(".", 1)
+        entry = plan.mapping.by_megatron.get(module + ".weight")
+        hf = [h for h in (entry.hf if entry else ()) if ALIASES.get(h.split(".")[-2], h.split(".")[-2]) == proj]
+        if not hf:
+            raise MergeError(f"{src.describe()}: LoRA adapter of no {plan.spec.architecture} linear")
+        slot = entry.hf.index(hf[0])
+        target = Target(entry, slot, hf[0], proj, tuple(plan.mapping.hf_shape(hf[0])), "column")
+        out[target.peft_key(which)] = ckpt.read(src.key, src.index).float()
+    return out, settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -701,8 +749,14 @@ class MergeReport:
 
 
 def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_config: Optional[str | Path] = None,
-          max_shard_size="5GB", dtype: Optional[str] = None, force: bool = False, progress: bool = True) -> MergeReport:
-    """Merge one model of a megarl checkpoint into an HF directory (see the module docstring)."""
+          max_shard_size="5GB", dtype: Optional[str] = None, force: bool = False, progress: bool = True,
+          lora: str = "merged") -> MergeReport:
+    """Merge one model of a megarl checkpoint into an HF directory (see the module docstring).
+
+    A LoRA actor's checkpoint (frozen base + adapters): lora="merged" writes base + (B @ A) * alpha/rank for every
+    adapted HF weight (PEFT's merge, in float32 before any --dtype cast); lora="adapter" writes only a PEFT adapter
+    directory (adapter_config.json + adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the
+    base (the run's model.path)."""
     from megarl.checkpoint.hf_writer import StreamingHFWriter, parse_size
 
     t0 = time.perf_counter()
@@ -726,6 +780,29 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
         raise MergeError(f"--dtype {dtype}: choose from {sorted(_DTYPES)}")
     plan = plan_merge(ckpt, spec, head, _DTYPES.get(dtype) if dtype else None)
     ckpt.check_files({s.key for s in plan.sources.values()})
+    deltas = None
+    if lora not in ("merged", "adapter"):
+        raise MergeError(f"--lora {lora}: choose merged or adapter")
+    if plan.lora:
+        from megarl.lora.targets import PEFT_PREFIX
+
+        adapters, settings = lora_adapters(ckpt, plan, step)
+        if lora == "adapter":
+            from megarl.lora.peft_io import write_adapter
+
+            write_adapter(out, adapters, settings, base_model_path=str(source))
+            ckpt.close()
+            nbytes = sum(t.numel() * t.element_size() for t in adapters.values())
+            return MergeReport(out, step, model, len(adapters), nbytes, time.perf_counter() - t0,
+                               max(t.numel() * t.element_size() for t in adapters.values()), "float32",
+                               str(plan.checkpoint_dtype).replace("torch.", ""))
+        deltas = {}
+        for key, a in adapters.items():
+            if key.endswith(".lora_A.weight"):
+                stem = key[len(PEFT_PREFIX): -len(".lora_A.weight")]
+                deltas[stem + ".weight"] = (a, adapters[key.replace(".lora_A.", ".lora_B.")], settings.scaling)
+    elif lora == "adapter":
+        raise MergeError(f"{step}: --lora adapter, but the {model} checkpoint holds no LoRA adapters")
 
     bar = None
     if progress:
@@ -744,7 +821,7 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
     torch.set_num_threads(1)
     try:
         count = 0
-        for name, tensor in stream_hf_tensors(ckpt, plan, before_read=writer.wait_for_room):
+        for name, tensor in stream_hf_tensors(ckpt, plan, before_read=writer.wait_for_room, deltas=deltas):
             writer.write(name, tensor)
             count += 1
         config = _output_config(source, spec, head, plan.dtype)
@@ -791,6 +868,10 @@ def megatron_outputs_rank(model_dir: str, hf_dir: str, tokens, critic: bool):
     ckpt = DistCheckpoint(model_dir)
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     model = build_gpt_model(spec, value_head=critic, dtype=torch.float32, vocab_pad_multiple=rows)
+    if any(_LORA in k for k in ckpt.tensors):  # a LoRA actor: the merged weights are compared with base + adapters
+        from megarl.lora.layers import apply_lora
+
+        apply_lora(model, spec, lora_settings(Path(model_dir).parent))
     state = dist_checkpointing.load(model.sharded_state_dict(), model_dir, strict="assume_ok_unexpected")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -854,6 +935,9 @@ def add_arguments(p) -> None:
     p.add_argument("--verify", action="store_true", help="compare transformers logprobs with the checkpoint's "
                    "megatron model")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--lora", default="merged", choices=["merged", "adapter"],
+                   help="a LoRA actor's checkpoint: merged = HF weights base + alpha/rank * B A (default); adapter = a "
+                   "PEFT adapter directory (adapter_config.json + adapter_model.safetensors) for the run's base model")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -861,10 +945,13 @@ def run(args) -> int:
     try:
         report = merge(args.ckpt, args.out, model=args.model, hf_config=args.hf_config,
                        max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, lora=args.lora)
         print(f"merged {report.step_dir / report.model} -> {report.out}: {report.tensors} tensors, "
               f"{report.bytes / 1e9:.3f} GB ({report.dtype}) in {report.seconds:.3f} s ({report.gb_per_s:.2f} GB/s)",
               file=sys.stderr)
+        if args.verify and args.lora == "adapter" and (report.out / "adapter_config.json").exists():
+            raise MergeError("--verify compares HF weights; for a PEFT adapter directory run "
+                             "`megarl verify --hf BASE --lora DIR`")
         if args.verify:
             diff = verify_merge(report)
             print(f"verify: max |{'value' if report.model == 'critic' else 'logprob'} diff| transformers vs megatron "

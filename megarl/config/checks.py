@@ -654,12 +654,62 @@ def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_lora(cfg: MegarlConfig) -> list[Issue]:
+    """actor.lora: target modules the architecture has, a rank no larger than any targeted layer, and the settings
+    this version implements (local layer spec, expert-TP 1 for expert adapters, merged sync)."""
+    lo = cfg.actor.lora
+    if not lo.enabled:
+        return []
+    from megarl.bridge.hf_config import BridgeError, spec_from_dict
+    from megarl.bridge.mapping import Mapping
+    from megarl.lora.targets import ALIASES, ALL_LINEAR, PROJECTIONS, LoraError, LoraSettings, resolve_targets
+
+    issues = []
+    if lo.sync == "adapter":
+        issues.append(Issue("actor.lora.sync", lo.sync, "loading adapters into vLLM's LoRA support is not implemented "
+                            "in this version of megarl", "use actor.lora.sync=merged (the engine gets base + "
+                            "alpha/rank * B A after each update)", keys=("actor.lora.sync",)))
+    if cfg.model.use_transformer_engine is True:
+        issues.append(Issue("model.use_transformer_engine", True, "LoRA adapters sit on megatron's local "
+                            "Column/RowParallelLinear layers, not on Transformer Engine's fused ones",
+                            "set model.use_transformer_engine=false (or auto on a machine without TE)",
+                            keys=("model.use_transformer_engine", "actor.lora.rank")))
+    targets = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
+    unknown = [] if targets == ALL_LINEAR else [t for t in targets if ALIASES.get(t, t) not in PROJECTIONS
+                                                 and t != ALL_LINEAR]
+    if unknown:
+        issues.append(Issue("actor.lora.target_modules", list(targets), f"{unknown} are not LoRA target modules",
+                            f"use HF/PEFT projection names {list(PROJECTIONS)} or all-linear",
+                            keys=("actor.lora.target_modules",)))
+        return issues
+    source = next((c for c in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json"))
+                   if c and Path(c).is_file()), None)
+    if source is None:
+        return issues
+    try:
+        mapping = Mapping(spec_from_dict(json.loads(Path(source).read_text()), source))
+        found = resolve_targets(mapping, LoraSettings(rank=lo.rank, alpha=lo.alpha, target_modules=targets))
+    except BridgeError:
+        return issues  # the model checks report it
+    except LoraError as exc:
+        key = exc.key or "actor.lora.target_modules"
+        issues.append(Issue(key, lo.rank if key.endswith("rank") else list(targets), exc.rule, exc.fix, keys=(key,)))
+        return issues
+    etp = cfg.parallelism.expert_tensor_parallel_size or cfg.parallelism.tensor_model_parallel_size
+    if etp > 1 and any(t.expert for t in found.targets):
+        issues.append(Issue("parallelism.expert_tensor_parallel_size", etp, "LoRA on routed experts needs expert "
+                            "tensor parallelism 1", "set parallelism.expert_tensor_parallel_size=1 or drop the expert "
+                            "projections from actor.lora.target_modules",
+                            keys=("parallelism.expert_tensor_parallel_size", "actor.lora.target_modules")))
+    return issues
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
-    check_router_replay)
+    check_router_replay, check_lora)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

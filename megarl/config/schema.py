@@ -172,6 +172,27 @@ class RouterReplayConfig(_Section):
         "router_replay/*_fallback_share.")
 
 
+class LoraConfig(_Section):
+    """LoRA adapters on the actor's linears (PEFT's LoRA: y = W x + alpha/rank * B A dropout(x)); rank 0: off."""
+
+    rank: int = Field(0, ge=0, description="LoRA rank r; 0: full fine-tuning, no adapters.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapters' output is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input (PEFT's lora_dropout).")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="HF/PEFT projection names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj; Mixtral's "
+        "w1 w2 w3) or all-linear; routed experts get one adapter per expert.")
+    init: Literal["kaiming", "gaussian"] = Field("kaiming", description="A's init (B starts at zero): kaiming = "
+                                                 "PEFT's default, gaussian = N(0, 1/rank).")
+    sync: Literal["merged", "adapter"] = Field("merged", description="Engine weight sync: merged writes base + "
+                                               "alpha/rank * B A into the engine's weights; adapter loads only the "
+                                               "adapters into vLLM's LoRA support.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -199,6 +220,8 @@ class ActorConfig(_Section):
                                      "to pinned host memory while the engine generates (true/false for all three).")
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig,
                                               description="MoE routing replay (R2 / R3).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters (rank > 0): the base is frozen, "
+                             "the reference policy is the actor with adapters disabled.")
 
     @property
     def clip_low(self) -> float:

@@ -168,12 +168,13 @@ class LoraAdapters(torch.nn.Module):
         return out
 
 
-def _hook(module, args, output):
+def _hook(module, args, kwargs, output):
     lora = module.lora
     if not lora.enabled:
         return output
     out, bias = output
-    return out + lora(args[0]).to(out.dtype), bias
+    x = args[0] if args else kwargs["input_"]
+    return out + lora(x).to(out.dtype), bias
 
 
 def _sharded_state_dict_with_lora(module, original):
@@ -227,7 +228,7 @@ def apply_lora(model, spec, settings: LoraSettings, head: Optional[str] = None) 
                 raise LoraError(f"LoRA supports megatron's local layer spec (ColumnParallelLinear/RowParallelLinear); "
                                 f"{lp.local_name} is a {type(linear).__name__}: set model.use_transformer_engine=false")
             linear.lora = LoraAdapters(linear, found, mapping, settings, lp.tp_rank, lp.tp_size)
-            linear.register_forward_hook(_hook)
+            linear.register_forward_hook(_hook, with_kwargs=True)
             linear.sharded_state_dict = _sharded_state_dict_with_lora(linear, linear.sharded_state_dict)
             linear.weight.megarl_lora_delta = linear.lora.delta_weight
         if getattr(chunk, "embedding", None) is not None:

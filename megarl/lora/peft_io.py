@@ -32,7 +32,8 @@ def settings_from_peft(adapter_dir: Union[str, Path]) -> LoraSettings:
     cfg = peft.PeftConfig.from_pretrained(str(adapter_dir))
     if str(getattr(cfg, "peft_type", "")).split(".")[-1].upper() != "LORA":
         raise LoraError(f"{adapter_dir}: peft_type {cfg.peft_type} is not LORA")
-    unsupported = {"use_dora": bool(getattr(cfg, "use_dora", False)), "use_rslora": bool(getattr(cfg, "use_rslora", False)),
+    unsupported = {"use_dora": bool(getattr(cfg, "use_dora", False)),
+                   "use_rslora": bool(getattr(cfg, "use_rslora", False)),
                    "rank_pattern": bool(getattr(cfg, "rank_pattern", None)),
                    "alpha_pattern": bool(getattr(cfg, "alpha_pattern", None)),
                    "modules_to_save": bool(getattr(cfg, "modules_to_save", None)),

@@ -29,7 +29,11 @@ PEFT_PREFIX = "base_model.model."
 
 
 class LoraError(ValueError):
-    """A LoRA setting the model cannot honour (the message names the key, the value and the fix)."""
+    """A LoRA setting the model cannot honour: the key, the rule it breaks and the fix (str: all three)."""
+
+    def __init__(self, message: str, key: str = "", rule: str = "", fix: str = ""):
+        super().__init__(message)
+        self.key, self.rule, self.fix = key, rule or message, fix
 
 
 @dataclass(frozen=True)
@@ -123,9 +127,10 @@ def wanted_projections(mapping: Mapping, target_modules) -> set:
     for name in target_modules:
         canon = ALIASES.get(name, name)
         if canon not in have:
-            raise LoraError(f"actor.lora.target_modules: {name!r} is not a linear of {mapping.spec.architecture} "
-                            f"(it has {have}, or 'all-linear'); the LM head and embeddings take no adapters here. "
-                            "Use those names, as in PEFT's LoraConfig")
+            rule = (f"{name!r} is not a linear of {mapping.spec.architecture} (it has {have}, or 'all-linear'); the "
+                    "LM head and embeddings take no adapters here")
+            fix = "use those names, as in PEFT's LoraConfig"
+            raise LoraError(f"actor.lora.target_modules: {rule}; {fix}", "actor.lora.target_modules", rule, fix)
         wanted.add(canon)
     if not wanted:
         raise LoraError("actor.lora.target_modules is empty: name at least one projection or 'all-linear'")
@@ -148,8 +153,9 @@ def resolve_targets(mapping: Mapping, settings: LoraSettings) -> TargetSet:
                 continue
             shape = tuple(mapping.hf_shape(h))
             if settings.rank > min(shape):
-                raise LoraError(f"actor.lora.rank={settings.rank} is larger than {proj} of {h} {list(shape)} (rank "
-                                f"at most {min(shape)}): lower actor.lora.rank or drop {proj!r} from target_modules")
+                rule = f"larger than {proj} of {h} {list(shape)} allows (rank at most {min(shape)})"
+                fix = f"lower actor.lora.rank or drop {proj!r} from actor.lora.target_modules"
+                raise LoraError(f"actor.lora.rank={settings.rank}: {rule}; {fix}", "actor.lora.rank", rule, fix)
             out.targets.append(Target(e, slot, h, proj, shape, parallel, e.rule.expert))
     return out
 
@@ -159,9 +165,10 @@ def adapter_numel(targets: TargetSet, rank: int) -> int:
     return sum(math.prod(s) for t in targets.targets for s in t.shapes(rank).values())
 
 
-def local_adapter_numel(targets: TargetSet, rank: int, tp: int, pp: int, ep: int, etp: Optional[int] = None,
-                        num_layers: Optional[int] = None) -> int:
-    """Adapter parameters one rank holds (the largest pipeline stage, its EP share of experts): for `megarl plan`."""
+def stage_adapter_numel(targets: TargetSet, rank: int, tp: int, pp: int, ep: int, etp: Optional[int] = None,
+                        num_layers: Optional[int] = None) -> list:
+    """Adapter parameters one rank of each pipeline stage holds (its TP share, its EP share of the experts), for
+    `megarl plan`: [stage 0, ..., stage PP-1]."""
     etp = etp or tp
     per_layer: dict = {}
     for t in targets.targets:
@@ -179,6 +186,5 @@ def local_adapter_numel(targets: TargetSet, rank: int, tp: int, pp: int, ep: int
         per_layer[layer] = per_layer.get(layer, 0) + n
     layers = num_layers or (max(per_layer) + 1 if per_layer else 1)
     per_stage = -(-layers // pp)
-    totals = sorted((sum(per_layer.get(l, 0) for l in range(s * per_stage, min(layers, (s + 1) * per_stage)))
-                     for s in range(pp)), reverse=True)
-    return int(math.ceil(totals[0])) if totals else 0
+    return [int(math.ceil(sum(per_layer.get(i, 0) for i in range(s * per_stage, min(layers, (s + 1) * per_stage)))))
+            for s in range(pp)]

@@ -39,7 +39,9 @@ def build_options(cfg: MegarlConfig) -> dict:
     bfloat16 on GPU; Transformer Engine when CUDA and TE are available; sequence parallelism for MoE with TP > 1)."""
     m, p = cfg.model, cfg.parallelism
     return {"dtype": _DTYPES.get(m.dtype),
-            "use_te": None if m.use_transformer_engine == "auto" else m.use_transformer_engine,
+            # LoRA adapters sit on megatron's local linears: auto picks the local spec for a LoRA run
+            "use_te": (False if cfg.actor.lora.enabled else None) if m.use_transformer_engine == "auto"
+            else m.use_transformer_engine,
             "fusions": m.fusions,
             "sequence_parallel": p.sequence_parallel or None,
             **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
@@ -80,13 +82,30 @@ def _average(metrics: list[dict]) -> dict:
     return {k: fmean(m[k] for m in metrics) for k in metrics[0]} if metrics else {}
 
 
+def lora_settings(cfg: MegarlConfig):
+    """megarl.lora's settings for actor.lora (None when rank is 0)."""
+    from megarl.lora import LoraSettings
+
+    lo = cfg.actor.lora
+    if not lo.enabled:
+        return None
+    targets = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
+    return LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=targets, init=lo.init,
+                        seed=cfg.trainer.seed)
+
+
 class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
-                 total_steps: int):
+                 total_steps: int, lora=None):
         self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
         self.replay_metrics: dict = {}  # router_replay/* of this worker's last passes
         if cfg.actor.router_replay.mode != "none" and not value_head and self.spec.is_moe:
             router_replay.install(self.model if isinstance(self.model, (list, tuple)) else [self.model])
+        self.lora = lora
+        if lora is not None:  # frozen base + adapters, before DDP: the base gets no gradient buffer or optimizer state
+            from megarl.lora.layers import apply_lora
+
+            apply_lora(self.model, self.spec, lora)
         self.trainable: Optional[Trainable] = None
         if optim is not None:
             self.trainable = make_trainable(self.model, optim, total_steps,
@@ -194,14 +213,21 @@ class OffloadAroundRollout:
 
 
 class PolicyWorker(_Worker):
-    """The actor (trainable) or the frozen reference policy."""
+    """The actor (trainable; with actor.lora, a frozen base plus adapters unless use_lora=False) or the frozen
+    reference policy."""
 
     def __init__(self, hf_dir: str, cfg: MegarlConfig, trainable: bool, optim: Optional[OptimConfig] = None,
-                 total_steps: Optional[int] = None):
+                 total_steps: Optional[int] = None, use_lora: bool = True):
         super().__init__(hf_dir, cfg, False, (optim or cfg.actor.optim) if trainable else None,
-                         total_steps or cfg.trainer.total_steps)
+                         total_steps or cfg.trainer.total_steps, lora_settings(cfg) if trainable and use_lora else None)
         self.cfg = cfg
         self.loss_settings = PolicyLossSettings.from_config(cfg, self.spec.vocab_size)
+
+    def reference(self) -> "ReferenceView":
+        """The reference policy of a LoRA actor: this model with its adapters disabled (no second model)."""
+        if self.lora is None:
+            raise ValueError("reference() is the LoRA actor's base; without actor.lora build a frozen PolicyWorker")
+        return ReferenceView(self)
 
     def log_probs(self, batch: dict, rt: Runtime, sum_pi_squared: bool = False):
         """Logprobs [N, T] of every token given its prefix, at the rollout temperature. sum_pi_squared: also
@@ -247,6 +273,24 @@ class PolicyWorker(_Worker):
         from megarl.bridge.exporter import export_hf_weights
 
         return export_hf_weights(self.chunks, self.spec, bucket_bytes)
+
+
+class ReferenceView:
+    """The reference policy as the LoRA actor's base weights: log_probs with the adapters switched off."""
+
+    def __init__(self, actor: PolicyWorker):
+        self.actor = actor
+
+    def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
+        from megarl.lora.layers import adapters_disabled
+
+        a = self.actor
+        micro = self.actor.cfg.ref.log_prob_micro_batch_size_per_gpu
+        t = a.loss_settings.temperature
+        ids = batch["input_ids"]
+        with adapters_disabled(a.chunks):  # the same forward as a reference model's: token budgets, routing replay
+            return a._replaying(batch, "ref", False, lambda: _forward_only(
+                a.cfg, rt, batch, lambda x, mb: token_logprobs(a.chunks, x, mb, t), micro, ids.shape[1] - 1))
 
 
 class CriticWorker(_Worker):

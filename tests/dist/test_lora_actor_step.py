@@ -99,7 +99,8 @@ def test_lora_update_equals_peft_reference(setup, tp, pp, dp):
     assert set(got) == set(ref["adapters"]), set(got) ^ set(ref["adapters"])
     for k, want in ref["adapters"].items():
         diff = (got[k] - want).abs()
-        conditioned = ref["grads"][k].abs() > 1e-5  # Adam's first step is sign-like where |g| ~ eps (see test_actor_step)
+        # Adam's first step is sign-like where |g| ~ eps (see test_actor_step): exact only where |g| >> eps
+        conditioned = ref["grads"][k].abs() > 1e-5
         assert diff.max().item() <= 2 * LR, k
         assert conditioned.float().mean() > 0.5, k
         assert diff[conditioned].max().item() < 2e-5, (k, diff[conditioned].max().item())

@@ -18,7 +18,11 @@ from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 STEPS = 6
 VARIANTS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95", "algorithm.use_kl_in_reward=true",
                                   "algorithm.kl_ctrl.type=adaptive", "critic.ppo_micro_batch_size_per_gpu=8",
-                                  "ref.log_prob_micro_batch_size_per_gpu=8"]}
+                                  "ref.log_prob_micro_batch_size_per_gpu=8"],
+            # LoRA: the checkpoint holds the frozen base, the adapters and their Adam moments; the reference of the KL
+            # loss is the actor with adapters disabled
+            "lora": ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=all-linear",
+                     "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "ref.log_prob_micro_batch_size_per_gpu=8"]}
 # metrics that measure time, or count the engine's weight loads since it started: they differ between any two runs
 VOLATILE = ("timing/", "seconds", "per_second", "gbps", "weight_sync/version")
 OWNER = "MEGARL_TEST_RESUME_OWNER"
@@ -60,7 +64,8 @@ def tmp(tmp_path_factory):
 
 
 # PPO (critic, reference, adaptive KL state) in `make test-slow`: the same resume path as GRPO plus the critic's state
-@pytest.fixture(scope="module", params=["grpo", pytest.param("ppo", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["grpo", pytest.param("ppo", marks=pytest.mark.slow),
+                                        pytest.param("lora", marks=pytest.mark.slow)])
 def straight(request, tmp):
     """STEPS steps without stopping (one checkpoint, at the end)."""
     variant = request.param

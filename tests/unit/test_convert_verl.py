@@ -73,11 +73,12 @@ def test_ppo_quickstart_values_and_verl_defaults(tmp_path):
 
 def test_unknown_and_unsupported_keys_are_refused_by_name():
     c = convert({"actor_rollout_ref.rollout.name": "sglang", "trainer.some_new_knob": 3,
-                 "actor_rollout_ref.model.lora_rank": 16, "actor_rollout_ref.actor.fsdp_config.param_offload": True,
+                 "actor_rollout_ref.actor.peft.peft_type": "ia3",
+                 "actor_rollout_ref.actor.fsdp_config.param_offload": True,
                  "actor_rollout_ref.actor.ulysses_sequence_parallel_size": 1})
     refused = {line.split(" = ")[0] for line in c.refused}
-    assert refused == {"actor_rollout_ref.rollout.name", "trainer.some_new_knob", "actor_rollout_ref.model.lora_rank",
-                       "actor_rollout_ref.actor.fsdp_config.param_offload"}  # True is not mistaken for a size of 1
+    assert refused == {"actor_rollout_ref.rollout.name", "trainer.some_new_knob",
+                       "actor_rollout_ref.actor.peft.peft_type", "actor_rollout_ref.actor.fsdp_config.param_offload"}  # True is not mistaken for a size of 1
     assert any(line.startswith("actor_rollout_ref.actor.ulysses_sequence_parallel_size = 1") for line in c.dropped)
 
 
@@ -311,3 +312,20 @@ def test_config_path_flag_wins_over_the_scripts(tmp_path, capsys):
     code = cli.main(["convert-verl", "--config-name=nope", "--config-path", str(tmp_path), "--strict",
                      "algorithm.adv_estimator=grpo", "--out", str(tmp_path / "r.yaml")])
     assert code == 1 and "--config-name = 'nope': not found in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["model", "actor.peft"])
+def test_lora_keys_map_to_actor_lora(where):
+    """verl's LoRA keys, under model (FSDP workers) and under actor.peft (Megatron workers), become actor.lora."""
+    ar = "actor_rollout_ref." + where + "."
+    settings = {ar + "lora_rank": 16, ar + "lora_alpha": 32, ar + "target_modules": ["q_proj", "v_proj", "k_proj",
+                                                                                      "o_proj"]}
+    if where == "actor.peft":
+        settings[ar + "peft_type"] = "lora"
+    c = convert(settings)
+    assert not c.refused, c.refused
+    lora = c.recipe["actor"]["lora"]
+    assert lora == {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj", "k_proj", "o_proj"]}
+    from megarl.config.schema import LoraConfig
+
+    assert LoraConfig.model_validate(lora).enabled
