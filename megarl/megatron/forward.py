@@ -83,12 +83,14 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     output_fn(model output [b, s', ...], micro-batch tokens [b, s']) -> [b, ...] runs on the last stage; the results are
     concatenated to [N, ...] there (None on other stages). For the schedule, N is padded to a multiple of the
-    micro-batch size (the extra rows are dropped from the result) and, under sequence parallelism, S to a multiple of TP
+    micro-batch size (times PP with virtual pipeline stages: the interleaved schedule runs micro-batches in groups of
+    PP; the extra rows are dropped from the result) and, under sequence parallelism, S to a multiple of TP
     with pad id 0 on the right (s' >= S: output_fn cuts the sequence dimension back to what it needs)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.bridge.sharding import unwrap
+    from megarl.megatron.parallel import schedule_args
 
     chunks = unwrap(model)
     config = chunks[0].config
@@ -99,7 +101,9 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
                          "megatron attention is full causal and would differ from the HF model beyond the window")
     device = runtime.compute_device()
     seq_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    padded = _pad_batch(tokens.to(device), micro_batch_size, seq_multiple)
+    # the interleaved schedule (virtual pipeline stages) takes micro-batches in groups of PP: pad the count to that
+    groups = ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1
+    padded = _pad_batch(tokens.to(device), micro_batch_size * groups, seq_multiple)
     micro = list(padded.split(micro_batch_size))
 
     def step(data_iterator, m):
@@ -113,8 +117,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micro), model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
+            forward_step_func=step, **schedule_args(chunks, micro), num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
             forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
