@@ -133,3 +133,66 @@ def test_train_step_pp2_vpp2_equals_pp2(tmp_path):
     worst = max((base_w[k] - vpp_w[k]).abs().max().item() for k in base_w)
     print(f"[pp2 vs pp2 x vpp2] max |weight diff| after the update = {worst:.2e}")
     assert worst < 1e-6, worst
+
+
+def test_checkpoint_saved_at_pp2_vpp2_merges_to_hf(tmp_path):
+    """A PP2 x VPP2 checkpoint (megatron's per-chunk `model0`/`model1` state, global layer keys) of a trained actor and
+    critic merges into HF directories whose transformers logprobs / values equal the saving megatron model's."""
+    from tests.dist.test_merge import _batch as merge_batch, _check_merged
+
+    hf_dir = make_tiny_model("qwen2", tmp_path / "qwen2")
+    batch = merge_batch(hf_dir)
+    run_dir = tmp_path / "run"
+    results = run_ranks("tests.dist.test_merge:save_rank", 2,
+                        {"hf_dir": str(hf_dir), "run_dir": run_dir, "batch": batch, "tp": 1, "pp": 2, "ep": 1,
+                         "critic": True, "vpp": 2}, timeout=600)
+    meta = (run_dir / "checkpoints" / "step_1" / "meta.json").read_text()
+    assert '"virtual_pipeline_model_parallel_size": 2' in meta
+    last = [r for r in results if r["logprobs"] is not None]
+    _check_merged(tmp_path, (hf_dir, batch, run_dir, last), "pp2_vpp2")
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_pp2_vpp2_resumes_at_pp2(tmp_path):
+    """Save at PP2 x VPP2 after one step (micro-batches of 2: a count of 2 = PP); resume at PP2 without virtual
+    stages: the same model and the same Adam state (the next step lands on the same weights)."""
+    from tests.dist.test_checkpoint_reshard import _last_stage, _max_diff
+
+    hf_dir = make_tiny_model("qwen2", tmp_path / "qwen2")
+    tokens, lengths = sample_tokens(4, 20, seed=3, min_len=12)
+    mask = torch.zeros(4, 19, dtype=torch.bool)
+    for i, length in enumerate(lengths.tolist()):
+        mask[i, 5: length - 1] = True
+    batch = {"input_ids": tokens, "response_mask": mask, "old_log_probs": hf_logprobs(hf_dir, tokens),
+             "advantages": torch.randn(4, 19, generator=torch.Generator().manual_seed(5))}
+    common = {"hf_dir": str(hf_dir), "run_dir": tmp_path / "run", "batch": batch, "tp": 1, "pp": 2,
+              "micro_batch_size": 2}
+    ref = _last_stage(run_ranks("tests.dist.test_checkpoint_reshard:ckpt_rank", 2,
+                                {**common, "mode": "save", "vpp": 2}, timeout=600))
+    got = _last_stage(run_ranks("tests.dist.test_checkpoint_reshard:ckpt_rank", 2,
+                                {**common, "mode": "load"}, timeout=600))
+    assert got["resumed_step"] == 1 and got["steps"] == 1
+    moved = _max_diff(ref["after_next_step"], ref["at_checkpoint"], batch)
+    assert moved > 1e-3
+    same = _max_diff(got["at_checkpoint"], ref["at_checkpoint"], batch)
+    after = _max_diff(got["after_next_step"], ref["after_next_step"], batch)
+    print(f"[pp2 x vpp2 -> pp2] resumed logprobs diff {same:.2e}, after the next step {after:.2e} (moved {moved:.2e})")
+    assert same < 1e-5 and after < 1e-4 * max(1.0, moved)
+
+
+@pytest.mark.slow
+def test_weight_sync_from_pp2_vpp2_after_update(tmp_path):
+    """The trainer's per-rank weight sync from PP2 x VPP2 chunks into a vLLM engine, before and after one update: the
+    engine's logprobs of its samples equal the updated actor's (1e-4) and the bytes moved equal the plan's."""
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    results = run_ranks("tests.dist.test_sync_after_update:update_then_sync", 2,
+                        {"hf_dir": str(hf_dir), "tp": 1, "pp": 2, "ep": 1, "engine_tp": 1, "prepacks": [True],
+                         "vpp": 2}, timeout=600)
+    per_rank = [r[0] for r in results]
+    diffs = [r["diff"] for r in per_rank if r["diff"] is not None]
+    print(f"[pp2 x vpp2 sync] max |engine - actor logprob| = {max(diffs):.2e}")
+    assert diffs and max(diffs) < 1e-4, diffs
+    sync = per_rank[0]["sync"]
+    assert sync["weight_sync/verified_tensors"] > 0
+    for kind in ("sent", "received", "loaded"):
+        assert sync[f"weight_sync/{kind}_bytes_max"] == sync[f"weight_sync/plan_{kind}_bytes_max"], sync
