@@ -421,6 +421,16 @@ def check_virtual_pipeline(cfg: MegarlConfig) -> list[Issue]:
                     f"smaller {model}.ppo_micro_batch_size_per_gpu or a larger actor.ppo_mini_batch_size), or unset "
                     + key, keys=(f"{model}.ppo_micro_batch_size_per_gpu", "actor.ppo_mini_batch_size", "rollout.n",
                                  key)))
+    sft = cfg.sft
+    if (sft.enable or sft.train_files) and dp is not None and sft.batch_size % dp == 0:  # warm-start or `megarl sft`
+        rows = sft.batch_size // dp
+        micro = min(cfg.actor.ppo_micro_batch_size_per_gpu, rows)
+        count = -(-rows // micro)
+        if count % pp:
+            issues.append(Issue("sft.batch_size", sft.batch_size, f"{rule}: the SFT warm-start runs sft.batch_size "
+                                f"{sft.batch_size} / DP {dp} in micro-batches of actor.ppo_micro_batch_size_per_gpu "
+                                f"{micro} = {count} per rank", f"make that count a multiple of {pp}, or unset " + key,
+                                keys=("sft.batch_size", "actor.ppo_micro_batch_size_per_gpu", key)))
     if cfg.reward.reward_model.enable:
         issues.append(Issue("reward.reward_model.enable", True, "a reward model at virtual pipeline stages is not "
                             "supported by this version of megarl (its scoring is not verified there)",

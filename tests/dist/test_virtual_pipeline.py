@@ -38,8 +38,10 @@ def vpp_parity_rank(models: dict, tokens) -> dict:
                   for c in model]
         # 3 micro-batches of 1 row: run_microbatches pads the count to a multiple of PP for the interleaved schedule
         logprobs = token_logprobs(model, tokens[:3], micro_batch_size=MICRO)
+        # 4 rows asked in one micro-batch of 4: run as 2 micro-batches of 2 (a count of PP)
+        whole = token_logprobs(model, tokens, micro_batch_size=4)
         problems = round_trip_problems(export_to_dict(model, spec, bucket_bytes=64 << 10), hf_dir)
-        out[arch] = (logprobs, problems, layers)
+        out[arch] = (logprobs, problems, layers, whole)
     return out
 
 
@@ -65,6 +67,9 @@ def test_logprob_parity_and_round_trip_pp2_vpp2(tiny):
         worst = ((reporting[0] - ref).abs() * mask).max().item()
         print(f"[pp2 x vpp2] {arch}: max |logprob diff| vs HF = {worst:.2e}")
         assert worst < TOL, f"{arch}: max abs logprob diff {worst:.3e} >= {TOL}"
+        whole = next(r[arch][3].cpu() for r in results if r[arch][3] is not None)
+        full_mask = torch.arange(SEQ - 1)[None, :] < (lengths[:, None] - 1)
+        assert ((whole - hf_logprobs(hf_dir, tokens)).abs() * full_mask).max().item() < TOL
         for rank, r in enumerate(results):
             assert r[arch][1] == [], f"{arch}, rank {rank}: round trip problems {r[arch][1][:10]}"
 

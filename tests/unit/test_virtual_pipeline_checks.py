@@ -61,3 +61,10 @@ def test_vpp_without_pp_is_refused():
     errors = _errors(_cfg(parallelism={"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 2},
                           trainer={"n_gpus_per_node": 2, "device": "cpu"}))
     assert KEY in errors
+
+
+def test_sft_warm_start_micro_batch_count_is_checked():
+    # sft.batch_size 2 / DP 2 = 1 row per rank: one micro-batch, not a multiple of PP 2
+    errors = _errors(_cfg(sft={"enable": True, "batch_size": 2}))
+    assert "= 1 per rank" in errors["sft.batch_size"], errors
+    load_config(data=_cfg(sft={"enable": True, "batch_size": 4}))  # 2 rows per rank in micro-batches of 1
