@@ -2,8 +2,14 @@
 loss, then the optimizer step) in tokens/s and MFU, next to the same model and loss trained with plain torch (HF
 transformers + torch.optim.AdamW) in the same run.
 
-    python bench/bench_train.py            # GPU: a 1.1B Llama-like model in bf16 (fp32 main params); CPU: a small one
+    python bench/bench_train.py                       # GPU: 1.1B at 2048 and 3B at 4096 tokens, bf16; CPU: a small one
+    python bench/bench_train.py --sizes 3b --profile 10 --offload     # top-10 kernels and the offload round trip
     python bench/bench_train.py --hidden 2048 --layers 20 --seq 2048 --micro-batch 4 --micro-batches 2 --steps 5
+
+Contenders: megarl with Transformer Engine ("megarl TE", its fusions on where their kernels are), megarl without TE
+("megarl no TE": megatron's local spec with megarl's SDPA attention and RMSNorm in bf16), and plain torch. Sizes: 1b =
+hidden 2048, 20 layers, 2 micro-batches of 4 x 2048 tokens; 3b = hidden 3072, 26 layers, 4 micro-batches of 1 x 4096.
+Each row also gives the peak GPU memory allocated while it ran.
 
 One process, TP1 (NCCL on GPU, gloo on CPU). MFU counts 6 * (matmul parameters) + 12 * layers * hidden * seq FLOPs
 per token (forward and backward; causal masking not discounted) against --peak-tflops, by default the dense bf16 peak
@@ -76,8 +82,10 @@ def _timed(step, warmup: int, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def megarl_step_seconds(cfg: dict, batch: dict, micro_batch: int, warmup: int, steps: int, dtype: torch.dtype,
-                        distributed_optimizer: bool) -> float:
+def megarl_contender(cfg: dict, batch: dict, micro_batch: int, warmup: int, steps: int, dtype: torch.dtype,
+                     distributed_optimizer: bool, use_te: bool, profile: int = 0, offload: bool = False) -> dict:
+    """megarl's actor update (train_mini_batch, PPO loss, optimizer step) timed; with `profile` the top GPU kernels of
+    one step, with `offload` the round trip of its parameters, gradients and optimizer states to host memory."""
     from megarl.bridge import spec_from_dict
     from megarl.config.schema import OptimConfig
     from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
@@ -85,28 +93,99 @@ def megarl_step_seconds(cfg: dict, batch: dict, micro_batch: int, warmup: int, s
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
     spec = spec_from_dict(cfg)
-    model = build_gpt_model(spec, dtype=dtype)
+    _reset_peak()
+    model = build_gpt_model(spec, dtype=dtype, use_te=use_te)
     if torch.cuda.is_available():
         model.cuda()
-    trainable = make_trainable(model, OptimConfig(lr=1e-6, weight_decay=0.0), total_steps=warmup + steps,
+    fusions = ", ".join(k.replace("_fusion", "").replace("apply_", "") for k, (on, _) in model.megarl_fusions.items()
+                        if on) or "none"
+    attention = type(model.decoder.layers[0].self_attention.core_attention).__name__
+    trainable = make_trainable(model, OptimConfig(lr=1e-6, weight_decay=0.0), total_steps=warmup + steps + 2,
                                use_distributed_optimizer=distributed_optimizer)
     rows = range(0, len(batch["input_ids"]), micro_batch)
     micro = [{k: v[i:i + micro_batch] for k, v in batch.items()} for i in rows]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
     loss_fn = make_policy_loss_fn(settings, denominator)
-    seconds = _timed(lambda: train_mini_batch(trainable, micro, loss_fn), warmup, steps)
-    del trainable, model
-    return seconds
+    step = lambda: train_mini_batch(trainable, micro, loss_fn)  # noqa: E731
+    out = {"seconds": _timed(step, warmup, steps), "peak": _peak(), "detail": f"{attention}; fusions: {fusions}"}
+    if profile:
+        out["kernels"] = _profile(step, profile)
+    if offload:
+        out["offload"] = _offload_round_trip(trainable)
+    del trainable, model, step
+    _free()
+    return out
 
 
-def torch_step_seconds(cfg: dict, batch: dict, micro_batch: int, warmup: int, steps: int, dtype: torch.dtype) -> float:
+def _offload_round_trip(trainable) -> dict:
+    """Offload parameters, gradient buffers and optimizer states to pinned host memory and back (timed), with a
+    per-tensor checksum before and after."""
+    from megarl.megatron.offload import StateOffloader, category_tensors
+
+    def checksums():
+        return [t.detach().float().sum().item() for ts in category_tensors(trainable.chunks, trainable.optimizer)
+                .values() for t in ts]
+
+    before = checksums()
+    allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    off = StateOffloader(trainable.chunks, trainable.optimizer)
+    down = off.offload()
+    allocated_off = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+    up = off.onload()
+    return {"bytes": down["bytes"], "offload_s": down["seconds"], "onload_s": up["seconds"],
+            "freed": down["freed_bytes"], "allocated_freed": allocated - allocated_off,
+            "unchanged": before == checksums()}
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak() -> float:
+    return torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else float("nan")
+
+
+def _free() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _profile(step, top: int) -> list:
+    """[(kernel, share of the step's GPU time, ms)] of one step, largest first (CPU: operators by CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    times = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) if cuda else evt.self_cpu_time_total
+        if cuda and not t:
+            t = getattr(evt, "cuda_time_total", 0)
+        if t and (not cuda or evt.device_type.name == "CUDA"):
+            times[evt.key] = times.get(evt.key, 0) + t
+    total = sum(times.values()) or 1
+    return [(k, v / total, v / 1e3) for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def torch_contender(cfg: dict, batch: dict, micro_batch: int, warmup: int, steps: int, dtype: torch.dtype,
+                    profile: int = 0) -> dict:
     """The same update with HF transformers and plain torch: gradient accumulation over the micro-batches."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megarl import algo
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    _reset_peak()
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})).to(device)
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
@@ -126,59 +205,115 @@ def torch_step_seconds(cfg: dict, batch: dict, micro_batch: int, warmup: int, st
             (loss * float(m["response_mask"].sum()) / total).backward()
         opt.step()
 
-    seconds = _timed(step, warmup, steps)
-    del model, opt
-    return seconds
+    out = {"seconds": _timed(step, warmup, steps), "peak": _peak(),
+           "detail": f"attention {model.config._attn_implementation}"}
+    if profile:
+        out["kernels"] = _profile(step, profile)
+    del model, opt, step
+    _free()
+    return out
+
+
+SIZES = {  # the issue's two sizes: name -> (hidden, layers, vocab, seq, micro-batch, micro-batches)
+    "1b": (2048, 20, 32000, 2048, 4, 2),
+    "3b": (3072, 26, 32000, 4096, 1, 4),
+    "cpu": (256, 4, 2048, 128, 2, 2),
+}
+
+
+def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype) -> None:
+    from megarl.bridge import spec_from_dict
+
+    hidden, layers, vocab, seq, mb, n_mb = shape
+    cfg = model_config(hidden, layers, vocab)
+    params = spec_from_dict(cfg).num_parameters()
+    batch = make_batch(mb * n_mb, seq, vocab)
+    tokens = batch["input_ids"].numel()
+    gpu = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if gpu else "CPU"
+    print(f"\n[{name}] Llama-like model: hidden {hidden}, {layers} layers, vocab {vocab}: {_count(params)} "
+          f"{args.dtype}; {n_mb} micro-batches of {mb} x {seq} tokens per step on {device}")
+    peak, peak_source = peak_tflops(args.peak_tflops)
+    flops = flops_per_token(cfg, seq)
+    rows = []
+    for c in contenders:
+        label = {"te": "megarl TE", "no-te": "megarl no TE", "torch": "plain torch (HF + AdamW)"}[c]
+        try:
+            if c == "torch":
+                r = torch_contender(cfg, batch, mb, args.warmup, args.steps, dtype, args.profile)
+            else:
+                r = megarl_contender(cfg, batch, mb, args.warmup, args.steps, dtype, args.distributed_optimizer,
+                                     use_te=c == "te", profile=args.profile, offload=args.offload and c == contenders[0])
+        except torch.OutOfMemoryError:
+            _free()
+            print(f"{label}: out of GPU memory at this size")
+            continue
+        rows.append((label, r))
+    base = next((r["seconds"] for label, r in rows if label.startswith("plain torch")), None)
+    print(f"{'trainer':<26} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'vs torch':>9} {'peak GiB':>9}")
+    for label, r in rows:
+        tps = tokens / r["seconds"]
+        tflops = tps * flops / 1e12
+        mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+        ratio = f"{base / r['seconds']:.2f}x" if base else "n/a"
+        print(f"{label:<26} {r['seconds']:>8.3f} {tps:>10.0f} {tflops:>8.3f} {mfu:>6} {ratio:>9} {r['peak']:>9.1f}")
+    print(f"MFU peak: {f'{peak:g} TFLOP/s' if peak else 'n/a'} ({peak_source}); {flops / 1e9:.2f} GFLOP per token")
+    for label, r in rows:
+        print(f"  {label}: {r['detail']}")
+        for kernel, share, ms in r.get("kernels", []):
+            print(f"    {share:6.1%} {ms:9.2f} ms  {kernel[:110]}")
+        if "offload" in r:
+            o = r["offload"]
+            print(f"  offload round trip ({label}, parameters + gradient buffers + optimizer states): "
+                  f"{o['bytes'] / 2 ** 20:.1f} MiB to host memory in {o['offload_s']:.3f} s "
+                  f"({o['bytes'] / max(o['offload_s'], 1e-9) / 1e9:.1f} GB/s), back in {o['onload_s']:.3f} s "
+                  f"({o['bytes'] / max(o['onload_s'], 1e-9) / 1e9:.1f} GB/s); device memory freed "
+                  f"{o['freed'] / 2 ** 20:.1f} MiB (reserved), {o['allocated_freed'] / 2 ** 20:.1f} MiB (allocated); "
+                  f"states unchanged: {o['unchanged']}")
 
 
 def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=2048 if gpu else 256)
-    p.add_argument("--layers", type=int, default=20 if gpu else 4)
-    p.add_argument("--vocab", type=int, default=32000 if gpu else 2048)
-    p.add_argument("--seq", type=int, default=2048 if gpu else 128)
-    p.add_argument("--micro-batch", type=int, default=4 if gpu else 2)
+    p.add_argument("--sizes", default="1b,3b" if gpu else "cpu",
+                   help=f"comma-separated sizes from {sorted(SIZES)} (ignored when --hidden is given)")
+    p.add_argument("--hidden", type=int, default=None, help="a custom size (with --layers, --vocab, --seq, ...)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--steps", type=int, default=5 if gpu else 2)
     p.add_argument("--warmup", type=int, default=2 if gpu else 1)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16" if gpu else "float32")
+    p.add_argument("--contenders", default=None, help="comma-separated from te, no-te, torch (default: te when "
+                   "Transformer Engine is available, no-te, torch)")
     p.add_argument("--distributed-optimizer", action="store_true", help="megatron's distributed optimizer (GPU only)")
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU")
     p.add_argument("--skip-torch", action="store_true", help="no plain-torch baseline (e.g. when memory is short)")
+    p.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K kernels of one profiled step")
+    p.add_argument("--offload", action="store_true", help="time the offload round trip of the first megarl "
+                   "contender's states (parameters, gradient buffers, optimizer states) to pinned host memory")
     args = p.parse_args(argv)
 
-    from megarl.bridge import spec_from_dict
+    from megarl.megatron.model import te_available
     from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
 
     init_distributed()
     init_model_parallel(Layout(), seed=0)
-    cfg = model_config(args.hidden, args.layers, args.vocab)
-    params = spec_from_dict(cfg).num_parameters()
+    contenders = (args.contenders.split(",") if args.contenders else
+                  (["te"] if te_available() else []) + ["no-te", "torch"])
+    if args.skip_torch:
+        contenders = [c for c in contenders if c != "torch"]
+    if "te" in contenders and not te_available():
+        p.error("--contenders te needs CUDA and Transformer Engine")
     dtype = getattr(torch, args.dtype)
-    batch = make_batch(args.micro_batch * args.micro_batches, args.seq, args.vocab)
-    tokens = batch["input_ids"].numel()
-    device = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"Llama-like model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {_count(params)} "
-          f"{args.dtype}; {args.micro_batches} micro-batches of {args.micro_batch} x {args.seq} tokens "
-          f"per step on {device}")
-    peak, peak_source = peak_tflops(args.peak_tflops)
-    flops = flops_per_token(cfg, args.seq)
-    rows = [("megarl (megatron-core)", megarl_step_seconds(cfg, batch, args.micro_batch, args.warmup, args.steps, dtype,
-                                                           args.distributed_optimizer))]
-    if gpu:
-        torch.cuda.empty_cache()
-    if not args.skip_torch:
-        rows.append(("plain torch (HF + AdamW)", torch_step_seconds(cfg, batch, args.micro_batch, args.warmup,
-                                                                    args.steps, dtype)))
-    print(f"{'trainer':<26} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'vs torch':>9}")
-    for name, seconds in rows:
-        tps = tokens / seconds
-        tflops = tps * flops / 1e12
-        mfu = f"{tflops / peak:.1%}" if peak else "n/a"
-        ratio = f"{rows[-1][1] / seconds:.2f}x" if len(rows) > 1 else "n/a"
-        print(f"{name:<26} {seconds:>8.3f} {tps:>10.0f} {tflops:>8.3f} {mfu:>6} {ratio:>9}")
-    print(f"MFU peak: {f'{peak:g} TFLOP/s' if peak else 'n/a'} ({peak_source}); {flops / 1e9:.2f} GFLOP per token")
+    if args.hidden:
+        sizes = {"custom": (args.hidden, args.layers, args.vocab, args.seq, args.micro_batch, args.micro_batches)}
+    else:
+        sizes = {name: SIZES[name] for name in args.sizes.split(",")}
+    for name, shape in sizes.items():
+        run_size(name, shape, args, contenders, dtype)
     from megarl.megatron.parallel import destroy
 
     destroy()

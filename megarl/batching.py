@@ -126,18 +126,21 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor, max_tokens: int,
-                            width: int) -> Optional[torch.Tensor]:
+                            width: int, on_rows=None) -> Optional[torch.Tensor]:
     """A forward-only pass in token-budget micro-batches (rollout.log_prob_use_dynamic_bsz).
 
     forward(tokens [g, s], micro_batch_size) -> [g, <= s, ...] per-position outputs (None off the last pipeline stage);
     tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of rows holding at
     most max_tokens tokens runs as one micro-batch cut to its longest row; the rows come back in their order as
-    [N, width, ...], zero past each group's cut (positions no loss reads)."""
+    [N, width, ...], zero past each group's cut (positions no loss reads). on_rows(idx [g]): called with each group's
+    row indices (into `tokens`) before its forward."""
     groups = token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
     out = None
     for rows in groups:
         cut = min(tokens.shape[1], max(2, max(int(lengths[r]) for r in rows)))
         idx = torch.tensor(sorted(rows))
+        if on_rows is not None:
+            on_rows(idx)
         part = forward(tokens[idx, :cut], len(rows))
         if part is None:
             continue

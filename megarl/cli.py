@@ -48,6 +48,9 @@ def _run_job(cfg, entry: str) -> int:
     from megarl.rollout.process import EngineProcessError
 
     module, fn = entry.split(":")
+    from megarl.megatron.precision import apply_precision
+
+    apply_precision(cfg.model.allow_tf32)  # here, before any rank starts CUDA: the ranks inherit the libraries' override
     try:
         if "WORLD_SIZE" in os.environ or cfg.world_size == 1:
             if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: never outlive its agent

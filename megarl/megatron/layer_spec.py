@@ -25,9 +25,29 @@ import torch.nn.functional as F
 CAUSAL_MASK_ATTR = "megarl_causal"
 
 
+# Activation recomputation hands attention a detached copy of the mask (same memory, no attribute): marked masks are
+# also known by (address, shape) while they live. Bounded: only the most recent masks are remembered.
+_CAUSAL_MASKS: "dict[tuple, object]" = {}
+_REMEMBERED = 64
+
+
 def mark_causal(mask: torch.Tensor) -> torch.Tensor:
+    import weakref
+
     setattr(mask, CAUSAL_MASK_ATTR, True)
+    key = (mask.data_ptr(), tuple(mask.shape), mask.device)
+    _CAUSAL_MASKS[key] = weakref.ref(mask)
+    while len(_CAUSAL_MASKS) > _REMEMBERED:
+        _CAUSAL_MASKS.pop(next(iter(_CAUSAL_MASKS)))
     return mask
+
+
+def is_marked_causal(mask: torch.Tensor) -> bool:
+    """True for a mask made by mark_causal, or a view/detached copy of one that is still alive (same memory)."""
+    if getattr(mask, CAUSAL_MASK_ATTR, False):
+        return True
+    ref = _CAUSAL_MASKS.get((mask.data_ptr(), tuple(mask.shape), mask.device))
+    return ref is not None and ref() is not None and mask.dtype == torch.bool
 
 
 def _module_base():
@@ -74,7 +94,7 @@ class SDPAttention(_module_base()):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn], hn stays contiguous
         causal = self.causal if attn_mask_type is None else attn_mask_type.name in ("causal", "padding_causal")
         mask = None
-        if attention_mask is not None and not (causal and getattr(attention_mask, CAUSAL_MASK_ATTR, False)):
+        if attention_mask is not None and not (causal and is_marked_causal(attention_mask)):
             mask = torch.zeros(attention_mask.shape, dtype=q.dtype, device=q.device)
             mask.masked_fill_(attention_mask.to(torch.bool), torch.finfo(q.dtype).min)
             if causal:  # an explicit mask replaces the kernel's causal masking: add the causal part to it

@@ -22,6 +22,7 @@ import torch
 
 from megarl import runtime
 from megarl.config.schema import OptimConfig
+from megarl.megatron import router_replay
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
 
@@ -137,6 +138,8 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     from megarl.megatron.forward import causal_inputs
 
     mb = runtime.to_device(next(data_iterator))
+    if router_replay.STATE.action != "off":  # the routers replay this micro-batch's rows (row_index: global ids)
+        router_replay.micro_batch(mb["row_index"].cpu(), mb["input_ids"].shape[1])
     pos, mask = causal_inputs(mb["input_ids"])
     output = runtime.call_model(model, mb["input_ids"], pos, mask)
     return output, partial(_scaled_loss, loss_fn, scale, mb)

@@ -14,6 +14,7 @@ from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_ro
                              split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
+from megarl.megatron import router_replay
 from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
 from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
 from megarl.megatron.model import build_and_load
@@ -42,12 +43,16 @@ def build_options(cfg: MegarlConfig) -> dict:
             "fusions": m.fusions,
             "sequence_parallel": p.sequence_parallel or None,
             **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
+            # routing replay goes through megatron's unfused top-k (router.router_replay)
+            **({"moe_enable_routing_replay": True, "moe_router_fusion": False}
+               if cfg.actor.router_replay.mode != "none" else {}),
             **recompute_overrides(m.recompute)}
 
 
 def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width) -> torch.Tensor:
     """fn's per-row output [rows, *width] on this rank's DP rows, gathered to [N, *width] on every rank."""
     rows = dp_row_range(ids.shape[0], rt)
+    router_replay.STATE.pass_rows = torch.arange(rows.start, rows.stop)  # the rows' ids, for routing replay
     local = fn(ids[rows])
     return gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
 
@@ -61,7 +66,12 @@ def _forward_only(cfg: MegarlConfig, rt: Runtime, batch: dict, forward, micro: i
     if r.log_prob_use_dynamic_bsz and "response_mask" in batch:
         rows = dp_row_range(ids.shape[0], rt)
         lengths = sequence_lengths(batch)[rows]
-        local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width)
+
+        def on_rows(idx):  # the global ids of each token-budget group, for routing replay
+            router_replay.STATE.pass_rows = idx + rows.start
+
+        local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width,
+                                        on_rows=on_rows)
         return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
     return _forward_rows(rt, ids, lambda x: forward(x, _micro(x.shape[0], micro)), (width, *trailing))
 
@@ -74,6 +84,9 @@ class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
                  total_steps: int):
         self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
+        self.replay_metrics: dict = {}  # router_replay/* of this worker's last passes
+        if cfg.actor.router_replay.mode != "none" and not value_head and self.spec.is_moe:
+            router_replay.install(self.model if isinstance(self.model, (list, tuple)) else [self.model])
         self.trainable: Optional[Trainable] = None
         if optim is not None:
             self.trainable = make_trainable(self.model, optim, total_steps,
@@ -82,6 +95,34 @@ class _Worker:
     @property
     def chunks(self):
         return self.trainable.chunks if self.trainable else self.model
+
+    def _replaying(self, batch: dict, name: str, record: bool, run):
+        """run() under routing replay (actor.router_replay.mode; see megarl.megatron.router_replay).
+
+        record: this is the step's first forward (the old-logprob pass): under R2 it records the routing, added to
+        the batch as `routed_experts` [N, S, L, k] for the later passes. Any other pass replays batch['routed_experts']
+        (R3: the engine's; R2: the recorded ones). Metrics go to self.replay_metrics as router_replay/<name>_*."""
+        mode = self.cfg.actor.router_replay.mode
+        if mode == "none" or not self.spec.is_moe:
+            return run()
+        routes = batch.get("routed_experts")
+        action = "record" if record and mode == "R2" else "replay"
+        if action == "replay" and routes is None:
+            raise ValueError(f"actor.router_replay.mode={mode}: the batch has no routed_experts to replay in the "
+                             f"{name} pass" + (" (R3 takes them from the rollout engine)" if mode == "R3" else ""))
+        ids = batch["input_ids"]
+        need = router_replay.need_mask(sequence_lengths(batch), ids.shape[1])
+        router_replay.begin(action, ids.shape[0], ids.shape[1], routes=routes, need=need,
+                            num_layers=self.spec.num_layers, topk=self.spec.moe_topk)
+        try:
+            out = run()
+        finally:
+            counts = router_replay.end()
+        if action == "record":
+            batch["routed_experts"] = router_replay.gather_recorded()
+        self.replay_metrics.update(router_replay.metrics(name, router_replay.reduce_counts(counts),
+                                                         recorded=action == "record"))
+        return out
 
     def _update(self, batch: dict, rt: Runtime, mini_batch_size: int, micro_batch_size: int, epochs: int,
                 shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
@@ -92,7 +133,9 @@ class _Worker:
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(shuffle_seed + epoch) if shuffle_seed is not None else None
             for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen):
-                share = {**select_rows(batch, rows), "row_index": rows}
+                # routes stay in the batch: routing replay reads them by row_index
+                share = {**select_rows({k: v for k, v in batch.items() if k != "routed_experts"}, rows),
+                         "row_index": rows}
                 micro = (split_by_token_budget(share, max_tokens) if max_tokens
                          else split_micro(share, micro_batch_size))
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
@@ -167,12 +210,15 @@ class PolicyWorker(_Worker):
                  else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
         t = self.loss_settings.temperature
         ids = batch["input_ids"]
+        actor = self.trainable is not None
+        name = "old_log_prob" if actor else "ref"
         if sum_pi_squared:  # beside each logprob, as a trailing pair
-            both = _forward_only(self.cfg, rt, batch, lambda x, mb: token_logprobs_and_sum_pi_squared(
-                self.chunks, x, mb, t), micro, ids.shape[1] - 1, trailing=(2,))
+            both = self._replaying(batch, name, actor, lambda: _forward_only(
+                self.cfg, rt, batch, lambda x, mb: token_logprobs_and_sum_pi_squared(self.chunks, x, mb, t), micro,
+                ids.shape[1] - 1, trailing=(2,)))
             return both[..., 0].contiguous(), both[..., 1].contiguous()
-        return _forward_only(self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro,
-                             ids.shape[1] - 1)
+        return self._replaying(batch, name, actor, lambda: _forward_only(
+            self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro, ids.shape[1] - 1))
 
     def update(self, batch: dict, rt: Runtime, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
@@ -188,15 +234,14 @@ class PolicyWorker(_Worker):
                              " give more; compute old_log_probs with log_probs() first")
         seed = self.cfg.trainer.seed * 100_003 + step if a.shuffle else None
         kept = [] if on_policy else None
-        metrics = self._update(batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs,
-                               seed, a.loss_agg_mode,
-                               lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length,
-                                                             kept),
-                               a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None)
+        metrics = self._replaying(batch, "update", False, lambda: self._update(
+            batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs, seed, a.loss_agg_mode,
+            lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length, kept),
+            a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None))
         if on_policy:
             device = next(self.chunks[0].parameters()).device
             batch["old_log_probs"] = _assemble_rows(kept, batch["response_mask"], device)
-        return {f"actor/{k}": v for k, v in metrics.items()}
+        return {**{f"actor/{k}": v for k, v in metrics.items()}, **self.replay_metrics}
 
     def export(self, bucket_bytes: int) -> Iterator[list]:
         from megarl.bridge.exporter import export_hf_weights

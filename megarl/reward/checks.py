@@ -46,7 +46,7 @@ def _fn_issue(key: str, spec: str, file_only: bool = False) -> list[Issue]:
 
 def check_learned_rewards(cfg) -> list[Issue]:
     r, issues = cfg.reward, []
-    rm = r.reward_model
+    rm, judge = r.reward_model, r.judge
     if rm.enable and not rm.path:
         issues.append(Issue(RM + "path", None, "an enabled reward model needs its directory",
                             "set reward.reward_model.path to a *ForSequenceClassification directory (e.g. what "
@@ -59,11 +59,39 @@ def check_learned_rewards(cfg) -> list[Issue]:
             if getattr(rm, name) != getattr(defaults, name):
                 issues.append(Issue(RM + name, getattr(rm, name), "read only by an enabled reward model",
                                     "set reward.reward_model.enable=true, or unset it", keys=(RM + name, RM + "enable")))
+    if judge.enable:
+        if not judge.path:
+            issues.append(Issue(J + "path", None, "an enabled judge needs a model", "set reward.judge.path to an HF "
+                                "causal-LM directory", keys=(J + "path",)))
+        if judge.parser is None:
+            issues.append(Issue(J + "parser", None, "a judge needs a parser to turn its verdict into a score",
+                                "set reward.judge.parser to number, regex (with parser_regex) or function (with "
+                                "parser_fn)", keys=(J + "parser",)))
+        elif judge.parser == "regex" and not judge.parser_regex:
+            issues.append(Issue(J + "parser_regex", None, "parser regex needs the pattern", "set "
+                                "reward.judge.parser_regex, group 1 being the score", keys=(J + "parser_regex",)))
+        elif judge.parser == "function":
+            issues += [Issue(J + "parser_fn", judge.parser_fn, "parser function needs 'path/to/file.py:function'",
+                             keys=(J + "parser_fn",))] if not judge.parser_fn else _fn_issue(J + "parser_fn",
+                                                                                             judge.parser_fn, True)
+    else:
+        defaults = type(judge)()
+        for name in type(judge).model_fields:
+            if name != "enable" and getattr(judge, name) != getattr(defaults, name):
+                issues.append(Issue(J + name, getattr(judge, name), "read only by an enabled judge",
+                                    "set reward.judge.enable=true, or unset it", keys=(J + name, J + "enable")))
+    if rm.enable and judge.enable and not r.components:
+        issues.append(Issue("reward.components", {}, "with both a reward model and a judge the step's reward needs "
+                            "its components named", "list them, e.g. reward.components={rm: {type: reward_model}, "
+                            "judge: {type: judge}}", keys=("reward.components", RM + "enable", J + "enable")))
     types = {name: c.type for name, c in r.components.items()}
     for name, c in r.components.items():
         if c.type == "reward_model" and not rm.enable:
             issues.append(Issue(C + name + ".type", c.type, "a reward_model component needs reward.reward_model",
                                 "set reward.reward_model.enable=true and its path", keys=(C + name, RM + "enable")))
+        if c.type == "judge" and not judge.enable:
+            issues.append(Issue(C + name + ".type", c.type, "a judge component needs reward.judge",
+                                "set reward.judge.enable=true (with path and parser)", keys=(C + name, J + "enable")))
         if c.type != "rule" and (c.fn or c.kwargs):
             issues.append(Issue(C + name + ".fn", c.fn or c.kwargs, "fn and kwargs belong to rule components",
                                 "unset them", keys=(C + name,)))
@@ -72,7 +100,7 @@ def check_learned_rewards(cfg) -> list[Issue]:
         if c.clip is not None and c.clip[0] > c.clip[1]:
             issues.append(Issue(C + name + ".clip", list(c.clip), "needs low <= high", keys=(C + name + ".clip",)))
     if r.components:
-        for key, on, kind in ((RM + "enable", rm.enable, "reward_model"),):
+        for key, on, kind in ((RM + "enable", rm.enable, "reward_model"), (J + "enable", judge.enable, "judge")):
             if on and kind not in types.values():
                 issues.append(Issue(key, True, f"with reward.components the {kind} only counts as a component of "
                                     f"type {kind}; none is listed", f"add one, e.g. reward.components.{kind}.type="

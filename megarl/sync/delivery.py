@@ -61,13 +61,17 @@ class SlotFiles:
     `file(path, size)` maps `path` (created at `size` bytes) the first time it is named and returns the same mapping
     after; the worker unlinks the file once it mapped it, and both mappings stay valid."""
 
-    def __init__(self):
+    def __init__(self, device: Optional[torch.device] = None):
         self.mapped: dict = {}
+        self.device = device  # a GPU: the "files" are device buffers its worker opens over CUDA IPC (megarl.sync.pull)
 
     def file(self, path: str, size: int) -> torch.Tensor:
         buf = self.mapped.get(path)
         if buf is None or buf.numel() < size:
-            buf = self.mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            if self.device is not None:
+                buf = self.mapped[path] = torch.empty(size, dtype=torch.uint8, device=self.device)
+            else:
+                buf = self.mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         return buf
 
     def drop(self, paths: Optional[Iterable[str]] = None) -> None:
@@ -210,6 +214,8 @@ class WeightSync:
                 self.not_placed[host] = "; ".join(f"{k}: {v}" for k, v in sorted(rep["refused"].items())[:4])
             if rep.get("pull"):  # the worker keeps its records and copies from this rank's memory itself
                 self.pull_hosts.add(host)
+                if host == self.rank:  # what it loads with its loaders comes in device buckets, not files
+                    self._files = SlotFiles(self.device)
                 continue
             if host == self.rank:
                 self.placed = {h: [(tuple(tuple(b) for b in rec[0]),) + tuple(rec[1:]) for rec in recs]
@@ -265,8 +271,6 @@ class WeightSync:
                 if loading is not None:
                     loading.wait()
             placed = self._placed_report(stats, group) if placing else None
-            for sources in self._sources:
-                sources.release()
         except BaseException:
             if engine is not None:
                 try:
@@ -275,14 +279,29 @@ class WeightSync:
                     pass
                 engine.abort_update()
                 self._remove_leftovers(self.topology.members(replica))
+            self._release_device_memory()
             raise
         if loading is not None:
             stats["load_s"] = loading.seconds
         result = {}
         if engine is not None:
             result = engine.end_update(placed=placed) if placed else engine.end_update()
+        if any(h in self.pull_hosts for h in hosts):
+            if group is not None:
+                dist.barrier(group=group)  # the workers closed the update: they hold nothing of the hosts' memory
+            self._release_device_memory()
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
+
+    def _release_device_memory(self) -> None:
+        """After a sync: nothing of this rank's device memory stays held for its worker (the handles' sources, the
+        device buckets), so an offload before rollout frees all it moves and the engine's KV cache gets it."""
+        for sources in self._sources:
+            sources.release()
+        if self._files.device is not None:
+            self._files.drop()
+            if self.device.type == "cuda":
+                torch.cuda.ipc_collect()  # blocks the worker has released are freed now, not at a later allocation
 
     def _files_for(self, b: int, hosts: Sequence[int]) -> bool:
         """Whether bucket b has anything for the bucket files of `hosts` (all else is written in place)."""
@@ -296,8 +315,7 @@ class WeightSync:
         """Which hosts receive bucket files of each bucket, and their file layouts, for the placement as it stands
         (computed once, not per sync)."""
         self._file_hosts = [{mv.dst for mv in self._file_moves(b)} for b in range(len(self.buckets))]
-        self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.pull_hosts and self.is_placed(mv)}
-                            for moves in self.buckets]
+        self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.pull_hosts} for moves in self.buckets]
         self._layouts.clear()
         self._slot_size.clear()
 
@@ -413,6 +431,8 @@ class WeightSync:
         for host in self.topology.members(replica):
             meta = self.bucket_file(b, host).meta if self._files_for(b, [host]) else None
             pull = (pulls or {}).get(host)
+            if pull is not None and meta is not None and "bucket" in pull:
+                meta = dict(meta, device=pull["bucket"])
             if pull is not None and pull["pieces"]:
                 meta = dict(meta or {}, pull=pull)
             out.append(meta)
@@ -430,6 +450,8 @@ class WeightSync:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the pieces are final before the worker reads them
             mine = self._sources[b % 2].meta(self._pulls)
+            if self._files_for(b, [self.rank]):  # the device bucket of what its loaders read
+                mine["bucket"] = self._sources[b % 2].handle(self._files.mapped[self.bucket_file(b, self.rank).path])
         if group is None:
             return {self.rank: mine}
         every: list = [None] * dist.get_world_size(group)

@@ -59,6 +59,11 @@ class PullSources:
         On GPU every write into the sources must have finished (the caller synchronizes its device first)."""
         return {"sources": [bytes(ForkingPickler.dumps(s)) for s in self.storages], "pieces": list(pieces)}
 
+    def handle(self, tensor: torch.Tensor) -> bytes:
+        """A handle of a whole tensor (a device bucket its worker reads with its loaders), kept like the sources."""
+        self.storages.append(tensor)
+        return bytes(ForkingPickler.dumps(tensor))
+
     def release(self) -> None:
         self.index.clear()
         self.storages.clear()
@@ -75,10 +80,9 @@ class PulledWrites:
     def __init__(self, records: dict, region_sizes: Sequence[int]):
         self.records = records
         self.region_sizes = [int(n) for n in region_sizes]
-        # the sources of the last load, kept open until the next one: the trainer's parameter storages come back at
-        # every sync, and torch re-uses an opened handle only while a tensor of it is alive (opening one costs more
-        # than copying a small tensor)
-        self._kept: list = []
+        # the sources opened during one update, kept until it ends (`release`): the trainer's parameter storages come
+        # back in every bucket, and torch re-uses an opened handle only while a tensor of it is alive
+        self._kept: dict = {}
 
     def regions(self, params: Sequence[torch.Tensor]) -> list:
         regions = parameter_regions(params)
@@ -92,7 +96,7 @@ class PulledWrites:
     def load(self, params: Sequence[torch.Tensor], meta: dict) -> int:
         """Copy one bucket's pieces; returns the bytes written."""
         dst = region_viewer(self.regions(params))
-        sources = [pickle.loads(blob) for blob in meta["sources"]]
+        sources = [self._open(blob) for blob in meta["sources"]]
         src = region_viewer(sources)
         written = 0
         with torch.no_grad():
@@ -101,8 +105,16 @@ class PulledWrites:
         device = sources[0].device if sources else None
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
-        self._kept = sources
         return written
+
+    def _open(self, blob: bytes) -> torch.Tensor:
+        t = pickle.loads(blob)
+        self._kept[(t.device, t.data_ptr(), t.numel())] = t
+        return t
+
+    def release(self) -> None:
+        """Let go of the host rank's memory opened during this update (it may free it: offload before rollout)."""
+        self._kept = {}
 
 
 def _box(box) -> Box:

@@ -121,12 +121,14 @@ class _Worker:
 
     def end_update(self, placed=None) -> dict:
         self.open = False
+        self.pulls.release()
         self.updates += 1
         mine = placed[0] if placed else None
         return {"tensors": int(mine["tensors"]) if mine else 0, "bytes": int(mine["bytes"]) if mine else 0}
 
     def abort_update(self) -> None:
         self.open = False
+        self.pulls.release()
 
     # -- memory, as vLLM's sleep mode (level 1: weights backed up on the host, re-mapped on wake) ---------------------
     def sleep(self) -> list:

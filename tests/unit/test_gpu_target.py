@@ -20,7 +20,7 @@ def test_the_cpu_env_is_refused_with_one_line_and_a_nonzero_exit():
     r = _run({"GPU_PYTHON": sys.executable})
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: make test-gpu needs a CUDA GPU"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: megarl's GPU checks (make test-gpu, gpu-check) need a CUDA GPU"), r.stderr
     import torch
 
     if not torch.cuda.is_available():

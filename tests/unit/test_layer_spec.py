@@ -153,3 +153,13 @@ def test_allow_tf32_is_a_model_setting_defaulting_to_off():
     from megarl.config.schema import ModelConfig
 
     assert ModelConfig().allow_tf32 is False and ModelConfig(allow_tf32=True).allow_tf32 is True
+
+
+def test_a_detached_copy_of_the_causal_mask_is_still_known_as_causal():
+    """Activation recomputation passes attention a detached copy of the mask: it must take the same kernel path."""
+    from megarl.megatron.forward import causal_inputs
+    from megarl.megatron.layer_spec import is_marked_causal
+
+    _, mask = causal_inputs(torch.ones(2, 5, dtype=torch.long))
+    assert is_marked_causal(mask) and is_marked_causal(mask.detach())
+    assert not is_marked_causal(torch.ones(1, 1, 5, 5, dtype=torch.bool).triu(1))

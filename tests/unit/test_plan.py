@@ -146,6 +146,18 @@ def test_offload_takes_verl_style_booleans_per_state():
     assert cfg.actor.offload.params and cfg.actor.offload.grads and cfg.actor.offload.optimizer
 
 
+def test_reward_model_parameters_are_counted():
+    # a reward model of the policy's shape at the trainer's layout: its stage-0 shard, bf16, frozen (no grads/optim)
+    _, base = _plan("ppo_llama3_70b.yaml", 16, 8, 80)
+    _, with_rm = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ("reward.reward_model.enable=true",
+                                                           "reward.reward_model.path=not/written/yet"))
+    h, layers, q, kv, f, vocab = 8192, 80, 64 * 128, 8 * 128, 28672, 128256
+    rm_stage0 = (layers // 4 * (h * q + 2 * h * kv + q * h + 3 * h * f) + vocab * h) / 8 * 2
+    assert "reward model parameters" in with_rm.text
+    added = with_rm.per_gpu_bytes - base.per_gpu_bytes
+    assert abs(added - rm_stage0) / rm_stage0 < 0.01, (added / GIB, rm_stage0 / GIB)
+
+
 @pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 2), (4, 3)])
 def test_in_flight_activations_follow_megatrons_schedule(pp, vpp):
     """The planner's peak layer activations per stage against megatron-core's own warm-up counts

@@ -98,8 +98,10 @@ def test_validate_accepts_reward_model_judge_and_components(tmp_path):
     (tmp_path / "mix.py").write_text("def mix(c):\n    return c['rm']\n")
     cfg = load_config("recipes/grpo_tiny_cpu.yaml", [
         "reward.reward_model.enable=true", f"reward.reward_model.path={tmp_path}/rm",
+        "reward.judge.enable=true", f"reward.judge.path={tmp_path}/judge", "reward.judge.parser=function",
+        f"reward.judge.parser_fn={tmp_path}/parse.py:parse",
         "reward.components={acc: {fn: arithmetic}, fmt: {fn: format_regex, kwargs: {pattern: '####'}, weight: 0.5},"
-        " rm: {type: reward_model, normalize: true, clip: [-2, 2]}}",
+        " rm: {type: reward_model, normalize: true, clip: [-2, 2]}, judge: {type: judge, weight: 0.1}}",
         f"reward.combine_fn={tmp_path}/mix.py:mix"])
     assert cfg.reward.components["rm"].clip == (-2.0, 2.0)
 
@@ -108,8 +110,9 @@ def test_validate_refuses_bad_learned_rewards(tmp_path):
     from tests.helpers.tiny_models import make_tiny_model
 
     rm = make_tiny_model("qwen2", tmp_path / "rm", head="value", tokenizer=False)  # 4 attention heads, 4 layers
-    text = _problems(["reward.reward_model.enable=true",
-                      "reward.components={b: {type: rule, fn: no_such_rule}}"], tmp_path)
+    text = _problems(["reward.reward_model.enable=true", "reward.judge.enable=true", "reward.judge.path=x",
+                      "reward.components={a: {type: judge}, b: {type: rule, fn: no_such_rule}}"], tmp_path)
+    assert "reward.judge.parser = None: a judge needs a parser" in text
     assert "reward.reward_model.path = None: an enabled reward model needs its directory" in text
     assert "reward.components.b.fn = 'no_such_rule'" in text
     assert "reward.reward_model.enable = True: with reward.components the reward_model only counts" in text
@@ -119,5 +122,43 @@ def test_validate_refuses_bad_learned_rewards(tmp_path):
         in text
     text = _problems(["reward.reward_model.path=somewhere"], tmp_path)
     assert "reward.reward_model.path = 'somewhere': read only by an enabled reward model" in text
+    text = _problems(["reward.judge.enable=true", "reward.judge.path=x", "reward.judge.parser=regex"], tmp_path)
+    assert "reward.judge.parser_regex = None: parser regex needs the pattern" in text
+    text = _problems(["reward.judge.scale=0.1"], tmp_path)
+    assert "reward.judge.scale = 0.1: read only by an enabled judge" in text
+    text = _problems(["reward.reward_model.enable=true", "reward.reward_model.path=x", "reward.judge.enable=true",
+                      "reward.judge.path=x", "reward.judge.parser=number"], tmp_path)
+    assert "reward.components = {}: with both a reward model and a judge" in text
     text = _problems(["reward.components={r: {type: reward_model}}"], tmp_path)
     assert "reward.components.r.type = 'reward_model': a reward_model component needs reward.reward_model" in text
+
+
+def test_combine_weights_normalize_clip_by_hand():
+    from megarl.config.schema import RewardComponentConfig as C
+    from megarl.reward.combine import combine, transform
+
+    raw = {"a": torch.tensor([0.0, 1.0, 1.0, 0.0]), "b": torch.tensor([1.0, 3.0, 5.0, 7.0])}
+    # b standardised: mean 4, population std sqrt(5) -> [-3, -1, 1, 3] / sqrt(5), then clipped to [-1, 1]
+    b = torch.tensor([-3.0, -1.0, 1.0, 3.0]) / math.sqrt(5)
+    assert torch.allclose(transform(raw["b"], True, None), b, atol=1e-5)
+    settings = {"a": C(weight=2.0, clip=(0.0, 0.5)), "b": C(type="reward_model", weight=-1.0, normalize=True,
+                                                           clip=(-1.0, 1.0))}
+    want = 2.0 * torch.tensor([0.0, 0.5, 0.5, 0.0]) - b.clamp(-1, 1)
+    assert torch.allclose(combine(raw, settings), want, atol=1e-5)
+    # a user function gets the transformed components
+    got = combine(raw, settings, combine_fn=lambda c: c["a"] * c["b"])
+    assert torch.allclose(got, torch.tensor([0.0, 0.5, 0.5, 0.0]) * b.clamp(-1, 1), atol=1e-5)
+    with pytest.raises(ValueError, match="reward.combine_fn returned"):
+        combine(raw, settings, combine_fn=lambda c: torch.zeros(3))
+
+
+def test_convert_verl_maps_the_reward_model_keys():
+    from megarl.convert_verl import convert
+
+    c = convert({"reward_model.enable": True, "reward_model.model.path": "/ckpt/rm",
+                 "reward_model.micro_batch_size_per_gpu": 16, "reward_model.max_length": 2048})
+    assert not c.refused, c.refused
+    text = "\n".join(c.mapped)
+    for key in ("reward.reward_model.enable", "reward.reward_model.path", "reward.reward_model.micro_batch_size_per_gpu",
+                "reward.reward_model.max_length"):
+        assert key in text, text

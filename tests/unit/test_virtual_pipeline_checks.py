@@ -68,3 +68,10 @@ def test_sft_warm_start_micro_batch_count_is_checked():
     errors = _errors(_cfg(sft={"enable": True, "batch_size": 2}))
     assert "= 1 per rank" in errors["sft.batch_size"], errors
     load_config(data=_cfg(sft={"enable": True, "batch_size": 4}))  # 2 rows per rank in micro-batches of 1
+
+
+def test_routing_replay_and_a_reward_model_are_refused_at_vpp():
+    errors = _errors(_cfg(actor={"router_replay": {"mode": "R2"}}))
+    assert "virtual pipeline stages" in errors["actor.router_replay.mode"]
+    errors = _errors(_cfg(reward={"reward_model": {"enable": True, "path": "x"}}))
+    assert "virtual pipeline stages" in errors["reward.reward_model.enable"]
