@@ -6,6 +6,9 @@
 - One PPO update at PP2 x VPP2 equals the same update at PP2 without virtual stages (float32): loss, grad norm,
   the logprobs after the update and every exported weight. Both layouts run in the same two processes (megatron's
   parallel state is rebuilt in between), and the PP2 result is itself checked against plain torch on the HF model.
+- A PP2 x VPP2 checkpoint (actor and critic) merges to HF: transformers equals the saving model.
+Slow: the checkpoint resumes at PP2 without virtual stages (same model, same next Adam step); the weight sync from
+PP2 x VPP2 chunks into a vLLM engine after an update (engine logprobs equal the actor's, bytes equal the plan's).
 """
 import pytest
 import torch
