@@ -16,8 +16,9 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
                     with q = heads*head_dim, kv = kv_heads*head_dim, f = FFN size; MoE: f-term -> top_k * (2h + 6f_moe)
                     / expert TP. selective recompute drops the attention output (2q); full recompute keeps only each
                     layer's input (2h, /TP with SP) plus one layer's full activations being recomputed.
-                    1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight. The last stage
-                    adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
+                    1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight; interleaved
+                    1F1B (virtual pipeline stages) more, in chunks of layers/(PP*VPP) (see in_flight_layers). The
+                    last stage adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
 * Reference: parameters only, plus the logits of one forward micro-batch.
 * Reward model (reward.reward_model.enable): parameters only (frozen, at the trainer's layout), counted from its
   config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
@@ -169,6 +170,20 @@ def activation_bytes_per_token_layer(shape: ModelShape, tp: int, sp: bool, recom
     return int(resid + (attn + mlp) / tp)
 
 
+def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_per_stage: int) -> float:
+    """Layer activations of one micro-batch that pipeline stage `stage` holds at its peak during a training step.
+
+    1F1B (vpp 1): min(PP - stage, micro-batches) micro-batches through all its layers. Interleaved 1F1B (vpp > 1, the
+    warm-up count of megatron's get_pp_rank_microbatches plus the one in its forward): (PP - stage - 1) * 2 +
+    (VPP - 1) * PP + 1 chunk forwards, at most micro-batches * VPP, each through layers_per_stage / VPP layers. At
+    PP2 x VPP2 stage 0 holds 5/4 of a micro-batch's layers where 1F1B holds 2/2: interleaving costs activation memory
+    for its smaller bubble."""
+    if vpp <= 1:
+        return min(pp - stage, micro_batches) * layers_per_stage
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+    return chunks * layers_per_stage / vpp
+
+
 def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
                 link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
     """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each."""
@@ -224,19 +239,21 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     full_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, "none", top_k)
     layers_per_stage = shape.layers // pp
 
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+
     def activations(tokens: int, micro_batches: int, logits: bool) -> list[int]:
         out = []
         for s in range(pp):
-            in_flight = min(pp - s, micro_batches)
+            layers_in_flight = in_flight_layers(pp, vpp, s, micro_batches, layers_per_stage)
             if recompute == "full":
                 kept = 2 * shape.hidden // (tp if p.sequence_parallel else 1)
-                per_mb = tokens * kept * layers_per_stage
+                per_layer = tokens * kept
                 extra = tokens * full_layer
             else:
-                per_mb = tokens * act_tok_layer * layers_per_stage
+                per_layer = tokens * act_tok_layer
                 extra = 0
             last = logits and s == pp - 1
-            out.append(in_flight * per_mb + extra + (tokens * shape.vocab // tp * 8 if last else 0))
+            out.append(int(layers_in_flight * per_layer) + extra + (tokens * shape.vocab // tp * 8 if last else 0))
         return out
 
     opt_bpp = 12 if pbytes == 2 else 8
@@ -414,7 +431,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         f"model: {(hf.get('architectures') or ['?'])[0]}, {n_params / 1e9:.2f} B parameters"
         + (f" ({n_expert / 1e9:.2f} B in {shape.experts} experts, top-{top_k})" if shape.experts else " (dense)")
         + f", {shape.layers} layers, hidden {shape.hidden}; trainer dtype {dtype}, engine dtype {engine_dtype}",
-        f"trainer: {world} GPUs, TP{tp} PP{pp} EP{ep} DP{dp}" + (f" (expert DP {edp})" if shape.experts else "")
+        f"trainer: {world} GPUs, TP{tp} PP{pp}" + (f" x VPP{vpp} (interleaved 1F1B)" if vpp > 1 else "")
+        + f" EP{ep} DP{dp}" + (f" (expert DP {edp})" if shape.experts else "")
         + f", sequence parallel {p.sequence_parallel}, recompute {recompute}, distributed optimizer "
         f"{p.use_distributed_optimizer}",
         f"  actor micro-batch: {actor_tokens} tokens, {actor_mbs} micro-batch(es) per mini-batch per rank; models: "

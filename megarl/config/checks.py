@@ -388,6 +388,65 @@ def check_device(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_virtual_pipeline(cfg: MegarlConfig) -> list[Issue]:
+    """Virtual pipeline stages: megatron's interleaved 1F1B schedule runs each step's micro-batches in groups of PP
+    (config.microbatch_group_size_per_vp_stage, megatron's default) and refuses a micro-batch count that is not a
+    multiple of PP. Forward-only passes pad their count themselves; the updates' counts come from the recipe."""
+    p = cfg.parallelism
+    vpp, pp = p.virtual_pipeline_model_parallel_size or 1, p.pipeline_model_parallel_size
+    if vpp == 1 or pp == 1:
+        return []
+    key, dp, n = P + "virtual_pipeline_model_parallel_size", _dp(cfg), cfg.rollout.n
+    rule = (f"the interleaved 1F1B schedule (virtual pipeline stages) runs micro-batches in groups of "
+            f"pipeline_model_parallel_size = {pp} and megatron refuses a count per optimizer step that is not a "
+            "multiple of it")
+    issues = []
+    if cfg.actor.use_dynamic_bsz:
+        issues.append(Issue("actor.use_dynamic_bsz", True, rule + "; token-budget micro-batches give a count that "
+                            "changes from step to step", "set actor.use_dynamic_bsz=false with a fixed "
+                            "actor.ppo_micro_batch_size_per_gpu, or unset " + key,
+                            keys=("actor.use_dynamic_bsz", key)))
+    mini_seqs = cfg.actor.ppo_mini_batch_size * n
+    if dp is not None and mini_seqs % dp == 0:
+        per_rank = mini_seqs // dp
+        models = [("actor", cfg.actor.ppo_micro_batch_size_per_gpu)] if not cfg.actor.use_dynamic_bsz else []
+        if cfg.critic_enabled:
+            models.append(("critic", cfg.critic.ppo_micro_batch_size_per_gpu))
+        for model, micro in models:
+            if per_rank % micro == 0 and (per_rank // micro) % pp:
+                issues.append(Issue(
+                    f"{model}.ppo_micro_batch_size_per_gpu", micro, f"{rule}: actor.ppo_mini_batch_size "
+                    f"{cfg.actor.ppo_mini_batch_size} * rollout.n {n} / DP {dp} / {micro} = {per_rank // micro} "
+                    "micro-batches per rank", f"make the per-rank micro-batch count a multiple of {pp} (e.g. a "
+                    f"smaller {model}.ppo_micro_batch_size_per_gpu or a larger actor.ppo_mini_batch_size), or unset "
+                    + key, keys=(f"{model}.ppo_micro_batch_size_per_gpu", "actor.ppo_mini_batch_size", "rollout.n",
+                                 key)))
+    sft = cfg.sft
+    if (sft.enable or sft.train_files) and dp is not None and sft.batch_size % dp == 0:  # warm-start or `megarl sft`
+        rows = sft.batch_size // dp
+        micro = min(cfg.actor.ppo_micro_batch_size_per_gpu, rows)
+        count = -(-rows // micro)
+        if count % pp:
+            issues.append(Issue("sft.batch_size", sft.batch_size, f"{rule}: the SFT warm-start runs sft.batch_size "
+                                f"{sft.batch_size} / DP {dp} in micro-batches of actor.ppo_micro_batch_size_per_gpu "
+                                f"{micro} = {count} per rank", f"make that count a multiple of {pp}, or unset " + key,
+                                keys=("sft.batch_size", "actor.ppo_micro_batch_size_per_gpu", key)))
+    if cfg.actor.router_replay.mode != "none":
+        issues.append(Issue("actor.router_replay.mode", cfg.actor.router_replay.mode, "routing replay at virtual "
+                            "pipeline stages is not supported by this version of megarl (the interleaved schedule runs "
+                            "chunks of different micro-batches in turn; replay is not verified there)",
+                            f"set it to none, or unset {key}", keys=("actor.router_replay.mode", key)))
+    if cfg.reward.reward_model.enable:
+        issues.append(Issue("reward.reward_model.enable", True, "a reward model at virtual pipeline stages is not "
+                            "supported by this version of megarl (its scoring is not verified there)",
+                            f"unset {key} or score with a rule function", keys=("reward.reward_model.enable", key)))
+    if cfg.actor.lora.enabled:
+        issues.append(Issue("actor.lora.rank", cfg.actor.lora.rank, "LoRA adapters at virtual pipeline stages are not "
+                            "verified by this version of megarl (adapters per model chunk, their export and merge)",
+                            f"unset {key}, or train without adapters", keys=("actor.lora.rank", key)))
+    return issues
+
+
 def check_parallel_options(cfg: MegarlConfig) -> list[Issue]:
     p = cfg.parallelism
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
@@ -432,8 +491,6 @@ _NOT_YET = (
     ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet (on GPU it needs Transformer "
      "Engine's context-parallel attention and each sequence's tokens split over the CP ranks in the forward, the "
      "logprob gather and the loss; on CPU megatron has no context-parallel attention at all); set it to 1"),
-    ("parallelism.virtual_pipeline_model_parallel_size", None, "virtual pipeline stages are not supported yet; "
-     "unset it"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "
      "in worker processes; leave it at 0"),
 )
@@ -709,7 +766,7 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
-    check_router_replay, check_lora)
+    check_router_replay, check_lora, check_virtual_pipeline)
 
 
 def run_checks(cfg: MegarlConfig) -> list[Issue]:

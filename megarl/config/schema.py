@@ -105,8 +105,9 @@ class ParallelismConfig(_Section):
 
     tensor_model_parallel_size: int = Field(1, ge=1, description="Tensor parallel size (TP).")
     pipeline_model_parallel_size: int = Field(1, ge=1, description="Pipeline parallel size (PP).")
-    virtual_pipeline_model_parallel_size: Optional[int] = Field(None, ge=1, description="Virtual pipeline stages "
-                                                                "per PP rank (interleaved schedule).")
+    virtual_pipeline_model_parallel_size: Optional[int] = Field(
+        None, ge=1, description="Virtual pipeline stages per PP rank (megatron's interleaved 1F1B): the layers split "
+        "into PP * VPP chunks, and each update's micro-batches per rank must be a multiple of PP. None or 1: off.")
     context_parallel_size: int = Field(1, ge=1, description="Context parallel size (CP).")
     expert_model_parallel_size: int = Field(1, ge=1, description="Expert parallel size (EP) for MoE layers.")
     expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, description="TP size inside experts; None: TP.")

@@ -67,9 +67,10 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size
     return -vocab_parallel_cross_entropy(x, targets)
 
 
-def _pad_batch(tokens: torch.Tensor, micro_batch_size: int, seq_multiple: int) -> torch.Tensor:
+def _pad_batch(tokens: torch.Tensor, rows: int, seq_multiple: int) -> torch.Tensor:
+    """`tokens` with copies of row 0 up to `rows` rows and pad id 0 up to a multiple of `seq_multiple` columns."""
     n, s = tokens.shape
-    n_pad = -n % micro_batch_size
+    n_pad = rows - n
     s_pad = -s % seq_multiple
     if n_pad or s_pad:
         tokens = torch.nn.functional.pad(tokens, (0, s_pad), value=0)
@@ -84,12 +85,15 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     output_fn(model output [b, s', ...], micro-batch tokens [b, s']) -> [b, ...] runs on the last stage; the results are
     concatenated to [N, ...] there (None on other stages). For the schedule, N is padded to a multiple of the
-    micro-batch size (the extra rows are dropped from the result) and, under sequence parallelism, S to a multiple of TP
+    micro-batch size (the extra rows are dropped from the result; with virtual pipeline stages the micro-batch count
+    is rounded up to a multiple of PP, as the interleaved schedule needs, and the micro-batches shrink to share the
+    rows) and, under sequence parallelism, S to a multiple of TP
     with pad id 0 on the right (s' >= S: output_fn cuts the sequence dimension back to what it needs)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.bridge.sharding import unwrap
+    from megarl.megatron.parallel import schedule_args
 
     chunks = unwrap(model)
     config = chunks[0].config
@@ -100,7 +104,14 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
                          "megatron attention is full causal and would differ from the HF model beyond the window")
     device = runtime.compute_device()
     seq_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    padded = _pad_batch(tokens.to(device), micro_batch_size, seq_multiple)
+    count = -(-n // micro_batch_size)
+    if len(chunks) > 1:
+        # the interleaved schedule (virtual pipeline stages) takes micro-batches in groups of PP: round the count up
+        # to a multiple of PP and shrink the micro-batches to match (fewer padding rows than padding the count)
+        pp = ps.get_pipeline_model_parallel_world_size()
+        count = -(-count // pp) * pp
+        micro_batch_size = -(-n // count)
+    padded = _pad_batch(tokens.to(device), count * micro_batch_size, seq_multiple)
     micro = list(padded.split(micro_batch_size))
     replay = router_replay.STATE
     if replay.action != "off":  # routing replay: each micro-batch's global row ids (-1: the padding rows)
@@ -124,8 +135,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(list(zip(micro, micro_rows))),
-            model=chunks if len(chunks) > 1 else chunks[0],
+            forward_step_func=step, **schedule_args(chunks, list(zip(micro, micro_rows))),
             num_microbatches=len(micro), seq_length=padded.shape[1], micro_batch_size=micro_batch_size,
             forward_only=True)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):

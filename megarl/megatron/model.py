@@ -116,6 +116,7 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
     check_layout(spec, tp, pp, ep, etp)
     if sequence_parallel is None:
         sequence_parallel = spec.is_moe and tp > 1
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     kw = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_key_value_heads, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
@@ -125,10 +126,19 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        # megatron computes each chunk's layer offset from it (and the interleaved schedule's micro-batch groups)
+        virtual_pipeline_model_parallel_size=vpp,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
         masked_softmax_fusion=False, persist_layer_norm=False,
         **{name: on for name, (on, _) in fusion_settings(use_te, fusions not in (False, "off")).items()},
     )
+    if vpp is not None:
+        # Interleaved 1F1B exchanges activations and gradients with both pipeline neighbours at once; at PP2 they are
+        # the same rank. Batched p2p (one batch_isend_irecv, same tag) then pairs a gradient with an activation receive
+        # (seen on gloo: micro-batches after the first group computed on the wrong inputs). Megatron-LM runs VPP with
+        # overlap_p2p_comm=True and batch_p2p_comm=False: separate, ordered sends and receives per direction. megarl
+        # does the same; on CPU without the overlap (no streams to overlap on).
+        kw.update(batch_p2p_comm=False, overlap_p2p_comm=torch.cuda.is_available())
     if spec.is_moe:
         kw.update(
             num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
@@ -221,7 +231,7 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
                     sequence_parallel: Optional[bool] = None, pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, vp_stage: Optional[int] = None,
                     moe_dispatcher: str = "allgather", head_seed: int = 0, fusions: Union[str, bool] = "auto",
-                    **config_overrides):
+                    config=None, **config_overrides):
     """A GPTModel for this rank's pipeline stage (weights randomly initialised; see load_hf_weights / build_and_load).
 
     The model carries `megarl_spec` (the ArchSpec), `megarl_head` ("lm" or "value") for the bridge and forward, and
@@ -234,8 +244,13 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
     from megarl.megatron.layer_spec import local_block_spec
 
     use_te = te_available() if use_te is None else use_te
-    config = transformer_config(spec, dtype=dtype, use_te=use_te, sequence_parallel=sequence_parallel,
-                                moe_dispatcher=moe_dispatcher, fusions=fusions, **config_overrides)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None and vp_stage is None:
+        raise ValueError(f"virtual pipeline stages are on ({vpp} per PP rank): build one chunk per vp_stage "
+                         "(build_model_chunks does)")
+    if config is None:  # given: another virtual stage's chunk of the same model shares its config object
+        config = transformer_config(spec, dtype=dtype, use_te=use_te, sequence_parallel=sequence_parallel,
+                                    moe_dispatcher=moe_dispatcher, fusions=fusions, **config_overrides)
     fusion_state = {name: (getattr(config, name), reason)
                     for name, (_, reason) in fusion_settings(use_te, fusions not in (False, "off")).items()}
     _log_fusions(fusion_state)
@@ -326,16 +341,38 @@ def _output_layer_without_apex(config):
         layers.ColumnParallelLinear.__init__ = original
 
 
+def build_model_chunks(spec: ArchSpec, **build_kwargs):
+    """This rank's model: one GPTModel, or with virtual pipeline stages (parallelism.virtual_pipeline_model_parallel_
+    size = V) a list of V chunks, chunk v holding the layers of virtual stage v * PP + pp_rank (megatron's interleaved
+    placement: with PP2 x VPP2 and 8 layers, PP rank 0 holds layers 0-1 and 4-5, rank 1 layers 2-3 and 6-7). The
+    embedding lives on chunk 0 of the first PP rank, the final norm and head on the last chunk of the last PP rank.
+    Everything downstream (forward, train_step, the bridge) takes either form (megarl.bridge.sharding.unwrap)."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return build_gpt_model(spec, **build_kwargs)
+    # one TransformerConfig object for all chunks, as megatron's own model builder does: the schedule and
+    # finalize_model_grads read settings from chunk 0's config (variable_seq_lengths, finalize_model_grads_func)
+    chunks = [build_gpt_model(spec, vp_stage=0, **build_kwargs)]
+    chunks += [build_gpt_model(spec, vp_stage=v, config=chunks[0].config, **build_kwargs) for v in range(1, vpp)]
+    return chunks
+
+
 def build_and_load(hf_dir: Union[str, Path], *, value_head: bool = False, strict: bool = True, **build_kwargs):
-    """Read config.json, build this rank's model and load the HF weights into it. Returns (model, spec).
+    """Read config.json, build this rank's model (a GPTModel, or a list of chunks with virtual pipeline stages: see
+    build_model_chunks) and load the HF weights into it. Returns (model, spec).
 
     Call on every rank after init_model_parallel; each rank reads only its own slices of the safetensors files."""
     from megarl.bridge.importer import load_hf_weights
 
     spec = load_spec(hf_dir)
-    model = build_gpt_model(spec, value_head=value_head, **build_kwargs)
+    model = build_model_chunks(spec, value_head=value_head, **build_kwargs)
+    chunks = model if isinstance(model, list) else [model]
     if torch.cuda.is_available():
-        model.cuda()
+        for chunk in chunks:
+            chunk.cuda()
     report = load_hf_weights(model, hf_dir, spec, strict=strict)
-    model.megarl_load_report = report
+    for chunk in chunks:
+        chunk.megarl_load_report = report
     return model, spec

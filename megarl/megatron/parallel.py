@@ -60,7 +60,9 @@ def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor_model_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+        # one virtual stage per PP rank is the plain 1F1B schedule: megatron would switch to the interleaved one
+        virtual_pipeline_model_parallel_size=(layout.virtual_pipeline_model_parallel_size
+                                              if (layout.virtual_pipeline_model_parallel_size or 1) > 1 else None),
         context_parallel_size=layout.context_parallel_size,
         expert_model_parallel_size=layout.expert_model_parallel_size,
         expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
@@ -84,3 +86,23 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def schedule_args(chunks: list, items: list) -> dict:
+    """The `model` and `data_iterator` arguments of megatron's get_forward_backward_func for this rank's model chunks
+    and the micro-batches `items`: one module and one iterator without virtual pipeline stages; with them the list
+    of chunks and one iterator per chunk (megatron's interleaved 1F1B runs every micro-batch through each chunk and
+    each chunk's forward step reads its own copy of the stream).
+
+    The interleaved schedule runs micro-batches in groups of PP (config.microbatch_group_size_per_vp_stage, megatron's
+    default): it refuses a count below PP or not a multiple of it, and so does this function, with the numbers."""
+    from megatron.core import parallel_state as ps
+
+    if len(chunks) == 1:
+        return {"model": chunks[0], "data_iterator": iter(items)}
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if len(items) % pp:
+        raise ValueError(f"virtual pipeline stages (interleaved 1F1B) need the number of micro-batches per step to be "
+                         f"a multiple of pipeline_model_parallel_size = {pp}, got {len(items)}: change the mini-batch "
+                         "or micro-batch size (see `megarl validate`)")
+    return {"model": list(chunks), "data_iterator": [iter(items) for _ in chunks]}

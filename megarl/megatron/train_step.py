@@ -106,6 +106,8 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megarl.megatron.parallel import schedule_args
+
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
@@ -118,8 +120,7 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
     results = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, loss_fn, scale), data_iterator=iter(micro_batches),
-        model=trainable.chunks if len(trainable.chunks) > 1 else trainable.chunks[0],
+        forward_step_func=partial(forward_step, loss_fn, scale), **schedule_args(trainable.chunks, micro_batches),
         num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
     update_ok, grad_norm, _ = trainable.optimizer.step()
     trainable.scheduler.step(increment=1)

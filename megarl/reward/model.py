@@ -132,14 +132,17 @@ class RewardModelWorker:
         self.trainable = make_trainable(self.model, optim, total_steps,
                                         cfg.parallelism.use_distributed_optimizer) if optim is not None else None
         if self.trainable is None:
-            self.model.eval()
-            for p in self.model.parameters():
-                p.requires_grad_(False)
+            for chunk in (self.model if isinstance(self.model, list) else [self.model]):  # virtual stages: chunks
+                chunk.eval()
+                for p in chunk.parameters():
+                    p.requires_grad_(False)
         self.micro_batch_size = micro_batch_size
 
     @property
     def chunks(self):
-        return self.trainable.chunks if self.trainable else [self.model]
+        if self.trainable:
+            return self.trainable.chunks
+        return self.model if isinstance(self.model, list) else [self.model]
 
     def scores(self, input_ids: torch.Tensor, lengths: torch.Tensor, rt) -> torch.Tensor:
         """Scores [N] float32 (CPU) of right-padded input_ids [N, S] with `lengths` [N], on every rank (collective:

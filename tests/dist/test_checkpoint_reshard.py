@@ -16,16 +16,17 @@ from tests.helpers.tiny_models import hf_logprobs, make_tiny_model, sample_token
 LR, N, S = 1e-2, 4, 20
 
 
-def _config(run_dir, tp, pp, world, load_optimizer=True):
+def _config(run_dir, tp, pp, world, load_optimizer=True, vpp=None):
     from megarl.config import MegarlConfig
 
     return MegarlConfig.model_validate({
         "trainer": {"run_dir": str(run_dir), "n_gpus_per_node": world, "total_steps": 10},
-        "parallelism": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
+        "parallelism": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                        "virtual_pipeline_model_parallel_size": vpp},
         "checkpoint": {"load_optimizer": load_optimizer, "save_on_sigterm": False}})
 
 
-def ckpt_rank(hf_dir, run_dir, batch, tp, pp, mode, load_optimizer=True):
+def ckpt_rank(hf_dir, run_dir, batch, tp, pp, mode, load_optimizer=True, vpp=None, micro_batch_size=None):
     import torch.distributed as dist
 
     from megarl.checkpoint.state import Checkpointer
@@ -37,17 +38,21 @@ def ckpt_rank(hf_dir, run_dir, batch, tp, pp, mode, load_optimizer=True):
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
     from megarl.runtime import Runtime
 
-    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vpp), seed=0)
     model, spec = build_and_load(hf_dir)
     trainable = make_trainable(model, OptimConfig(lr=LR, weight_decay=0.0, clip_grad=0.0), total_steps=10)
-    cfg = _config(run_dir, tp, pp, dist.get_world_size(), load_optimizer)
+    cfg = _config(run_dir, tp, pp, dist.get_world_size(), load_optimizer, vpp)
     rt = Runtime(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=0, dp_size=1, run_dir=run_dir)
     ckpt = Checkpointer(cfg, rt, models={"actor": trainable}, states={})
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
 
+    mbs = micro_batch_size or N  # virtual pipeline stages need a micro-batch count that is a multiple of PP
+    micro = [{k: v[i:i + mbs] for k, v in batch.items()} for i in range(0, N, mbs)]
+
     def train_step():
-        denominator = loss_denominator([batch["response_mask"]], settings.loss_agg_mode)
-        return train_mini_batch(trainable, [batch], make_policy_loss_fn(settings, denominator))
+        denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
+        return train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
 
     def logprobs():
         return token_logprobs(trainable.chunks, batch["input_ids"], micro_batch_size=N)

@@ -18,7 +18,7 @@ TOL = 1e-5
 LR, N, S = 1e-2, 4, 20
 
 
-def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False):
+def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False, vpp=None):
     import torch.distributed as dist
 
     from megarl.checkpoint.state import Checkpointer
@@ -32,7 +32,8 @@ def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False):
     from megarl.runtime import Runtime
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp), seed=0)
+                               virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=etp), seed=0)
     world, rank = dist.get_world_size(), dist.get_rank()
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     optim = OptimConfig(lr=LR, weight_decay=0.0, clip_grad=0.0)
@@ -45,12 +46,16 @@ def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False):
         "model": {"path": str(hf_dir)},
         "trainer": {"run_dir": str(run_dir), "n_gpus_per_node": world, "total_steps": 10},
         "parallelism": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp},
+                        "virtual_pipeline_model_parallel_size": vpp, "expert_model_parallel_size": ep,
+                        "expert_tensor_parallel_size": etp},
         "checkpoint": {"save_on_sigterm": False}})
     rt = Runtime(rank=rank, world_size=world, dp_rank=0, dp_size=1, run_dir=run_dir)
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
-    denominator = loss_denominator([batch["response_mask"]], settings.loss_agg_mode)
-    train_mini_batch(actor, [batch], make_policy_loss_fn(settings, denominator))
+    # virtual pipeline stages: a micro-batch count that is a multiple of PP (micro-batches of N / PP rows)
+    mbs = N // pp if vpp else N
+    micro = [{k: v[i:i + mbs] for k, v in batch.items()} for i in range(0, N, mbs)]
+    denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
+    train_mini_batch(actor, micro, make_policy_loss_fn(settings, denominator))
     ckpt = Checkpointer(cfg, rt, models=models, states={})
     ckpt.save(1)
     out = {"logprobs": token_logprobs(actor.chunks, batch["input_ids"], micro_batch_size=N)}

@@ -19,7 +19,7 @@ from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 PROMPT_LEN, RESPONSE_LEN = 150, 12
 
 
-def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,)):
+def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,), vpp=None):
     import torch.distributed as dist
 
     from megarl.config.schema import OptimConfig
@@ -29,7 +29,7 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,)):
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep), seed=0)
+                               virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep), seed=0)
     model, spec = build_and_load(hf_dir)
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=1)
     from megarl.rollout.replicas import EngineTopology

@@ -156,3 +156,34 @@ def test_reward_model_parameters_are_counted():
     assert "reward model parameters" in with_rm.text
     added = with_rm.per_gpu_bytes - base.per_gpu_bytes
     assert abs(added - rm_stage0) / rm_stage0 < 0.01, (added / GIB, rm_stage0 / GIB)
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 1), (2, 2), (4, 2), (4, 3)])
+def test_in_flight_activations_follow_megatrons_schedule(pp, vpp):
+    """The planner's peak layer activations per stage against megatron-core's own warm-up counts
+    (get_pp_rank_microbatches): warm-up forwards plus the first steady-state one, each through one chunk of
+    layers / (PP * VPP) layers, or every forward when all are warm-up."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from megarl.plan import in_flight_layers
+
+    layers_per_stage = 24 // pp
+    for m in (pp, 2 * pp, 8 * pp):
+        for stage in range(pp):
+            group = SimpleNamespace(size=lambda: pp, rank=lambda s=stage: s)
+            comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+            total, all_warm, warm, _ = get_pp_rank_microbatches(m, vpp, pp, p2p_communicator=comm)
+            chunks = total if all_warm else warm + 1
+            assert in_flight_layers(pp, vpp, stage, m, layers_per_stage) == chunks * layers_per_stage / vpp
+
+
+def test_virtual_pipeline_stages_cost_activation_memory_in_the_plan():
+    _, base = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ["model.recompute=none"])
+    _, vpp = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ["model.recompute=none",
+                                                       "parallelism.virtual_pipeline_model_parallel_size=2"])
+    assert "PP4 x VPP2 (interleaved 1F1B)" in vpp.text
+    train = [float(t.split("train ")[1].split(",")[0]) for t in (base.text, vpp.text)]
+    # stage 0 at PP4: 1F1B holds 4 micro-batches through 20 layers (80), interleaved 11 chunks of 10 layers (110)
+    assert train[1] > train[0], train
