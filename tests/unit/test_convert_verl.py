@@ -132,3 +132,12 @@ def test_verl_estimator_and_loss_names_map(estimator, loss):
     options = c.recipe["actor"]["policy_loss_options"]
     assert options["tau_neg"] == 1.05 and options["kl_cov_ratio"] == 0.0002
     assert load_config(data={**c.recipe, "model": {"path": "unused"}}) is not None
+
+
+def test_rollout_correction_loss_type_and_preset_map():
+    c = convert({"algorithm.rollout_correction.loss_type": "reinforce",
+                 "algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.rollout_is": "token"})
+    assert not c.refused
+    assert c.recipe["algorithm"]["rollout_correction"]["loss_type"] == "reinforce"
+    c = convert({"algorithm.rollout_correction.preset": "decoupled_seq_is"})
+    assert c.recipe["algorithm"]["rollout_correction"]["preset"] == "decoupled_seq_is"
