@@ -267,6 +267,19 @@ def _gdpo_issues(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_distillation(cfg: MegarlConfig) -> list[Issue]:
+    d, issues = cfg.distillation, []
+    if d.enable and not d.teacher.path:
+        issues.append(Issue("distillation.teacher.path", None, "distillation needs a teacher",
+                            "set distillation.teacher.path to a Hugging Face model directory",
+                            keys=("distillation.teacher.path", "distillation.enable")))
+    if d.enable and cfg.trainer.mode != "sync":
+        issues.append(Issue("distillation.enable", True, f"the teacher scores a batch before its update; with "
+                            f"trainer.mode={cfg.trainer.mode} that is not wired yet", "use trainer.mode=sync",
+                            keys=("distillation.enable", "trainer.mode")))
+    return issues
+
+
 def check_data_files(cfg: MegarlConfig) -> list[Issue]:
     issues = []
     for section, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
@@ -622,6 +635,7 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 
 
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
+    check_distillation,
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,

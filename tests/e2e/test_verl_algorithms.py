@@ -44,3 +44,13 @@ def test_bypass_reinforce_preset_logs_verls_metrics(tmp_path):
         assert "rollout_corr/kl" in m and "rollout_corr/rollout_is_mean" in m
         assert "rollout_corr/rollout_rs_masked_fraction" in m
         assert m["actor/grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_distillation_from_a_teacher(tmp_path):
+    # the teacher is the student's own starting model: at step 1 (nothing trained yet) they agree on every token
+    metrics = _run(tmp_path, "distill", ["distillation.enable=true", f"distillation.teacher.path={tmp_path / 'model'}",
+                                         "distillation.kl_coef=0.5"])
+    assert abs(metrics[0]["distill/reverse_kl"]) < 1e-5
+    assert all("timing/teacher_s" in m and m["actor/grad_norm"] > 0 for m in metrics)
+    assert metrics[-1]["distill/reverse_kl"] != metrics[0]["distill/reverse_kl"]  # the student moved
