@@ -21,9 +21,14 @@ def test_reverse_kl_advantage_by_hand():
     assert adv.flatten().tolist() == pytest.approx([-2 * math.log(2), 2 * math.log(2), 0.0, 0.0])
     assert m["reverse_kl"].item() == pytest.approx(0.0)
     assert m["teacher_log_prob_mean"].item() == pytest.approx((math.log(0.25) + math.log(0.5) + math.log(0.8)) / 3)
-    # a student sure of a token the teacher finds unlikely is pushed away from it
-    adv, m = reverse_kl_advantage(torch.tensor([[-0.1]]), torch.tensor([[-3.1]]), torch.tensor([[True]]))
+    # a student sure of a token the teacher finds unlikely is pushed away from it (uncentred: -3)
+    adv, m = reverse_kl_advantage(torch.tensor([[-0.1]]), torch.tensor([[-3.1]]), torch.tensor([[True]]),
+                                  center=False)
     assert adv.item() == pytest.approx(-3.0) and m["reverse_kl"].item() == pytest.approx(3.0)
+    # centred: per-token KL 3 and 1 (mean 2) -> advantages -(3 - 2) = -1 and -(1 - 2) = +1
+    adv, m = reverse_kl_advantage(torch.tensor([[-0.1, -1.0]]), torch.tensor([[-3.1, -2.0]]),
+                                  torch.tensor([[True, True]]))
+    assert adv.flatten().tolist() == pytest.approx([-1.0, 1.0]) and m["reverse_kl"].item() == pytest.approx(2.0)
 
 
 def test_distillation_needs_a_teacher():
