@@ -614,7 +614,8 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     "algorithm.rollout_correction.rollout_is": _level("algorithm.rollout_correction.is_level", ("token", "sequence")),
     "algorithm.rollout_correction.rollout_is_threshold": _to("algorithm.rollout_correction.is_threshold", float),
     "algorithm.rollout_correction.rollout_rs": _level("algorithm.rollout_correction.rejection_level",
-                                                      ("token", "sequence", "geometric")),
+                                                      ("token", "sequence", "geometric", "seq_mean_k3")),
+    "algorithm.rollout_correction.preset": _to("algorithm.rollout_correction.preset"),
     "algorithm.rollout_correction.rollout_rs_threshold": _rs_threshold,
     "algorithm.rollout_correction.rollout_rs_threshold_lower": _off_only(
         "unset: the lower bound is 1/threshold", "megarl's lower bound is 1/rollout_rs_threshold; drop it"),
@@ -622,8 +623,7 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
         "off", "batch-normalised importance weights are not supported; drop it"),
     "algorithm.rollout_correction.rollout_token_veto_threshold": _off_only(
         "off", "a token veto is not supported; use rollout_rs=token with rollout_rs_threshold"),
-    "algorithm.rollout_correction.loss_type": _accept(("ppo_clip",), "megarl's loss is actor.policy_loss",
-                                                      "megarl's correction reweights actor.policy_loss; drop it"),
+    "algorithm.rollout_correction.loss_type": _to("algorithm.rollout_correction.loss_type"),
     "algorithm.rollout_correction.use_policy_gradient": _off_only("off", "megarl's correction reweights "
                                                                   "actor.policy_loss; drop it"),
     # trainer

@@ -142,12 +142,13 @@ def old_log_probs_from_update(cfg: MegarlConfig, actor_updates: bool) -> bool:
     """True when the separate old-logprob pass can be skipped: the actor updates this step and the batch gets exactly
     one optimizer step (ppo_epochs 1, one mini-batch), so the policy trained is still the one that sampled, and nothing
     reads the old logprobs before the update (no KL penalty in the reward, no rollout correction, no
-    optimal_token_baseline). The update then
+    optimal_token_baseline, no distillation). The update then
     takes them from its own forward, detached (PPO ratio exactly 1, as verl and TRL do)."""
     a, rc = cfg.actor, cfg.algorithm.rollout_correction
     one_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.data.train_batch_size
     read_before = (cfg.kl_in_reward_active or rc.is_level is not None or rc.rejection_level is not None
-                   or rc.use_rollout_log_probs or cfg.algorithm.adv_estimator == "optimal_token_baseline")
+                   or rc.use_rollout_log_probs or cfg.algorithm.adv_estimator == "optimal_token_baseline"
+                   or cfg.distillation.enable)
     # R2 records the routing in the old-logprob pass, which the reference and update forwards replay
     recorded = cfg.actor.router_replay.mode == "R2"
     return actor_updates and one_step and not read_before and not recorded
@@ -204,6 +205,14 @@ def compute_advantages(cfg: MegarlConfig, batch: dict, kl_ctrl=None) -> dict:
         kwargs.update(reward_baselines=batch["reward_baselines"])
     batch["advantages"], batch["returns"] = algo.ADV_ESTIMATORS[a.adv_estimator](**kwargs)
     return metrics
+
+
+def add_distillation_advantage(cfg: MegarlConfig, batch: dict) -> dict:
+    """distillation.enable: the teacher's per-token reverse-KL signal added to the task advantages (in place)."""
+    adv, m = algo.reverse_kl_advantage(batch["old_log_probs"], batch["teacher_log_probs"], batch["response_mask"],
+                                       cfg.distillation.kl_coef)
+    batch["advantages"] = batch["advantages"] + adv.to(batch["advantages"].dtype)
+    return {f"distill/{k}": float(v) for k, v in m.items()}
 
 
 def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout: RolloutBatch, tokenizer,

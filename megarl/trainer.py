@@ -140,6 +140,14 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     ref = None
     if cfg.ref_enabled:  # with LoRA the reference is the actor's frozen base: its adapters switched off
         ref = actor.reference() if cfg.actor.lora.enabled else PolicyWorker(model_path, cfg, trainable=False)
+    teacher = None
+    if cfg.distillation.enable:  # frozen, colocated like the reference, at the actor's layout
+        teacher = PolicyWorker(cfg.distillation.teacher.path, cfg, trainable=False,
+                               log_prob_micro_batch_size=cfg.distillation.teacher.log_prob_micro_batch_size_per_gpu)
+        if teacher.spec.vocab_size != actor.spec.vocab_size:
+            raise ValueError(f"distillation.teacher.path={cfg.distillation.teacher.path} has a vocabulary of "
+                             f"{teacher.spec.vocab_size} tokens, the student {actor.spec.vocab_size}: the teacher must "
+                             "share the student's tokenizer")
     critic = CriticWorker(cfg.critic.model_path or model_path, cfg) if cfg.critic_enabled else None
     kl_ctrl = make_kl_controller(cfg)
     schedule = steps.rollout_schedule(cfg, loader)  # trainer.mode: which batch is generated when, by which weights
@@ -202,11 +210,16 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
             if ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"] = ref.log_probs(batch, rt)
+            if teacher is not None:
+                with timer("teacher"):
+                    batch["teacher_log_probs"] = teacher.log_probs(batch, rt)
             if critic is not None:
                 with timer("values"):
                     batch["values"] = critic.values(batch, rt)
             correction_metrics = steps.apply_rollout_correction(cfg, batch)
             adv_metrics = steps.compute_advantages(cfg, batch, kl_ctrl)
+            if teacher is not None:
+                adv_metrics.update(steps.add_distillation_advantage(cfg, batch))
             with timer("train"):
                 train_metrics = critic.update(batch, rt, step) if critic is not None else {}
                 if actor_updates:

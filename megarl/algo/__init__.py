@@ -40,6 +40,7 @@ from megarl.algo.kl import (
     apply_kl_penalty,
     kl_loss,
     kl_penalty,
+    reverse_kl_advantage,
 )
 from megarl.algo.losses import (
     POLICY_LOSS_OPTIONS,
@@ -75,7 +76,7 @@ __all__ = [
     "ppo_clip_loss", "gspo_loss", "cispo_loss", "sapo_loss", "gpg_loss", "clip_cov_loss", "kl_cov_loss",
     "geo_mean_loss", "dro_loss", "dppo_tv_loss", "dppo_kl_loss", "agg_loss",
     "value_loss", "explained_variance",
-    "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",
+    "kl_penalty", "kl_loss", "apply_kl_penalty", "reverse_kl_advantage", "FixedKLController", "AdaptiveKLController",
     "entropy_from_logits", "sum_pi_squared_from_logits",
     "overlong_reward_penalty", "filter_groups_by_metric",
     "rollout_is_weights", "rollout_rejection_mask", "rollout_mismatch_metrics", "VERL_MISMATCH_NAMES",

@@ -274,6 +274,19 @@ def _gdpo_issues(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_distillation(cfg: MegarlConfig) -> list[Issue]:
+    d, issues = cfg.distillation, []
+    if d.enable and not d.teacher.path:
+        issues.append(Issue("distillation.teacher.path", None, "distillation needs a teacher",
+                            "set distillation.teacher.path to a Hugging Face model directory",
+                            keys=("distillation.teacher.path", "distillation.enable")))
+    if d.enable and cfg.trainer.mode != "sync":
+        issues.append(Issue("distillation.enable", True, f"the teacher scores a batch before its update; with "
+                            f"trainer.mode={cfg.trainer.mode} that is not wired yet", "use trainer.mode=sync",
+                            keys=("distillation.enable", "trainer.mode")))
+    return issues
+
+
 def check_data_files(cfg: MegarlConfig) -> list[Issue]:
     issues = []
     for section, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
@@ -722,6 +735,11 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
     from megarl.lora.targets import ALIASES, ALL_LINEAR, PROJECTIONS, LoraError, LoraSettings, resolve_targets
 
     issues = []
+    if cfg.ref.offload:
+        issues.append(Issue("ref.offload", True, "with actor.lora the reference policy is the actor's own base with its "
+                            "adapters switched off: it holds no memory of its own to offload",
+                            "unset ref.offload (actor.offload moves the base's parameters)",
+                            keys=("ref.offload", "actor.lora.rank")))
     if lo.sync == "adapter":
         issues.append(Issue("actor.lora.sync", lo.sync, "loading adapters into vLLM's LoRA support is not implemented "
                             "in this version of megarl", "use actor.lora.sync=merged (the engine gets base + "
@@ -762,6 +780,7 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
 
 
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
+    check_distillation,
     check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,

@@ -256,6 +256,23 @@ class RefConfig(_Section):
                           "generates.")
 
 
+class TeacherConfig(_Section):
+    path: Optional[str] = Field(None, description="Hugging Face model directory of the teacher (same tokenizer as "
+                                "the student); loaded into Megatron at the actor's layout, frozen, colocated like the "
+                                "reference model.")
+    log_prob_micro_batch_size_per_gpu: int = Field(4, ge=1, description="Sequences per teacher forward on one rank.")
+
+
+class DistillationConfig(_Section):
+    """On-policy distillation: the teacher scores the student's own samples; the per-token reverse KL is a dense
+    advantage added to the task advantage (Thinking Machines' on-policy distillation, as verl/slime/tinker do)."""
+
+    enable: bool = Field(False, description="Add -kl_coef * (log pi_student - log pi_teacher) per sampled token to "
+                         "the advantages.")
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig, description="The frozen teacher.")
+    kl_coef: float = Field(1.0, gt=0, description="Weight of the per-token reverse-KL advantage.")
+
+
 class ValKwargs(_Section):
     """Sampling overrides for validation rollouts."""
 
@@ -541,7 +558,7 @@ class RolloutCorrectionConfig(_Section):
         if not isinstance(data, dict) or data.get("preset") is None:
             return data
         name = data["preset"]
-        if name not in ROLLOUT_CORRECTION_PRESETS:
+        if not isinstance(name, str) or name not in ROLLOUT_CORRECTION_PRESETS:
             raise ValueError(f"unknown rollout_correction preset {name!r}; expected one of "
                              f"{sorted(ROLLOUT_CORRECTION_PRESETS)}")
         expanded = dict(data)
@@ -704,6 +721,8 @@ class MegarlConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Console, tensorboard and jsonl metrics.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised warm-start (`megarl sft`).")
     rm: RMConfig = Field(default_factory=RMConfig, description="Reward-model training (`megarl rm`).")
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig,
+                                             description="On-policy distillation from a frozen teacher.")
     _warnings: list = PrivateAttr(default_factory=list)
 
     @property

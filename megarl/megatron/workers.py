@@ -217,10 +217,12 @@ class PolicyWorker(_Worker):
     reference policy."""
 
     def __init__(self, hf_dir: str, cfg: MegarlConfig, trainable: bool, optim: Optional[OptimConfig] = None,
-                 total_steps: Optional[int] = None, use_lora: bool = True):
+                 total_steps: Optional[int] = None, use_lora: bool = True,
+                 log_prob_micro_batch_size: Optional[int] = None):
         super().__init__(hf_dir, cfg, False, (optim or cfg.actor.optim) if trainable else None,
                          total_steps or cfg.trainer.total_steps, lora_settings(cfg) if trainable and use_lora else None)
         self.cfg = cfg
+        self.log_prob_micro_batch_size = log_prob_micro_batch_size  # None: the actor's or the reference's setting
         self.loss_settings = PolicyLossSettings.from_config(cfg, self.spec.vocab_size)
 
     def reference(self) -> "ReferenceView":
@@ -232,8 +234,9 @@ class PolicyWorker(_Worker):
     def log_probs(self, batch: dict, rt: Runtime, sum_pi_squared: bool = False):
         """Logprobs [N, T] of every token given its prefix, at the rollout temperature. sum_pi_squared: also
         sum_v pi(v)^2 [N, T] at each position (optimal_token_baseline), returned as a pair."""
-        micro = (self.cfg.rollout.log_prob_micro_batch_size_per_gpu if self.trainable is not None
-                 else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
+        micro = self.log_prob_micro_batch_size or (
+            self.cfg.rollout.log_prob_micro_batch_size_per_gpu if self.trainable is not None
+            else self.cfg.ref.log_prob_micro_batch_size_per_gpu)
         t = self.loss_settings.temperature
         ids = batch["input_ids"]
         actor = self.trainable is not None

@@ -329,3 +329,12 @@ def test_lora_keys_map_to_actor_lora(where):
     from megarl.config.schema import LoraConfig
 
     assert LoraConfig.model_validate(lora).enabled
+
+
+def test_rollout_correction_loss_type_and_preset_map():
+    c = convert({"algorithm.rollout_correction.loss_type": "reinforce",
+                 "algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.rollout_is": "token"})
+    assert not c.refused
+    assert c.recipe["algorithm"]["rollout_correction"]["loss_type"] == "reinforce"
+    c = convert({"algorithm.rollout_correction.preset": "decoupled_seq_is"})
+    assert c.recipe["algorithm"]["rollout_correction"]["preset"] == "decoupled_seq_is"
