@@ -66,6 +66,7 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # starts a vLLM engine (about a minute on 2 cores); run it after upgrading vLLM
 def test_recorded_layout_is_current(tmp_path):
     """The committed layout (what the GPU tests use, where vLLM cannot run) is what this vLLM's worker reports."""
     from megarl.sync.standin import record_worker_layout
@@ -112,7 +113,8 @@ def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
     return {**out, "pull_hosts": pulls, "device_buckets": files}
 
 
-@pytest.mark.parametrize("prepack", [False, True], ids=["placed-pulls", "device-buckets"])
+@pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["placed-pulls", "device-buckets"])
 def test_real_vllm_worker_takes_the_gpu_path_on_cpu(tmp_path, prepack):
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     out = run_ranks(f"{__name__}:pulled_sync_into_vllm", 1, {"hf_dir": str(hf_dir), "prepack": prepack},
