@@ -43,6 +43,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
+    p.add_argument("--first-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: num_layers_in_first_pipeline_stage")
+    p.add_argument("--last-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: num_layers_in_last_pipeline_stage")
     p.add_argument("--tol", type=float, default=None,
                    help="max abs logprob difference allowed (default 1e-5 in float32, 0.5 in bfloat16)")
     p.add_argument("--batch", type=int, default=4, help="number of sequences")
@@ -94,7 +98,8 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
-                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1) -> dict:
+                      lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
+                      first_stage: Optional[int] = None, last_stage: Optional[int] = None) -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] on the rank that reports them
     (last pipeline stage, TP rank 0, DP rank 0), else None}; with engine="vllm", rank 0 adds "vllm" (per-sequence
     logprob lists of the real tokens) and "sync" (weight-sync metrics)."""
@@ -105,7 +110,8 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     from megarl.megatron.parallel import Layout, init_model_parallel
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep), seed=seed)
+                               expert_model_parallel_size=ep, num_layers_in_first_pipeline_stage=first_stage,
+                               num_layers_in_last_pipeline_stage=last_stage), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype))
     model.eval()
     out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
@@ -169,7 +175,9 @@ def compare(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -
 def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl") -> int:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
-    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
+    stages = ("" if args.first_stage_layers is None and args.last_stage_layers is None else
+              f" (stages first={args.first_stage_layers} last={args.last_stage_layers})")
+    print(f"megarl verify {args.hf}  TP={args.tp} PP={args.pp}{stages} EP={args.ep} dtype={args.dtype} engine={engine}  "
           f"batch from {source}", file=out)
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {'mean ' + reference + ' logprob':>16}", file=out)
     for i, n, d, mean in rows:
@@ -196,14 +204,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if spec.score_head:
             raise BridgeError(f"{args.hf}: {spec.architecture} is a value/reward model; verify compares the "
                               "logprobs of causal LMs")
-        check_layout(spec, args.tp, args.pp, args.ep)
+        check_layout(spec, args.tp, args.pp, args.ep, first_stage=args.first_stage_layers,
+                     last_stage=args.last_stage_layers)
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, first_stage=args.first_stage_layers,
+                  last_stage=args.last_stage_layers)
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 

@@ -66,7 +66,11 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
-    check_layout(spec, tp, pp, ep, etp)
+    from megarl.megatron.parallel import uneven_stages
+
+    stages = uneven_stages() if pp > 1 else {}
+    check_layout(spec, tp, pp, ep, etp, stages.get("num_layers_in_first_pipeline_stage"),
+                 stages.get("num_layers_in_last_pipeline_stage"))
     if sequence_parallel is None:
         sequence_parallel = spec.is_moe and tp > 1
     kw = dict(
@@ -80,7 +84,7 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=False, **stages,
     )
     if spec.is_moe:
         kw.update(

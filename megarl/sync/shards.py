@@ -233,19 +233,23 @@ def trainer_holdings(mapping: Mapping, owners: TMapping[str, Iterable[tuple]]) -
     return out
 
 
-def layout_owners(mapping: Mapping, tp: int, pp: int, ep: int, world: int) -> dict:
+def layout_owners(mapping: Mapping, tp: int, pp: int, ep: int, world: int,
+                  stage_layers: Optional[Sequence[int]] = None) -> dict:
     """{megatron name: [(rank, tp rank, tp size)]} for a megatron layout over `world` ranks, in megatron-core's
     rank order (tp fastest, then expert parallel inside data parallel, then pipeline): rank = t + TP*(d + DP*p) with
-    expert-parallel rank d % EP. Layers are split evenly over stages; expert e lives on EP rank e // (experts/EP)."""
+    expert-parallel rank d % EP. Layers per stage: `stage_layers` (uneven stages, megarl.layout.stage_layer_counts),
+    else split evenly; expert e lives on EP rank e // (experts/EP)."""
+    from megarl.layout import layer_stages, stage_layer_counts
+
     spec = mapping.spec
     dp = world // (tp * pp)
     if dp * tp * pp != world or dp % ep:
         raise ValueError(f"world size {world} does not fit TP{tp} x PP{pp} with EP{ep} dividing DP")
-    per_stage = spec.num_layers // pp
+    stage_of = layer_stages(list(stage_layers) if stage_layers else stage_layer_counts(spec.num_layers, pp))
     out: dict = {}
     for entry in mapping.entries:
         if entry.layer is not None:
-            stages = [entry.layer // per_stage]
+            stages = [stage_of[entry.layer]]
         elif entry.megatron.startswith("embedding"):
             stages = [0] + ([pp - 1] if spec.tie_word_embeddings and pp > 1 else [])
         else:
