@@ -32,6 +32,9 @@ VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before spli
 _EXPERT = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _ROW_EXPERT_PROJ = ("down_proj", "w2")
 _ROW_MODULES = ("o_proj", "down_proj")
+# vLLM's MLA (deepseek_v2.py): the up projections are column-parallel; q_a_proj + kv_a_proj_with_mqa (fused_qkv_a_proj,
+# disable_tp) and the latent norms are whole on every rank; no KV heads, so nothing is replicated per head
+_MLA_COLUMN_MODULES = ("q_b_proj", "q_proj", "kv_b_proj")
 
 
 # ---- boxes ------------------------------------------------------------------------------------------------------
@@ -208,6 +211,8 @@ def predict_engine_modules(mapping: Mapping, tp: int, ep: int, rank: int) -> dic
             out[module] = EngineModule("merged_column", rank, tp)
         elif leaf in _ROW_MODULES:
             out[module] = EngineModule("row", rank, tp)
+        elif spec.mla is not None and leaf in _MLA_COLUMN_MODULES:
+            out[module] = EngineModule("column", rank, tp)
         elif module.endswith(".experts"):
             out[module] = moe
     return out
