@@ -58,8 +58,10 @@ class DataConfig(_Section):
 class TinyModelSpec(_Section):
     """A small random model created locally when model.path does not exist (demos and tests; no model hub needed)."""
 
-    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe"] = Field(
-        "llama", description="Hugging Face architecture family of the created model.")
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
+                          "glm4_moe"] = Field(
+        "llama", description="Hugging Face architecture family of the created model (deepseek_v3 and glm4_moe need "
+        "num_experts > 1).")
     hidden_size: int = Field(128, ge=32, description="Hidden size (head_dim = hidden_size / heads must be >= 32 for "
                              "vLLM's CPU attention).")
     num_hidden_layers: int = Field(2, ge=1, description="Transformer layers.")
