@@ -97,6 +97,8 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
         kwargs.update({experts_key: spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok})
         if spec.architecture != "mixtral":
             kwargs["moe_intermediate_size"] = spec.intermediate_size
+    if spec.architecture == "glm4_moe":  # vLLM's GLM-4.5 reads head_dim from config.json
+        kwargs["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)
