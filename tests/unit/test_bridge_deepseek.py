@@ -156,3 +156,27 @@ def test_sync_plan_follows_uneven_stages(tiny_dirs):
     name = "decoder.layers.1.self_attention.linear_proj.weight"
     assert even[name] == [(0, 0, 1)] and uneven[name] == [(1, 0, 1)]  # layer 1 moves to the second stage
     assert uneven["decoder.layers.0.self_attention.linear_proj.weight"] == [(0, 0, 1)]
+
+
+def test_validate_checks_the_architecture(tmp_path):
+    """`megarl validate` reads config.json (model.config_path or model.path) and refuses what the bridge cannot map,
+    naming the supported list; DeepSeek-V3 is accepted."""
+    from pathlib import Path
+
+    from megarl.config import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = root / "recipes" / "grpo_deepseek_v3_671b.yaml"
+    load_config(recipe)  # valid, DeepSeek-V3's config.json included
+    cfg = json.loads((root / "recipes" / "models" / "deepseek_v3" / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3NextForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, [f"model.config_path={tmp_path / 'config.json'}"])
+    text = str(err.value)
+    assert "model.config_path = 'Qwen3NextForCausalLM'" in text and "DeepseekV3ForCausalLM" in text
+    cfg = json.loads((root / "recipes" / "models" / "deepseek_v3" / "config.json").read_text())
+    cfg["kv_lora_rank"] = 510  # 510 + 64 latent rows do not split over TP4 (megatron column-splits them)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="kv_lora_rank"):
+        load_config(recipe, [f"model.config_path={tmp_path / 'config.json'}", "parallelism.tensor_model_parallel_size=4"])
