@@ -542,7 +542,7 @@ _NO_PADDING_SWITCH = "megarl masks padding out of every loss; there is no padded
 _FSDP = "an FSDP setting; megarl trains with Megatron (set parallelism.* instead)"
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-             "use_distributed_optimizer")
+             "use_distributed_optimizer", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
 
 RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     # data
@@ -776,6 +776,8 @@ def _family_rule(key: str) -> Optional[Callable[[Conversion, str, Any], None]]:
                                       f"as a value ({target}min_lr)")
     if role in ("actor", "ref", "critic") and rest.startswith("megatron."):
         name = rest.removeprefix("megatron.")
+        if name.removeprefix("override_transformer_config.") in _PARALLEL[-2:]:  # verl's uneven-stage settings
+            name = name.removeprefix("override_transformer_config.")
         if name in _PARALLEL:
             return _to(f"parallelism.{name}")
         if name == "router_replay.mode" and role == "actor":  # verl's "disabled" is megarl's "none"

@@ -17,6 +17,9 @@ class Layout:
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
+    # uneven pipeline stages (verl's / megatron-core's names): the other stages share the remaining layers evenly
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    num_layers_in_last_pipeline_stage: Optional[int] = None
 
     @classmethod
     def of(cls, parallelism: Any) -> "Layout":
@@ -38,6 +41,11 @@ class Layout:
         """Expert TP * EP * PP: the ranks that hold one copy of every expert."""
         return self.expert_tensor * self.expert_model_parallel_size * self.pipeline_model_parallel_size
 
+    def stage_layers(self, num_layers: int) -> list:
+        """Decoder layers per pipeline stage; raises ValueError naming the setting when they do not split."""
+        return stage_layer_counts(num_layers, self.pipeline_model_parallel_size,
+                                  self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage)
+
     def fits(self, world_size: int) -> bool:
         """Whether `world_size` ranks split into this layout (dense and expert)."""
         return world_size % self.model_parallel_size == 0 and world_size % self.expert_model_parallel_span == 0
@@ -56,3 +64,35 @@ class Layout:
             raise ValueError(f"world size {world_size} is not divisible by expert TP * EP * PP = {self.expert_tensor}*"
                              f"{self.expert_model_parallel_size}*{self.pipeline_model_parallel_size}")
         return world_size // self.expert_model_parallel_span
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list:
+    """[layers of stage 0, ..., stage pp-1], megatron-core's rule: `first` / `last` layers on the first / last stage
+    when given, the remaining layers split evenly over the other stages (e.g. 61 layers, PP16, first 1, last 4:
+    [1, 4 x 14, 4]... with 56 over 14 middle stages)."""
+    if pp == 1:
+        if first not in (None, num_layers) or last not in (None, num_layers):
+            raise ValueError("parallelism.num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size > 1")
+        return [num_layers]
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and value < 1:
+            raise ValueError(f"parallelism.num_layers_in_{name}_pipeline_stage={value} must be >= 1")
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest % middle or rest == 0)):
+        raise ValueError(
+            f"num_hidden_layers={num_layers} does not split over pipeline_model_parallel_size={pp} with "
+            f"num_layers_in_first_pipeline_stage={first}, num_layers_in_last_pipeline_stage={last}: the "
+            f"{rest} remaining layers must split evenly (and non-empty) over the {middle} other stages")
+    per = rest // middle if middle else 0
+    counts = [per] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def layer_stages(counts: list) -> list:
+    """The pipeline stage of every global layer, from stage_layer_counts."""
+    return [stage for stage, n in enumerate(counts) for _ in range(n)]

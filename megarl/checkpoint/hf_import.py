@@ -29,7 +29,7 @@ DESCRIPTION = ("Convert a Hugging Face model into a megarl distributed checkpoin
 
 
 def import_rank(hf_dir: str, step_tmp: str, model: str, tp: int, pp: int, ep: int, etp: Optional[int],
-                dtype: Optional[str]) -> dict:
+                dtype: Optional[str], first_stage: Optional[int] = None, last_stage: Optional[int] = None) -> dict:
     """On every rank: load this rank's slices of the HF model at the layout and save them (collective)."""
     import torch
     import torch.distributed as dist
@@ -42,7 +42,9 @@ def import_rank(hf_dir: str, step_tmp: str, model: str, tp: int, pp: int, ep: in
     from megarl.megatron.train_step import make_trainable
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp), seed=0)
+                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                               num_layers_in_first_pipeline_stage=first_stage,
+                               num_layers_in_last_pipeline_stage=last_stage), seed=0)
     kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
     net, spec = build_and_load(hf_dir, value_head=model == "critic", **kwargs)
     trainable = make_trainable(net, OptimConfig(), total_steps=1)
@@ -56,7 +58,7 @@ def import_rank(hf_dir: str, step_tmp: str, model: str, tp: int, pp: int, ep: in
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
               etp: Optional[int] = None, model: str = "actor", dtype: Optional[str] = None,
-              force: bool = False) -> Path:
+              force: bool = False, first_stage: Optional[int] = None, last_stage: Optional[int] = None) -> Path:
     """Write `out/checkpoints/step_0` from `hf_dir` at the layout; returns the step directory."""
     from megarl.bridge.hf_config import check_layout, load_spec
     from megarl.checkpoint.merge import MergeError
@@ -65,7 +67,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, 
 
     hf_dir, out = Path(hf_dir).resolve(), Path(out)
     spec = load_spec(hf_dir)
-    check_layout(spec, tp, pp, ep, etp)
+    check_layout(spec, tp, pp, ep, etp, first_stage, last_stage)
     final = step_dir(checkpoints_dir(out), 0)
     if out.exists() and any(out.iterdir()):
         if not force:
@@ -79,11 +81,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, 
     per_stage = math.lcm(tp, ep * (etp or tp))
     world = per_stage * pp
     kwargs = {"hf_dir": str(hf_dir), "step_tmp": str(tmp), "model": model, "tp": tp, "pp": pp, "ep": ep, "etp": etp,
-              "dtype": dtype}
+              "dtype": dtype, "first_stage": first_stage, "last_stage": last_stage}
     results = run_ranks("megarl.checkpoint.hf_import:import_rank", world, kwargs, timeout=None)
     parallelism = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                    "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
-                   "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+                   "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp,
+                   "num_layers_in_first_pipeline_stage": first_stage, "num_layers_in_last_pipeline_stage": last_stage}
     finish_step_dir(tmp, model, hf_dir, parallelism, world, results[0]["dtype"])
     tmp.rename(final)
     return final
@@ -113,6 +116,10 @@ def add_arguments(p) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE)")
     p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
+    p.add_argument("--first-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: parallelism.num_layers_in_first_pipeline_stage")
+    p.add_argument("--last-stage-layers", type=int, default=None,
+                   help="uneven pipeline stages: parallelism.num_layers_in_last_pipeline_stage")
     p.add_argument("--model", default="actor", choices=["actor", "critic"], help="save as the actor or the critic")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (default: megarl's, bfloat16 on GPU, float32 on CPU)")
@@ -126,7 +133,8 @@ def run(args) -> int:
 
     try:
         path = import_hf(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, model=args.model,
-                         dtype=args.dtype, force=args.force)
+                         dtype=args.dtype, force=args.force, first_stage=args.first_stage_layers,
+                         last_stage=args.last_stage_layers)
     except (MergeError, BridgeError, RankFailure) as exc:
         print(f"megarl import: {exc}", file=sys.stderr)
         return 1

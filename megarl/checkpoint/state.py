@@ -363,7 +363,10 @@ class Checkpointer:
                 "virtual_pipeline_model_parallel_size": p.virtual_pipeline_model_parallel_size,
                 "context_parallel_size": p.context_parallel_size,
                 "expert_model_parallel_size": p.expert_model_parallel_size,
-                "expert_tensor_parallel_size": p.expert_tensor_parallel_size}
+                "expert_tensor_parallel_size": p.expert_tensor_parallel_size,
+                # uneven stages change which rank holds which layer (a resume under other stages reshards)
+                "num_layers_in_first_pipeline_stage": p.num_layers_in_first_pipeline_stage,
+                "num_layers_in_last_pipeline_stage": p.num_layers_in_last_pipeline_stage}
 
     # -- save --------------------------------------------------------------------------------------------------------
     def should_save(self, step: int, stopping: bool = False) -> bool:
@@ -475,7 +478,8 @@ class Checkpointer:
             else:
                 log.warning("checkpoint %s has no %r state; it starts fresh", path, name)
         rng_file = path / "rng" / f"rank_{self.rt.rank:05d}.pt"
-        if meta["world_size"] == self.rt.world_size and meta["parallelism"] == self._parallelism() \
+        now = self._parallelism()
+        if meta["world_size"] == self.rt.world_size and {k: meta["parallelism"].get(k) for k in now} == now \
                 and rng_file.exists():
             set_rng_state(torch.load(rng_file, weights_only=False))
         elif self.rt.is_rank0:

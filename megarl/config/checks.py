@@ -34,11 +34,19 @@ class ModelShape:
                    int(experts), cfg.get("max_position_embeddings"))
 
 
-def model_shape(cfg: MegarlConfig) -> Optional[ModelShape]:
-    """The model's shape from model.config_path, model.path/config.json, or model.create_tiny; None if unknown."""
+def _model_config(cfg: MegarlConfig) -> tuple:
+    """(config.json dict, its path) from model.config_path or model.path/config.json; (None, None) if neither."""
     for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
         if candidate and Path(candidate).is_file():
-            return ModelShape.from_hf_dict(json.loads(Path(candidate).read_text()), candidate)
+            return json.loads(Path(candidate).read_text()), candidate
+    return None, None
+
+
+def model_shape(cfg: MegarlConfig) -> Optional[ModelShape]:
+    """The model's shape from model.config_path, model.path/config.json, or model.create_tiny; None if unknown."""
+    hf, source = _model_config(cfg)
+    if hf is not None:
+        return ModelShape.from_hf_dict(hf, source)
     tiny = cfg.model.create_tiny
     if tiny is not None:
         return ModelShape("model.create_tiny", tiny.num_attention_heads, tiny.num_key_value_heads,
@@ -108,7 +116,16 @@ def check_model_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"{shape.num_key_value_heads} {src} (Megatron splits KV groups over TP)",
                             "pick a TP that divides the KV heads", keys=(P + "tensor_model_parallel_size",)))
     stages = pp * (p.virtual_pipeline_model_parallel_size or 1)
-    if shape.num_hidden_layers % stages:
+    uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
+    if uneven:
+        try:
+            Layout.of(p).stage_layers(shape.num_hidden_layers)
+        except ValueError as exc:
+            issues.append(Issue(P + "num_layers_in_first_pipeline_stage", p.num_layers_in_first_pipeline_stage,
+                                f"{exc} {src}", "pick first/last stage sizes that leave an even split",
+                                keys=(P + "num_layers_in_first_pipeline_stage", P + "num_layers_in_last_pipeline_stage",
+                                      P + "pipeline_model_parallel_size")))
+    elif shape.num_hidden_layers % stages:
         issues.append(Issue(P + "pipeline_model_parallel_size", pp, f"PP * virtual PP = {stages} must divide "
                             f"num_hidden_layers = {shape.num_hidden_layers} {src}", "pick a PP that divides the layers",
                             keys=(P + "pipeline_model_parallel_size", P + "virtual_pipeline_model_parallel_size")))
@@ -129,6 +146,29 @@ def check_model_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"{shape.max_position_embeddings} {src}", "shorten prompt_length/response_length",
                             keys=("rollout.max_model_len", "rollout.prompt_length", "rollout.response_length")))
     return issues
+
+
+def check_architecture(cfg: MegarlConfig) -> list[Issue]:
+    """The checkpoint's architecture and features must be ones megarl's bridge converts exactly (megarl.bridge)."""
+    hf, source = _model_config(cfg)
+    if hf is None:
+        return []
+    from megarl.bridge.hf_config import BridgeError, check_layout, spec_from_dict
+
+    key = "model.config_path" if cfg.model.config_path else "model.path"
+    try:
+        spec = spec_from_dict(hf.get("text_config", hf), source)
+    except BridgeError as exc:
+        return [Issue(key, (hf.get("architectures") or [None])[0], str(exc),
+                      "use a supported architecture (megarl.bridge.hf_config.SUPPORTED_ARCHITECTURES)", keys=(key,))]
+    p = cfg.parallelism
+    try:
+        # the bridge's own TP rules (e.g. MLA's latent sizes); PP / EP rules are check_model_layout's
+        check_layout(spec, p.tensor_model_parallel_size, 1, 1, p.expert_tensor_parallel_size)
+    except BridgeError as exc:
+        return [Issue(P + "tensor_model_parallel_size", p.tensor_model_parallel_size, f"{exc} ({source})",
+                      "pick a TP the model's sizes divide", keys=(P + "tensor_model_parallel_size",))]
+    return []
 
 
 def _dp(cfg: MegarlConfig) -> Optional[int]:
@@ -781,7 +821,8 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
 
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_distillation,
-    check_model_source, check_layout, check_model_layout, check_engine_layout, check_batches, check_lengths,
+    check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_batches,
+    check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,

@@ -58,8 +58,10 @@ class DataConfig(_Section):
 class TinyModelSpec(_Section):
     """A small random model created locally when model.path does not exist (demos and tests; no model hub needed)."""
 
-    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe"] = Field(
-        "llama", description="Hugging Face architecture family of the created model.")
+    architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
+                          "glm4_moe"] = Field(
+        "llama", description="Hugging Face architecture family of the created model (deepseek_v3 and glm4_moe need "
+        "num_experts > 1).")
     hidden_size: int = Field(128, ge=32, description="Hidden size (head_dim = hidden_size / heads must be >= 32 for "
                              "vLLM's CPU attention).")
     num_hidden_layers: int = Field(2, ge=1, description="Transformer layers.")
@@ -111,6 +113,11 @@ class ParallelismConfig(_Section):
     context_parallel_size: int = Field(1, ge=1, description="Context parallel size (CP).")
     expert_model_parallel_size: int = Field(1, ge=1, description="Expert parallel size (EP) for MoE layers.")
     expert_tensor_parallel_size: Optional[int] = Field(None, ge=1, description="TP size inside experts; None: TP.")
+    num_layers_in_first_pipeline_stage: Optional[int] = Field(
+        None, ge=1, description="Uneven pipeline stages: decoder layers on the first stage (the other stages split "
+        "the rest evenly; e.g. DeepSeek-V3's 61 layers over PP16).")
+    num_layers_in_last_pipeline_stage: Optional[int] = Field(
+        None, ge=1, description="Uneven pipeline stages: decoder layers on the last stage.")
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism over the TP ranks (needs TP > 1; "
                                     "required for MoE with TP > 1).")
     use_distributed_optimizer: bool = Field(False, description="Shard optimizer states over DP (GPU only).")

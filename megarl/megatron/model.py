@@ -113,7 +113,11 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
     pp = ps.get_pipeline_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
     etp = ps.get_expert_tensor_parallel_world_size()
-    check_layout(spec, tp, pp, ep, etp)
+    from megarl.megatron.parallel import uneven_stages
+
+    stages = uneven_stages() if pp > 1 else {}
+    check_layout(spec, tp, pp, ep, etp, stages.get("num_layers_in_first_pipeline_stage"),
+                 stages.get("num_layers_in_last_pipeline_stage"))
     if sequence_parallel is None:
         sequence_parallel = spec.is_moe and tp > 1
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
@@ -130,7 +134,7 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         virtual_pipeline_model_parallel_size=vpp,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
         masked_softmax_fusion=False, persist_layer_norm=False,
-        **{name: on for name, (on, _) in fusion_settings(use_te, fusions not in (False, "off")).items()},
+        **{name: on for name, (on, _) in fusion_settings(use_te, fusions not in (False, "off")).items()}, **stages,
     )
     if vpp is not None:
         # Interleaved 1F1B exchanges activations and gradients with both pipeline neighbours at once; at PP2 they are

@@ -69,6 +69,19 @@ def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+    global _LAYOUT
+    _LAYOUT = layout
+
+
+_LAYOUT: Optional[Layout] = None  # the layout of the last init_model_parallel (its uneven stages feed model building)
+
+
+def uneven_stages() -> dict:
+    """The uneven pipeline-stage settings of the current layout, as megatron TransformerConfig fields."""
+    if _LAYOUT is None:
+        return {}
+    return {k: v for k in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+            if (v := getattr(_LAYOUT, k)) is not None}
 
 
 def destroy() -> None:

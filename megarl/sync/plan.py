@@ -91,7 +91,8 @@ class SyncPlan:
 
 def build_plan(hf_config: TMapping[str, Any], tp: int = 1, pp: int = 1, ep: int = 1, world: Optional[int] = None,
                engine_tp: int = 1, engine_ep: int = 1, replicas: Optional[int] = None,
-               dtype: str = "bfloat16", separate: bool = False) -> SyncPlan:
+               dtype: str = "bfloat16", separate: bool = False, first_stage: Optional[int] = None,
+               last_stage: Optional[int] = None) -> SyncPlan:
     """The sync plan. Colocated engines: `replicas` (default world / engine_tp) replicas whose workers are hosted by
     the first ranks. separate: `replicas` (default 1) replicas on GPUs of their own, engine GPU i being receiver
     world + i (megarl.sync.remote numbers them so)."""
@@ -104,11 +105,12 @@ def build_plan(hf_config: TMapping[str, Any], tp: int = 1, pp: int = 1, ep: int 
         raise ValueError("ep / engine_ep > 1 needs an MoE model (num_experts > 0)")
     if spec.is_moe and (spec.num_experts % ep or spec.num_experts % engine_ep):
         raise ValueError(f"num_experts={spec.num_experts} must be divisible by ep={ep} and engine_ep={engine_ep}")
-    if spec.num_layers % pp:
-        raise ValueError(f"pp={pp} must divide num_hidden_layers={spec.num_layers}")
+    from megarl.layout import stage_layer_counts
+
+    stage_layers = stage_layer_counts(spec.num_layers, pp, first_stage, last_stage)  # ValueError naming the setting
     mapping = Mapping(spec, padded_vocab=padded_vocab_size(spec.vocab_size, tp))
     nbytes = DTYPE_BYTES[dtype]
-    holdings = trainer_holdings(mapping, layout_owners(mapping, tp, pp, ep, world))
+    holdings = trainer_holdings(mapping, layout_owners(mapping, tp, pp, ep, world, stage_layers))
     per_worker = [engine_needs(mapping, predict_engine_modules(mapping, engine_tp, engine_ep, w))
                   for w in range(engine_tp)]
     first = world if separate else 0

@@ -33,6 +33,9 @@ VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before spli
 _EXPERT = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _ROW_EXPERT_PROJ = ("down_proj", "w2")
 _ROW_MODULES = ("o_proj", "down_proj")
+# vLLM's MLA (deepseek_v2.py): the up projections are column-parallel; q_a_proj + kv_a_proj_with_mqa (fused_qkv_a_proj,
+# disable_tp) and the latent norms are whole on every rank; no KV heads, so nothing is replicated per head
+_MLA_COLUMN_MODULES = ("q_b_proj", "q_proj", "kv_b_proj")
 
 
 # ---- boxes ------------------------------------------------------------------------------------------------------
@@ -250,6 +253,8 @@ def predict_engine_modules(mapping: Mapping, tp: int, ep: int, rank: int) -> dic
             out[module] = EngineModule("merged_column", rank, tp)
         elif leaf in _ROW_MODULES:
             out[module] = EngineModule("row", rank, tp)
+        elif spec.mla is not None and leaf in _MLA_COLUMN_MODULES:
+            out[module] = EngineModule("column", rank, tp)
         elif module.endswith(".experts"):
             out[module] = moe
     return out
@@ -271,19 +276,23 @@ def trainer_holdings(mapping: Mapping, owners: TMapping[str, Iterable[tuple]]) -
     return out
 
 
-def layout_owners(mapping: Mapping, tp: int, pp: int, ep: int, world: int) -> dict:
+def layout_owners(mapping: Mapping, tp: int, pp: int, ep: int, world: int,
+                  stage_layers: Optional[Sequence[int]] = None) -> dict:
     """{megatron name: [(rank, tp rank, tp size)]} for a megatron layout over `world` ranks, in megatron-core's
     rank order (tp fastest, then expert parallel inside data parallel, then pipeline): rank = t + TP*(d + DP*p) with
-    expert-parallel rank d % EP. Layers are split evenly over stages; expert e lives on EP rank e // (experts/EP)."""
+    expert-parallel rank d % EP. Layers per stage: `stage_layers` (uneven stages, megarl.layout.stage_layer_counts),
+    else split evenly; expert e lives on EP rank e // (experts/EP)."""
+    from megarl.layout import layer_stages, stage_layer_counts
+
     spec = mapping.spec
     dp = world // (tp * pp)
     if dp * tp * pp != world or dp % ep:
         raise ValueError(f"world size {world} does not fit TP{tp} x PP{pp} with EP{ep} dividing DP")
-    per_stage = spec.num_layers // pp
+    stage_of = layer_stages(list(stage_layers) if stage_layers else stage_layer_counts(spec.num_layers, pp))
     out: dict = {}
     for entry in mapping.entries:
         if entry.layer is not None:
-            stages = [entry.layer // per_stage]
+            stages = [stage_of[entry.layer]]
         elif entry.megatron.startswith("embedding"):
             stages = [0] + ([pp - 1] if spec.tie_word_embeddings and pp > 1 else [])
         else:

@@ -246,6 +246,9 @@ def parameter_names(model: torch.nn.Module) -> list[str]:
     return [name for name, _ in model.named_parameters(remove_duplicate=False)]
 
 
+_LAYER_PREFIX = re.compile(r"^(.*\.)?layers\.\d+\.")
+
+
 def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
     """{alias: canonical} for every parameter registered under more than one name (tied word embeddings: vLLM's
     `lm_head.weight` is `model.embed_tokens.weight`). The canonical name is the first in module order, as in vLLM's
@@ -254,7 +257,11 @@ def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
     aliases: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical = first.setdefault(id(p), name)
-        if canonical != name:
+        layer = _LAYER_PREFIX.match(canonical)
+        if canonical != name and not (layer and name.startswith(layer.group(0))):
+            # a module referenced again inside the same decoder layer (vLLM's MLA wrapper `self_attn.mla_attn` holds
+            # the attention's norms and projections, FusedMoE holds the shared experts) is one parameter under a
+            # second name that the loader does not take: not a tie
             aliases[name] = canonical
     return aliases
 

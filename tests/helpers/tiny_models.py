@@ -58,22 +58,24 @@ TINY_PRESETS = {
         num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False,
         decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
     # DeepSeek-V3 (MLA): q LoRA, YaRN rope (interleaved in the checkpoint), 8 experts in 4 groups (top-2 groups,
-    # top-4 experts), a shared expert, routed_scaling_factor, one dense first layer. The latent sizes are vLLM's
-    # CPU MLA minimum (kv_lora_rank 32 + rope 16 per token).
+    # top-4 experts), a shared expert, routed_scaling_factor, one dense first layer. The latent sizes are
+    # DeepSeek-V3's own (kv_lora_rank 512 + rope 64): vLLM's CPU MLA kernel is compiled for that cache width only.
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        q_lora_rank=48, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
         routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False, max_position_embeddings=256,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # as in DeepSeek-V3's config.json; vLLM reads them
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
     # DeepSeek-V3 without q LoRA (DeepSeek-V2-Lite / Moonlight style q_proj), plain rope, no expert groups,
     # two dense first layers.
     "deepseek_v3_noqlora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
-        q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
         n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=1.0, first_k_dense_replace=2, tie_word_embeddings=False, rope_theta=50000.0)),
+        routed_scaling_factor=1.0, first_k_dense_replace=2, tie_word_embeddings=False, rope_theta=50000.0,
+        topk_method="noaux_tc", scoring_func="sigmoid")),
     # GLM-4.5: partial rotary (half of head_dim), q/k/v bias, QK norm, sigmoid router with bias, shared expert,
     # one dense first layer.
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
