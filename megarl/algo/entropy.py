@@ -10,6 +10,16 @@ from megarl.algo._checks import check_floating
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _vocab_logits(logits: torch.Tensor, all_reduce_max, all_reduce_sum) -> torch.Tensor:
+    """The checked [..., V] logits, in float32 when they come in half precision."""
+    check_floating("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V > 0; got shape {tuple(logits.shape)}")
+    if (all_reduce_max is None) != (all_reduce_sum is None):
+        raise ValueError("pass both all_reduce_max and all_reduce_sum (vocab-parallel) or neither")
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def entropy_from_logits(logits: torch.Tensor, *, all_reduce_max: Reduce | None = None,
                         all_reduce_sum: Reduce | None = None) -> torch.Tensor:
     """Entropy H = -sum_v p_v log p_v of softmax(logits) over the last dim.
@@ -26,12 +36,7 @@ def entropy_from_logits(logits: torch.Tensor, *, all_reduce_max: Reduce | None =
     in H); all_reduce_sum must be autograd-aware (e.g. torch.distributed.nn.functional.all_reduce) if gradients
     are needed.
     """
-    check_floating("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [..., V] with V > 0; got shape {tuple(logits.shape)}")
-    if (all_reduce_max is None) != (all_reduce_sum is None):
-        raise ValueError("pass both all_reduce_max and all_reduce_sum (vocab-parallel) or neither")
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    z = _vocab_logits(logits, all_reduce_max, all_reduce_sum)
     local_max = z.detach().amax(dim=-1)
     shift = local_max if all_reduce_max is None else all_reduce_max(local_max)
     # -inf logits (masked vocab entries) become the most negative finite number: exp gives 0 and 0 * z stays 0
@@ -56,12 +61,7 @@ def sum_pi_squared_from_logits(logits: torch.Tensor, *, all_reduce_max: Reduce |
     sum_v p_v^2 = sum_v e^(2 z_v) / S^2, so nothing larger than e^0 is exponentiated. Vocab-parallel reductions as in
     entropy_from_logits (no gradient: the result is a constant of the advantage).
     """
-    check_floating("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must be [..., V] with V > 0; got shape {tuple(logits.shape)}")
-    if (all_reduce_max is None) != (all_reduce_sum is None):
-        raise ValueError("pass both all_reduce_max and all_reduce_sum (vocab-parallel) or neither")
-    z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    z = _vocab_logits(logits, all_reduce_max, all_reduce_sum)
     local_max = z.amax(dim=-1)
     shift = local_max if all_reduce_max is None else all_reduce_max(local_max)
     exp_z = (z - shift.unsqueeze(-1)).exp()
