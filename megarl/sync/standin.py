@@ -72,8 +72,6 @@ class _Worker:
         self.regions: list = []
         self.params: dict = {}
         self.allocate(None)
-        self.updates = 0
-        self.open = False
         self.load_seconds = 0.0
 
     def allocate(self, contents: Optional[list]) -> None:
@@ -101,7 +99,7 @@ class _Worker:
                  "regions": self.record["regions"], "params": self.record["params"]}]
 
     def begin_update(self, verify: bool = False) -> None:
-        self.open = True
+        pass  # nothing to open: the pulls need no staging
 
     def load_bucket(self, metas: Sequence[Optional[dict]]) -> int:
         meta = metas[0] if metas else None
@@ -120,14 +118,11 @@ class _Worker:
         return seconds
 
     def end_update(self, placed=None) -> dict:
-        self.open = False
         self.pulls.release()
-        self.updates += 1
         mine = placed[0] if placed else None
         return {"tensors": int(mine["tensors"]) if mine else 0, "bytes": int(mine["bytes"]) if mine else 0}
 
     def abort_update(self) -> None:
-        self.open = False
         self.pulls.release()
 
     # -- memory, as vLLM's sleep mode (level 1: weights backed up on the host, re-mapped on wake) ---------------------
@@ -285,7 +280,8 @@ def memcpy_bytes(prof) -> dict:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name)).get("traceEvents", [])
+        with open(f.name) as trace:
+            events = json.load(trace).get("traceEvents", [])
     out: dict = {}
     for e in events:
         if e.get("cat") == "gpu_memcpy":
