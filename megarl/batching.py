@@ -67,6 +67,14 @@ def build_train_batch(rollout: RolloutBatch, scores: torch.Tensor, pad_token_id:
     return out
 
 
+def route_coverage(routes: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Share of the forwarded positions (0 .. length-2 of each row; lengths [N]: prompt + response tokens) that have
+    the engine's routes (routes [N, S, L, k], -1 = none)."""
+    need = torch.arange(routes.shape[1]).unsqueeze(0) < (lengths.view(-1, 1) - 1)
+    have = (routes >= 0).any(dim=-1).any(dim=-1)
+    return float((have & need).sum()) / max(1, int(need.sum()))
+
+
 def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:
     return {k: v[rows] for k, v in batch.items()}
 

@@ -255,13 +255,6 @@ def assemble_routes(per_row: Sequence[Optional[Any]], prompts: Sequence[Sequence
     return out
 
 
-def route_coverage(routes: torch.Tensor, lengths: Sequence[int]) -> float:
-    """Share of the forwarded positions (0 .. length-2 of each row) that have routes."""
-    need = torch.arange(routes.shape[1]).unsqueeze(0) < (torch.as_tensor(lengths).view(-1, 1) - 1)
-    have = (routes >= 0).any(dim=-1).any(dim=-1)
-    return float((have & need).sum()) / max(1, int(need.sum()))
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The vLLM engine
 
@@ -446,11 +439,8 @@ class VLLMEngine:
             if routes:
                 seq = [len(p) + len(r) for p, r in zip(rows_p, rows_r)]
                 fields["routed_experts"] = assemble_routes(taken, rows_p, seq, *self.routes_shape)
-        batch = self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s,
-                                    **fields)
-        if "routed_experts" in fields:
-            batch.metrics["rollout/routed_experts_coverage"] = route_coverage(batch.routed_experts, seq)
-        return batch
+        return self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s,
+                                   **fields)
 
     def _take_routes(self, engine_ids: Sequence[str]) -> list:
         """Each sample's routes from engine rank 0 (megarl.sync.worker_ext.RouteRecorder), freed there."""

@@ -88,7 +88,8 @@ def test_validate_refuses_r3_where_the_engine_routes_are_not_assembled():
 
 
 def test_assemble_routes_by_position_and_from_same_prompt_siblings():
-    from megarl.rollout.engine import assemble_routes, route_coverage
+    from megarl.batching import route_coverage
+    from megarl.rollout.engine import assemble_routes
 
     layers, k = 2, 1
     a = torch.tensor([[[0], [1]], [[1], [0]], [[0], [0]], [[1], [1]]], dtype=torch.int16)  # 4 positions
@@ -104,7 +105,7 @@ def test_assemble_routes_by_position_and_from_same_prompt_siblings():
     assert out[1, 2].flatten().tolist() == [1, 1]  # its own
     assert (out[1, 3:] == -1).all()  # position 3 is row 1's last token (length 4): never forwarded
     assert (out[2] == -1).all()
-    assert route_coverage(out, [5, 4, 3]) == (4 + 3 + 0) / (4 + 3 + 2)
+    assert route_coverage(out, torch.tensor([5, 4, 3])) == (4 + 3 + 0) / (4 + 3 + 2)
 
 
 def test_rollout_batch_carries_routes_through_select_concat_and_the_train_batch():
