@@ -185,8 +185,9 @@ class RolloutBatch:
         routes = None
         if all(b.routed_experts is not None for b in batches):  # positions widened with -1 (no route)
             w = max(b.routed_experts.shape[1] for b in batches)
-            routes = torch.cat([torch.nn.functional.pad(b.routed_experts, (0, 0, 0, 0, 0, w - b.routed_experts.shape[1]),
-                                                        value=-1) for b in batches])
+            grow = torch.nn.functional.pad
+            routes = torch.cat([grow(b.routed_experts, (0, 0, 0, 0, 0, w - b.routed_experts.shape[1]), value=-1)
+                                for b in batches])
         return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
                    response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
                    response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
