@@ -8,6 +8,8 @@ Training tensors of a step (N samples, S = longest prompt + response, T = S - 1)
     token_level_scores [N, T] float  the sample's reward at its last response token, else 0
     prompt_index       [N]    long   group id (samples of one prompt)
     response_lengths   [N]    long
+    routed_experts     [N, S, L, k] int16  the engine's experts per token position and decoder layer, -1 = none
+                                     (only when the rollout carries them: rollout.return_routed_experts)
 Later stages add old_log_probs, ref_log_probs, values, advantages, returns ([N, T] each).
 """
 from __future__ import annotations
@@ -54,9 +56,23 @@ def build_train_batch(rollout: RolloutBatch, scores: torch.Tensor, pad_token_id:
     rows = mask.any(dim=1).nonzero().flatten()
     last = torch.where(mask, torch.arange(s - 1).expand_as(mask), -1).amax(dim=1)
     token_scores[rows, last[rows]] = scores[rows].float()
-    return {"input_ids": ids, "response_mask": mask, "rollout_log_probs": rollout_lp,
-            "token_level_scores": token_scores, "prompt_index": rollout.prompt_index.clone(),
-            "response_lengths": lengths.clone()}
+    out = {"input_ids": ids, "response_mask": mask, "rollout_log_probs": rollout_lp,
+           "token_level_scores": token_scores, "prompt_index": rollout.prompt_index.clone(),
+           "response_lengths": lengths.clone()}
+    if rollout.routed_experts is not None:  # by sequence position, as input_ids' columns
+        r = rollout.routed_experts
+        routes = torch.full((n, s, *r.shape[2:]), -1, dtype=torch.int16)
+        routes[:, :min(s, r.shape[1])] = r[:, :s]
+        out["routed_experts"] = routes
+    return out
+
+
+def route_coverage(routes: torch.Tensor, lengths: torch.Tensor) -> float:
+    """Share of the forwarded positions (0 .. length-2 of each row; lengths [N]: prompt + response tokens) that have
+    the engine's routes (routes [N, S, L, k], -1 = none)."""
+    need = torch.arange(routes.shape[1]).unsqueeze(0) < (lengths.view(-1, 1) - 1)
+    have = (routes >= 0).any(dim=-1).any(dim=-1)
+    return float((have & need).sum()) / max(1, int(need.sum()))
 
 
 def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 
 from megarl import algo
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
+from megarl.batching import route_coverage, sequence_lengths
 from megarl.config import MegarlConfig
 from megarl.rollout.protocol import Deferred
 from megarl.data import PromptRecord, val_batches
@@ -266,6 +267,9 @@ def batch_metrics(batch: dict, rollout: RolloutBatch, scores: torch.Tensor) -> d
         "train/response_length_max": lengths.max().item(), "train/truncated_frac": rollout.truncated.float().mean().item(),
         "train/advantage_mean": algo.masked_mean(batch["advantages"], mask).item(),
     }
+    if "routed_experts" in batch:  # rollout.return_routed_experts: how much of the batch the engine's routes cover
+        metrics["rollout/routed_experts_coverage"] = route_coverage(batch["routed_experts"],
+                                                                    sequence_lengths(batch).cpu())
     if rollout.rollout_logprobs is None:  # rollout.calculate_log_probs=false: no engine logprobs to compare with
         return metrics
     diff = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()

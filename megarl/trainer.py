@@ -61,12 +61,14 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     process (colocated; with rollout.placement=separate, trainer rank r starts replica r's, on cores of its own); in
     Ray mode rank 0 holds the handle on the Ray actors. None on the other ranks."""
     seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.trainer.seed
+    # the engine sees only rollout.*: the resolved routed-experts switch (R3 turns it on) travels there
+    rollout = cfg.rollout.model_copy(update={"return_routed_experts": cfg.routes_from_engine})
     if cfg.rollout.mode == "ray":
         if not rt.is_rank0:
             return None
         from megarl.rollout.ray_engine import RayEngine
 
-        return RayEngine(cfg.rollout, model_path, seed=seed)
+        return RayEngine(rollout, model_path, seed=seed)
     if not rt.engines.owns(rt.rank):
         return None
     if cfg.engine_placement == "separate" and compute_device().type == "cuda":
@@ -83,7 +85,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node),
                           cfg.rollout.tensor_model_parallel_size)
     replica = rt.engines.replica_of(rt.rank)
-    return EngineProcess(cfg.rollout, model_path, seed=seed, cores=cores,
+    return EngineProcess(rollout, model_path, seed=seed, cores=cores,
                          name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))
 
 

@@ -50,6 +50,10 @@ class RolloutBatch:
         tool_rewards: FloatTensor [N] or None. Multi-turn rollouts: the sum of the rewards the sample's tool calls
             returned, added to its reward. None: no tools.
         metrics: scalar metrics of the rollout (counts, seconds, tokens/s), names prefixed "rollout/".
+        routed_experts: ShortTensor [N, W, L, k] or None (rollout.return_routed_experts). The experts the engine
+            routed each token of prompt + response to, per decoder layer (0-based; top-k expert ids), by sequence
+            position: W >= every row's prompt + response length; -1 where the engine forwarded no such token (the
+            last one of each row, padding) and in layers without a router.
         token_versions: LongTensor [N, R] or None. The weight version (trainer steps, see megarl.rollout.schedule)
             that sampled each token, 0 on padding; set by the rollout schedule (a response resumed after a weight
             sync mixes versions). None: every token is `weight_version`'s.
@@ -69,6 +73,7 @@ class RolloutBatch:
     token_versions: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
     tool_rewards: Optional[torch.Tensor] = None
+    routed_experts: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         n = len(self.prompt_ids)
@@ -96,6 +101,10 @@ class RolloutBatch:
             if t is not None and t.shape != self.response_ids.shape:
                 raise ValueError(f"RolloutBatch.{name} {tuple(t.shape)} must have the shape of response_ids "
                                  f"{tuple(self.response_ids.shape)}")
+        r = self.routed_experts
+        if r is not None and (r.ndim != 4 or r.shape[0] != n or r.dtype != torch.int16):
+            raise ValueError(f"RolloutBatch.routed_experts: expected an int16 tensor [N, W, layers, top_k] with {n} "
+                             f"rows, got {r.dtype} {tuple(r.shape)}")
         if len(self.finish_reasons) != n:
             raise ValueError(f"RolloutBatch.finish_reasons has {len(self.finish_reasons)} entries for {n} samples")
         bad = sorted({r for r in self.finish_reasons if r not in FINISH_REASONS})
@@ -148,7 +157,8 @@ class RolloutBatch:
             weight_version=self.weight_version, pad_token_id=self.pad_token_id, metrics=dict(self.metrics),
             token_versions=None if self.token_versions is None else self.token_versions[idx],
             loss_mask=None if self.loss_mask is None else self.loss_mask[idx],
-            tool_rewards=None if self.tool_rewards is None else self.tool_rewards[idx])
+            tool_rewards=None if self.tool_rewards is None else self.tool_rewards[idx],
+            routed_experts=None if self.routed_experts is None else self.routed_experts[idx])
 
     @classmethod
     def concat(cls, batches: list["RolloutBatch"], prompt_index: Optional[list[int]] = None) -> "RolloutBatch":
@@ -172,6 +182,12 @@ class RolloutBatch:
                                for b in batches]) if multi_turn else None
         tool_rewards = torch.cat([b.tool_rewards if b.tool_rewards is not None else torch.zeros(len(b))
                                   for b in batches]) if any(b.tool_rewards is not None for b in batches) else None
+        routes = None
+        if all(b.routed_experts is not None for b in batches):  # positions widened with -1 (no route)
+            w = max(b.routed_experts.shape[1] for b in batches)
+            grow = torch.nn.functional.pad
+            routes = torch.cat([grow(b.routed_experts, (0, 0, 0, 0, 0, w - b.routed_experts.shape[1]), value=-1)
+                                for b in batches])
         return cls(prompt_ids=[p for b in batches for p in b.prompt_ids],
                    response_ids=torch.cat([widen(b.response_ids, pad) for b in batches]),
                    response_lengths=torch.cat([b.response_lengths for b in batches]), rollout_logprobs=logprobs,
@@ -180,4 +196,4 @@ class RolloutBatch:
                    prompt_truncated=torch.cat([b.prompt_truncated for b in batches]),
                    weight_version=batches[-1].weight_version, pad_token_id=pad, metrics=dict(batches[-1].metrics),
                    token_versions=versions,
-                   loss_mask=loss_mask, tool_rewards=tool_rewards)
+                   loss_mask=loss_mask, tool_rewards=tool_rewards, routed_experts=routes)

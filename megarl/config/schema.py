@@ -174,10 +174,9 @@ class RouterReplayConfig(_Section):
 
     mode: Literal["none", "R2", "R3"] = Field(
         "none", description="none: every forward routes with its own router. R2: the old-logprob pass records each "
-        "token's experts and the reference and update forwards replay them. R3: the rollout engine's routing is "
-        "replayed in the old-logprob, reference and update forwards (not available yet: the engine does not return "
-        "routed experts). Tokens without a recorded route fall back to the router, counted in "
-        "router_replay/*_fallback_share.")
+        "token's experts and the reference and update forwards replay them. R3: the rollout engine's routing "
+        "(rollout.return_routed_experts) is replayed in the old-logprob, reference and update forwards. Tokens "
+        "without a recorded route fall back to the router, counted in router_replay/*_fallback_share.")
 
 
 class LoraConfig(_Section):
@@ -373,6 +372,12 @@ class RolloutConfig(_Section):
     quantization: Optional[str] = Field(None, description="Engine weight quantization: fp8 (GPU only: online "
                                         "quantization of the synced weights); None: none.")
     calculate_log_probs: bool = Field(True, description="Return rollout logprobs of sampled tokens.")
+    return_routed_experts: Optional[bool] = Field(
+        None, description="MoE models: return each sample's routed experts per token and layer from the engine "
+        "(vLLM's enable_return_routed_experts, collected by megarl's worker extension on any model runner) in the "
+        "rollout batch. The old-logprob pass then reports router_replay/old_log_prob_agreement, the share of "
+        "(token, MoE layer) pairs the trainer routes as the engine did; actor.router_replay.mode=R3 replays them. "
+        "None: on exactly when the mode is R3.")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
         "processed_logprobs", description="processed: logprobs of the sampling distribution (after temperature, "
         "top-k, top-p); the trainer computes its logprobs at the rollout temperature, so they agree when top-k/top-p "
@@ -749,6 +754,12 @@ class MegarlConfig(_Section):
         """rollout.placement, resolved: Ray actors are always separate; otherwise colocated unless set."""
         r = self.rollout
         return "separate" if r.mode == "ray" else r.placement or "colocated"
+
+    @property
+    def routes_from_engine(self) -> bool:
+        """rollout.return_routed_experts, resolved: None follows actor.router_replay.mode == R3."""
+        r = self.rollout.return_routed_experts
+        return r if r is not None else self.actor.router_replay.mode == "R3"
 
     @property
     def critic_enabled(self) -> bool:

@@ -47,7 +47,7 @@ def build_options(cfg: MegarlConfig) -> dict:
             **({"moe_router_dtype": m.moe_router_dtype} if m.moe_router_dtype else {}),
             # routing replay goes through megatron's unfused top-k (router.router_replay)
             **({"moe_enable_routing_replay": True, "moe_router_fusion": False}
-               if cfg.actor.router_replay.mode != "none" else {}),
+               if cfg.actor.router_replay.mode != "none" or cfg.routes_from_engine else {}),
             **recompute_overrides(m.recompute)}
 
 
@@ -99,7 +99,7 @@ class _Worker:
                  total_steps: int, lora=None):
         self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
         self.replay_metrics: dict = {}  # router_replay/* of this worker's last passes
-        if cfg.actor.router_replay.mode != "none" and not value_head and self.spec.is_moe:
+        if (cfg.actor.router_replay.mode != "none" or cfg.routes_from_engine) and not value_head and self.spec.is_moe:
             router_replay.install(self.model if isinstance(self.model, (list, tuple)) else [self.model])
         self.lora = lora
         if lora is not None:  # frozen base + adapters, before DDP: the base gets no gradient buffer or optimizer state
@@ -120,12 +120,14 @@ class _Worker:
 
         record: this is the step's first forward (the old-logprob pass): under R2 it records the routing, added to
         the batch as `routed_experts` [N, S, L, k] for the later passes. Any other pass replays batch['routed_experts']
-        (R3: the engine's; R2: the recorded ones). Metrics go to self.replay_metrics as router_replay/<name>_*."""
+        (R3: the engine's; R2: the recorded ones). Without replay (mode none), the first forward of a batch that
+        carries the engine's routes (rollout.return_routed_experts) measures how many of them the trainer's routers
+        reproduce. Metrics go to self.replay_metrics as router_replay/<name>_*."""
         mode = self.cfg.actor.router_replay.mode
-        if mode == "none" or not self.spec.is_moe:
-            return run()
         routes = batch.get("routed_experts")
-        action = "record" if record and mode == "R2" else "replay"
+        if not self.spec.is_moe or (mode == "none" and not (record and routes is not None)):
+            return run()
+        action = "measure" if mode == "none" else "record" if record and mode == "R2" else "replay"
         if action == "replay" and routes is None:
             raise ValueError(f"actor.router_replay.mode={mode}: the batch has no routed_experts to replay in the "
                              f"{name} pass" + (" (R3 takes them from the rollout engine)" if mode == "R3" else ""))

@@ -212,6 +212,50 @@ def apply_prompt_overflow(prompts: Sequence[Sequence[int]], limit: int, policy: 
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Routed experts (rollout.return_routed_experts)
+
+
+def assemble_routes(per_row: Sequence[Optional[Any]], prompts: Sequence[Sequence[int]], lengths: Sequence[int],
+                    layers: int, top_k: int) -> torch.Tensor:
+    """The rollout batch's routes [N, W, layers, top_k] int16 from each row's recorded routes.
+
+    per_row[i]: row i's routes [positions, layers, top_k] as the engine recorded them by sequence position (prompt
+    then response; -1 where not forwarded), or None. lengths[i]: prompt + response tokens of row i; W = max(lengths).
+    Positions at or past lengths[i] - 1 are -1 (the last token is sampled, never forwarded). A prompt position that
+    the engine did not forward for this row (its KV came from the prefix cache, e.g. the second sample of a prompt)
+    takes the routes of another row with the same prompt that has them: the same tokens after the same prefix route
+    the same way under the same weights."""
+    n = len(per_row)
+    width = max(lengths, default=0)
+    out = torch.full((n, width, layers, top_k), -1, dtype=torch.int16)
+    for i, r in enumerate(per_row):
+        if r is None:
+            continue
+        r = torch.as_tensor(r).to(torch.int16)
+        w = min(r.shape[0], max(lengths[i] - 1, 0))
+        out[i, :w] = r[:w]
+    have = (out >= 0).any(dim=-1).any(dim=-1)  # [N, W]: positions with a route in some layer
+    by_prompt: dict[tuple, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_prompt.setdefault(tuple(p), []).append(i)
+    for rows in by_prompt.values():
+        if len(rows) < 2:
+            continue
+        plen = len(prompts[rows[0]])
+        for i in rows:
+            upto = min(plen, lengths[i] - 1)
+            missing = (~have[i, :upto]).nonzero().flatten()
+            for j in rows:
+                if j == i or not len(missing):
+                    continue
+                got = missing[have[j, missing]]
+                out[i, got] = out[j, got]
+                have[i, got] = True
+                missing = missing[~have[i, missing]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The vLLM engine
 
 
@@ -299,6 +343,17 @@ class VLLMEngine:
         self._packed = self.layouts[0]["packed"]
         self._tied = self.layouts[0]["tied"]
         self._param_names = self.layouts[0]["params"]
+        self.routes_shape = None  # (layers, top_k) of the routed experts the workers record
+        if cfg.return_routed_experts:
+            try:
+                info = self._llm.collective_rpc("megarl_capture_routes")[0]
+            except ValueError as exc:  # vLLM's binder: no MoE router in the model
+                raise EngineStartError(f"rollout.return_routed_experts=true, but the engine cannot capture routed "
+                                       f"experts for {self.model_path}: {exc}. Fix: set it to false (and "
+                                       "actor.router_replay.mode to none or R2)") from exc
+            self.routes_shape = (info["layers"], info["top_k"])
+            log.info("engine records routed experts: %d layers (%d MoE), top-%d", info["layers"], info["moe_layers"],
+                     info["top_k"])
         if self._tied:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
@@ -337,7 +392,8 @@ class VLLMEngine:
         seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff for k in range(len(prompts))]
         rids = [self._driver.add(p, SamplingParams(**kw, seed=s)) for p, s in zip(prompts, seeds)]
         done = self._driver.run_to_end(rids)
-        return self._collect(rids, done, prompts, [ids[k] for k in kept], cut, t0, len(prompt_token_ids))
+        return self._collect(rids, done, prompts, [ids[k] for k in kept], cut, t0, len(prompt_token_ids),
+                             routes=not validate)
 
     def continue_generate(self, prompt_token_ids: Sequence[Sequence[int]], partial_ids: Sequence[Sequence[int]],
                           prompt_index: Sequence[int], seeds: Sequence[int]) -> RolloutBatch:
@@ -352,17 +408,21 @@ class VLLMEngine:
                                                                       - len(r)}, seed=int(s)))
                 for p, r, s in zip(prompt_token_ids, partial_ids, seeds)]
         done = self._driver.run_to_end(rids)
+        # a continuation's routes would need merging with the partial's: not collected (validate refuses R3 with
+        # async_training.partial_rollout=abort_resume)
         return self._collect(rids, done, [list(p) for p in prompt_token_ids], [int(i) for i in prompt_index],
-                             [False] * len(rids), t0, len(rids))
+                             [False] * len(rids), t0, len(rids), routes=False)
 
     def _collect(self, rids: Sequence[str], done: dict, prompts: Sequence[list], groups_of: Sequence[int],
-                 cut: Sequence[bool], t0: float, num_prompts: int) -> RolloutBatch:
-        """The RolloutBatch of the ended requests `rids` (request k: prompts[k], group groups_of[k])."""
+                 cut: Sequence[bool], t0: float, num_prompts: int, routes: bool = True) -> RolloutBatch:
+        """The RolloutBatch of the ended requests `rids` (request k: prompts[k], group groups_of[k]); with routes
+        (and rollout.return_routed_experts) the samples' routed experts, else they are only freed."""
         cfg = self.config
         gen_s = time.perf_counter() - t0
-        rows_p, rows_r, rows_lp, reasons, groups, pcut = [], [], [], [], [], []
+        rows_p, rows_r, rows_lp, reasons, groups, pcut, engine_ids = [], [], [], [], [], [], []
         for k, rid in enumerate(rids):
             for c in done[rid]:
+                engine_ids.append(c.engine_request_id)
                 rows_p.append(prompts[k])
                 rows_r.append(c.token_ids)
                 if cfg.calculate_log_probs:
@@ -373,7 +433,19 @@ class VLLMEngine:
         resp = pad_rows(rows_r, self.pad_id, torch.long)
         lps = pad_rows(rows_lp, 0.0, torch.float32, resp.shape[1]) if cfg.calculate_log_probs else None
         lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
-        return self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s)
+        fields = {}
+        if self.routes_shape is not None:
+            taken = self._take_routes(engine_ids)
+            if routes:
+                seq = [len(p) + len(r) for p, r in zip(rows_p, rows_r)]
+                fields["routed_experts"] = assemble_routes(taken, rows_p, seq, *self.routes_shape)
+        return self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s,
+                                   **fields)
+
+    def _take_routes(self, engine_ids: Sequence[str]) -> list:
+        """Each sample's routes from engine rank 0 (megarl.sync.worker_ext.RouteRecorder), freed there."""
+        per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids),))
+        return next(r for r in per_rank if r is not None)
 
     @property
     def pad_id(self) -> int:
@@ -448,6 +520,8 @@ class VLLMEngine:
         infos = None if extra_infos is None else [extra_infos[k] for k in kept]
         # every trajectory in flight at once on one event loop; a turn is an agenerate request on the shared engine
         trajs = asyncio.run(agent.run(self.agenerate, prompts, n_eff, sampling, seeds, infos))
+        if self.routes_shape is not None:  # a trajectory's turns are separate requests: routes are not assembled
+            self._llm.collective_rpc("megarl_drop_routes")
         t = trajectory_tensors(trajs, self.pad_id)
         rows_p = [prompts[k] for k in range(len(prompts)) for _ in range(n_eff)]
         groups = [ids[kept[k]] for k in range(len(prompts)) for _ in range(n_eff)]
@@ -499,6 +573,8 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         outputs = self._llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
+        if self.routes_shape is not None:
+            self._llm.collective_rpc("megarl_drop_routes")
         result = []
         for tokens, out in zip(token_ids, outputs):
             # prompt_logprobs[0] is None (the first token has no prefix); entry i holds token i's logprob

@@ -78,12 +78,14 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
     me = dist.get_rank()
     if me == src:
         n, width = batch.response_ids.shape
+        routes = tuple(batch.routed_experts.shape[1:]) if batch.routed_experts is not None else (0, 0, 0)
         header = torch.tensor([n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),
                                batch.weight_version, batch.pad_token_id, batch.loss_mask is not None,
-                               batch.tool_rewards is not None], dtype=torch.long)
+                               batch.tool_rewards is not None, *routes], dtype=torch.long)
     else:
-        header = torch.empty(8, dtype=torch.long)
-    n, width, has_lp, prompt_tokens, version, pad, has_mask, has_tool = _broadcast(header, src, group).tolist()
+        header = torch.empty(11, dtype=torch.long)
+    n, width, has_lp, prompt_tokens, version, pad, has_mask, has_tool, *routes = _broadcast(header, src,
+                                                                                           group).tolist()
 
     def field(make, value):
         return _broadcast(value() if me == src else make(), src, group)
@@ -102,6 +104,9 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
                       lambda: batch.loss_mask.contiguous()) if has_mask else None
     tool_rewards = field(lambda: torch.empty(n, dtype=torch.float32),
                          lambda: batch.tool_rewards.contiguous()) if has_tool else None
+    # sent as int32 (gloo has no int16 collectives)
+    routed = field(lambda: torch.empty((n, *routes), dtype=torch.int32),
+                   lambda: batch.routed_experts.to(torch.int32)).to(torch.int16) if routes[1] else None
     # NaN marks a metric the batch does not have (single-turn rollouts have no tool/* counts)
     metrics = field(lambda: torch.empty(len(METRIC_KEYS), dtype=torch.float64), lambda: torch.tensor(
         [float(batch.metrics.get(k, float("nan"))) for k in METRIC_KEYS], dtype=torch.float64))
@@ -111,7 +116,7 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
                         response_lengths=rows[0].clone(), rollout_logprobs=logprobs,
                         finish_reasons=[FINISH_REASONS[c] for c in rows[4].tolist()], truncated=rows[2].bool(),
                         prompt_index=rows[1].clone(), prompt_truncated=rows[3].bool(), weight_version=int(version),
-                        pad_token_id=int(pad), loss_mask=loss_mask, tool_rewards=tool_rewards,
+                        pad_token_id=int(pad), loss_mask=loss_mask, tool_rewards=tool_rewards, routed_experts=routed,
                         metrics={k: v for k, v in zip(METRIC_KEYS, metrics.tolist()) if v == v})
 
 

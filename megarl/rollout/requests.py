@@ -38,6 +38,7 @@ class Completion:
     finish_reason: str = "abort"
     token_versions: list[int] = field(default_factory=list)
     finished: bool = False
+    engine_request_id: str = ""  # vLLM's internal id of the request that sampled it (a child's for n > 1)
 
 
 class AbortSignal:
@@ -99,7 +100,12 @@ class RequestDriver:
         want_lp = params.logprobs is not None
         self._live[rid] = [Completion(logprobs=[] if want_lp else None) for _ in range(params.n)]
         self._epoch[rid] = self.signal.epoch
-        self._engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        internal = self._engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        # vLLM makes the id unique ("<rid>-<8 random chars>") and fans n > 1 out into children "<j>_<that id>": the
+        # ids its workers see (routed experts are kept under them)
+        internal = internal if isinstance(internal, str) else rid
+        for j, comp in enumerate(self._live[rid]):
+            comp.engine_request_id = internal if params.n == 1 else f"{j}_{internal}"
         return rid
 
     @property

@@ -61,16 +61,74 @@ def _cfg(mode, **extra):
                        check=False)
 
 
-def test_validate_refuses_r3_dense_models_and_recompute(tmp_path):
+def test_validate_refuses_dense_models_and_recompute(tmp_path):
     assert check_router_replay(_cfg("none")) == []
-    (r3,) = check_router_replay(_cfg("R3"))
-    assert r3.key == "actor.router_replay.mode" and "routed experts" in r3.rule and "R2" in r3.fix
     assert check_router_replay(_cfg("R2")) == []  # model shape unknown: nothing to object to
+    assert check_router_replay(_cfg("R3")) == []
+    assert _cfg("R3").routes_from_engine and not _cfg("R2").routes_from_engine  # R3 turns the engine's routes on
     (tmp_path / "config.json").write_text('{"num_attention_heads": 4, "num_hidden_layers": 2}')  # dense
     (dense,) = check_router_replay(_cfg("R2", model={"path": str(tmp_path)}))
     assert "has none" in dense.rule
+    (dense_r3,) = check_router_replay(_cfg("R3", model={"path": str(tmp_path)}))
+    assert dense_r3.key == "actor.router_replay.mode" and "MoE" in dense_r3.rule
+    (dense_routes,) = check_router_replay(_cfg("none", model={"path": str(tmp_path)},
+                                               rollout={"return_routed_experts": True}))
+    assert dense_routes.key == "rollout.return_routed_experts" and "false" in dense_routes.fix
     (rec,) = check_router_replay(_cfg("R2", model={"path": "x", "recompute": "full"}))
     assert "model.recompute" in rec.keys
+
+
+def test_validate_refuses_r3_where_the_engine_routes_are_not_assembled():
+    (off,) = check_router_replay(_cfg("R3", rollout={"return_routed_experts": False}))
+    assert "rollout.return_routed_experts" in off.keys and "R2" in off.fix
+    (mt,) = check_router_replay(_cfg("R3", rollout={"multi_turn": {"enable": True}}))
+    assert "rollout.multi_turn.enable" in mt.keys
+    (resume,) = check_router_replay(_cfg("R3", async_training={"partial_rollout": "abort_resume"}))
+    assert "async_training.partial_rollout" in resume.keys and "finish" in resume.fix
+
+
+def test_assemble_routes_by_position_and_from_same_prompt_siblings():
+    from megarl.batching import route_coverage
+    from megarl.rollout.engine import assemble_routes
+
+    layers, k = 2, 1
+    a = torch.tensor([[[0], [1]], [[1], [0]], [[0], [0]], [[1], [1]]], dtype=torch.int16)  # 4 positions
+    b = a.clone()
+    b[:2] = -1  # positions 0-1 came from the prefix cache: not forwarded for this row
+    b[2] = torch.tensor([[1], [1]])
+    # row 0: prompt [7, 8, 9] + 2 response tokens (4 forwarded positions, the last token is not forwarded)
+    # row 1: the same prompt, other response; row 2: another prompt, nothing recorded
+    out = assemble_routes([a.numpy(), b.numpy(), None], [[7, 8, 9], [7, 8, 9], [7, 8]], [5, 4, 3], layers, k)
+    assert out.shape == (3, 5, 2, 1) and out.dtype == torch.int16
+    assert torch.equal(out[0, :4], a) and (out[0, 4] == -1).all()
+    assert torch.equal(out[1, :2], a[:2])  # the prompt positions the prefix cache skipped: row 0's
+    assert out[1, 2].flatten().tolist() == [1, 1]  # its own
+    assert (out[1, 3:] == -1).all()  # position 3 is row 1's last token (length 4): never forwarded
+    assert (out[2] == -1).all()
+    assert route_coverage(out, torch.tensor([5, 4, 3])) == (4 + 3 + 0) / (4 + 3 + 2)
+
+
+def test_rollout_batch_carries_routes_through_select_concat_and_the_train_batch():
+    from megarl.batching import build_train_batch
+    from megarl.types import RolloutBatch
+
+    def batch(routes, width):
+        n = routes.shape[0]
+        return RolloutBatch(prompt_ids=[[5, 6]] * n, response_ids=torch.ones(n, width, dtype=torch.long),
+                            response_lengths=torch.full((n,), width), rollout_logprobs=None,
+                            finish_reasons=["stop"] * n, truncated=torch.zeros(n, dtype=torch.bool),
+                            prompt_index=torch.arange(n), prompt_truncated=torch.zeros(n, dtype=torch.bool),
+                            routed_experts=routes)
+
+    r1 = torch.arange(2 * 3 * 1 * 2, dtype=torch.int16).view(2, 3, 1, 2)
+    r2 = torch.full((1, 4, 1, 2), 9, dtype=torch.int16)
+    both = RolloutBatch.concat([batch(r1, 1), batch(r2, 2)])
+    assert both.routed_experts.shape == (3, 4, 1, 2)
+    assert torch.equal(both.routed_experts[:2, :3], r1) and (both.routed_experts[:2, 3] == -1).all()
+    assert torch.equal(both.select([2]).routed_experts, r2)
+    train = build_train_batch(both, torch.zeros(3), 0)
+    assert train["routed_experts"].shape == (3, 4, 1, 2)  # S = 2 + 2 tokens: input_ids' columns
+    assert torch.equal(train["routed_experts"], both.routed_experts)
 
 
 def test_convert_verl_maps_the_mode_and_drops_the_engine_switch():
