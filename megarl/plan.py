@@ -351,6 +351,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                        f"less than one max_model_len={max_len} sequence; raise rollout.gpu_memory_utilization or "
                        "rollout.tensor_model_parallel_size")
     sync_buffers = 2 * (r.update_weights_bucket_megabytes << 20)
+    if adapter_sync_bytes is not None and r.load_format != "dummy":
+        sync_buffers = 0  # the adapters travel in a host shared-memory file; no bucket is ever filled on the GPU
     reserve = int(RESERVE_GIB * GIB)
 
     # offload around rollout: the selected states per stage
