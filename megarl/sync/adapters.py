@@ -125,8 +125,9 @@ class AdapterSync:
                 metrics.update(self.base.run(engine, verify=verify))
         owners = [self.topology.owner(r) for r in range(self.topology.replicas)]
         many = dist.is_initialized() and dist.get_world_size() > 1
+        tg = time.perf_counter()
         tensors = gather_adapters(self.chunks, dst=None if len(owners) > 1 else owners[0])
-        gather_s = time.perf_counter() - t0
+        gather_s = time.perf_counter() - tg
         out = {}
         if engine is not None and tensors is not None:
             from megarl.sync.delivery import shm_dir
