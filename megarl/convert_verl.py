@@ -483,6 +483,13 @@ def _load_format(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl's engine loads 'dummy', 'auto' or 'safetensors' weights")
 
 
+def _lora_merge(c: Conversion, verl_key: str, value: Any) -> None:
+    if value in (True, False, None):
+        c.set(verl_key, value, "actor.lora.sync", "merged" if value else "adapter")
+    else:
+        c.refuse(verl_key, value, "true (merged weights into the engine) or false (adapters into vLLM's LoRA support)")
+
+
 def _resume_mode(c: Conversion, verl_key: str, value: Any) -> None:
     if value in ("auto", "disable"):
         c.set(verl_key, value, "checkpoint.resume")
@@ -573,6 +580,11 @@ RULES: dict[str, Callable[[Conversion, str, Any], None]] = {
     AR + "actor.peft.target_modules": _to("actor.lora.target_modules"),
     AR + "actor.peft.peft_type": _accept(("lora", "LORA", None), "megarl's actor.lora is LoRA",
                                          "megarl implements LoRA adapters only (peft_type: lora)"),
+    # verl's LoRA rollout: adapters into vLLM's LoRA support (TensorLoRARequest) unless model.lora.merge merges them
+    AR + "model.lora.merge": _lora_merge,
+    AR + "rollout.layered_summon": _no_effect("verl gathers FSDP-sharded weights layer by layer to save memory; megarl "
+                                              "gathers only the adapters (actor.lora.sync=adapter) or merges each "
+                                              "rank's own shards (merged), never the whole model"),
     AR + "model.use_shm": _off_only("off", "megarl reads the model from model.path; drop it"),
     # actor
     AR + "actor.grad_clip": _to("actor.optim.clip_grad"),
@@ -907,6 +919,12 @@ def _derived(c: Conversion, settings: dict, defaults: dict) -> None:
             c.label = "(verl default) "
             c.set(f"{AR}rollout.{megarl_key.rsplit('.', 1)[1]}", f"as {AR}{actor_key}", megarl_key, value)
             c.label = ""
+    rank = _get(c.recipe, "actor.lora.rank")
+    if isinstance(rank, int) and rank > 0 and _get(c.recipe, "actor.lora.sync") is None:
+        # verl's LoRA rollout loads the adapters into vLLM (model.lora.merge: false) unless told to merge
+        c.label = "(verl default) "
+        c.set(f"{AR}model.lora.merge", False, "actor.lora.sync", "adapter")
+        c.label = ""
     for key, value in c.later.items():
         if key.endswith("max_resp_len"):
             length = _get(c.recipe, "rollout.response_length", 512)

@@ -284,7 +284,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     a = cfg.actor
     actor = trainable("actor", stage_dense, stage_expert, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
                       a.ppo_max_token_len_per_gpu, True)
-    lora_line = None
+    lora_line, adapter_sync_bytes = None, None
     if a.lora.enabled:  # frozen base (parameters only) + adapters with their gradients and optimizer states
         from megarl.lora.targets import LoraSettings, adapter_numel, resolve_targets, stage_adapter_numel
 
@@ -298,11 +298,15 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                             optim_distributed=[n * opt_bpp // dp for n in n_lora],
                             optim_replicated=[n * opt_bpp for n in n_lora], activations=actor.activations)
         total = adapter_numel(targets, a.lora.rank)
+        adapter_sync_bytes = total * DTYPE_BYTES[engine_dtype] if a.lora.sync == "adapter" else None
+        synced = ("the engine receives merged weights, the shards below" if adapter_sync_bytes is None else
+                  f"the engine keeps its base and each replica receives the whole adapters, "
+                  f"{adapter_sync_bytes / 2**20:.2f} MiB in {engine_dtype} (vLLM slices them per worker)")
         lora_line = (f"LoRA rank {a.lora.rank} on {sorted({t.projection for t in targets.targets})}: "
                      f"{total / 1e6:.1f} M adapter parameters ({total * pbytes / GIB:.2f} GiB), at most "
                      f"{max(n_lora) / 1e6:.1f} M per GPU; the base ({n_params_total(plan) / 1e9:.2f} B) is frozen: "
                      "no gradients, no optimizer states; the reference policy is the actor with adapters disabled "
-                     f"(no memory); sync {a.lora.sync}: the engine receives merged weights, the shards below")
+                     f"(no memory); sync {a.lora.sync}: {synced}")
     models = [actor]
     if cfg.critic_enabled:  # the LM head becomes a 1-wide value head on the last stage
         untied = "lm_head.weight" in plan.mapping.by_hf
@@ -347,6 +351,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                        f"less than one max_model_len={max_len} sequence; raise rollout.gpu_memory_utilization or "
                        "rollout.tensor_model_parallel_size")
     sync_buffers = 2 * (r.update_weights_bucket_megabytes << 20)
+    if adapter_sync_bytes is not None and r.load_format != "dummy":
+        sync_buffers = 0  # the adapters travel in a host shared-memory file; no bucket is ever filled on the GPU
     reserve = int(RESERVE_GIB * GIB)
 
     # offload around rollout: the selected states per stage
@@ -429,6 +435,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                        f"{gpu_mem_gib:g} GiB")
 
     recv = int(max(received.values(), default=0) * ebytes_ratio)  # from other ranks, per GPU and sync
+    if adapter_sync_bytes is not None:  # adapter sync: each engine owner gathers the whole adapters, nothing else
+        recv = adapter_sync_bytes
     bw = link_gbps * 1e9
     sync_lb = recv / bw
     n_params = plan.total_bytes // plan.element_bytes
@@ -477,11 +485,18 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         lines.append(f"  {k:46s} {v:8.2f} GiB")
     lines.append(f"  {'total':46s} {peak / GIB:8.2f} GiB of {gpu_mem_gib:g}")
     lines.append("  phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in phases.items()) + " GiB")
-    lines += ["", f"weight sync ({engine_dtype}), per sync: each engine worker loads its shard, at most "
-              f"{engine_weights / GIB:.2f} GiB; a GPU receives at most {recv / GIB:.2f} GiB from other GPUs "
-              f"(>= {sync_lb:.2f} s at {link_gbps:g} GB/s) and sends at most "
-              f"{max(sent.values(), default=0) * ebytes_ratio / GIB:.2f} GiB; no GPU gathers the model",
-              f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
+    if adapter_sync_bytes is None:
+        lines += ["", f"weight sync ({engine_dtype}), per sync: each engine worker loads its shard, at most "
+                  f"{engine_weights / GIB:.2f} GiB; a GPU receives at most {recv / GIB:.2f} GiB from other GPUs "
+                  f"(>= {sync_lb:.2f} s at {link_gbps:g} GB/s) and sends at most "
+                  f"{max(sent.values(), default=0) * ebytes_ratio / GIB:.2f} GiB; no GPU gathers the model",
+                  f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
+    else:
+        lines += ["", f"weight sync ({engine_dtype}), per sync (actor.lora.sync=adapter): {adapter_sync_bytes:,} "
+                  f"bytes of adapters ({adapter_sync_bytes / 2**20:.2f} MiB) per engine replica, gathered on its "
+                  f"owner GPU (>= {sync_lb * 1e3:.2f} ms at {link_gbps:g} GB/s) and loaded by every worker of it "
+                  "through vLLM's LoRA support; no base weight moves",
+                  "sync buffers: one shared-memory file of the adapters"]
     if separate:
         lines[-2] += (" (engines placed separately: each engine GPU receives its whole shard from the trainer GPUs "
                       "over the transfer group; the engines do not sleep, and the trainer GPUs hold no engine)")
@@ -498,7 +513,8 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     verdict = "FITS" if fits else "DOES NOT FIT"
     lines += ["", f"verdict: {verdict} (peak {peak / GIB:.1f} of {gpu_mem_gib:g} GiB per GPU)"]
     lines += [f"  - {x}" for x in reasons]
-    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms, engine_weights, sync_lb, offloaded)
+    return PlanReport("\n".join(lines), fits, peak, peak, reasons, terms,
+                      engine_weights if adapter_sync_bytes is None else adapter_sync_bytes, sync_lb, offloaded)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -233,6 +233,17 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     engines in processes of their own (Ray actors, rollout.placement=separate): the same plan over a transfer group
     the trainer ranks and the engine hosts form (megarl.sync.remote)."""
     bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
+    if cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter":  # the engine keeps its base; adapters only
+        from megarl.rollout.engine import resolve_dtype
+        from megarl.runtime import compute_device
+        from megarl.sync.adapters import AdapterSync
+        from megarl.sync.delivery import plan_sync
+
+        # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
+        base = plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes) \
+            if cfg.rollout.load_format == "dummy" else None
+        dtype = getattr(torch, resolve_dtype(cfg.rollout, compute_device().type == "cuda"))
+        return AdapterSync(actor.chunks, rt.engines, dtype, base=base)
     if cfg.engine_placement == "separate":
         from megarl.sync.remote import plan_remote_sync
 

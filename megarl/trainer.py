@@ -84,9 +84,12 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
                if rt.engines.owns(r)]
     cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node),
                           cfg.rollout.tensor_model_parallel_size)
+    from megarl.sync.adapters import engine_lora
+
     replica = rt.engines.replica_of(rt.rank)
     return EngineProcess(rollout, model_path, seed=seed, cores=cores,
-                         name="megarl-vllm-engine" + (f"-{replica}" if replica else ""))
+                         name="megarl-vllm-engine" + (f"-{replica}" if replica else ""),
+                         lora=engine_lora(cfg, model_path))
 
 
 def engine_cores(cfg: MegarlConfig, trainer_side: bool = False) -> list:

@@ -82,6 +82,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "(its workers are hosted by trainer ranks 0..engine_tp-1 and each receives only its shard)")
     p.add_argument("--engine-ep", type=int, default=1, help="with --engine vllm: the engine's expert parallel size "
                    "(1, or equal to --engine-tp)")
+    p.add_argument("--lora-sync", choices=["merged", "adapter"], default="merged",
+                   help="with --engine vllm and --lora: merged pushes base + alpha/rank * B A into the engine; adapter "
+                   "starts the engine with vLLM's LoRA support and loads only the adapters (actor.lora.sync)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the started ranks are killed")
     args = p.parse_args(argv)
     args.derived_tol = args.tol is None and args.dtype != "float32"
@@ -151,12 +154,13 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
                       lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
                       lora: Optional[str] = None, reward_model: bool = False, first_stage: Optional[int] = None,
-                      last_stage: Optional[int] = None) -> dict:
+                      last_stage: Optional[int] = None, lora_sync: str = "merged") -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] (reward_model: scores [B] at the
     last real token of each row) on the rank that reports them (last pipeline stage, TP rank 0, DP rank 0), else
     None}; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real tokens) and "sync"
     (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears; first_stage / last_stage:
-    layers of the first / last pipeline stage (uneven stages)."""
+    layers of the first / last pipeline stage (uneven stages); lora_sync: "adapter" loads the adapters into vLLM's
+    LoRA support instead of merged weights (megarl.sync.adapters)."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs
@@ -169,12 +173,17 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
                                expert_model_parallel_size=ep, num_layers_in_first_pipeline_stage=first_stage,
                                num_layers_in_last_pipeline_stage=last_stage), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype), value_head=reward_model)
+    engine_lora = None
     if lora:
         from megarl.lora.layers import apply_lora, load_adapters
         from megarl.lora.peft_io import read_adapter, settings_from_peft
+        from megarl.sync.adapters import lora_engine_settings
 
-        apply_lora(model, spec, settings_from_peft(lora))
+        settings = settings_from_peft(lora)
+        targets = apply_lora(model, spec, settings)
         load_adapters(model, read_adapter(lora))
+        if lora_sync == "adapter":
+            engine_lora = lora_engine_settings(settings, [t.projection for t in targets.targets])
     model.eval()
     if reward_model:
         from megarl.megatron.forward import token_values
@@ -187,15 +196,18 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect()}
     if engine == "vllm":
-        result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype, engine_tp, engine_ep))
+        result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype, engine_tp, engine_ep,
+                                       engine_lora))
     return result
 
 
 def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor, dtype: str,
-                     engine_tp: int = 1, engine_ep: int = 1) -> dict:
+                     engine_tp: int = 1, engine_ep: int = 1, lora: Optional[dict] = None) -> dict:
     """Rank 0 starts a vLLM engine (TP engine_tp, EP engine_ep) with random (dummy) weights; every rank delivers
     megarl's weights into it through the trainer's weight sync (each engine worker receives its own shard from the
-    ranks that hold it; checksums verified on every worker); rank 0 returns vLLM's logprobs of the batch."""
+    ranks that hold it; checksums verified on every worker); rank 0 returns vLLM's logprobs of the batch.
+    lora (megarl.sync.adapters.lora_engine_settings): the engine starts with vLLM's LoRA support and the adapter sync
+    runs as the trainer's does with dummy weights: the base through the ordinary sync, then the adapters alone."""
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
@@ -208,10 +220,15 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
         cfg = RolloutConfig(prompt_length=tokens.shape[1], response_length=1, load_format="dummy", dtype=dtype,
                             enable_prefix_caching=False, tensor_model_parallel_size=engine_tp,
                             expert_model_parallel_size=engine_ep)
-        engine = EngineProcess(cfg, hf_dir, seed=0)
+        engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
     try:
-        sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), engine_tp, 1), 64 << 20).run(
-            engine, verify=True)
+        topology = EngineTopology(dist.get_world_size(), engine_tp, 1)
+        full = plan_sync(model, spec, engine, topology, 64 << 20)
+        if lora is not None:
+            from megarl.sync.adapters import AdapterSync
+
+            full = AdapterSync(model, topology, getattr(torch, dtype), base=full)
+        sync = full.run(engine, verify=True)
         if engine is None:
             return {}
         seqs = [tokens[i, :n].tolist() for i, n in enumerate(lengths.tolist())]
@@ -338,7 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
                   engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora, reward_model=spec.score_head,
-                  first_stage=args.first_stage_layers, last_stage=args.last_stage_layers)
+                  first_stage=args.first_stage_layers, last_stage=args.last_stage_layers,
+                  lora_sync=args.lora_sync if args.lora else "merged")
     args.reward_model = spec.score_head
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
@@ -388,6 +406,9 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
           f"{sync['weight_sync/seconds']:.2f} s, {sync['weight_sync/verified_tensors']:.0f} engine tensors' checksums "
           f"verified; "
           f"megarl vs HF transformers: {hf_diff:.3e}")
+    if "sync/bytes" in sync:  # --lora-sync adapter: the base once, then the adapters into vLLM's LoRA support
+        print(f"adapter sync into vLLM's LoRA support: {sync['weight_sync/num_tensors']:.0f} adapter tensors, "
+              f"{sync['sync/bytes']:.0f} bytes in {sync['weight_sync/adapter_install_seconds']:.3f} s")
     max_diff, rows = compare(got, vllm, lengths)  # reference: megarl's own logprobs
     return report(args, rows, max_diff, source, reference="megarl", other="vLLM",
                   mean_diff=mean_abs_diff(got, vllm, lengths), scale=scale, tf32=tf32)

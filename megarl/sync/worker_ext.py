@@ -252,7 +252,9 @@ def describe_modules(model: torch.nn.Module) -> dict:
             info = EngineModule("moe", int(cfg.tp_rank), int(cfg.tp_size), experts=local)
         else:
             continue
-        out[name] = info.to_dict()
+        # vLLM's LoRA support wraps each adapted layer; the wrapped layer (`<name>.base_layer`) reads the checkpoint
+        # tensors of `<name>`, which is how the HF names map to it
+        out[name.removesuffix(".base_layer")] = info.to_dict()
     return out
 
 
@@ -674,6 +676,45 @@ class MegarlWorkerExtension:
         n = len(recorder.routes_of)
         recorder.routes_of.clear()
         return n
+
+    # -- LoRA adapters (actor.lora.sync: adapter; megarl.sync.adapters) ------------------------------------------------
+    def megarl_add_adapter(self, meta: dict, lora_id: int, peft_config: dict) -> dict:
+        """Register the whole PEFT-named adapters of file `meta` (megarl.sync.adapters.write_adapter_file) as LoRA
+        `lora_id` with vLLM's own LoRAModel.from_lora_tensors, activate it and drop every other adapter. vLLM slices
+        each A/B for this worker's TP rank when it activates the adapter. A tensor whose module this engine has no LoRA
+        layer for is an error (vLLM would ignore it silently). Returns counts."""
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from megarl.sync.adapters import read_adapter_file
+
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            raise RuntimeError("the engine was started without LoRA support (enable_lora); actor.lora.sync=adapter "
+                               "starts it with it")
+        tensors = read_adapter_file(meta)
+        helper = PEFTHelper.from_dict({**peft_config,
+                                       "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        models = manager._adapter_manager
+        model = models.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=int(lora_id), tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        known = set(models.modules) | {part for parts in models.packed_modules.values() for part in parts}
+        unknown = sorted(set(lora.loras) - known)
+        if unknown:
+            raise RuntimeError(f"the engine has no LoRA layer for adapter modules {unknown[:6]} (its LoRA modules: "
+                               f"{sorted(models.modules)[:6]} ...); check actor.lora.target_modules")
+        for old in list(manager.list_adapters()):
+            manager.remove_adapter(old)
+        models.add_adapter(lora)
+        models.activate_adapter(lora.id)
+        return {"tensors": len(tensors), "modules": len(lora.loras),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+                "adapters": sorted(manager.list_adapters())}
 
 
 WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"

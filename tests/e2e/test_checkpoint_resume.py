@@ -23,6 +23,8 @@ VARIANTS = {"grpo": [], "ppo": ["algorithm.adv_estimator=gae", "algorithm.lam=0.
             # loss is the actor with adapters disabled
             "lora": ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=all-linear",
                      "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "ref.log_prob_micro_batch_size_per_gpu=8"]}
+# adapter sync: the resumed engine starts on the base and gets the checkpoint's adapters before its first rollout
+VARIANTS["lora_adapter"] = VARIANTS["lora"] + ["actor.lora.sync=adapter"]
 # metrics that measure time, or count the engine's weight loads since it started: they differ between any two runs
 VOLATILE = ("timing/", "seconds", "per_second", "gbps", "weight_sync/version")
 OWNER = "MEGARL_TEST_RESUME_OWNER"
@@ -65,7 +67,8 @@ def tmp(tmp_path_factory):
 
 # PPO (critic, reference, adaptive KL state) in `make test-slow`: the same resume path as GRPO plus the critic's state
 @pytest.fixture(scope="module", params=["grpo", pytest.param("ppo", marks=pytest.mark.slow),
-                                        pytest.param("lora", marks=pytest.mark.slow)])
+                                        pytest.param("lora", marks=pytest.mark.slow),
+                                        pytest.param("lora_adapter", marks=pytest.mark.slow)])
 def straight(request, tmp):
     """STEPS steps without stopping (one checkpoint, at the end)."""
     variant = request.param

@@ -325,7 +325,9 @@ def test_lora_keys_map_to_actor_lora(where):
     c = convert(settings)
     assert not c.refused, c.refused
     lora = c.recipe["actor"]["lora"]
-    assert lora == {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj", "k_proj", "o_proj"]}
+    # verl's LoRA rollout loads the adapters into vLLM (model.lora.merge defaults to false): sync adapter
+    assert lora == {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj", "k_proj", "o_proj"],
+                    "sync": "adapter"}
     from megarl.config.schema import LoraConfig
 
     assert LoraConfig.model_validate(lora).enabled

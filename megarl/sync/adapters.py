@@ -1,0 +1,177 @@
+"""Adapter sync (actor.lora.sync: adapter): after each update only the LoRA adapters go to the engine, which keeps the
+base weights it started with and generates through vLLM's LoRA support.
+
+    sync = AdapterSync(actor.chunks, topology, settings, engine_dtype)      # every rank
+    metrics = sync.run(engine)                                               # a collective; the owners load
+
+How. Every trainer rank holds its TP/PP/EP shards of the adapters; `megarl.lora.layers.gather_adapters` (the same
+LoRA<->PEFT naming the PEFT export uses: `Target.peft_key`, each TP shard placed by the bridge mapping) assembles
+the whole PEFT-named tensors on each engine owner. The owner writes them into one shared-memory file
+(`write_adapter_file`: name, dtype, shape, offset per tensor) and calls the engine's `load_adapter`: each vLLM worker
+maps the file and builds a LoRAModel with vLLM's own `LoRAModel.from_lora_tensors` (vLLM slices the whole A and B for
+its TP rank when it activates the adapter), registers it under a new integer id and drops the previous adapter
+(megarl.sync.worker_ext.MegarlWorkerExtension.megarl_add_adapter). Every later generate request carries the
+LoRARequest of that id. No base weight moves, and nothing but the file name and small metadata crosses vLLM's RPC.
+
+Bytes per sync: the adapters once per engine replica, sum over adapted projections of rank * (in + out) elements in
+the engine dtype (`adapter_bytes`), where the merged sync moves the whole model.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megarl.lora.targets import ALL_LINEAR, LoraSettings
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+# vLLM's LoRAConfig.max_lora_rank takes one of these (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> Optional[int]:
+    """The smallest max_lora_rank vLLM accepts that holds `rank`; None above vLLM's largest (512)."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+
+
+def vllm_target_modules(projections: Sequence[str], packed: dict) -> list:
+    """vLLM module names (suffixes) to wrap with LoRA layers: a packed module (qkv_proj, gate_up_proj) when any of its
+    parts is adapted, the others under their own name. projections: HF short names; packed: the vLLM model class's
+    packed_modules_mapping ({"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...})."""
+    wanted = set(projections)
+    out = set()
+    for name, parts in packed.items():
+        if wanted & set(parts):
+            out.add(name)
+            wanted -= set(parts)
+    return sorted(out | wanted)
+
+
+def lora_engine_settings(settings: LoraSettings, projections: Sequence[str]) -> dict:
+    """What the engine needs to start with LoRA support and to build each adapter (picklable): rank, alpha, the
+    adapted HF projections, and PEFT's adapter_config fields vLLM's PEFTHelper reads."""
+    return {"rank": int(settings.rank), "alpha": float(settings.alpha), "projections": sorted(set(projections)),
+            "max_lora_rank": vllm_max_lora_rank(settings.rank),
+            "peft_config": {"r": int(settings.rank), "lora_alpha": float(settings.alpha),
+                            "target_modules": (ALL_LINEAR if settings.target_modules == ALL_LINEAR
+                                               else sorted(set(projections))),
+                            "bias": "none", "use_rslora": False, "use_dora": False}}
+
+
+def adapter_bytes(tensors: dict, dtype: torch.dtype) -> int:
+    """Bytes of `tensors` ({PEFT key: tensor}) in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() for t in tensors.values()) * size
+
+
+def write_adapter_file(tensors: dict, path: str, dtype: torch.dtype) -> dict:
+    """Write the adapters into one shared-memory file; returns its meta {"path", "size", "bytes", "tensors": [[name,
+    dtype, shape, offset]]} (what `read_adapter_file` and megarl_add_adapter read). Tensors are cast to `dtype` (the
+    engine's)."""
+    entries, offset = [], 0
+    size = torch.empty((), dtype=dtype).element_size()
+    for name in sorted(tensors):
+        t = tensors[name]
+        entries.append([name, str(dtype).replace("torch.", ""), list(t.shape), offset])
+        offset += -(-t.numel() * size // _ALIGN) * _ALIGN
+    total = max(offset, _ALIGN)
+    buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    for (name, _, shape, off) in entries:
+        t = tensors[name]
+        n = t.numel() * size
+        buf[off: off + n].view(dtype).view(tuple(shape)).copy_(t.detach().to(dtype))
+    return {"path": path, "size": total, "bytes": adapter_bytes(tensors, dtype), "tensors": entries}
+
+
+def read_adapter_file(meta: dict) -> dict:
+    """{PEFT key: tensor} of a file written by `write_adapter_file` (copies: the file is removed after the load)."""
+    from megarl.sync.worker_ext import region
+
+    if not os.path.isfile(meta["path"]) or os.path.getsize(meta["path"]) != int(meta["size"]):
+        raise FileNotFoundError(f"adapter file {meta['path']} of {meta['size']} bytes is missing (the trainer rank "
+                                "owning this engine did not write it)")
+    buf = torch.from_file(meta["path"], shared=False, size=int(meta["size"]), dtype=torch.uint8)
+    return {name: region(buf, dtype, shape, int(offset)).clone() for name, dtype, shape, offset in meta["tensors"]}
+
+
+class AdapterSync:
+    """The adapter sync of one run (see the module docstring). chunks: the actor's model chunks; topology: the
+    engines' placement over the trainer ranks (megarl.rollout.replicas.EngineTopology); engine_dtype: the dtype the
+    engine computes in (the adapters are sent in it)."""
+
+    def __init__(self, chunks, topology, engine_dtype: torch.dtype, base=None):
+        self.chunks = chunks
+        self.topology = topology
+        self.dtype = engine_dtype
+        self.base = base  # a full-weight sync run once before the first adapter (an engine started with dummy weights)
+        self.syncs = 0
+
+    def run(self, engine: Any, verify: bool = False) -> dict:
+        """Gather the adapters on every engine owner and load them there (a collective over all trainer ranks)."""
+        import torch.distributed as dist
+
+        from megarl.lora.layers import adapters_disabled, gather_adapters
+
+        t0 = time.perf_counter()
+        metrics: dict = {}
+        if self.base is not None and self.syncs == 0:  # the engine's base weights, once: the adapters switched off
+            with adapters_disabled(self.chunks):
+                metrics.update(self.base.run(engine, verify=verify))
+        owners = [self.topology.owner(r) for r in range(self.topology.replicas)]
+        many = dist.is_initialized() and dist.get_world_size() > 1
+        tg = time.perf_counter()
+        tensors = gather_adapters(self.chunks, dst=None if len(owners) > 1 else owners[0])
+        gather_s = time.perf_counter() - tg
+        out = {}
+        if engine is not None and tensors is not None:
+            from megarl.sync.delivery import shm_dir
+
+            path = os.path.join(shm_dir(), f"megarl-adapter-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                meta = write_adapter_file(tensors, path, self.dtype)
+                t1 = time.perf_counter()
+                out = engine.load_adapter(meta, verify=verify)
+                load_s = time.perf_counter() - t1
+            finally:
+                if os.path.exists(path):
+                    os.unlink(path)
+            out = {**out, "weight_sync/engine_load_seconds": load_s}
+        self.syncs += 1
+        if many:
+            dist.barrier()  # every rank leaves once every engine holds the new adapter
+        seconds = time.perf_counter() - t0
+        if out:
+            metrics.update({k: v for k, v in out.items() if k != "weight_sync/bytes"})
+            sent = out["weight_sync/adapter_bytes"]
+            # each replica receives the adapters once: what moved into engines per sync, all replicas together
+            metrics.update({"sync/bytes": sent * len(owners), "weight_sync/bytes": sent * len(owners)
+                            + metrics.get("weight_sync/bytes", 0.0),
+                            "weight_sync/gather_seconds": gather_s, "weight_sync/seconds": seconds,
+                            "weight_sync/mode_adapter": 1.0})
+        return metrics
+
+
+def engine_lora(cfg, model_path: str) -> Optional[dict]:
+    """The engine's LoRA settings of a recipe (lora_engine_settings), None unless actor.lora.sync is adapter. The
+    adapted projections come from the model's bridge mapping ("all-linear": every linear the architecture has)."""
+    lo = cfg.actor.lora
+    if not (lo.enabled and lo.sync == "adapter"):
+        return None
+    import json
+    from pathlib import Path
+
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.mapping import Mapping
+    from megarl.lora.targets import resolve_targets
+
+    source = Path(model_path) / "config.json"
+    tm = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
+    settings = LoraSettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, target_modules=tm)
+    targets = resolve_targets(Mapping(spec_from_dict(json.loads(source.read_text()), str(source))), settings)
+    return lora_engine_settings(settings, [t.projection for t in targets.targets])
