@@ -61,7 +61,7 @@ def run_step(tmp_path, name: str, model: str, extra: list) -> dict:
     return m
 
 
-@pytest.mark.slow  # two one-step runs of a 2-rank MoE actor with a TP2 vLLM engine: 13 min on 2 very busy cores
+@pytest.mark.slow  # two one-step runs of a 2-rank MoE actor with a TP2 vLLM engine: 13-15 min on 2 very busy cores
 def test_r3_replays_the_engine_routing_at_trainer_ep2_engine_tp2_ep2(tmp_path):
     model = near_tie_moe(tmp_path / "model")
     plain = run_step(tmp_path, "measured", model, ["rollout.return_routed_experts=true"])
