@@ -45,10 +45,13 @@ def run_step(tmp_path, name: str, model: str, extra: list) -> dict:
     reward = tmp_path / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
     run_dir = tmp_path / name
-    # two mini-batches: the old-logprob pass runs (one mini-batch would take the old logprobs from the update)
+    # two mini-batches: the old-logprob pass runs (one mini-batch would take the old logprobs from the update);
+    # fixed micro-batches: token-budget ones are cut to each rank's longest row, and the EP ranks' MoE layers must
+    # exchange equal token counts
     cfg = load_config(RECIPE, SMALL + [
         f"trainer.run_dir={run_dir}", f"model.path={model}", f"data.synthetic.output_dir={tmp_path / 'd'}",
         f"reward.reward_fn={reward}", "trainer.total_steps=1", "actor.ppo_mini_batch_size=4",
+        "actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=4",
         "parallelism.expert_model_parallel_size=2", "trainer.n_gpus_per_node=2",
         "rollout.tensor_model_parallel_size=2", "rollout.expert_model_parallel_size=2", *extra])
     run_ranks("megarl.trainer:train_entry", cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=900)
@@ -58,7 +61,7 @@ def run_step(tmp_path, name: str, model: str, extra: list) -> dict:
     return m
 
 
-@pytest.mark.slow  # two one-step runs of a 2-rank MoE actor with a TP2 vLLM engine: 13 min on 2 very busy cores
+@pytest.mark.slow  # two one-step runs of a 2-rank MoE actor with a TP2 vLLM engine: 13-15 min on 2 very busy cores
 def test_r3_replays_the_engine_routing_at_trainer_ep2_engine_tp2_ep2(tmp_path):
     model = near_tie_moe(tmp_path / "model")
     plain = run_step(tmp_path, "measured", model, ["rollout.return_routed_experts=true"])
