@@ -510,6 +510,25 @@ def check_parallel_options(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
+def check_dynamic_batches_with_experts(cfg: MegarlConfig) -> list[Issue]:
+    """Token-budget micro-batches at expert parallelism: megarl's MoE layers use megatron's allgather token
+    dispatcher, which gathers every EP rank's tokens into one tensor per forward, so each rank must run the same
+    number of micro-batches of the same token count. Token-budget packing gives each rank its own count and widths
+    (a collective size mismatch at the first MoE layer, seen at EP2). Fixed micro-batches are full-width: equal."""
+    ep = cfg.parallelism.expert_model_parallel_size
+    if ep == 1:
+        return []
+    rule = (f"expert_model_parallel_size = {ep}: megatron's allgather token dispatcher needs the same micro-batch "
+            "count and token count on every expert-parallel rank, which token-budget micro-batches (packed per rank "
+            "from its own rows) do not give")
+    settings = [("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz, "a fixed actor.ppo_micro_batch_size_per_gpu"),
+                ("rollout.log_prob_use_dynamic_bsz", cfg.rollout.log_prob_use_dynamic_bsz,
+                 "a fixed rollout.log_prob_micro_batch_size_per_gpu")]
+    return [Issue(key, True, rule, f"set {key}=false with {fixed}, or {P}expert_model_parallel_size=1",
+                  keys=(key, P + "expert_model_parallel_size"))
+            for key, on, fixed in settings if on]
+
+
 def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
     """Settings that only act together with another one: set alone they would be silently ignored."""
     issues = []
@@ -871,7 +890,8 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_batches,
     check_lengths,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dependent_settings,
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dynamic_batches_with_experts,
+    check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
     check_router_replay, check_lora, check_virtual_pipeline)
 

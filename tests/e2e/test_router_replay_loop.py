@@ -21,7 +21,9 @@ def test_r2_records_then_replays_at_ep2(tmp_path):
     cfg = load_config(RECIPE, SMALL + MOE + [
         f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}", f"data.synthetic.output_dir={tmp_path / 'd'}",
         f"reward.reward_fn={reward}", "trainer.total_steps=2", "actor.router_replay.mode=R2",
-        "parallelism.expert_model_parallel_size=2", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true"])
+        "parallelism.expert_model_parallel_size=2", "trainer.n_gpus_per_node=2", "actor.use_kl_loss=true",
+        # fixed micro-batches: the EP ranks' MoE layers exchange equal token counts (validate refuses token budgets)
+        "actor.use_dynamic_bsz=false", "actor.ppo_micro_batch_size_per_gpu=4"])
     run_ranks("megarl.trainer:train_entry", cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=900)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
