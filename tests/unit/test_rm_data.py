@@ -51,3 +51,15 @@ def test_top1_accuracy_by_hand():
     assert top1_accuracy(scores, pairs, groups) == pytest.approx(0.5)
     scores = torch.tensor([1.0, 0.2, 1.0, 0.9, 2.0, -1.0])
     assert top1_accuracy(scores, pairs, groups) == pytest.approx(1.0)
+
+
+def test_validate_refuses_policy_pair_settings_without_enable():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("recipes/rm_tiny_cpu.yaml", ["rm.policy_pairs.enable=false", "rm.policy_pairs.n=4",
+                                                 "rm.policy_pairs.add_reference=false"])
+    text = str(err.value)
+    assert "rm.policy_pairs.n = 4" in text and "rm.policy_pairs.add_reference = False" in text
+    assert "rm.policy_pairs.enable=true" in text
+    assert load_config("recipes/rm_tiny_cpu.yaml", ["rm.policy_pairs.n=4"]).rm.policy_pairs.n == 4  # enabled there
