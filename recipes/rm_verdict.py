@@ -2,9 +2,10 @@
 positive, else 0.
 
 Why not its raw score: GRPO divides each group's advantages by the group's standard deviation, so in a group where
-every sample is wrong (most groups early on, when the policy answers 20% of its samples right) the reward model's
-arbitrary order among wrong answers becomes advantages of full size, and the policy is pushed between wrong answers.
-An exact 0/1 reward gives such groups no gradient, as the rule does."""
+every sample is wrong (most groups early on, when 20% of the policy's samples are right) the reward model's order
+among wrong answers becomes advantages of full size, where the rule gives no gradient; an exact 0/1 reward gives such
+groups none either. Measured (README, "Learned rewards"): it stopped the decline of the raw score's run (0.266 -> 0.227
+at step 50) but the policy did not improve (0.266 -> 0.270)."""
 import torch
 
 
