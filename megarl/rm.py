@@ -104,15 +104,50 @@ def make_bt_loss_fn(denominator: torch.Tensor):
     return loss_fn
 
 
-def evaluate(worker, pairs, pad_id: int, rt) -> dict:
-    """Held-out pair accuracy and margin (collective; every rank returns them)."""
+def prompt_groups(pairs: list[tuple]) -> list[int]:
+    """Each pair's prompt group (pairs with the same prompt share one): [(prompt, chosen, rejected)] -> [P] ids."""
+    keys: dict[str, int] = {}
+    return [keys.setdefault(json.dumps(prompt, sort_keys=True), len(keys)) for prompt, _, _ in pairs]
+
+
+def top1_accuracy(scores: torch.Tensor, pairs: list[tuple[list[int], list[int]]], groups: list[int]) -> float:
+    """Share of prompts whose highest-scored response is a preferred one: one that none of the prompt's pairs
+    rejects. scores [2P]: rows 2i / 2i+1 score pair i's chosen / rejected side. On pairs of the policy's samples
+    (rm.policy_pairs) this is how often the reward model ranks a right sample first among the policy's answers."""
+    best: dict[int, tuple[float, tuple]] = {}
+    rejected: dict[int, set] = {}
+    for i, (chosen, rej) in enumerate(pairs):
+        g = groups[i]
+        rejected.setdefault(g, set()).add(tuple(rej))
+        for side, row in ((tuple(chosen), 2 * i), (tuple(rej), 2 * i + 1)):
+            value = float(scores[row])
+            if g not in best or value > best[g][0]:
+                best[g] = (value, side)
+    hits = [best[g][1] not in rejected[g] for g in best]
+    return sum(hits) / len(hits) if hits else float("nan")
+
+
+def evaluate(worker, pairs, pad_id: int, rt, groups=None, name: str = "val") -> dict:
+    """Held-out pair accuracy and margin, and top-1 accuracy when the pairs' prompt groups are given (collective;
+    every rank returns them). Keys rm/<name>_accuracy, ..."""
     if not pairs:
         return {}
     batch = pair_batch(pairs, pad_id)
     scores = worker.scores(batch["input_ids"], batch["lengths"], rt)
     diff = scores[0::2] - scores[1::2]
-    return {"rm/val_accuracy": float((diff > 0).float().mean()), "rm/val_margin": float(diff.mean()),
-            "rm/val_chosen_mean": float(scores[0::2].mean()), "rm/val_rejected_mean": float(scores[1::2].mean())}
+    out = {f"rm/{name}_accuracy": float((diff > 0).float().mean()), f"rm/{name}_margin": float(diff.mean()),
+           f"rm/{name}_chosen_mean": float(scores[0::2].mean()), f"rm/{name}_rejected_mean": float(scores[1::2].mean())}
+    if groups is not None:
+        out[f"rm/{name}_top1"] = top1_accuracy(scores, pairs, groups)
+    return out
+
+
+def evaluate_all(worker, held_out: dict, pad_id: int, rt) -> dict:
+    """evaluate() over the named held-out sets {name: (pairs, groups)}."""
+    out: dict = {}
+    for name, (pairs, groups) in held_out.items():
+        out.update(evaluate(worker, pairs, pad_id, rt, groups, name))
+    return out
 
 
 def _micro_batches(batch: dict, pairs_per_micro: int) -> list[dict]:
@@ -151,8 +186,10 @@ def rm_init_path(cfg: MegarlConfig, rt) -> str:
     return cfg.model.path
 
 
-def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
-    """Train the reward model and write it; returns (output dir, final held-out metrics)."""
+def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None) -> tuple[Path, dict]:
+    """Train the reward model and write it; returns (output dir, final held-out metrics). policy_files: {"train",
+    "val"} pair files of the policy's samples (rm.policy_pairs), added to the training pairs and held out as
+    rm/policy_val_*."""
     from transformers import AutoTokenizer
 
     from megarl.checkpoint.state import Checkpointer
@@ -164,18 +201,29 @@ def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
 
     r = cfg.rm
     init = rm_init_path(cfg, rt)
+    policy_files = policy_files or {}
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or init,
                                               trust_remote_code=cfg.model.trust_remote_code)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = encode_pairs(load_pairs(r.train_files, cfg, "rm.train_files"), tokenizer, r.max_length,
                          cfg.data.apply_chat_template)
+    held_out = {}  # name -> (encoded pairs, prompt groups)
     if r.val_files:
-        val = encode_pairs(load_pairs(r.val_files, cfg, "rm.val_files"), tokenizer, r.max_length,
-                           cfg.data.apply_chat_template)
+        raw = load_pairs(r.val_files, cfg, "rm.val_files")
+        held_out["val"] = (encode_pairs(raw, tokenizer, r.max_length, cfg.data.apply_chat_template),
+                           prompt_groups(raw))
     else:  # a fixed, seeded hold-out
         order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.trainer.seed)).tolist()
         held = int(len(train) * r.val_fraction)
-        val, train = [train[i] for i in order[:held]], [train[i] for i in order[held:]]
+        held_out["val"] = ([train[i] for i in order[:held]], None)
+        train = [train[i] for i in order[held:]]
+    for name, files in policy_files.items():  # the policy's own samples (rm.policy_pairs)
+        raw = load_pairs([str(files)], cfg, f"rm.policy_pairs ({name})")
+        encoded = encode_pairs(raw, tokenizer, r.max_length, cfg.data.apply_chat_template)
+        if name == "train":
+            train = train + encoded
+        else:
+            held_out["policy_val"] = (encoded, prompt_groups(raw))
     per_rank = r.batch_size // rt.dp_size
     if r.batch_size % rt.dp_size or per_rank % min(r.micro_batch_size_per_gpu, per_rank):
         raise ValueError(f"rm.batch_size={r.batch_size} pairs must split over {rt.dp_size} data-parallel ranks into "
@@ -192,10 +240,10 @@ def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
     start = ckpt.resume()
     logger = MetricsLogger(run_dir, enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard,
                            console=cfg.logging.console, total_steps=total, summary=False, resume_step=start)
-    log.info("rm: %d training pairs, %d held out, %d steps of %d pairs, from %s", len(train), len(val), total,
-             r.batch_size, init)
+    log.info("rm: %d training pairs, %d held out, %d steps of %d pairs, from %s", len(train),
+             sum(len(p) for p, _ in held_out.values()), total, r.batch_size, init)
     if not start:
-        logger.log(0, evaluate(worker, val, pad, rt))
+        logger.log(0, evaluate_all(worker, held_out, pad, rt))
     final: dict = {}
     for step in range(start + 1, total + 1):
         batch = pair_batch(loader.next_batch(r.batch_size), pad)
@@ -207,7 +255,7 @@ def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
         metrics = {"rm/loss": m["bt_loss"], "rm/accuracy": m["accuracy"], "rm/margin": m["margin"],
                    "rm/grad_norm": m["grad_norm"], "rm/lr": m["lr"]}
         if step == total or (r.eval_freq and step % r.eval_freq == 0):
-            final = evaluate(worker, val, pad, rt)
+            final = evaluate_all(worker, held_out, pad, rt)
             metrics.update(final)
         if step % max(1, total // 20) == 0 or step in (1, total) or "rm/val_accuracy" in metrics:
             logger.log(step, metrics)
@@ -215,7 +263,7 @@ def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
             break
     ckpt.close()
     if start >= total:  # resumed a finished run: measure the model as it is
-        final = evaluate(worker, val, pad, rt)
+        final = evaluate_all(worker, held_out, pad, rt)
     logger.close()
     out = rm_output_dir(cfg)
     buckets = worker.export(cfg.rollout.update_weights_bucket_megabytes << 20)
@@ -225,8 +273,10 @@ def run_rm(cfg: MegarlConfig, rt) -> tuple[Path, dict]:
         (out / "config.json").write_text(json.dumps(reward_model_config(Path(init), pad, dtype), indent=2))
         if cfg.model.tokenizer_path:  # the reward model reads with the tokenizer it was trained with
             tokenizer.save_pretrained(str(out))
-        log.info("rm: held-out pair accuracy %.3f, margin %.3f; wrote %s", final.get("rm/val_accuracy", float("nan")),
-                 final.get("rm/val_margin", float("nan")), out)
+        policy = (f"; the policy's samples: pair accuracy {final['rm/policy_val_accuracy']:.3f}, top-1 "
+                  f"{final['rm/policy_val_top1']:.3f}" if "rm/policy_val_accuracy" in final else "")
+        log.info("rm: held-out pair accuracy %.3f, margin %.3f%s; wrote %s", final.get("rm/val_accuracy", float("nan")),
+                 final.get("rm/val_margin", float("nan")), policy, out)
     else:
         for _ in buckets:
             pass
@@ -249,7 +299,15 @@ def rm_entry(cfg_dict: dict) -> str:
         paths = pair_paths(cfg)
         cfg = cfg.model_copy(update={"rm": cfg.rm.model_copy(update={
             "train_files": [str(paths["train"])], "val_files": cfg.rm.val_files or [str(paths["val"])]})})
+    policy_files = {}
+    if cfg.rm.policy_pairs.enable:  # sample the policy the reward model starts from (SFT first when missing)
+        from megarl.rm_data import policy_pair_paths, write_policy_pairs
+
+        init = rm_init_path(cfg, rt)
+        if rt.is_rank0:
+            write_policy_pairs(cfg, init)
+        policy_files = {k: v for k, v in policy_pair_paths(cfg).items() if k == "train" or cfg.data.val_files}
     barrier()
     if rt.is_rank0:
         write_resolved(cfg)
-    return str(run_rm(cfg, rt)[0])
+    return str(run_rm(cfg, rt, policy_files)[0])

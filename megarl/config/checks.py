@@ -549,6 +549,13 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
                             "while a critic trains, and this run has no critic", "set it to 0, or use "
                             "algorithm.adv_estimator=gae (or critic.enable=true)",
                             keys=("critic.warmup_steps", "critic.enable", "algorithm.adv_estimator")))
+    pp, defaults = cfg.rm.policy_pairs, type(cfg.rm.policy_pairs)()
+    if not pp.enable:
+        issues += [Issue(f"rm.policy_pairs.{name}", getattr(pp, name), "it shapes the pairs built from the policy's "
+                         "samples, which only `megarl rm` with rm.policy_pairs.enable=true builds",
+                         "set rm.policy_pairs.enable=true, or unset it",
+                         keys=(f"rm.policy_pairs.{name}", "rm.policy_pairs.enable"))
+                   for name in type(pp).model_fields if name != "enable" and getattr(pp, name) != getattr(defaults, name)]
     if cfg.trainer.total_epochs is not None and fg.enable:
         issues.append(Issue("trainer.total_epochs", cfg.trainer.total_epochs, "DAPO dynamic sampling draws a varying "
                             "number of prompts per step, so epochs do not map to a number of steps",

@@ -686,6 +686,26 @@ class SFTConfig(_Section):
                                description="SFT optimizer and LR schedule.")
 
 
+class PolicyPairsConfig(_Section):
+    """Preference pairs from the policy's own samples (rm.policy_pairs, megarl.rm_data)."""
+
+    enable: bool = Field(False, description="Sample responses from the model the reward model starts from (the SFT "
+                         "policy RL starts from) on data.train_files (held out: data.val_files), score them with "
+                         "reward.reward_fn (or the data_source routing), and pair a better response with a worse "
+                         "one of the same prompt. Written to <run_dir>/data/policy_pairs_{train,val}.parquet before "
+                         "training, and added to the training pairs (rm.train_files or the synthetic pairs); the "
+                         "held-out pairs are the validation prompts' (rm.val_files, when given, are added).")
+    n: int = Field(8, ge=2, description="Samples per prompt.")
+    temperature: float = Field(1.0, gt=0, le=2, description="Sampling temperature (the RL run's, to pair what RL "
+                               "will sample).")
+    add_reference: bool = Field(True, description="Add the prompt's reference response (data.response_key) as one "
+                                "more candidate, scored by the rule like the samples: prompts the policy never "
+                                "answers right still get a better response.")
+    max_pairs_per_prompt: int = Field(4, ge=1, description="At most this many pairs per prompt (each a best "
+                                      "candidate against a different worse one, the policy's most frequent mistakes "
+                                      "first).")
+
+
 class RMConfig(_Section):
     """Reward-model training from preference pairs (`megarl rm RECIPE`, megarl.rm)."""
 
@@ -712,6 +732,8 @@ class RMConfig(_Section):
     eval_freq: int = Field(0, ge=0, description="Evaluate the held-out pairs every N steps (always at the end).")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4),
                                description="Reward-model optimizer and LR schedule.")
+    policy_pairs: PolicyPairsConfig = Field(default_factory=PolicyPairsConfig, description="Pairs built from the "
+                                            "policy's own samples, labelled by the rule.")
 
 
 class MegarlConfig(_Section):

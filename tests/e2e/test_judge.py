@@ -54,6 +54,92 @@ def fixed_answer_model(out, answer: str):
     return out
 
 
+class _RecordingEngine:
+    """Stands in for the judge's EngineProcess: records sleep/wake and refuses to generate while asleep (a vLLM engine
+    asleep at level 1 has no KV cache and its weights are in host memory)."""
+
+    instances: list = []
+    verdict_id = 0  # the token every verdict is made of
+
+    def __init__(self, config, model_path, seed=0, prompt_overflow="error", name=""):
+        self.config, self.events, self.asleep, self.fail = config, [], False, False
+        _RecordingEngine.instances.append(self)
+
+    def sleep(self, level: int = 2) -> None:
+        self.events.append(f"sleep({level})")
+        self.asleep = True
+
+    def wake_up(self, tags=None) -> None:
+        self.events.append("wake_up")
+        self.asleep = False
+
+    def start_generate(self, prompts, n=1, greedy=True, seed=None):
+        from megarl.rollout.protocol import Deferred
+
+        assert not self.asleep, "the judge generated while its engine was asleep"
+        self.events.append("generate")
+        if self.fail:
+            raise RuntimeError("engine failure")
+        return Deferred.ready(_Verdicts(len(prompts), [self.verdict_id]))
+
+    def abort(self) -> None:
+        self.events.append("abort")
+
+    def shutdown(self, timeout_s: float = 30) -> None:
+        self.events.append("shutdown")
+
+
+class _Verdicts:
+    def __init__(self, n: int, ids: list):
+        self.finish_reasons, self._ids = ["stop"] * n, ids
+
+    def __len__(self) -> int:
+        return len(self.finish_reasons)
+
+    def response(self, i: int) -> list:
+        return list(self._ids)
+
+
+def test_colocated_judge_engine_sleeps_outside_its_calls_so_the_update_phase_has_its_memory(tmp_path, monkeypatch):
+    """CPU vLLM has no sleep mode, so this checks the protocol on a recording engine: asleep (level 1: KV cache
+    dropped, weights offloaded) from its start, awake only inside grade(), asleep again after a call that failed; a
+    separate judge never sleeps. The trainer calls the judge only while scoring a step (StepReward.total), so its
+    engine is asleep during the update phase. The slow test below runs the same on a real vLLM engine."""
+    import megarl.rollout.process as process
+    from megarl.config import MegarlConfig
+    from megarl.data import arithmetic_tokenizer
+    from megarl.reward.compute import RewardInput
+    from megarl.reward.judge import Judge
+
+    tok = arithmetic_tokenizer(str(tmp_path / "judge"), max_operand=20)
+    monkeypatch.setattr(process, "EngineProcess", _RecordingEngine)
+    _RecordingEngine.verdict_id = tok.convert_tokens_to_ids("7")
+
+    def judge_for(placement):
+        cfg = MegarlConfig.model_validate({"reward": {"judge": {
+            "enable": True, "path": str(tmp_path / "judge"), "parser": "number", "placement": placement}}})
+        return Judge(cfg)
+
+    judge = judge_for("colocated")
+    engine = _RecordingEngine.instances[-1]
+    assert engine.config.enable_sleep_mode and engine.events == ["sleep(1)"] and engine.asleep
+    samples = [RewardInput("arithmetic", "#### 3", "3", None)] * 2
+    for call in range(2):  # step after step: awake only while grading
+        scores, _, _ = judge.grade(["1 + 2 ?"] * 2, samples)
+        assert scores == [7.0, 7.0] and engine.asleep
+    assert engine.events == ["sleep(1)"] + ["wake_up", "generate", "sleep(1)"] * 2
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="engine failure"):
+        judge.grade(["1 + 2 ?"], samples[:1])
+    assert engine.asleep and engine.events[-1] == "sleep(1)"  # an error does not leave it holding memory
+    judge.close()
+
+    separate = judge_for("separate")
+    engine = _RecordingEngine.instances[-1]
+    separate.grade(["1 + 2 ?"], samples[:1])
+    assert not engine.config.enable_sleep_mode and engine.events == ["generate"]
+
+
 @pytest.mark.slow
 def test_judge_scores_fails_times_out_and_sleeps_between_calls(tmp_path):
     from megarl.config import MegarlConfig
