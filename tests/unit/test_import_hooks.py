@@ -17,7 +17,7 @@ from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedE
 if FIRST == "vllm":
     import megarl.sync.worker_ext
 print(json.dumps({"plain": getattr(utils.dispatch_cpu_unquantized_gemm, "_megarl_plain", False),
-                  "experts": getattr(CPUUnquantizedExperts.apply, "_megarl_maps_experts", False)}))
+                  "experts": getattr(CPUUnquantizedExperts.apply, "_megarl_patched", False)}))
 """
 
 
