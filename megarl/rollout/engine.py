@@ -645,14 +645,7 @@ class VLLMEngine:
         # request names it (megarl_add_adapter), so the workers find it loaded
         self._lora_request = LoRARequest(lora_name=f"megarl-policy-{lora_id}", lora_int_id=lora_id,
                                          lora_path=f"megarl-in-memory-adapter-{lora_id}")
-        # cached prefixes hold K/V computed with the previous adapter
-        if not self._llm.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache failed after an adapter update (requests still running?)")
-        self.weight_version = lora_id
-        try:
-            self._llm.llm_engine.set_weight_version(str(self.weight_version))
-        except Exception:  # noqa: BLE001 - an informational label inside vLLM
-            pass
+        self._weights_changed("an adapter update")  # bumps weight_version to lora_id
         return {"weight_sync/version": float(self.weight_version),
                 "weight_sync/num_tensors": float(results[0]["tensors"]),
                 "weight_sync/adapter_modules": float(results[0]["modules"]),
@@ -683,6 +676,18 @@ class VLLMEngine:
         tensor of needs[worker] (megarl.sync.placement; worker_ext.megarl_place_weights), once per run."""
         return self._llm.collective_rpc("megarl_place_weights", args=(list(needs), prefix))
 
+    def _weights_changed(self, what: str) -> None:
+        """New weights or adapters are live: reset the prefix cache and bump the weight version."""
+        # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
+        if not self._llm.reset_prefix_cache():
+            raise RuntimeError(f"reset_prefix_cache failed after {what} (requests still running?); "
+                               "update weights only between generate calls")
+        self.weight_version += 1
+        try:
+            self._llm.llm_engine.set_weight_version(str(self.weight_version))
+        except Exception:  # noqa: BLE001 - an informational label inside vLLM
+            pass
+
     def end_update(self, placed: Optional[Sequence[Optional[dict]]] = None) -> dict[str, float]:
         """Close the update on every worker, reset the prefix cache, bump the weight version. placed[worker]: what
         its host wrote into its parameters directly (counts and, with verify, checksums). With verify, every worker
@@ -690,15 +695,7 @@ class VLLMEngine:
         naming the tensors."""
         results = self._llm.collective_rpc("megarl_end_update", kwargs={"placed": list(placed) if placed else None})
         self._lora_request = None  # new base weights: vLLM dropped every adapter (reset_lora_state)
-        # Cached prefixes hold K/V computed with the old weights (the spike measured 24-nat logprob errors).
-        if not self._llm.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache failed after a weight update (requests still running?); "
-                               "update weights only between generate calls")
-        self.weight_version += 1
-        try:
-            self._llm.llm_engine.set_weight_version(str(self.weight_version))
-        except Exception:  # noqa: BLE001 - an informational label inside vLLM
-            pass
+        self._weights_changed("a weight update")
         metrics = {"weight_sync/version": float(self.weight_version),
                    "weight_sync/num_tensors": float(sum(r["tensors"] for r in results)),
                    "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
