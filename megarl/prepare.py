@@ -1,11 +1,16 @@
 """Inputs a run creates for itself before training: a synthetic dataset and a tiny random model with its tokenizer.
 
-Both happen on global rank 0 only when their files are missing, so a resumed or repeated run reuses them.
+Both happen on global rank 0 only when their files are missing, so a resumed or repeated run reuses them. Each
+generated directory (these two and the SFT model, megarl.sft) records the settings that decided its contents in
+megarl_made.json; a later run that reuses it says so, and warns where it asks for other settings (a new trainer.seed
+alone would otherwise change nothing before RL).
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 from megarl.config import MegarlConfig
 from megarl.config.schema import TinyModelSpec
@@ -43,6 +48,50 @@ _TINY_ARCHS = {
 _EXPERTS_KEY = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
 
 
+MADE_FILE = "megarl_made.json"
+
+
+def record_made(directory: str | Path, settings: dict[str, Any]) -> None:
+    """Write the settings that made a generated directory, for note_reuse."""
+    (Path(directory) / MADE_FILE).write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
+
+
+def note_reuse(directory: str | Path, settings: dict[str, Any], what: str, setting: str) -> None:
+    """Log that `what` at `directory`, made by an earlier run, is reused; a warning naming each setting that differs
+    from this run's (`setting`: the config key that moves it elsewhere)."""
+    path = Path(directory) / MADE_FILE
+    if not path.exists():
+        log.info("%s: reusing %s (made before its settings were recorded)", what, directory)
+        return
+    made = json.loads(path.read_text())
+    differ = [f"{k}={made.get(k)!r} (this run: {v!r})" for k, v in settings.items() if made.get(k) != v]
+    if not differ:
+        log.info("%s: reusing %s, made by an earlier run with the same settings", what, directory)
+        return
+    log.warning("%s: reusing %s, made by an earlier run with %s. Delete it, or set %s to another directory, to make "
+                "it with this run's settings", what, directory, ", ".join(differ), setting)
+
+
+def flat_settings(prefix: str, section, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config section as {"prefix.key.subkey": value} (JSON types), without the keys in skip."""
+    def walk(pre: str, value) -> dict[str, Any]:
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() if key not in skip for k, v in walk(f"{pre}.{key}", sub).items()}
+        return {pre: value}
+    return walk(prefix, section.model_dump(mode="json"))
+
+
+def data_settings(cfg: MegarlConfig) -> dict[str, Any]:
+    return {"trainer.seed": cfg.trainer.seed, **flat_settings("data.synthetic", cfg.data.synthetic, ("output_dir",))}
+
+
+def tiny_model_settings(cfg: MegarlConfig) -> dict[str, Any]:
+    syn = cfg.data.synthetic
+    return {"trainer.seed": cfg.trainer.seed, "data.synthetic.task": syn.task if syn else "arithmetic",
+            "data.synthetic.max_operand": syn.max_operand if syn else 20,
+            **flat_settings("model.create_tiny", cfg.model.create_tiny)}
+
+
 def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
     out = Path(cfg.data.synthetic.output_dir or Path(cfg.trainer.run_dir) / "data")
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
@@ -57,6 +106,9 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
     seeds = {"train": cfg.trainer.seed, "val": cfg.trainer.seed + 10_000, "sft": cfg.trainer.seed + 20_000}
+    out = paths["train"].parent
+    if any(path.exists() for path in paths.values()):
+        note_reuse(out, data_settings(cfg), "synthetic data", "data.synthetic.output_dir")
     for split, path in paths.items():
         if path.exists():
             continue
@@ -69,6 +121,8 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
                                            answer_format=syn.answer_format, split=split)
         write_dataset(rows, str(path))
         log.info("wrote %d synthetic %s rows to %s", n, split, path)
+        if not (out / MADE_FILE).exists():
+            record_made(out, data_settings(cfg))
 
 
 def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20,
@@ -121,8 +175,12 @@ def prepare(cfg: MegarlConfig, is_rank0: bool) -> MegarlConfig:
                                            "val_files": cfg.data.val_files or [str(paths["val"])]})
         sft = cfg.sft.model_copy(update={"train_files": cfg.sft.train_files or [str(paths.get("sft", paths["train"]))]})
         cfg = cfg.model_copy(update={"data": data, "sft": sft})
-    if cfg.model.create_tiny is not None and is_rank0 and not Path(cfg.model.path).exists():
-        syn = cfg.data.synthetic
-        create_tiny_model(cfg.model.create_tiny, cfg.model.path, cfg.trainer.seed, syn.max_operand if syn else 20,
-                          syn.task if syn else "arithmetic")
+    if cfg.model.create_tiny is not None and is_rank0:
+        if Path(cfg.model.path).exists():
+            note_reuse(cfg.model.path, tiny_model_settings(cfg), "tiny model", "model.path")
+        else:
+            syn = cfg.data.synthetic
+            create_tiny_model(cfg.model.create_tiny, cfg.model.path, cfg.trainer.seed, syn.max_operand if syn else 20,
+                              syn.task if syn else "arithmetic")
+            record_made(cfg.model.path, tiny_model_settings(cfg))
     return cfg

@@ -174,16 +174,11 @@ def reward_model_config(source: Path, pad_token_id, dtype: torch.dtype) -> dict:
 
 
 def rm_init_path(cfg: MegarlConfig, rt) -> str:
-    from megarl.sft import run_sft, sft_output_dir
+    from megarl.sft import sft_model_path
 
     if cfg.rm.model_path:
         return cfg.rm.model_path
-    if cfg.sft.enable:
-        path = sft_output_dir(cfg)
-        if not path.exists():
-            run_sft(cfg, rt)
-        return str(path)
-    return cfg.model.path
+    return sft_model_path(cfg, rt) if cfg.sft.enable else cfg.model.path
 
 
 def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None) -> tuple[Path, dict]:

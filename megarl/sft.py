@@ -13,12 +13,30 @@ import torch
 from megarl.config import MegarlConfig
 from megarl.data import PromptLoader, encode_one, load_prompts
 from megarl.metrics import MetricsLogger
+from megarl.prepare import flat_settings, note_reuse, record_made
 
 log = logging.getLogger("megarl")
 
 
 def sft_output_dir(cfg: MegarlConfig) -> Path:
     return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
+
+
+def sft_settings(cfg: MegarlConfig) -> dict:
+    """What decides the SFT model's weights (the data's own settings are recorded with the data)."""
+    return {"trainer.seed": cfg.trainer.seed, "model.path": str(cfg.model.path),
+            **flat_settings("sft", cfg.sft, ("enable", "output_dir", "train_files"))}
+
+
+def sft_model_path(cfg: MegarlConfig, rt) -> str:
+    """The SFT model a recipe with sft.enable starts from: trained when sft_output_dir is missing, else reused (said
+    on rank 0, with a warning where it was made with other settings)."""
+    path = sft_output_dir(cfg)
+    if not path.exists():
+        return str(run_sft(cfg, rt))
+    if rt.is_rank0:
+        note_reuse(path, sft_settings(cfg), "sft", "sft.output_dir")
+    return str(path)
 
 
 def _response_ids(response, tokenizer, renderer) -> tuple[list[int], list[int]]:
@@ -119,6 +137,7 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     buckets = worker.export(cfg.rollout.update_weights_bucket_megabytes << 20)
     if rt.is_rank0:
         write_hf_model(buckets, cfg.model.path, out)
+        record_made(out, sft_settings(cfg))
         log.info("sft: wrote %s", out)
     else:
         for _ in buckets:

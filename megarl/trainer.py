@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from megarl import algo, lifecycle, steps
 from megarl.agent.tools import load_tools
@@ -116,17 +115,13 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     from transformers import AutoTokenizer
 
     from megarl.megatron.workers import CriticWorker, OffloadAroundRollout, PolicyWorker
-    from megarl.sft import run_sft, sft_output_dir
+    from megarl.sft import sft_model_path
 
     cfg = prepare(cfg, rt.is_rank0)
     barrier()
     if rt.is_rank0:
         write_resolved(cfg)
-    model_path = cfg.model.path
-    if cfg.sft.enable:
-        model_path = str(sft_output_dir(cfg))
-        if not Path(model_path).exists():
-            run_sft(cfg, rt)
+    model_path = sft_model_path(cfg, rt) if cfg.sft.enable else cfg.model.path
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path,
                                               trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

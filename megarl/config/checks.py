@@ -222,6 +222,21 @@ def check_lengths(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_warmup(cfg: MegarlConfig) -> list[Issue]:
+    """Megatron's LR scheduler warms up inside the decay steps, so warm-up must end before the last optimizer step
+    (checked where the step count is a setting; make_trainable says the same for the RL roles at start-up)."""
+    issues = []
+    for section, enabled in (("sft", cfg.sft.enable), ("rm", True)):  # rm: read by `megarl rm` alone
+        sec = getattr(cfg, section)
+        if enabled and sec.total_steps is not None and sec.optim.lr_warmup_steps >= sec.total_steps:
+            issues.append(Issue(f"{section}.optim.lr_warmup_steps", sec.optim.lr_warmup_steps,
+                                f"warm-up must end before the last of {section}.total_steps = {sec.total_steps} "
+                                "optimizer steps", f"lower {section}.optim.lr_warmup_steps or raise "
+                                f"{section}.total_steps", keys=(f"{section}.optim.lr_warmup_steps",
+                                                                f"{section}.total_steps")))
+    return issues
+
+
 def _name_issue(key: str, value: str, registry: dict, what: str) -> list[Issue]:
     from megarl.algo import lookup
 
@@ -895,7 +910,7 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_distillation,
     check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_batches,
-    check_lengths,
+    check_lengths, check_warmup,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dynamic_batches_with_experts,
     check_dependent_settings,

@@ -40,6 +40,9 @@ class Trainable:
 
 def make_trainable(model, optim: OptimConfig, total_steps: int, use_distributed_optimizer: bool = False) -> Trainable:
     """Wrap `model` (a GPTModel or list of chunks) in megatron DDP and build its optimizer and LR schedule."""
+    if optim.lr_warmup_steps >= max(1, total_steps):  # megatron's scheduler asserts this without a message
+        raise ValueError(f"optim.lr_warmup_steps = {optim.lr_warmup_steps}: warm-up must end before the last of the "
+                         f"run's {max(1, total_steps)} optimizer steps; lower the warm-up or run more steps")
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

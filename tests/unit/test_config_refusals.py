@@ -208,3 +208,20 @@ def test_token_budget_micro_batches_at_expert_parallelism():
         assert "allgather token dispatcher" in issues[key].rule and f"{key}=false" in issues[key].fix
     _accepted(moe + ["actor.use_dynamic_bsz=false", "rollout.log_prob_use_dynamic_bsz=false"])
     _accepted(moe[:3] + ["actor.use_dynamic_bsz=true"])  # one expert-parallel rank: any packing
+
+
+def test_warmup_that_does_not_end_before_the_last_step():
+    # megatron's scheduler asserts lr_warmup_steps < lr_decay_steps with no message
+    issue = _refused(["sft.enable=true", "sft.total_steps=5", "sft.optim.lr_warmup_steps=10"])["sft.optim.lr_warmup_steps"]
+    assert issue.value == 10 and "sft.total_steps = 5" in issue.rule and "raise sft.total_steps" in issue.fix
+    assert "rm.optim.lr_warmup_steps" in _refused(["rm.total_steps=3", "rm.optim.lr_warmup_steps=3"])
+    _accepted(["sft.enable=true", "sft.total_steps=11", "sft.optim.lr_warmup_steps=10"])
+    _accepted(["sft.enable=false", "sft.total_steps=5", "sft.optim.lr_warmup_steps=10"])  # not run
+
+
+def test_make_trainable_names_a_warmup_longer_than_the_run():
+    from megarl.config.schema import OptimConfig
+    from megarl.megatron.train_step import make_trainable
+
+    with pytest.raises(ValueError, match=r"lr_warmup_steps = 10: warm-up must end before the last of the run's 8"):
+        make_trainable(object(), OptimConfig(lr_warmup_steps=10), total_steps=8)
