@@ -92,8 +92,14 @@ def tiny_model_settings(cfg: MegarlConfig) -> dict[str, Any]:
             **flat_settings("model.create_tiny", cfg.model.create_tiny)}
 
 
+def data_dir(cfg: MegarlConfig) -> Path:
+    """Where generated data goes: data.synthetic.output_dir, else <run_dir>/data."""
+    syn = cfg.data.synthetic
+    return Path(syn.output_dir) if syn is not None and syn.output_dir else Path(cfg.trainer.run_dir) / "data"
+
+
 def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
-    out = Path(cfg.data.synthetic.output_dir or Path(cfg.trainer.run_dir) / "data")
+    out = data_dir(cfg)
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
     if cfg.data.synthetic.num_sft:
         paths["sft"] = out / "sft.parquet"
@@ -106,12 +112,14 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
     seeds = {"train": cfg.trainer.seed, "val": cfg.trainer.seed + 10_000, "sft": cfg.trainer.seed + 20_000}
-    out = paths["train"].parent
+    out = data_dir(cfg)
     if any(path.exists() for path in paths.values()):
         note_reuse(out, data_settings(cfg), "synthetic data", "data.synthetic.output_dir")
+    wrote = False
     for split, path in paths.items():
         if path.exists():
             continue
+        wrote = True
         n = {"train": syn.num_train, "val": syn.num_val, "sft": syn.num_sft}[split]
         path.parent.mkdir(parents=True, exist_ok=True)
         if syn.task == "multiply_tool":
@@ -121,8 +129,8 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
                                            answer_format=syn.answer_format, split=split)
         write_dataset(rows, str(path))
         log.info("wrote %d synthetic %s rows to %s", n, split, path)
-        if not (out / MADE_FILE).exists():
-            record_made(out, data_settings(cfg))
+    if wrote and not (out / MADE_FILE).exists():  # a directory made before settings were recorded stays unlabelled
+        record_made(out, data_settings(cfg))
 
 
 def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20,

@@ -38,7 +38,9 @@ def rm_output_dir(cfg: MegarlConfig) -> Path:
 
 def pair_paths(cfg: MegarlConfig) -> dict[str, Path]:
     """Where the synthetic task's preference pairs are written (data.synthetic with empty rm.train_files)."""
-    out = Path(cfg.data.synthetic.output_dir or Path(cfg.trainer.run_dir) / "data")
+    from megarl.prepare import data_dir
+
+    out = data_dir(cfg)
     return {"train": out / "pairs_train.parquet", "val": out / "pairs_val.parquet"}
 
 
@@ -181,10 +183,10 @@ def rm_init_path(cfg: MegarlConfig, rt) -> str:
     return sft_model_path(cfg, rt) if cfg.sft.enable else cfg.model.path
 
 
-def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None) -> tuple[Path, dict]:
+def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None, init: str | None = None) -> tuple[Path, dict]:
     """Train the reward model and write it; returns (output dir, final held-out metrics). policy_files: {"train",
     "val"} pair files of the policy's samples (rm.policy_pairs), added to the training pairs and held out as
-    rm/policy_val_*."""
+    rm/policy_val_*. init: the model it starts from (None: rm_init_path)."""
     from transformers import AutoTokenizer
 
     from megarl.checkpoint.state import Checkpointer
@@ -195,7 +197,7 @@ def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None) -> tuple[Pat
     from megarl.runtime import dp_row_range
 
     r = cfg.rm
-    init = rm_init_path(cfg, rt)
+    init = init or rm_init_path(cfg, rt)
     policy_files = policy_files or {}
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or init,
                                               trust_remote_code=cfg.model.trust_remote_code)
@@ -295,14 +297,14 @@ def rm_entry(cfg_dict: dict) -> str:
         cfg = cfg.model_copy(update={"rm": cfg.rm.model_copy(update={
             "train_files": [str(paths["train"])], "val_files": cfg.rm.val_files or [str(paths["val"])]})})
     policy_files = {}
-    if cfg.rm.policy_pairs.enable:  # sample the policy the reward model starts from (SFT first when missing)
+    init = rm_init_path(cfg, rt)  # SFT first when missing
+    if cfg.rm.policy_pairs.enable:  # sample the policy the reward model starts from
         from megarl.rm_data import policy_pair_paths, write_policy_pairs
 
-        init = rm_init_path(cfg, rt)
         if rt.is_rank0:
             write_policy_pairs(cfg, init)
         policy_files = {k: v for k, v in policy_pair_paths(cfg).items() if k == "train" or cfg.data.val_files}
     barrier()
     if rt.is_rank0:
         write_resolved(cfg)
-    return str(run_rm(cfg, rt, policy_files)[0])
+    return str(run_rm(cfg, rt, policy_files, init)[0])

@@ -32,8 +32,9 @@ CHUNK_PROMPTS = 1024  # prompts per engine call: bounds the memory of one Rollou
 
 
 def policy_pair_paths(cfg) -> dict[str, Path]:
-    out = Path(cfg.data.synthetic.output_dir if cfg.data.synthetic is not None and cfg.data.synthetic.output_dir
-               else Path(cfg.trainer.run_dir) / "data")
+    from megarl.prepare import data_dir
+
+    out = data_dir(cfg)
     return {"train": out / "policy_pairs_train.parquet", "val": out / "policy_pairs_val.parquet"}
 
 

@@ -469,17 +469,18 @@ class VLLMEngine:
         lengths = torch.tensor([len(r) for r in rows_r], dtype=torch.long)
         fields = {}
         if self.routes_shape is not None:
-            taken = self._take_routes(engine_ids)
+            taken = self._take_routes(engine_ids, send=routes)
             if routes:
                 seq = [len(p) + len(r) for p, r in zip(rows_p, rows_r)]
                 fields["routed_experts"] = assemble_routes(taken, rows_p, seq, *self.routes_shape)
         return self._rollout_batch(num_prompts, cut, rows_p, resp, lengths, lps, reasons, groups, pcut, gen_s,
                                    **fields)
 
-    def _take_routes(self, engine_ids: Sequence[str]) -> list:
-        """Each sample's routes from engine rank 0 (megarl.sync.worker_ext.RouteRecorder), freed there."""
-        per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids),))
-        return next(r for r in per_rank if r is not None)
+    def _take_routes(self, engine_ids: Sequence[str], send: bool = True) -> Optional[list]:
+        """Each sample's routes from engine rank 0 (megarl.sync.worker_ext.RouteRecorder), freed there; send=False
+        only frees them (None)."""
+        per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids), send))
+        return next(r for r in per_rank if r is not None) if send else None
 
     @property
     def pad_id(self) -> int:

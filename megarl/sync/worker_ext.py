@@ -702,14 +702,15 @@ class MegarlWorkerExtension:
         layers, top_k = recorder.capturer.shape_per_token
         return {"layers": int(layers), "moe_layers": int(recorder.moe_layers.sum()), "top_k": int(top_k)}
 
-    def megarl_take_routes(self, req_ids: list) -> Optional[list]:
+    def megarl_take_routes(self, req_ids: list, send: bool = True) -> Optional[list]:
         """Rank 0: each request's routes as int16 [positions, layers, top_k] (None where none were recorded), freed
-        here; the other ranks return None. vLLM's internal request ids (a child's for n > 1)."""
+        here; the other ranks, and every rank with send=False (routes no one reads: validation), return None. vLLM's
+        internal request ids (a child's for n > 1)."""
         recorder = getattr(self, "_megarl_routes", None)
         if recorder is None:
             raise RuntimeError("megarl_take_routes before megarl_capture_routes")
         out = recorder.take(list(req_ids))
-        return [None if r is None else r.numpy() for r in out] if recorder.keep else None
+        return [None if r is None else r.numpy() for r in out] if recorder.keep and send else None
 
     def megarl_drop_routes(self) -> int:
         """Forget every recorded route (requests no one will ask for: aborted, validation). Returns how many."""
