@@ -6,8 +6,10 @@ read as bash would expand them (megarl.verl_shell), never run; an override namin
 is refused by the variable's name. `--config-path/--config-name` files (and their Hydra `defaults`) are read. The
 defaults of the verl trainer the command names (ppo_trainer, or ppo_megatron_trainer with its sequence parallelism and
 distributed optimizer) that differ from megarl's are applied first, so the recipe trains what the verl command would
-have. Finally the recipe goes through `megarl validate`'s own checks: whatever validate would refuse is refused here
-with validate's message and left out of the recipe (one set of rules for what megarl supports).
+have. Where verl's code computes something other than its keys say (sapo and geo_mean fix their own aggregation,
+VERL_FIXED_AGGREGATION), the recipe names what verl computes; what megarl would still train differently is listed as
+DIFFERS (and fails --strict). Finally the recipe goes through `megarl validate`'s own checks: whatever validate would
+refuse is refused here with validate's message and left out of the recipe (one set of rules for what megarl supports).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class Conversion:
     mapped: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    differs: list[str] = field(default_factory=list)  # converted, but megarl trains it differently from verl: why
     notes: list[str] = field(default_factory=list)
     sources: dict = field(default_factory=dict)  # megarl key -> the verl key that set it
     label: str = ""  # "(verl default) " while verl's trainer defaults are applied
@@ -74,7 +77,7 @@ class Conversion:
     layer: int = 1  # 0 verl's defaults, 1 config files, 2 command-line overrides: a later layer's key wins
     layers: dict = field(default_factory=dict)  # megarl key -> the layer that set it
 
-    def set(self, verl_key: str, value: Any, key: str, new: Any = None) -> None:
+    def set(self, verl_key: str, value: Any, key: str, new: Any = None, why: str = "") -> None:
         new = value if new is None else new
         if key in self.sources and self.layers.get(key, 0) < self.layer:  # a command-line key over a config file's
             old = self.sources.pop(key)
@@ -87,7 +90,7 @@ class Conversion:
         _put(self.recipe, key, new)
         self.sources.setdefault(key, verl_key)
         self.layers.setdefault(key, self.layer)
-        self.mapped.append(f"{self.label}{verl_key} = {value!r} -> {key} = {new!r}")
+        self.mapped.append(f"{self.label}{verl_key} = {value!r} -> {key} = {new!r}" + (f" ({why})" if why else ""))
 
     def drop(self, verl_key: str, value: Any, why: str) -> None:
         self.dropped.append(f"{self.label}{verl_key} = {value!r}: {why}")
@@ -534,6 +537,59 @@ def _policy_loss(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, f"megarl's policy losses are {sorted(POLICY_LOSSES)}")
 
 
+# verl 0.9.1's policy losses whose policy term does not follow actor.loss_agg_mode (verl/trainer/ppo/core_algos.py;
+# vanilla, gspo, cispo, gpg, clip_cov, kl_cov, dro, dppo_tv, dppo_kl and bypass_mode's losses pass the mode on to
+# agg_loss): the megarl mode that computes what verl computes, and what verl does. megarl's losses all follow the mode,
+# so the recipe names verl's aggregation. verl's entropy bonus and KL loss still follow loss_agg_mode.
+VERL_FIXED_AGGREGATION = {
+    "sapo": ("seq-mean-token-mean", "verl 0.9.1's sapo aggregates its policy loss seq-mean-token-mean whatever "
+                                    "loss_agg_mode says"),
+    "geo_mean": ("seq-mean-token-mean", "verl 0.9.1's geo_mean takes the mean over sequences of each sequence's "
+                                        "loss, loss_agg_mode 'not used'"),
+}
+_GEO_MEAN_MICRO_BATCHES = (
+    "verl 0.9.1 takes geo_mean's mean over each micro-batch's sequences and adds the micro-batches (unlike its other "
+    "losses it ignores the mini-batch's size), so its gradient is about (micro-batches per mini-batch and rank) times "
+    "the mean over the mini-batch's sequences, and with use_dynamic_bsz a sequence in a smaller micro-batch weighs "
+    "more; megarl divides by the mini-batch's sequence count (the paper's mean; verl's too with one micro-batch per "
+    "mini-batch and rank)")
+
+
+def _active(value: Any, default: Any) -> bool:
+    """A loss term's switch or coefficient that is on (a value validate will refuse counts as off here)."""
+    value = default if value is None else value
+    return value is not False and isinstance(value, (bool, int, float)) and value != 0
+
+
+def _fixed_aggregation(c: Conversion) -> None:
+    """Where verl's policy loss fixes its own aggregation, the recipe's loss_agg_mode says it (megarl's losses follow
+    the mode); what megarl then aggregates differently from verl is listed in c.differs."""
+    loss = _get(c.recipe, "actor.policy_loss")
+    if loss not in VERL_FIXED_AGGREGATION:
+        return
+    mode, what = VERL_FIXED_AGGREGATION[loss]
+    if loss == "geo_mean":
+        c.differs.append(f"{AR}actor.policy_loss.loss_mode = 'geo_mean': {_GEO_MEAN_MICRO_BATCHES}")
+    verl_mode = _get(c.recipe, "actor.loss_agg_mode", "token-mean")  # verl's default is megarl's
+    if verl_mode == mode:
+        return
+    verl_key = c.unset("actor.loss_agg_mode")
+    c.label = "" if verl_key else "(verl default) "
+    c.set(verl_key or AR + "actor.loss_agg_mode", verl_mode, "actor.loss_agg_mode", mode,
+          why=f"{what}; megarl's {loss} follows the mode, so the recipe names verl's")
+    c.label = ""
+    terms = [name for name, on in (
+        ("KL loss", _active(_get(c.recipe, "actor.use_kl_loss"), False)
+         and _active(_get(c.recipe, "actor.kl_loss_coef"), 0.001)),
+        ("entropy bonus", _active(_get(c.recipe, "actor.entropy_coeff"), 0.0))) if on]
+    if terms:
+        both = " and ".join(terms)
+        c.differs.append(f"{AR}actor.loss_agg_mode = {verl_mode!r}: verl aggregates the {both} with it and only "
+                         f"{loss}'s policy term {mode}; megarl's one actor.loss_agg_mode serves all, so the {both} "
+                         f"weigh each sequence equally here instead of as {verl_mode!r} does; for the same objective "
+                         f"in both, set {AR}actor.loss_agg_mode={mode} in the verl run")
+
+
 def _lr_schedule(c: Conversion, verl_key: str, value: Any) -> None:
     if value in ("constant", "cosine", "linear"):
         c.set(verl_key, value, verl_key.replace(AR, "").rsplit(".", 1)[0] + ".lr_decay_style")
@@ -890,6 +946,7 @@ def convert(settings: dict[str, Any], defaults: Optional[dict] = None, unresolve
         except (TypeError, ValueError) as exc:
             c.drop(key, value, "unset") if value is None else c.refuse(key, value, f"not a usable value ({exc})")
     _derived(c, settings, defaults)
+    _fixed_aggregation(c)
     if _get(c.recipe, "model.path") is None:
         _put(c.recipe, "model.path", "FILL_IN/hf_model_dir")
         c.notes.append("model.path: the verl config names no model; fill in a local Hugging Face model directory")
@@ -999,6 +1056,7 @@ def to_recipe_text(c: Conversion, sources: Sequence[str]) -> str:
     head += [f"#   {s}" for s in sources[:8]] + (["#   ..."] if len(sources) > 8 else [])
     head += [f"# FILL IN: {n}" for n in c.notes]
     head += [f"# REFUSED (not in this recipe): {r}" for r in c.refused]
+    head += [f"# DIFFERS FROM VERL: {d}" for d in c.differs]
     return "\n".join(head) + "\n" + yaml.safe_dump(c.recipe, sort_keys=False, default_flow_style=False)
 
 
@@ -1008,6 +1066,9 @@ def report_lines(c: Conversion) -> list[str]:
         lines += [f"dropped, no effect in megarl ({len(c.dropped)}):"] + [f"  {d}" for d in c.dropped]
     if c.refused:
         lines += [f"REFUSED, not converted ({len(c.refused)}):"] + [f"  {r}" for r in c.refused]
+    if c.differs:
+        lines += [f"DIFFERS, converted but trained differently from verl ({len(c.differs)}):"]
+        lines += [f"  {d}" for d in c.differs]
     if c.notes:
         lines += ["fill in before training:"] + [f"  {n}" for n in c.notes]
     return lines
@@ -1018,7 +1079,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verl config YAML, a shell script running verl, and/or overrides such as "
                         "actor_rollout_ref.rollout.n=8 (later ones win)")
     parser.add_argument("--out", "-o", default=None, help="write the recipe here instead of stdout")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when any key was refused")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any key was refused or the recipe "
+                        "trains something different from verl (the DIFFERS lines)")
     parser.add_argument("--config-path", "-cp", default=None, help="verl's --config-path: the directory of the "
                         "--config-name file (a script's own flags are read from the script)")
     parser.add_argument("--config-name", "-cn", default=None, help="verl's --config-name: a config file whose "
@@ -1053,4 +1115,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"recipe: {args.out} (check it with `megarl validate {args.out}`)", file=sys.stderr)
     else:
         print(text, end="")
-    return 1 if (args.strict and c.refused) else 0
+    return 1 if (args.strict and (c.refused or c.differs)) else 0

@@ -167,7 +167,7 @@ def _gated_sigmoid(ratio: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
 
 
-def sapo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
+def sapo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "seq-mean-token-mean",
               clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2, clip_ratio_c: float | None = None, *,
               tau_pos: float = 1.0, tau_neg: float = 1.05, rollout_is_weights=None, denominator=None,
               max_response_length=None):
@@ -177,8 +177,9 @@ def sapo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: 
         L = -A * f(r),   f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos if A > 0 else tau_neg
     f(1) = 2 / tau and f'(1) = 1, so on-policy the gradient is the policy gradient; away from r = 1 the gradient
     4 s (1 - s) (s = the sigmoid) decays smoothly instead of dropping to 0. tau_neg > tau_pos damps negative updates
-    faster (they are the less stable ones). The clip ratios and clip_ratio_c are ignored. The paper (and verl, which
-    forces it) aggregates with seq-mean-token-mean: set actor.loss_agg_mode to it for parity.
+    faster (they are the less stable ones). The clip ratios and clip_ratio_c are ignored. loss_agg_mode is followed;
+    the default, seq-mean-token-mean, is the paper's, and verl 0.9.1's sapo uses it whatever its loss_agg_mode says
+    (convert-verl sets actor.loss_agg_mode to it; other modes weigh tokens differently, a choice of the recipe).
     Returns (loss, metrics) with pg_clipfrac (0: nothing is clipped) and ppo_kl.
     """
     mask = _check_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
@@ -306,8 +307,9 @@ def geo_mean_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
         x'_t = sign(A) * min(sign(A) x_t, sign(A) clamp(x_t))
         L_i  = -Abar_i * exp(mean over valid t of x'_t),   Abar_i = mean over valid t of A_t
     i.e. the geometric mean of the token ratios, less sensitive to one outlier token than the arithmetic mean. L_i is
-    placed on each valid token of sequence i and aggregated with loss_agg_mode: seq-mean-token-mean (the default
-    here, and the paper's and verl's mean over sequences) gives mean_i L_i. The paper clips wider than PPO (its
+    placed on each valid token of sequence i and aggregated with loss_agg_mode: seq-mean-token-mean (the default)
+    gives mean_i L_i, the paper's mean over sequences and what verl 0.9.1 computes whatever its loss_agg_mode says
+    (convert-verl sets it); token-mean weighs each L_i by its length. The paper clips wider than PPO (its
     ranges are in log space, e.g. 0.4). With rollout_is_weights, each sequence is weighted by their geometric mean.
     clip_ratio_c is ignored. Returns (loss, metrics) with pg_clipfrac (valid tokens whose log-ratio lies outside
     the range, as verl counts them: _upper where A > 0, _lower where A < 0) and ppo_kl.
