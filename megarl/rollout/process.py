@@ -15,9 +15,11 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import sys
 import threading
 import traceback
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -28,7 +30,7 @@ from megarl.config.schema import RolloutConfig
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal
 from megarl.rollout.threads import apply_engine_threads, available_cores
-from megarl.console import capture_engine_output, log_tail
+from megarl.console import LOG_DIR_ENV, capture_engine_output, log_tail
 
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
@@ -36,11 +38,13 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 
 class EngineProcessError(RuntimeError):
-    """The engine child process failed; the message carries its traceback."""
+    """The engine child process failed: a start failure in one line (the cause, the fix where known, the engine's log);
+    a failed call with the engine process's traceback."""
 
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
-           cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None) -> None:
+           cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None,
+           cpu=None) -> None:
     # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
@@ -52,9 +56,9 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
         from megarl.rollout.engine import VLLMEngine
 
         engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
-                            abort_signal=AbortSignal(abort_counter), lora=lora)
+                            abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send((0, "error", _describe(exc)))
+        conn.send((0, "error", start_failure_line(exc, _output_file())))
         return
     conn.send((0, "ready", None))
     calls = _receive_continuously(conn)
@@ -119,12 +123,44 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}\n--- engine process traceback ---\n{traceback.format_exc()}"
 
 
+def _output_file() -> Optional[str]:
+    """The file this process's output goes to: its log under the job's log directory (megarl.console), else the file
+    its stderr was opened on (a launched rank's log); None for a terminal or a pipe."""
+    directory = os.environ.get(LOG_DIR_ENV)
+    if directory:
+        return str(Path(directory) / f"{mp.current_process().name.removeprefix('megarl-')}.log")
+    try:
+        target = os.readlink("/proc/self/fd/2")
+    except OSError:  # not Linux, or no such link
+        return None
+    return target if os.path.isfile(target) else None
+
+
+def start_failure_line(exc: BaseException, log_file: Optional[str]) -> str:
+    """One line for the console about an engine that failed to start, naming its log for the rest. A known cause
+    (EngineStartError: the cause and the fix) leaves its traceback only in the log; any other error prints its
+    traceback into this process's output (the log, or the terminal where there is none)."""
+    from megarl.rollout.engine import EngineStartError
+    from megarl.rollout.start_errors import describe_exception, one_line
+
+    known = isinstance(exc, EngineStartError)
+    if log_file is not None or not known:
+        traceback.print_exc()
+        sys.stderr.flush()
+    line = one_line(str(exc), limit=2000) if known else f"rollout engine failed to start: {describe_exception(exc)}"
+    if log_file is not None:
+        return f"{line} (the engine's log, with vLLM's messages and the traceback: {log_file})"
+    return line if known else f"{line} (its traceback is above)"
+
+
 class EngineProcess:
     """A VLLMEngine living in a child process; the same methods as VLLMEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
-                 name: str = "megarl-vllm-engine", lora: Optional[dict] = None):
+                 name: str = "megarl-vllm-engine", lora: Optional[dict] = None, cpu=None):
+        """cpu: the CPU the engine's kernels are chosen for (megarl.rollout.cpu_engine.CpuInfo; None: this
+        machine's)."""
         self.model_path = str(model_path)
         self._config = config
         self._calls = 0
@@ -138,7 +174,7 @@ class EngineProcess:
         saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
         try:
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
-                                                          os.getpid(), cores, self._abort.shared, lora),
+                                                          os.getpid(), cores, self._abort.shared, lora, cpu),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name=name)
@@ -151,9 +187,9 @@ class EngineProcess:
             self._proc.kill()
             raise EngineProcessError(f"the vLLM engine did not start within {start_timeout_s:.0f} s")
         _, status, payload = self._recv()
-        if status == "error":
+        if status == "error":  # one line: the cause, the fix where known, and the engine's log
             self._proc.join(timeout=10)
-            raise EngineProcessError(f"the vLLM engine failed to start: {payload}")
+            raise EngineProcessError(payload)
 
     def _recv(self):
         try:

@@ -768,3 +768,9 @@ WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension._
 after_import("vllm.model_executor.layers.utils", lambda module: keep_cpu_weights_plain())
 after_import("vllm.model_executor.layers.fused_moe.experts.cpu_moe", lambda module: honour_cpu_expert_map())
 after_import("vllm.model_executor.layers.rotary_embedding.base", lambda module: rope_3d_on_cpu_natively())
+
+# vLLM imports this module in each worker before the worker builds its model: a worker that then fails to start tells
+# its engine why (megarl.rollout.start_errors), so the cause reaches the console in one line
+from megarl.rollout.start_errors import record_worker_start_failures  # noqa: E402 - after every name engine.py imports
+
+record_worker_start_failures()
