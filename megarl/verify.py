@@ -12,7 +12,10 @@ tokens, and returns 1 when it exceeds the tolerance. With --lora, a PEFT LoRA ad
 on both sides: megarl's adapters on its megatron linears, and `peft.PeftModel.from_pretrained` on the HF model.
 
 Precision. float32 is compared in float32: TF32 is off in every rank (megarl.megatron.precision, NVIDIA_TF32_OVERRIDE=0
-included, which Transformer Engine's GEMMs obey), and the tolerance is 1e-5 on the max difference. In bfloat16 the
+included, which Transformer Engine's GEMMs obey), and the tolerance on the max difference is derived from the model
+(megarl.numerics.fp32_logprob_bound: its widths, depth, vocabulary, the batch's positions and the reference logits'
+RMS), so a right mapping passes at any width (1.4e-4 for the tiny llama, 3e-4 at Qwen2.5-0.5B's widths with 2 layers)
+while a wrong one misses it by orders of magnitude. In bfloat16 the
 statistic is the mean absolute difference over real tokens and the tolerance is derived from the reference's logits:
     tol = BF16_TOLERANCE_UNITS * 2**-8 * scale,  scale = RMS over real positions of the fp32 logits' std over the vocab
 (a relative error of c * u on the logits moves a logprob by about c * u * scale; bf16's unit roundoff is u = 2**-8).
@@ -33,7 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -67,9 +70,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--last-stage-layers", type=int, default=None,
                    help="uneven pipeline stages: num_layers_in_last_pipeline_stage")
     p.add_argument("--tol", type=float, default=None,
-                   help="max abs logprob difference allowed (default 1e-5 in float32, 1e-4 against vLLM); in "
-                   "bfloat16 the default judges the mean abs difference against a tolerance derived from the logits' "
-                   "scale (see the module docstring)")
+                   help="max abs logprob difference allowed (default in float32: derived from the model's widths, "
+                   "depth, vocabulary and logits); in bfloat16 the default judges the mean abs difference against a "
+                   "tolerance derived from the logits' scale (see the module docstring)")
     p.add_argument("--batch", type=int, default=4, help="number of sequences")
     p.add_argument("--seq-len", type=int, default=64, help="padded sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size of the megatron forward")
@@ -87,9 +90,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "starts the engine with vLLM's LoRA support and loads only the adapters (actor.lora.sync)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the started ranks are killed")
     args = p.parse_args(argv)
-    args.derived_tol = args.tol is None and args.dtype != "float32"
-    if args.tol is None and args.dtype == "float32":
-        args.tol = 1e-4 if args.engine == "vllm" else 1e-5
+    args.derived_tol = args.tol is None
     return args
 
 
@@ -103,19 +104,72 @@ def logits_scale(logits: torch.Tensor, mask: torch.Tensor) -> float:
     return float(logits.float().std(dim=-1)[mask].pow(2).mean().sqrt())
 
 
+def logits_rms(logits: torch.Tensor, mask: torch.Tensor) -> float:
+    """RMS of the logits over the real positions (mask [B, S-1]) and the vocabulary (what their rounding scales with)."""
+    return float(logits.float()[mask].pow(2).mean().sqrt())
+
+
 def precision_tolerance(dtype_unit: float, scale: float, units: float = BF16_TOLERANCE_UNITS) -> float:
     """The mean abs logprob difference that rounding with unit roundoff `dtype_unit` explains, for logits of `scale`."""
     return units * dtype_unit * scale
 
 
-def diagnose(max_diff: float, mean_diff: float, scale: float, dtype: str, tf32: bool) -> str:
-    """Why a comparison failed: a precision effect (named, with what to do) or a mapping the bridge gets wrong."""
+def layer_widths(spec, seq_len: int) -> list:
+    """One layer's chained inner widths (megarl.numerics.transformer_widths) for an ArchSpec: the widest MLP (dense,
+    expert or shared expert) and, for multi-latent attention, its latent ranks and q.k width."""
+    from megarl.numerics import transformer_widths
+
+    ffn = max(spec.ffn_hidden_size, spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size)
+    if spec.mla is None:
+        return transformer_widths(spec.hidden_size, spec.num_attention_heads, spec.head_dim, ffn, seq_len)
+    m = spec.mla
+    latent = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank else [])
+    return transformer_widths(spec.hidden_size, spec.num_attention_heads, m.v_head_dim, ffn, seq_len,
+                              qk_dim=m.q_head_dim, latent=latent)
+
+
+def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False) -> float:
+    """The float32 tolerance for this model: the max abs logprob (or score) difference rounding explains over
+    `n_positions` real positions (sequences, for scores) with reference logits (scores) of RMS `rms`."""
+    from megarl.numerics import fp32_logprob_bound, fp32_output_bound
+
+    widths = layer_widths(spec, seq_len)
+    if score:
+        return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
+    return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions)
+
+
+def _cpu_reduced_precision() -> str:
+    """Which reduced-precision fp32 math is switched on in this process on the CPU, if any (oneDNN's bf16 / TF32 modes
+    for fp32 matmuls and convolutions, or its fpmath environment variable)."""
+    found = []
+    mode = os.environ.get("ONEDNN_DEFAULT_FPMATH_MODE")
+    if mode and mode.lower() not in ("strict", "any"):
+        found.append(f"ONEDNN_DEFAULT_FPMATH_MODE={mode}")
+    backend = getattr(torch.backends, "mkldnn", None)
+    for name in ("matmul", "conv"):
+        precision = getattr(getattr(backend, name, None), "fp32_precision", None)
+        if precision not in (None, "ieee", "none"):
+            found.append(f"torch.backends.mkldnn.{name}.fp32_precision={precision!r}")
+    return ", ".join(found)
+
+
+def diagnose(max_diff: float, mean_diff: float, scale: float, dtype: str, tf32: bool, device: str = "cpu") -> str:
+    """Why a comparison failed: a precision effect (named, with what to do, among the causes possible on `device`) or
+    a mapping the bridge gets wrong."""
     if dtype == "float32" and mean_diff <= precision_tolerance(BF16_UNIT, scale):
         kind = "TF32" if mean_diff <= precision_tolerance(TF32_UNIT, scale) else "bf16"
-        where = ("TF32 was in effect in this process (set NVIDIA_TF32_OVERRIDE=0 before CUDA starts, or "
-                 "model.allow_tf32=false)" if tf32 else
-                 "some operation ran in reduced precision although TF32 is off here (a library that ignores "
-                 "NVIDIA_TF32_OVERRIDE, or a bf16 kernel)")
+        if device == "cuda":
+            where = ("TF32 was in effect in this process (set NVIDIA_TF32_OVERRIDE=0 before CUDA starts, or "
+                     "model.allow_tf32=false)" if tf32 else
+                     "some operation ran in reduced precision although TF32 is off here (a library that ignores "
+                     "NVIDIA_TF32_OVERRIDE, or a bf16 kernel)")
+        else:
+            switched = _cpu_reduced_precision()
+            where = (f"reduced-precision fp32 math is switched on here ({switched}); switch it off" if switched else
+                     "on the CPU some kernel computed in reduced precision (a bf16 / AMX kernel given float32 "
+                     "inputs: e.g. an engine backend that casts, or oneDNN's fpmath mode), or the checkpoint's "
+                     "weights were rounded to bf16 on one side only")
         return (f"the difference (mean {mean_diff:.2e}, max {max_diff:.2e}) has the size of {kind} rounding of "
                 f"logits of scale {scale:.3g}, not of a mapping error: {where}")
     return ("the checkpoint may use a feature the bridge maps incorrectly (the difference is larger than the "
@@ -136,7 +190,10 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
             ids: list = []
             j = i
             while len(ids) < lengths[i]:
-                ids += tok(TEXTS[j % len(TEXTS)] + " ", add_special_tokens=False)["input_ids"]
+                more = tok(TEXTS[j % len(TEXTS)] + " ", add_special_tokens=False)["input_ids"]
+                if not more:  # a tokenizer without a vocabulary (none saved with the model) encodes nothing
+                    raise ValueError("the tokenizer encodes the sample text as no tokens")
+                ids += more
                 j += 1
             tokens[i, : lengths[i]] = torch.tensor(ids[: lengths[i]])
         if int(tokens.max()) >= vocab_size:
@@ -194,7 +251,8 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     else:
         out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
-    result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect()}
+    result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect(),
+              "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if engine == "vllm":
         result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype, engine_tp, engine_ep,
                                        engine_lora))
@@ -212,15 +270,21 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
 
     from megarl.config.schema import RolloutConfig
     from megarl.sync.delivery import plan_sync
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.process import EngineProcess, EngineProcessError
     from megarl.rollout.replicas import EngineTopology
 
-    engine = None
+    engine, failed = None, [None]
     if dist.get_rank() == 0:
         cfg = RolloutConfig(prompt_length=tokens.shape[1], response_length=1, load_format="dummy", dtype=dtype,
                             enable_prefix_caching=False, tensor_model_parallel_size=engine_tp,
                             expert_model_parallel_size=engine_ep)
-        engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
+        try:
+            engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
+        except EngineProcessError as exc:  # one line: the cause, the fix where known, the engine's log
+            failed[0] = str(exc)
+    dist.broadcast_object_list(failed, src=0)  # no rank waits on a sync into an engine that is not there
+    if failed[0] is not None:
+        return {"engine_error": failed[0]} if dist.get_rank() == 0 else {}
     try:
         topology = EngineTopology(dist.get_world_size(), engine_tp, 1)
         full = plan_sync(model, spec, engine, topology, 64 << 20)
@@ -241,8 +305,8 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
 def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None,
                 lora: Optional[str] = None):
     """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU; with `lengths` also the logits'
-    scale over the real positions (logits_scale); with `lora`, of the base with that PEFT adapter loaded by
-    peft.PeftModel.from_pretrained."""
+    statistics over the real positions, LogitStats(scale (logits_scale), rms (logits_rms)); with `lora`, of the base
+    with that PEFT adapter loaded by peft.PeftModel.from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
@@ -256,7 +320,13 @@ def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lengths: Optional[torch.Tenso
     lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     if lengths is None:
         return lp
-    return lp, logits_scale(logits, real_mask(lengths, lp.shape[1]))
+    mask = real_mask(lengths, lp.shape[1])
+    return lp, LogitStats(logits_scale(logits, mask), logits_rms(logits, mask))
+
+
+class LogitStats(NamedTuple):
+    scale: float  # RMS of the logits' std over the vocabulary: what bf16 rounding of the logits moves logprobs by
+    rms: float  # RMS of the logits: what float32 rounding of the sums that make them scales with
 
 
 def real_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -298,7 +368,10 @@ def mean_abs_diff(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Ten
 
 
 def report(args, rows, max_diff, source, out=None, reference: str = "HF", other: str = "megarl",
-           mean_diff: float = 0.0, scale: float = 1.0, tf32: bool = False, quantity: str = "logprob") -> int:
+           mean_diff: float = 0.0, scale: float = 1.0, tf32: bool = False, quantity: str = "logprob",
+           fp32_tol: Optional[float] = None, device: str = "cpu") -> int:
+    """Print the table and the verdict; `fp32_tol` is the derived float32 tolerance (fp32_bound), used when no --tol
+    was given."""
     out = out or sys.stdout
     engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
     lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
@@ -310,7 +383,8 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {head:>16}", file=out)
     for i, n, d, mean in rows:
         print(f"{i:>4} {n:>6} {d:>11.3e} {mean:>16.4f}", file=out)
-    if getattr(args, "derived_tol", False) and quantity == "logprob":
+    derived = getattr(args, "derived_tol", False)
+    if derived and args.dtype != "float32" and quantity == "logprob":
         tol = precision_tolerance(BF16_UNIT, scale)
         ok = mean_diff <= tol
         print(f"max abs logprob difference {max_diff:.3e}; mean abs logprob difference {mean_diff:.3e} ({other} vs "
@@ -319,14 +393,22 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
         bound = f"the derived tolerance {tol:.2e}"
         stat = mean_diff
     else:
-        ok = max_diff <= args.tol
-        print(f"max abs {quantity} difference {max_diff:.3e} ({other} vs {reference}, tolerance {args.tol:.1e}): "
+        if not derived:
+            tol, how = args.tol, "--tol"
+        elif args.dtype == "float32":
+            tol, how = fp32_tol, "derived from the model's widths, depth and logits in float32"
+        else:  # bf16 scores: a relative error of the same units of bf16 roundoff as logprobs get, on the scores' RMS
+            tol, how = precision_tolerance(BF16_UNIT, scale), f"{BF16_TOLERANCE_UNITS:g} x bf16 unit x score RMS"
+        ok = max_diff <= tol
+        if derived:
+            how += f"; margin {tol / max(max_diff, 1e-30):.3g}x"
+        print(f"max abs {quantity} difference {max_diff:.3e} ({other} vs {reference}, tolerance {tol:.2e}, {how}): "
               f"{'OK' if ok else 'FAILED'}" + (f"; mean {mean_diff:.3e}" if quantity == "logprob" else ""), file=out)
-        bound = f"--tol {args.tol:.1e}"
+        bound = f"the derived tolerance {tol:.2e}" if derived else f"--tol {tol:.1e}"
         stat = max_diff
     if not ok:
         print(f"error: {other}'s {quantity}s differ from {reference}'s by {stat:.3e} > {bound}; "
-              + diagnose(max_diff, mean_diff, scale, args.dtype, tf32), file=out)
+              + diagnose(max_diff, mean_diff, scale, args.dtype, tf32, device), file=out)
     return 0 if ok else 1
 
 
@@ -385,16 +467,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, source: str) -> int:
     """Compare megatron with HF (engine=megatron) or vLLM with megatron (engine=vllm); print the table; exit code."""
+    engine_error = next((r["engine_error"] for r in results if r.get("engine_error")), None)
+    if engine_error is not None:  # the engine did not start: its cause in one line
+        print(f"error: {engine_error}", file=sys.stderr)
+        return 2
+    from megarl.bridge.hf_config import load_spec
+
     got = next(r["megatron"] for r in results if r.get("megatron") is not None)
     tf32 = any(r.get("tf32") for r in results)
+    device = "cuda" if any(r.get("device") == "cuda" for r in results) else "cpu"
+    spec, seq_len = load_spec(args.hf), tokens.shape[1]
     if getattr(args, "reward_model", False):
-        max_diff, rows = compare_scores(hf_scores(args.hf, tokens, lengths), got, lengths)
-        return report(args, rows, max_diff, source, quantity="score", tf32=tf32)
-    hf, scale = hf_logprobs(args.hf, tokens, lengths, getattr(args, "lora", None))
+        reference = hf_scores(args.hf, tokens, lengths)
+        max_diff, rows = compare_scores(reference, got, lengths)
+        tol = fp32_bound(spec, seq_len, len(rows), float(reference.float().pow(2).mean().sqrt()), score=True)
+        return report(args, rows, max_diff, source, quantity="score", tf32=tf32, fp32_tol=tol, device=device,
+                      scale=float(reference.float().pow(2).mean().sqrt()))
+    hf, stats = hf_logprobs(args.hf, tokens, lengths, getattr(args, "lora", None))
+    positions = int(real_mask(lengths, hf.shape[1]).sum())
+    tol = fp32_bound(spec, seq_len, positions, stats.rms)
     if args.engine == "megatron":
         max_diff, rows = compare(hf, got, lengths)
         return report(args, rows, max_diff, source, reference="HF+PEFT" if getattr(args, "lora", None) else "HF",
-                      mean_diff=mean_abs_diff(hf, got, lengths), scale=scale, tf32=tf32)
+                      mean_diff=mean_abs_diff(hf, got, lengths), scale=stats.scale, tf32=tf32, fp32_tol=tol,
+                      device=device)
     engine = next(r for r in results if "vllm" in r)
     vllm = torch.zeros_like(got)
     for i, row in enumerate(engine["vllm"]):
@@ -411,7 +507,8 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
               f"{sync['sync/bytes']:.0f} bytes in {sync['weight_sync/adapter_install_seconds']:.3f} s")
     max_diff, rows = compare(got, vllm, lengths)  # reference: megarl's own logprobs
     return report(args, rows, max_diff, source, reference="megarl", other="vLLM",
-                  mean_diff=mean_abs_diff(got, vllm, lengths), scale=scale, tf32=tf32)
+                  mean_diff=mean_abs_diff(got, vllm, lengths), scale=stats.scale, tf32=tf32, fp32_tol=tol,
+                  device=device)
 
 
 if __name__ == "__main__":

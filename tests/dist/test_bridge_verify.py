@@ -19,7 +19,14 @@ def test_plain_command_starts_ranks_and_fails_above_tolerance(qwen2_dir, capsys)
     assert "max abs logprob difference" in out and "FAILED" in out
     assert code == 1
     diff = float(out.split("max abs logprob difference ")[1].split()[0])
-    assert 0 < diff < 1e-5  # the same run passes at the default tolerance
+    from megarl import verify
+    from megarl.bridge.hf_config import load_spec
+
+    spec = load_spec(qwen2_dir)
+    tokens, lengths, _ = verify.make_batch(qwen2_dir, spec.vocab_size, 3, 32)
+    hf, stats = verify.hf_logprobs(qwen2_dir, tokens, lengths)
+    tol = verify.fp32_bound(spec, 32, int(verify.real_mask(lengths, hf.shape[1]).sum()), stats.rms)
+    assert 0 < diff <= tol  # the same run passes at the default (derived) tolerance
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3  # one row per sequence
 
 
@@ -66,8 +73,8 @@ def test_bf16_tolerance_catches_a_wrong_mapping_that_the_old_bound_let_pass(tmp_
     good = str(make_tiny_model("qwen3", tmp_path / "qwen3"))
     bad = _corrupt_norm(good, str(tmp_path / "qwen3_bad"))
     tokens, lengths, _ = verify.make_batch(good, load_spec(good).vocab_size, 4, 64)
-    hf, scale = verify.hf_logprobs(good, tokens, lengths)  # the reference: the checkpoint's true model
-    tol = verify.precision_tolerance(verify.BF16_UNIT, scale)
+    hf, stats = verify.hf_logprobs(good, tokens, lengths)  # the reference: the checkpoint's true model
+    tol = verify.precision_tolerance(verify.BF16_UNIT, stats.scale)
     got = {}
     for name, d in (("good", good), ("bad", bad)):
         (r,) = run_ranks("megarl.verify:_rank_body", 1, {"hf_dir": d, "tokens": tokens, "dtype": "bfloat16"},
@@ -90,7 +97,19 @@ def test_a_precision_sized_float32_difference_is_not_blamed_on_the_bridge():
     from megarl.verify import TF32_UNIT, diagnose
 
     scale = 1.0
-    tf32_sized = diagnose(max_diff=4e-3, mean_diff=2 * TF32_UNIT * scale, scale=scale, dtype="float32", tf32=True)
+    tf32_sized = diagnose(max_diff=4e-3, mean_diff=2 * TF32_UNIT * scale, scale=scale, dtype="float32", tf32=True,
+                          device="cuda")
     assert "TF32 rounding" in tf32_sized and "NVIDIA_TF32_OVERRIDE=0" in tf32_sized and "bridge" not in tf32_sized
     mapping = diagnose(max_diff=1.0, mean_diff=0.3, scale=scale, dtype="float32", tf32=False)
     assert "maps incorrectly" in mapping
+
+
+def test_the_diagnosis_names_causes_possible_on_the_cpu(monkeypatch):
+    from megarl.verify import TF32_UNIT, diagnose
+
+    monkeypatch.delenv("ONEDNN_DEFAULT_FPMATH_MODE", raising=False)
+    plain = diagnose(max_diff=4e-3, mean_diff=2 * TF32_UNIT, scale=1.0, dtype="float32", tf32=False, device="cpu")
+    assert "NVIDIA_TF32_OVERRIDE" not in plain and "bf16 / AMX kernel" in plain and "bridge" not in plain
+    monkeypatch.setenv("ONEDNN_DEFAULT_FPMATH_MODE", "BF16")
+    switched = diagnose(max_diff=4e-3, mean_diff=2 * TF32_UNIT, scale=1.0, dtype="float32", tf32=False, device="cpu")
+    assert "ONEDNN_DEFAULT_FPMATH_MODE=BF16" in switched

@@ -1,0 +1,73 @@
+"""How far two correct float32 implementations of the same model may disagree: bounds derived from the computation.
+
+Two implementations of one transformer (megatron at TP2 vs HF transformers, vLLM vs megatron, AVX2 vs AVX-512
+kernels) sum the same products in different orders, so their results differ by rounding alone. The bound below is
+what that rounding can explain, from the model's widths, depth, vocabulary and logit size; a wrong mapping (a swapped
+projection, a mis-sliced shard) moves logprobs by O(logit scale), orders of magnitude above it.
+
+Error model (probabilistic rounding-error analysis, Higham & Mary 2019): every rounding contributes an independent
+error of at most u = 2**-24 relative to the value rounded. Summing K terms of random sign, the partial sums grow as
+sqrt(k), so the sum's error relative to its result is about u * sqrt(K / 2) <= u * sqrt(K); blocked and SIMD
+summation (every CPU and GPU kernel) only lowers it. Through the network:
+- one layer chains GEMMs and reductions whose inner widths are the hidden size (norm, QKV / MLA down-projections,
+  MLP up), the attention's head width (q.k), the sequence (softmax-weighted values), the attention output width and
+  the MLP width; their relative errors add, <= sum_i sqrt(K_i) u; a few ulp of exp / rsqrt / sin per element are
+  covered by the sqrt terms' slack;
+- the residual stream carries independent per-layer errors: they grow as sqrt(layers);
+- the LM head is one more GEMM over the hidden size; the logit error is that relative error times the logits' RMS;
+- a logprob is z_t - logsumexp(z): its error is at most twice the largest logit error, plus the rounding of the
+  vocabulary-wide sum of exponentials (positive terms: partial sums grow linearly, relative error u * sqrt(V / 3));
+- two implementations each err this much: their difference has sqrt(2) times the spread;
+- the largest of n such errors (n = positions x vocabulary) is at most sqrt(2 ln n) standard deviations.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+FP32_UNIT = 2.0 ** -24  # float32 unit roundoff
+
+
+def tail_factor(n: int) -> float:
+    """sqrt(2 ln n): the largest of n independent errors of unit spread stays below this many spreads (for n >= 2)."""
+    return math.sqrt(2.0 * math.log(max(int(n), 2)))
+
+
+def layer_error_factor(inner_widths: Iterable[int]) -> float:
+    """sum_i sqrt(K_i): one layer's relative error in units of u, for the inner widths K_i of its chained sums."""
+    return sum(math.sqrt(max(int(k), 1)) for k in inner_widths)
+
+
+def fp32_logit_error_factor(hidden: int, layer_widths: Iterable[int], layers: int) -> float:
+    """Relative error of the logits in units of u: the LM head's GEMM over `hidden` plus the residual stream's error
+    after `layers` layers, each of relative error layer_error_factor(layer_widths)."""
+    return math.sqrt(max(int(hidden), 1)) + math.sqrt(max(int(layers), 1)) * layer_error_factor(layer_widths)
+
+
+def fp32_logprob_bound(hidden: int, layer_widths: Iterable[int], layers: int, vocab: int, logits_rms: float,
+                       n_positions: int) -> float:
+    """Max abs logprob difference two correct float32 implementations can show over `n_positions` token positions.
+
+    hidden: the model's hidden size; layer_widths: the inner widths of one layer's chained sums (see transformer_widths);
+    layers: depth; vocab: vocabulary size; logits_rms: RMS of the logits over real positions and the vocabulary.
+    """
+    logit_err = fp32_logit_error_factor(hidden, layer_widths, layers) * FP32_UNIT * logits_rms
+    sum_err = math.sqrt(vocab / 3.0) * FP32_UNIT
+    spread = math.sqrt(2.0) * (2.0 * logit_err + sum_err)
+    return tail_factor(n_positions * vocab) * spread
+
+
+def fp32_output_bound(hidden: int, layer_widths: Iterable[int], layers: int, output_rms: float, n_values: int) -> float:
+    """Max abs difference of a linear read-out of the last hidden state (a reward model's score, a critic's value) that
+    two correct float32 implementations can show over `n_values` outputs of RMS `output_rms`."""
+    err = fp32_logit_error_factor(hidden, layer_widths, layers) * FP32_UNIT * output_rms
+    return tail_factor(n_values) * math.sqrt(2.0) * err
+
+
+def transformer_widths(hidden: int, heads: int, head_dim: int, ffn: int, seq_len: int, qk_dim: int = 0,
+                       latent: Iterable[int] = ()) -> list[int]:
+    """One decoder layer's chained inner widths: norm and projections over `hidden`, q.k over `qk_dim` (head_dim when
+    0), softmax-weighted values over `seq_len`, the output projection over heads * head_dim, the MLP's down projection
+    over `ffn` (for MoE: the widest expert or dense MLP; the top-k sum adds a handful of terms), and for multi-latent
+    attention the up-projections from each latent width."""
+    return [hidden, hidden, qk_dim or head_dim, seq_len, heads * head_dim, hidden, ffn, *latent]
