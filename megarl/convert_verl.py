@@ -1004,14 +1004,15 @@ def validate_against_megarl(c: Conversion) -> None:
     """Run `megarl validate`'s rules on the recipe; refuse each verl key whose megarl key they reject, with validate's
     own message, and take it out of the recipe. Problems of settings no verl key gave are refused as the recipe's."""
     from megarl.config import ConfigError, load_config
+    from megarl.config.paths import PathIssue
 
     seen = set()
     for _ in range(6):
         try:
             load_config(data=c.recipe)
             return
-        except ConfigError as exc:
-            issues = exc.issues
+        except ConfigError as exc:  # paths are of the machine converting, not the one the recipe is for: notes
+            issues = [i for i in exc.issues if not isinstance(i, PathIssue)]
         progress = False
         for issue in issues:
             keys = [issue.key] + [k for k in issue.keys if k != issue.key]

@@ -361,16 +361,120 @@ def _sigmoid_router_moe(cfg: dict, path: str, family: str, layers: int) -> tuple
     return moe, extra
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Whole files: a model directory as a download leaves it (config.json, the index, the safetensors shards)
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+REDOWNLOAD = "download the file again (an interrupted download leaves it incomplete)"
+_MAX_HEADER = 100_000_000  # safetensors refuses larger headers: a bigger length means the file is not safetensors
+
+
+class ModelFileError(BridgeError):
+    """A file of a model directory that is missing, damaged or incomplete; `file`, what is wrong and what to do."""
+
+    def __init__(self, file: Union[str, Path], problem: str, fix: str = REDOWNLOAD):
+        self.file, self.problem, self.fix = str(file), problem, fix
+        super().__init__(f"{file}: {problem}; {fix}")
+
+
+def read_config_json(path: Union[str, Path]) -> dict:
+    """A config.json (or any model JSON file) as a dict; ModelFileError naming the file when it does not parse."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot be read ({exc.strerror})", "check the file's permissions") from None
+    except ValueError:
+        raise ModelFileError(path, "is not text (not valid UTF-8)") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ModelFileError(path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}, "
+                             f"{len(text)} characters)") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(path, f"holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def read_index(path: Union[str, Path]) -> dict:
+    """{tensor name: shard file} of a model.safetensors.index.json."""
+    weight_map = read_config_json(path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ModelFileError(path, "has no 'weight_map' object of tensor name -> shard file")
+    return dict(weight_map)
+
+
+def check_weight_files(hf_dir: Union[str, Path]) -> None:
+    """Raise ModelFileError naming the first damaged weight file of `hf_dir`: an index that does not parse or names
+    a shard that is not there, a shard whose header safetensors refuses (truncated, not safetensors) or that lacks
+    tensors the index puts in it. Reads headers only. A directory without weights passes (the loader says so)."""
+    d = Path(hf_dir)
+    index = d / INDEX_FILE
+    if not index.is_file():
+        for shard in sorted(d.glob("*.safetensors")):
+            shard_names(shard)
+        return
+    by_file: dict = {}
+    for name, file in read_index(index).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        shard = d / file
+        if not shard.is_file():
+            raise ModelFileError(shard, f"missing: {INDEX_FILE} puts {len(names)} tensor{'s' if len(names) > 1 else ''} in it "
+                                 f"(e.g. {names[0]})",
+                                 "download it again (or the whole model)")
+        absent = sorted(set(names) - shard_names(shard))
+        if absent:
+            raise ModelFileError(shard, f"lacks {len(absent)} tensors that {INDEX_FILE} puts in it (e.g. "
+                                 f"{absent[0]}): the shard and the index come from different downloads",
+                                 "download both again")
+
+
+def shard_names(path: Path) -> set:
+    """The tensor names of one safetensors file, through safetensors' own header checks."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as exc:
+        raise ModelFileError(path, _damage(path, exc)) from None
+
+
+def _damage(path: Path, exc: Exception) -> str:
+    """What is wrong with a safetensors file safetensors refused, from its size and its header's data offsets (the
+    format: an 8-byte little-endian header length, the JSON header, then the tensors' bytes)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > _MAX_HEADER:
+            return f"not a safetensors file ({size} bytes; safetensors: {exc})"
+        if 8 + length > size:
+            return f"truncated: {size} bytes, shorter than its own {length}-byte header"
+        try:
+            header = json.loads(fh.read(length))
+            end = 8 + length + max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                                   default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"its header does not parse (safetensors: {exc})"
+    if size < end:
+        return f"truncated: {size} of the {end} bytes its header describes"
+    if size > end:
+        return f"{size - end} bytes longer than its header describes ({end} bytes)"
+    return f"safetensors cannot read it ({exc})"
+
+
 def load_spec(hf_dir: Union[str, Path]) -> ArchSpec:
-    """Read `hf_dir/config.json` into an ArchSpec."""
-    path = Path(hf_dir) / "config.json"
+    """Read `hf_dir/config.json` into an ArchSpec, after checking that the directory's files are whole
+    (check_weight_files): every command that opens a model directory comes here first, so a damaged download is named
+    in one line before any weight is read or any rank starts."""
+    path = Path(hf_dir) / CONFIG_FILE
     if not path.is_file():
         raise BridgeError(f"{path}: not found; point --hf at a Hugging Face model directory (config.json, "
                           "*.safetensors, tokenizer files)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BridgeError(f"{path}: not valid JSON: {exc}") from exc
+    cfg = read_config_json(path)
+    check_weight_files(hf_dir)
     return spec_from_dict(cfg, str(path))
 
 

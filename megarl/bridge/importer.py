@@ -9,14 +9,14 @@ tensor, each shape that differs from what the config implies and each unexpected
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from megarl.bridge.hf_config import ArchSpec, BridgeError, load_spec, name_sample, problem_report
+from megarl.bridge.hf_config import (INDEX_FILE, ArchSpec, BridgeError, load_spec, name_sample, problem_report,
+                                     read_index, shard_names)
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping
 from megarl.bridge.sharding import local_params, unwrap
 
@@ -24,24 +24,21 @@ log = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that the model recomputes; never an error.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsCheckpoint:
     """Name -> file index of an HF directory (sharded with model.safetensors.index.json, or single files)."""
 
     def __init__(self, hf_dir: Union[str, Path]):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         self.dir = Path(hf_dir)
         self._open = {}
         self._safe_open = safe_open
+        self._refused = (SafetensorError, OSError)
         index = self.dir / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise BridgeError(f"{index}: no 'weight_map' object")
-            self.weight_map = dict(weight_map)
+            self.weight_map = read_index(index)
             self.files = sorted(set(self.weight_map.values()))
             for f in self.files:
                 if not (self.dir / f).is_file():
@@ -59,7 +56,11 @@ class SafetensorsCheckpoint:
 
     def _handle(self, file: str):
         if file not in self._open:
-            self._open[file] = self._safe_open(str(self.dir / file), framework="pt", device="cpu")
+            try:
+                self._open[file] = self._safe_open(str(self.dir / file), framework="pt", device="cpu")
+            except self._refused:  # name the file and what is wrong with it
+                shard_names(self.dir / file)
+                raise
         return self._open[file]
 
     def describe(self) -> str:

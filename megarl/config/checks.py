@@ -1,12 +1,12 @@
 """Cross-field rules of a recipe. Each check returns Issues naming the keys it reads; none raises."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from megarl.config.issues import Issue
+from megarl.config.paths import check_paths, model_config
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
 from megarl.layout import Layout
@@ -35,10 +35,12 @@ class ModelShape:
 
 
 def _model_config(cfg: MegarlConfig) -> tuple:
-    """(config.json dict, its path) from model.config_path or model.path/config.json; (None, None) if neither."""
+    """(config.json dict, its path) from model.config_path or model.path/config.json; (None, None) if neither (or it
+    does not parse: check_paths names the file)."""
     for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
         if candidate and Path(candidate).is_file():
-            return json.loads(Path(candidate).read_text()), candidate
+            hf = model_config(candidate)
+            return (hf, candidate) if hf is not None else (None, None)
     return None, None
 
 
@@ -63,14 +65,7 @@ def check_model_source(cfg: MegarlConfig) -> list[Issue]:
     if not m.path:
         return [Issue("model.path", m.path, "no model given", "set model.path to a Hugging Face model directory",
                       keys=("model.path",))]
-    if Path(m.path).is_dir() or m.create_tiny is not None:
-        return []
-    fix = ("ignore this when validating for another cluster; otherwise fix the path" if m.config_path else
-           "set model.config_path to the model's config.json (e.g. `huggingface-cli download NAME config.json "
-           "--local-dir DIR`) so validate can check the layout against the model; or fix the path")
-    return [Issue("model.path", m.path, "directory not found on this machine; structural checks use "
-                  + ("model.config_path" if m.config_path else "nothing (they are skipped)"), fix,
-                  keys=("model.path",), warning=True)]
+    return []  # whether it exists: check_paths
 
 
 def check_layout(cfg: MegarlConfig) -> list[Issue]:
@@ -732,7 +727,7 @@ def check_multi_turn(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue(M + "tool_config_path", None, "multi-turn rollouts call the tools of a tool config file",
                             "set it to a YAML file with a 'tools:' list (see README 'Multi-turn rollouts with tools')",
                             keys=(M + "tool_config_path",)))
-    else:
+    elif Path(mt.tool_config_path).is_file():  # otherwise check_paths says where it is not
         from megarl.agent.tools import ToolConfigError, load_tools
 
         try:
@@ -869,12 +864,11 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
                             f"use HF/PEFT projection names {list(PROJECTIONS)} or all-linear",
                             keys=("actor.lora.target_modules",)))
         return issues
-    source = next((c for c in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json"))
-                   if c and Path(c).is_file()), None)
-    if source is None:
+    hf, source = _model_config(cfg)
+    if hf is None:
         return issues
     try:
-        mapping = Mapping(spec_from_dict(json.loads(Path(source).read_text()), source))
+        mapping = Mapping(spec_from_dict(hf, source))
         found = resolve_targets(mapping, LoraSettings(rank=lo.rank, alpha=lo.alpha, target_modules=targets))
     except BridgeError:
         return issues  # the model checks report it
@@ -908,7 +902,7 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
 
 
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
-    check_distillation,
+    check_paths, check_distillation,
     check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_batches,
     check_lengths, check_warmup,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,

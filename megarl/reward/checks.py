@@ -1,7 +1,6 @@
 """`megarl validate` rules of learned rewards: reward.reward_model, reward.judge, reward.components, and `megarl rm`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from megarl.config.issues import Issue
@@ -13,12 +12,15 @@ def _rm_layout_issue(cfg) -> list[Issue]:
     """The reward model runs at the trainer's layout: TP must divide its heads, PP its layers."""
     from megarl.bridge.hf_config import BridgeError, check_layout, spec_from_dict
 
+    from megarl.config.paths import model_config
+
     path = Path(cfg.reward.reward_model.path) / "config.json"
-    if not path.is_file():  # written later (e.g. by `megarl rm` before the RL run): checked when the run loads it
+    hf = model_config(path)
+    if hf is None:  # missing or damaged: megarl.config.paths says which, and what writes it
         return []
     p = cfg.parallelism
     try:
-        spec = spec_from_dict(json.loads(path.read_text()), str(path))
+        spec = spec_from_dict(hf, str(path))
         check_layout(spec, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
                      p.expert_tensor_parallel_size)
     except BridgeError as exc:

@@ -163,4 +163,9 @@ def test_every_field_has_a_default_and_a_description():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
 def test_shipped_recipes_validate(recipe):
-    load_config(ROOT / "recipes" / recipe)
+    from megarl.config.paths import PathIssue
+
+    try:
+        load_config(ROOT / "recipes" / recipe)
+    except ConfigError as exc:  # only inputs that another recipe's command writes first (runs/ is not shipped)
+        assert all(isinstance(i, PathIssue) and "first run `megarl " in i.fix for i in exc.issues), exc

@@ -242,7 +242,9 @@ def test_one_truth_converter_refuses_with_validates_message():
     message = next(i.render() for i in exc.value.issues if i.key.endswith("context_parallel_size"))
     line = next(r for r in c.refused if "context_parallel" in r)
     assert line.endswith(message) and "context_parallel_size" not in str(c.recipe)
-    load_config(data=c.recipe)  # what is left validates
+    with pytest.raises(ConfigError) as left:  # what is left validates, but for the model to fill in
+        load_config(data=c.recipe)
+    assert [i.key for i in left.value.issues] == ["model.path"]
 
 
 _VALUES = ["", "null", "-1", "0", "1e-6", "True", "[1, 2]", "{a: 1}", "abc", "[", "'", "${x.y}", "~/p", "-",
@@ -266,8 +268,12 @@ def test_fuzz_malformed_overrides_never_raise():
 
 
 def test_validate_suggests_and_checks_model_config_path(tmp_path):
-    cfg = load_config(data={"model": {"path": str(tmp_path / "absent")}, "rollout": {"n": 2}})
-    assert any("model.config_path" in w.fix for w in cfg._warnings)
+    with pytest.raises(ConfigError, match=r"model.path = .*absent': no such directory.*set model.config_path"):
+        load_config(data={"model": {"path": str(tmp_path / "absent")}, "rollout": {"n": 2}})
+    config = Path(__file__).resolve().parents[2] / "recipes" / "models" / "llama3_70b" / "config.json"
+    cfg = load_config(data={"model": {"path": str(tmp_path / "absent"), "config_path": str(config)},
+                            "rollout": {"n": 2}})
+    assert [w.key for w in cfg._warnings] == ["model.path"]  # a recipe for another machine: its path is there
     with pytest.raises(ConfigError, match="model.config_path.*file not found"):
         load_config(data={"model": {"path": "x", "config_path": str(tmp_path / "nope.json")}, "rollout": {"n": 2}})
 

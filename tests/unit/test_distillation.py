@@ -36,7 +36,7 @@ def test_distillation_needs_a_teacher():
         load_config(data=TINY, overrides=["rollout.n=4", "distillation.enable=true"])
     assert "set distillation.teacher.path" in str(err.value)
     cfg = load_config(data=TINY, overrides=["rollout.n=4", "distillation.enable=true",
-                                            "distillation.teacher.path=teacher_dir"])
+                                            "distillation.teacher.path=teacher_dir"], check=False)
     from megarl.steps import old_log_probs_from_update
 
     assert not old_log_probs_from_update(cfg, actor_updates=True)  # the student's logprobs are needed first

@@ -60,14 +60,14 @@ def test_prepare_records_and_a_new_seed_is_warned_about(tmp_path, caplog):
 
 
 def test_a_reused_sft_model_made_with_fewer_steps_is_warned_about(tmp_path, caplog):
-    made = _cfg(tmp_path, "sft.total_steps=150")
-    out = tmp_path / "run" / "sft_model"
+    made, later = _cfg(tmp_path, "sft.total_steps=150"), _cfg(tmp_path, "sft.total_steps=300")
+    out = tmp_path / "run" / "sft_model"  # a stand-in: validate would refuse a directory without a model
     out.mkdir(parents=True)
     record_made(out, sft_settings(made))
     caplog.set_level(logging.INFO, logger="megarl")
     rank0 = SimpleNamespace(is_rank0=True)
     assert sft_model_path(made, rank0) == str(out)  # exists: not trained again
     assert _messages(caplog, logging.WARNING) == []
-    assert sft_model_path(_cfg(tmp_path, "sft.total_steps=300"), rank0) == str(out)
+    assert sft_model_path(later, rank0) == str(out)
     [warning] = _messages(caplog, logging.WARNING)
     assert "sft.total_steps=150 (this run: 300)" in warning and "sft.output_dir" in warning

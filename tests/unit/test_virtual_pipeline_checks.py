@@ -8,7 +8,8 @@ KEY = "parallelism.virtual_pipeline_model_parallel_size"
 
 
 def _cfg(**sections):
-    data = {"model": {"path": "x"}, "trainer": {"n_gpus_per_node": 4, "device": "cpu"},
+    data = {"model": {"path": "x", "create_tiny": {"num_hidden_layers": 4}},  # a model the run would create
+            "trainer": {"n_gpus_per_node": 4, "device": "cpu"},
             "parallelism": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
             "data": {"train_batch_size": 8}, "rollout": {"n": 2},
             "actor": {"ppo_mini_batch_size": 4, "ppo_micro_batch_size_per_gpu": 1}}
