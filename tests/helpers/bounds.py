@@ -13,6 +13,11 @@ sensitivity is at most lr / eps = LR / 1e-3 (1 at lr 1e-3), so the weights diffe
 whose relative size is the forward's (backward runs the same sums transposed). The logprobs after the step then differ
 by the forward bound plus that relative error times how far the step moved them.
 Tests of the optimizer itself (Adam at its real eps) compare weights where |g| >> eps instead (test_actor_step).
+
+    lp, tol = forward_with_weights(hf_dir, weights, tokens, mask)  # HF on other weights (exported, merged, trained)
+    tol = logits_bound(hf_dir, logits, mask)                     # from a reference's logits [B, S-1, V] (e.g. PEFT)
+    tol = score_bound(hf_dir, scores, seq_len)                   # scores / values: a linear read-out of the last state
+    tol = verify_bound(hf_dir, seq_len, batch, lora=None)        # what `megarl verify`'s batch allows
 """
 from __future__ import annotations
 
@@ -34,17 +39,72 @@ def _logits(hf_dir, tokens):
 def logprob_bound(hf_dir: Union[str, Path], tokens, mask: Optional[object] = None) -> float:
     """Max abs logprob difference two correct float32 forwards of the model at hf_dir may show on tokens [B, S] over
     the positions of mask [B, S-1] (default: all)."""
+    return logits_bound(hf_dir, _logits(hf_dir, tokens), mask)
+
+
+def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None) -> float:
+    """logprob_bound from a reference forward's logits [B, S-1, V] (the model at hf_dir's architecture, any weights:
+    trained, merged, or with a PEFT adapter on it) over the positions of mask [B, S-1] (default: all)."""
     import torch
 
     from megarl.bridge.hf_config import load_spec
     from megarl.verify import fp32_bound
 
-    logits = _logits(hf_dir, tokens)
+    logits = logits.float()
     if mask is None:
         mask = torch.ones(logits.shape[:2], dtype=torch.bool)
     mask = mask.bool()
     rms = float(logits[mask].pow(2).mean().sqrt())
-    return fp32_bound(load_spec(str(hf_dir)), tokens.shape[1], int(mask.sum()), rms)
+    return fp32_bound(load_spec(str(hf_dir)), logits.shape[1] + 1, int(mask.sum()), rms)
+
+
+def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: Optional[object] = None) -> tuple:
+    """(logprobs [B, S-1], logprob_bound) of HF transformers running the architecture at hf_dir with `weights`
+    (HF names: an exported or merged state dict; a tied head may be left out). The pure-forward check of weights
+    an optimizer step produced: the step itself is checked where the weights are compared."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if unexpected or [k for k in missing if not (tied and k == "lm_head.weight")]:
+        raise ValueError(f"weights do not fit {hf_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()[:, :-1]
+    lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return lp, logits_bound(hf_dir, logits, mask)
+
+
+def score_bound(hf_dir: Union[str, Path], scores, seq_len: int) -> float:
+    """Max abs difference two correct float32 forwards may show on reward-model scores or critic values (a linear
+    read-out of the last hidden state, megarl.numerics.fp32_output_bound): `scores` are the reference's (any shape:
+    their count is the number of outputs, their RMS the output scale) on sequences of seq_len tokens."""
+    import torch
+
+    from megarl.bridge.hf_config import load_spec
+    from megarl.verify import fp32_bound
+
+    scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
+    rms = float(scores.pow(2).mean().sqrt())
+    return fp32_bound(load_spec(str(hf_dir)), seq_len, scores.numel(), rms, score=True)
+
+
+def verify_bound(hf_dir: Union[str, Path], seq_len: int, batch: int, lora: Optional[str] = None,
+                 score: bool = False) -> float:
+    """The logprob bound (score=True: the reward model's score bound) on the batch `megarl verify --seq-len seq_len
+    --batch batch` builds for hf_dir (with a PEFT adapter on the reference when lora is given), computed here from
+    HF's own outputs."""
+    from megarl import verify
+    from megarl.bridge.hf_config import load_spec
+
+    tokens, lengths, _ = verify.make_batch(str(hf_dir), load_spec(str(hf_dir)).vocab_size, batch, seq_len)
+    if score:
+        return score_bound(hf_dir, verify.hf_scores(str(hf_dir), tokens, lengths), seq_len)
+    _, stats = verify.hf_logprobs(str(hf_dir), tokens, lengths, lora=lora)
+    n = int(verify.real_mask(lengths, seq_len - 1).sum())
+    return verify.fp32_bound(load_spec(str(hf_dir)), seq_len, n, stats.rms)
 
 
 def relative_error(hf_dir: Union[str, Path], seq_len: int, n_values: int) -> float:
@@ -59,10 +119,13 @@ def relative_error(hf_dir: Union[str, Path], seq_len: int, n_values: int) -> flo
 
 
 def after_step_bound(hf_dir: Union[str, Path], tokens, mask, moved: float, lr: float,
-                     eps: float = ADAM_EPS) -> float:
+                     eps: float = ADAM_EPS, before: Optional[float] = None) -> float:
     """Max abs logprob difference after one Adam step with `eps` and `lr` (sensitivity lr / eps <= 1 required) of two
-    correct implementations, when the step moved the logprobs by at most `moved`."""
+    correct implementations, when the step moved the logprobs by at most `moved`. `before`: the forward bound of the
+    model the step started from when it is not the one at hf_dir (a trained or resumed model; forward_with_weights)."""
     if lr / eps > 1.0:
         raise ValueError(f"after_step_bound needs lr / eps <= 1 (got {lr} / {eps}): see tests/helpers/bounds.py")
     n = int(mask.sum())
-    return logprob_bound(hf_dir, tokens, mask) + relative_error(hf_dir, tokens.shape[1], n) * moved
+    if before is None:
+        before = logprob_bound(hf_dir, tokens, mask)
+    return before + relative_error(hf_dir, tokens.shape[1], n) * moved
