@@ -3,13 +3,18 @@
 The reference is independent of megatron: HF transformers logprobs, megarl.algo's PPO loss over the whole batch,
 torch autograd and torch.optim.Adam. Megatron splits the batch into micro-batches (and DP ranks), so this checks the
 loss adapter's global denominators and scaling, gradient reduction over TP/PP/DP, and the optimizer wiring.
+Adam runs at its real eps (1e-8), so the step is compared on the weights where it is well conditioned (|g| >> eps);
+the logprobs after the step are checked as a pure forward: HF transformers on megarl's exported weights, within the
+derived float32 bound (tests/helpers/bounds.py).
 """
 import pytest
 import torch
 
 from megarl.launch_local import run_ranks
+from tests.helpers.bounds import forward_with_weights
 from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 
+pytestmark = pytest.mark.parity
 LR, CLIP_LOW, CLIP_HIGH, N, S = 1e-3, 0.2, 0.28, 4, 20
 
 
@@ -83,10 +88,7 @@ def setup(tmp_path_factory):
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     torch.optim.Adam(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8).step()
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"]).logits
-        after = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    ref = {"loss": loss.item(), "clipfrac": float(m["pg_clipfrac"]), "grad_norm": grad_norm.item(), "after": after,
+    ref = {"loss": loss.item(), "clipfrac": float(m["pg_clipfrac"]), "grad_norm": grad_norm.item(),
            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}, "grads": grads}
     assert 0.05 < ref["clipfrac"] < 0.95, ref["clipfrac"]  # the clipped branches really take part
     return hf_dir, batch, ref
@@ -102,26 +104,35 @@ def test_megatron_update_equals_torch_reference(setup, tp, pp, dp, max_tokens, r
                          "max_tokens": max_tokens, "recompute": recompute}, timeout=300)
     for r in results:
         m = r["metrics"]
+        print(f"[measured] pg_loss {abs(m['pg_loss'] - ref['loss']):.2e} grad_norm rel "
+              f"{abs(m['grad_norm'] - ref['grad_norm']) / max(1.0, ref['grad_norm']):.2e}")
         assert abs(m["pg_loss"] - ref["loss"]) < 1e-5, (m, ref["loss"])
         assert abs(m["pg_clipfrac"] - ref["clipfrac"]) < 0.15  # a mean of micro-batch means: close, not equal
         assert abs(m["grad_norm"] - ref["grad_norm"]) < 1e-4 * max(1.0, ref["grad_norm"]), (m, ref["grad_norm"])
+    exported = results[0]["weights"]
+    # after the step: megarl's logprobs equal HF's forward of megarl's own exported weights (the weights themselves
+    # are compared with torch's step below)
+    want, tol = forward_with_weights(hf_dir, exported, batch["input_ids"], batch["input_ids"][:, 1:] != 0)
     per_rank = N // dp
     for r in results:
         if r["after"] is not None:
             rows = slice(r["dp_rank"] * per_rank, (r["dp_rank"] + 1) * per_rank)
             mask = batch["input_ids"][rows, 1:] != 0
-            diff = (r["after"] - ref["after"][rows]).abs()[mask].max().item()
-            assert diff < 1e-4, diff
-    exported = results[0]["weights"]
+            diff = (r["after"] - want[rows]).abs()[mask].max().item()
+            print(f"[measured] after-step logprobs vs HF on exported weights {diff:.2e} (bound {tol:.2e})")
+            assert diff < tol, (diff, tol)
     names = set(ref["weights"]) - {"lm_head.weight"}  # tied: HF's state dict repeats the embedding
     assert set(exported) == names, set(exported) ^ names
     # Adam's first step is -LR * g / (|g| + eps): where |g| is near eps it turns float noise into updates of up to LR
     # (k_proj.bias, whose true gradient is exactly zero, is all such noise). Compare exactly where the reference
     # gradient is well above eps, and only within Adam's bound elsewhere.
+    worst = 0.0
     for k in names:
         diff = (exported[k] - ref["weights"][k]).abs()
         conditioned = ref["grads"][k].abs() > 1e-5
         assert diff.max().item() <= 2 * LR, k
         assert conditioned.float().mean() > 0.5 or k.endswith("bias") or "norm" in k, k  # most entries are checked
         if conditioned.any():
+            worst = max(worst, diff[conditioned].max().item())
             assert diff[conditioned].max().item() < 2e-5, (k, diff[conditioned].max().item())
+    print(f"[measured] weights where |g| > 1e-5: {worst:.2e}")

@@ -12,6 +12,7 @@ from megarl.launch_local import run_ranks
 from tests.dist.test_actor_step import CLIP_HIGH, CLIP_LOW, LR, N, _batch
 from tests.helpers.tiny_models import make_peft_adapter, make_tiny_model
 
+pytestmark = pytest.mark.parity
 TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 
 
@@ -93,16 +94,21 @@ def test_lora_update_equals_peft_reference(setup, tp, pp, dp):
                         timeout=300)
     for r in results:
         m = r["metrics"]
+        print(f"[measured] pg_loss {abs(m['pg_loss'] - ref['loss']):.2e} grad_norm rel "
+              f"{abs(m['grad_norm'] - ref['grad_norm']) / max(1.0, ref['grad_norm']):.2e}")
         assert abs(m["pg_loss"] - ref["loss"]) < 1e-5, (m, ref["loss"])
         assert abs(m["grad_norm"] - ref["grad_norm"]) < 1e-4 * max(1.0, ref["grad_norm"]), (m, ref["grad_norm"])
     got = results[0]["adapters"]
     assert set(got) == set(ref["adapters"]), set(got) ^ set(ref["adapters"])
+    worst = 0.0
     for k, want in ref["adapters"].items():
         diff = (got[k] - want).abs()
         # Adam's first step is sign-like where |g| ~ eps (see test_actor_step): exact only where |g| >> eps
         conditioned = ref["grads"][k].abs() > 1e-5
         assert diff.max().item() <= 2 * LR, k
         assert conditioned.float().mean() > 0.5, k
+        worst = max(worst, diff[conditioned].max().item())
         assert diff[conditioned].max().item() < 2e-5, (k, diff[conditioned].max().item())
+    print(f"[measured] adapters where |g| > 1e-5: {worst:.2e}")
     for k, v in results[0]["base"].items():  # the frozen base did not move
         assert torch.equal(v, ref["base"][k]), k
