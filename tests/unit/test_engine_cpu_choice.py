@@ -95,8 +95,8 @@ def test_engine_kwargs_carry_the_choice_and_the_overrides():
     kw = engine_kwargs(cfg, "/m", 0, on_gpu=False, cpu_choice=cpu_engine_choice(DSV3, "float32", AMX),
                        hf_overrides={"head_dim": 32})
     assert kw["attention_backend"] == "CPU_MLA" and kw["hf_overrides"] == {"head_dim": 32}
-    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
-    assert kw["max_num_batched_tokens"] == 128  # a whole prompt of max_model_len 100 + 28 in one step
+    assert kw["enable_prefix_caching"] is False
+    assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] == 64  # vLLM's platform decides
     plain = engine_kwargs(cfg, "/m", 0, on_gpu=False, cpu_choice=cpu_engine_choice(GLM, "float32", AMX))
     assert "attention_backend" not in plain and "hf_overrides" not in plain and plain["enable_prefix_caching"]
 
