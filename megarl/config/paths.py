@@ -157,7 +157,8 @@ def _recipes():
                 cfg = MegarlConfig.model_validate(read_recipe(path))
             except (ConfigError, ValidationError):
                 continue
-            yield os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path.resolve()), cfg
+            shown = os.path.relpath(path)
+            yield (str(path.resolve()) if shown.startswith("..") else shown), cfg
 
 
 def writer(path: str, kind: str, cfg: MegarlConfig) -> Optional[str]:
