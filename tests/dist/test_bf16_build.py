@@ -58,9 +58,11 @@ def fused_swiglu_rank(hf_dir, tokens):
             "state": model.megarl_fusions}
 
 
+@pytest.mark.parity
 def test_fusions_are_off_with_their_reason_on_cpu_and_fused_swiglu_keeps_parity(tmp_path):
     """On CPU every fusion is off with its reason (no TE, no CUDA); megatron's fused SwiGLU (what model.fusions turns
     on with CUDA) gives HF's logprobs when forced on."""
+    from tests.helpers.bounds import logprob_bound
     from tests.helpers.tiny_models import hf_logprobs, sample_tokens
 
     hf_dir = str(make_tiny_model("llama", tmp_path / "llama"))
@@ -68,6 +70,9 @@ def test_fusions_are_off_with_their_reason_on_cpu_and_fused_swiglu_keeps_parity(
     (r,) = run_ranks(f"{__name__}:fused_swiglu_rank", 1, {"hf_dir": hf_dir, "tokens": tokens}, timeout=300)
     assert r["fused"]
     mask = tokens[:, 1:] != 0
-    assert (r["logprobs"] - hf_logprobs(hf_dir, tokens)).abs()[mask].max().item() < 1e-5
+    diff = (r["logprobs"] - hf_logprobs(hf_dir, tokens)).abs()[mask].max().item()
+    tol = logprob_bound(hf_dir, tokens, mask)
+    print(f"[measured] fused SwiGLU vs HF {diff:.2e} (bound {tol:.2e})")
+    assert diff < tol, (diff, tol)
     assert all(not on and reason for on, reason in r["reasons"].values()), r["reasons"]
     assert "Transformer Engine" in r["reasons"]["apply_rope_fusion"][1]

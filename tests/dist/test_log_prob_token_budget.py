@@ -1,10 +1,13 @@
 """rollout.log_prob_use_dynamic_bsz: forward-only passes in token-budget micro-batches give the same logprobs and
 values as fixed micro-batches (and HF transformers' logprobs) on every real position, the rows back in their order."""
+import pytest
 import torch
 
 from megarl.launch_local import run_ranks
+from tests.helpers.bounds import logprob_bound, score_bound
 from tests.helpers.tiny_models import hf_logprobs, make_tiny_model, sample_tokens
 
+pytestmark = pytest.mark.parity
 ROWS, SEQ, BUDGET = 7, 24, 40  # rows of 8..24 tokens: groups of 1 to 4 rows, some cut well short of SEQ
 
 
@@ -37,6 +40,12 @@ def test_token_budget_matches_fixed_micro_batches_and_hf(tmp_path):
     assert all(sum(int(lengths[r]) for r in g) <= BUDGET or len(g) == 1 for g in groups)
     mask = torch.arange(SEQ - 1)[None, :] < (lengths[:, None] - 1)  # positions whose next token is real
     assert budget.shape == fixed.shape == (ROWS, SEQ - 1)
-    assert ((budget - fixed).abs() * mask).max().item() < 1e-5
-    assert ((budget - hf_logprobs(hf_dir, tokens)).abs() * mask).max().item() < 1e-4
-    assert ((v_budget - v_fixed).abs() * mask).max().item() < 1e-5
+    # other micro-batch shapes (rows packed, columns cut) are other GEMM shapes: rounding only, as against HF
+    tol = logprob_bound(hf_dir, tokens, mask)
+    v_tol = score_bound(hf_dir, v_fixed[mask], SEQ)  # the critic's values: a linear read-out of the last state
+    diffs = (((budget - fixed).abs() * mask).max().item(),
+             ((budget - hf_logprobs(hf_dir, tokens)).abs() * mask).max().item(),
+             ((v_budget - v_fixed).abs() * mask).max().item())
+    print(f"[measured] budget vs fixed {diffs[0]:.2e}, vs HF {diffs[1]:.2e} (bound {tol:.2e}); values {diffs[2]:.2e} "
+          f"(bound {v_tol:.2e})")
+    assert diffs[0] < tol and diffs[1] < tol and diffs[2] < v_tol, (diffs, tol, v_tol)

@@ -18,6 +18,7 @@ Tests of the optimizer itself (Adam at its real eps) compare weights where |g| >
     tol = logits_bound(hf_dir, logits, mask)                     # from a reference's logits [B, S-1, V] (e.g. PEFT)
     tol = score_bound(hf_dir, scores, seq_len)                   # scores / values: a linear read-out of the last state
     tol = verify_bound(hf_dir, seq_len, batch, lora=None)        # what `megarl verify`'s batch allows
+    tol = rollout_bound(batch, model)                            # an engine's sampled tokens vs the HF model
 """
 from __future__ import annotations
 
@@ -42,9 +43,11 @@ def logprob_bound(hf_dir: Union[str, Path], tokens, mask: Optional[object] = Non
     return logits_bound(hf_dir, _logits(hf_dir, tokens), mask)
 
 
-def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None) -> float:
+def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None,
+                 seq_len: Optional[int] = None) -> float:
     """logprob_bound from a reference forward's logits [B, S-1, V] (the model at hf_dir's architecture, any weights:
-    trained, merged, or with a PEFT adapter on it) over the positions of mask [B, S-1] (default: all)."""
+    trained, merged, or with a PEFT adapter on it) over the positions of mask [B, S-1] (default: all); seq_len: the
+    longest sequence they come from when not S (positions gathered from several sequences)."""
     import torch
 
     from megarl.bridge.hf_config import load_spec
@@ -55,7 +58,7 @@ def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None
         mask = torch.ones(logits.shape[:2], dtype=torch.bool)
     mask = mask.bool()
     rms = float(logits[mask].pow(2).mean().sqrt())
-    return fp32_bound(load_spec(str(hf_dir)), logits.shape[1] + 1, int(mask.sum()), rms)
+    return fp32_bound(load_spec(str(hf_dir)), seq_len or logits.shape[1] + 1, int(mask.sum()), rms)
 
 
 def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: Optional[object] = None) -> tuple:
@@ -129,3 +132,19 @@ def after_step_bound(hf_dir: Union[str, Path], tokens, mask, moved: float, lr: f
     if before is None:
         before = logprob_bound(hf_dir, tokens, mask)
     return before + relative_error(hf_dir, tokens.shape[1], n) * moved
+
+
+def rollout_bound(batch, model) -> float:
+    """The logprob bound on a rollout's sampled tokens (batch: megarl.types.RolloutBatch) against an HF model object
+    (loaded from a directory, whose config gives the widths): its logits over every response position of every row."""
+    import torch
+
+    rows, longest = [], 0
+    for i in range(len(batch)):
+        prompt, response = list(batch.prompt_ids[i]), list(batch.response(i))
+        ids = torch.tensor([prompt + response])
+        longest = max(longest, ids.shape[1])
+        with torch.no_grad():
+            logits = model(ids).logits[0].float()
+        rows.append(logits[len(prompt) - 1: len(prompt) + len(response) - 1])
+    return logits_bound(model.name_or_path, torch.cat(rows)[None], seq_len=longest)
