@@ -155,6 +155,9 @@ def _rank_main(target: str, work: str) -> None:
     except lifecycle.PeerFailure as exc:  # the root cause is printed by the rank where it happened
         print(f"megarl: rank {rank} stopping: {exc}", file=sys.stderr)
         sys.exit(lifecycle.PEER_FAILED_EXIT)
+    except lifecycle.Explained as exc:  # the message says the cause and the fix: no traceback
+        print(f"megarl: rank {rank}: {exc}", file=sys.stderr)
+        sys.exit(1)
     finally:
         parallel.destroy()
 

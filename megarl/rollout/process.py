@@ -42,6 +42,11 @@ class EngineProcessError(RuntimeError):
     a failed call with the engine process's traceback."""
 
 
+class EngineStartFailed(EngineProcessError, lifecycle.Explained):
+    """The engine process could not start; the message is one line (the cause, the fix where known, the engine's
+    log)."""
+
+
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
            cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None,
            cpu=None) -> None:
@@ -185,11 +190,12 @@ class EngineProcess:
         child.close()
         if not self._conn.poll(start_timeout_s):
             self._proc.kill()
-            raise EngineProcessError(f"the vLLM engine did not start within {start_timeout_s:.0f} s")
+            raise EngineStartFailed(f"the vLLM engine did not start within {start_timeout_s:.0f} s; its log: "
+                                    f"{self._proc.name.removeprefix('megarl-')}")
         _, status, payload = self._recv()
         if status == "error":  # one line: the cause, the fix where known, and the engine's log
             self._proc.join(timeout=10)
-            raise EngineProcessError(payload)
+            raise EngineStartFailed(payload)
 
     def _recv(self):
         try:
