@@ -57,6 +57,19 @@ def fp32_logprob_bound(hidden: int, layer_widths: Iterable[int], layers: int, vo
     return tail_factor(n_positions * vocab) * spread
 
 
+def fp32_relative_error(hidden: int, layer_widths: Iterable[int], layers: int, n_values: int) -> float:
+    """The largest relative rounding error over n_values outputs of the model (and, transposed, of its gradients:
+    backward runs the same sums), two implementations apart."""
+    return 2.0 * fp32_logit_error_factor(hidden, layer_widths, layers) * FP32_UNIT * tail_factor(n_values)
+
+
+def fp32_after_step_bound(forward_bound: float, relative_error: float, moved: float) -> float:
+    """Max abs logprob difference of two correct implementations after one optimizer step whose update is at most
+    1 x as sensitive to its gradient as the gradient is (Adam with lr / eps <= 1; plain SGD with lr <= 1): the forward
+    bound plus the gradients' relative error times how far the step moved the logprobs (`moved`)."""
+    return forward_bound + relative_error * moved
+
+
 def fp32_output_bound(hidden: int, layer_widths: Iterable[int], layers: int, output_rms: float, n_values: int) -> float:
     """Max abs difference of a linear read-out of the last hidden state (a reward model's score, a critic's value) that
     two correct float32 implementations can show over `n_values` outputs of RMS `output_rms`."""

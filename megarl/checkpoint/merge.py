@@ -897,10 +897,19 @@ def hf_outputs(hf_dir: str | Path, tokens, critic: bool) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
+def _logits_rms(hf_dir, tokens: torch.Tensor) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return float(model(input_ids=tokens).logits[:, :-1].float().pow(2).mean().sqrt())
+
+
 def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, seq: int = 32, seed: int = 0) -> float:
     """Compare transformers on the merged directory with the checkpoint's megatron model, both computing in float32
     from the same weights. Returns the max abs difference of logprobs (values for the critic); raises MergeError above
-    `tol`: 1e-5 by default, 2e-2 when --dtype rounded the weights to another dtype than the checkpoint's."""
+    `tol`: by default the float32 bound derived from the model (megarl.verify.fp32_bound), 2e-2 when --dtype rounded
+    the weights to another dtype than the checkpoint's."""
     from megarl.launch_local import run_ranks
 
     critic = report.model == "critic"
@@ -912,7 +921,13 @@ def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, s
                      "critic": critic}, timeout=None)[0]
     got = hf_outputs(report.out, tokens, critic)
     diff = (got - ref).abs().max().item()
-    tol = tol if tol is not None else (1e-5 if report.dtype == report.checkpoint_dtype else 2e-2)
+    if tol is None and report.dtype != report.checkpoint_dtype:
+        tol = 2e-2
+    elif tol is None:
+        from megarl.verify import fp32_bound
+
+        rms = float(got.pow(2).mean().sqrt()) if critic else _logits_rms(report.out, tokens)
+        tol = fp32_bound(spec, seq, got.numel(), rms, score=critic)
     if not diff < tol:
         raise MergeError(f"verify: max |{'value' if critic else 'logprob'} diff| between transformers on {report.out} "
                          f"and the megatron model of {report.step_dir / report.model} is {diff:.3e} >= {tol}")
