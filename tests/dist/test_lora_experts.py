@@ -2,11 +2,14 @@
 HF transformers running the merged weights W + scaling * B A (written into the checkpoint's per-expert tensors; the
 merged model is the definition of what the adapters compute, and transformers' fused experts are an independent
 forward). The checkpoint it saves merges (`megarl merge`) back into the same adapters and the same merged weights."""
+import pytest
 import torch
 
 from megarl.launch_local import run_ranks
+from tests.helpers.bounds import logprob_bound
 from tests.helpers.tiny_models import hf_logprobs, make_tiny_model, read_checkpoint, sample_tokens
 
+pytestmark = pytest.mark.parity
 RANK, ALPHA = 4, 8.0
 
 
@@ -83,7 +86,12 @@ def test_expert_adapters_at_ep2_equal_the_merged_model(tmp_path):
     mask = torch.arange(23)[None, :] < (lengths[:, None] - 1)
     assert (want - base).abs()[mask].max() > 1e-2  # the expert adapters matter
     diff = (got - want).abs()[mask].max().item()
-    assert diff <= 1e-5, diff
+    # x W + s (x A^T) B^T and x (W + s B A)^T round differently; the rank-RANK path adds sums narrower than the
+    # hidden size, which the bound's per-layer terms already cover. Routing: megarl routes on its own hidden states,
+    # so a near tie would flip an expert; the bound holds with the tiny model's margins on both kernel sets.
+    tol = logprob_bound(ref_dir, tokens, mask)
+    print(f"[measured] adapters at EP2 vs HF on the merged weights {diff:.2e} (bound {tol:.2e})")
+    assert diff <= tol, (diff, tol)
 
     # the EP2 checkpoint merges back: the same adapters (PEFT keys, experts included) and bitwise the merged weights
     from megarl.checkpoint.merge import main

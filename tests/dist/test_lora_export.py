@@ -2,7 +2,8 @@
 
 The saving ranks (TP2) load a PEFT adapter onto a tiny model, take one PPO step (so the adapters differ from the
 file), save through megarl's Checkpointer and return their logprobs and the adapters. Then, in the test process:
-- the PEFT directory loads with peft.PeftModel.from_pretrained and gives megarl's logprobs (float32, <= 1e-5), and
+- the PEFT directory loads with peft.PeftModel.from_pretrained and gives megarl's logprobs (float32, within the
+  derived bound of tests/helpers/bounds.py: a pure forward of the same weights), and
   its tensors are the trained adapters;
 - every merged HF weight equals base + scaling * (B @ A) bitwise in float32 (A, B from the PEFT directory), and
   every weight without an adapter equals the base bitwise.
@@ -12,8 +13,10 @@ import torch
 
 from megarl.launch_local import run_ranks
 from tests.dist.test_merge import _batch
+from tests.helpers.bounds import logits_bound
 from tests.helpers.tiny_models import make_peft_adapter, make_tiny_model, read_checkpoint
 
+pytestmark = pytest.mark.parity
 TARGETS = ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj")
 
 
@@ -96,7 +99,9 @@ def test_merge_writes_a_peft_adapter_directory(saved, tmp_path):
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     mask = batch["input_ids"][:, 1:] != 0
     diff = (lp - trained["logprobs"]).abs()[mask].max().item()
-    assert diff <= 1e-5, diff
+    tol = logits_bound(hf_dir, logits[:, :-1], mask)  # the adapted model's logits
+    print(f"[measured] PEFT on the merged adapter vs megarl {diff:.2e} (bound {tol:.2e})")
+    assert diff <= tol, (diff, tol)
 
 
 def test_merge_writes_merged_weights_bitwise(saved, tmp_path):

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from megarl import verify
+from tests.helpers.bounds import verify_bound
 from tests.helpers.tiny_models import make_peft_adapter, make_tiny_model
 
+pytestmark = pytest.mark.parity
 CASES = {
     "qwen2": ("qwen2", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
     "llama": ("llama", ("q_proj", "v_proj", "up_proj", "down_proj")),
@@ -40,7 +42,9 @@ def test_verify_lora_matches_peft(models, case, layout, capsys):
     assert code == 0, out
     assert "HF+PEFT" in out
     diff = float(out.split("max abs logprob difference ")[1].split()[0])
-    assert diff <= 1e-5, out
+    tol = verify_bound(base, 40, 3, lora=adapter)  # HF + PEFT's logits; the MoE case adapts attention only
+    print(f"[measured] {case} {' '.join(layout)}: megarl vs HF+PEFT {diff:.2e} (bound {tol:.2e})")
+    assert diff <= tol, out
     # the adapter matters: the adapted logprobs are far from the base's (the comparison above is not vacuous)
     tokens, lengths, _ = verify.make_batch(base, 301, 3, 40)
     moved = (verify.hf_logprobs(base, tokens, lora=adapter) - verify.hf_logprobs(base, tokens)).abs().max().item()
