@@ -1,5 +1,6 @@
 """`megarl merge`: a megarl checkpoint saved at any TP/PP/EP layout -> a Hugging Face model directory, on one
-process, checked by transformers logprobs against the Megatron model that was saved (float32, within 1e-5).
+process, checked by transformers logprobs against the Megatron model that was saved (float32, within the derived
+bound of tests/helpers/bounds.py: megatron and transformers round differently, on any kernel set).
 
 The saving ranks load a tiny HF model, take one PPO step (so the weights differ from the HF source), save through
 megarl's Checkpointer and return the logprobs (and critic values) of the trained model; the merge then runs in the
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
+from tests.helpers.bounds import logprob_bound, score_bound
 from tests.helpers.tiny_models import hf_logprobs, hf_values, make_tiny_model, sample_tokens
 
-TOL = 1e-5
+pytestmark = pytest.mark.parity
 LR, N, S = 1e-2, 4, 20
 
 
@@ -112,16 +114,18 @@ def _check_merged(root, saved, name):
     assert any(not torch.equal(merged[n], source[n]) for n in source)  # the trained weights, not the source
     got = hf_outputs(actor.out, tokens, critic=False)
     diff = max(_masked_max(got, r["logprobs"], batch) for r in last)
-    print(f"[merge {name}] actor: max |logprob diff| transformers vs megatron = {diff:.2e}")
-    assert diff < TOL
+    tol = logprob_bound(actor.out, tokens, tokens[:, 1:] != 0)  # the merged (trained) model's own logits
+    print(f"[merge {name}] actor: max |logprob diff| transformers vs megatron = {diff:.2e} (bound {tol:.2e})")
+    assert diff < tol, (diff, tol)
     critic = _merge(run_dir, root / f"{name}_critic_hf", model="critic")
     cfg = json.loads((critic.out / "config.json").read_text())
     assert cfg["architectures"][0].endswith("ForSequenceClassification") and cfg["num_labels"] == 1
     assert "score.weight" in read_checkpoint(critic.out)
     got = hf_values(critic.out, tokens)
     diff = max((got - r["values"]).abs().max().item() for r in last)
-    print(f"[merge {name}] critic: max |value diff| = {diff:.2e}")
-    assert diff < TOL
+    tol = score_bound(critic.out, got, tokens.shape[1])
+    print(f"[merge {name}] critic: max |value diff| = {diff:.2e} (bound {tol:.2e})")
+    assert diff < tol, (diff, tol)
 
 
 @pytest.fixture(scope="module")
