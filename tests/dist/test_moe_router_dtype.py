@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
+from tests.helpers.bounds import logprob_bound
 from tests.helpers.tiny_models import hf_logprobs, make_tiny_model, sample_tokens
+
+
+pytestmark = pytest.mark.parity
 
 
 def _recording(gating, seen: list):
@@ -44,5 +48,9 @@ def test_router_dtype_reaches_the_router(tmp_path):
     (lp64, dtypes64, n_routers), (lp, dtypes, _) = out["fp64"], out[None]
     assert n_routers >= 1 and dtypes64 == ["torch.float64"] and dtypes == ["torch.float32"]
     mask = torch.arange(15)[None, :] < (lengths[:, None] - 1)
-    assert ((lp64 - hf_logprobs(hf_dir, tokens)).abs() * mask).max().item() < 1e-4
-    assert ((lp64 - lp).abs() * mask).max().item() < 1e-4
+    # an fp64 router rounds less than the fp32 one: the same routes, logprobs within the float32 bound (a route
+    # flipped at a near tie would not be rounding; the tiny model's router margins keep it from happening here)
+    tol = logprob_bound(hf_dir, tokens, mask)
+    diffs = (((lp64 - hf_logprobs(hf_dir, tokens)).abs() * mask).max().item(), ((lp64 - lp).abs() * mask).max().item())
+    print(f"[measured] fp64 router vs HF {diffs[0]:.2e}, vs fp32 router {diffs[1]:.2e} (bound {tol:.2e})")
+    assert max(diffs) < tol, (diffs, tol)

@@ -113,6 +113,7 @@ def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
     return {**out, "pull_hosts": pulls, "device_buckets": files}
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["placed-pulls", "device-buckets"])
 def test_real_vllm_worker_takes_the_gpu_path_on_cpu(tmp_path, prepack):
@@ -122,4 +123,8 @@ def test_real_vllm_worker_takes_the_gpu_path_on_cpu(tmp_path, prepack):
     assert out["pull_hosts"] == {0} and out["device_buckets"]
     sync = out["sync"]
     assert (sync["weight_sync/placed_bytes"] > 0) != prepack, sync  # pulled in place, or all through the loaders
-    assert out["diff"] < 1e-4, out
+    from tests.dist.test_sync_after_update import sampled_bound
+
+    tol = sampled_bound(hf_dir, out)
+    print(f"[measured] pulled sync: engine vs actor {out['diff']:.2e} (bound {tol:.2e})")
+    assert out["diff"] < tol, (out["diff"], tol)

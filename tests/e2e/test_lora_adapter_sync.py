@@ -37,7 +37,12 @@ def test_adapter_sync_gives_hf_peft_logprobs_and_sends_only_the_adapters(model, 
     engine = next(r for r in results if "vllm" in r)
     # the adapter changes the logprobs by far more than the tolerance: the engine really runs it
     assert _max_real_diff(base, engine["vllm"], lengths) > 0.05
-    assert _max_real_diff(with_adapter, engine["vllm"], lengths) < 1e-4
+    from tests.helpers.bounds import verify_bound
+
+    tol = verify_bound(hf_dir, 48, 4, lora=str(adapter))  # HF + PEFT's logits on the batch above
+    print(f"[measured] adapter sync: vLLM vs HF+PEFT {_max_real_diff(with_adapter, engine['vllm'], lengths):.2e} "
+          f"(bound {tol:.2e})")
+    assert _max_real_diff(with_adapter, engine["vllm"], lengths) < tol
     sync = engine["sync"]
     # tiny llama: hidden 128, ffn 256, 4 layers, 2 KV heads of 32 (k/v out 64); rank 8, float32:
     # per layer q 8*(128+128) + v 8*(128+64) + o 8*(128+128) + up 8*(128+256) + down 8*(256+128) = 11,776
