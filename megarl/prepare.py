@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.config import MegarlConfig
 from megarl.config.schema import TinyModelSpec
+from megarl.config.outputs import data_dir, synthetic_paths
 
 log = logging.getLogger("megarl")
 
@@ -92,18 +93,8 @@ def tiny_model_settings(cfg: MegarlConfig) -> dict[str, Any]:
             **flat_settings("model.create_tiny", cfg.model.create_tiny)}
 
 
-def data_dir(cfg: MegarlConfig) -> Path:
-    """Where generated data goes: data.synthetic.output_dir, else <run_dir>/data."""
-    syn = cfg.data.synthetic
-    return Path(syn.output_dir) if syn is not None and syn.output_dir else Path(cfg.trainer.run_dir) / "data"
 
 
-def synthetic_paths(cfg: MegarlConfig) -> dict[str, Path]:
-    out = data_dir(cfg)
-    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
-    if cfg.data.synthetic.num_sft:
-        paths["sft"] = out / "sft.parquet"
-    return paths
 
 
 def write_synthetic_data(cfg: MegarlConfig) -> None:

@@ -28,20 +28,13 @@ import torch
 
 from megarl.config import MegarlConfig
 from megarl.metrics import MetricsLogger
+from megarl.config.outputs import pair_paths, rm_output_dir
 
 log = logging.getLogger("megarl")
 
 
-def rm_output_dir(cfg: MegarlConfig) -> Path:
-    return Path(cfg.rm.output_dir or Path(cfg.trainer.run_dir) / "rm_model")
 
 
-def pair_paths(cfg: MegarlConfig) -> dict[str, Path]:
-    """Where the synthetic task's preference pairs are written (data.synthetic with empty rm.train_files)."""
-    from megarl.prepare import data_dir
-
-    out = data_dir(cfg)
-    return {"train": out / "pairs_train.parquet", "val": out / "pairs_val.parquet"}
 
 
 def write_synthetic_pairs(cfg: MegarlConfig) -> None:

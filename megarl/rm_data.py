@@ -22,6 +22,7 @@ recipe writes the same pairs.
 from __future__ import annotations
 
 import logging
+from megarl.config.outputs import policy_pair_paths
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,11 +32,6 @@ log = logging.getLogger("megarl")
 CHUNK_PROMPTS = 1024  # prompts per engine call: bounds the memory of one RolloutBatch
 
 
-def policy_pair_paths(cfg) -> dict[str, Path]:
-    from megarl.prepare import data_dir
-
-    out = data_dir(cfg)
-    return {"train": out / "policy_pairs_train.parquet", "val": out / "policy_pairs_val.parquet"}
 
 
 def response_text(response: Any) -> Any:

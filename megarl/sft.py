@@ -14,12 +14,11 @@ from megarl.config import MegarlConfig
 from megarl.data import PromptLoader, encode_one, load_prompts
 from megarl.metrics import MetricsLogger
 from megarl.prepare import flat_settings, note_reuse, record_made
+from megarl.config.outputs import sft_output_dir
 
 log = logging.getLogger("megarl")
 
 
-def sft_output_dir(cfg: MegarlConfig) -> Path:
-    return Path(cfg.sft.output_dir or Path(cfg.trainer.run_dir) / "sft_model")
 
 
 def sft_settings(cfg: MegarlConfig) -> dict:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.config.issues import Issue
+from megarl.config.outputs import (pair_paths, policy_pair_paths, rm_output_dir, sft_output_dir,
+                                   synthetic_paths)
 from megarl.config.schema import MegarlConfig
 
 MODEL = "model"  # a Hugging Face model directory megarl loads into megatron: config.json and safetensors weights
@@ -55,8 +57,6 @@ def _data_inputs(cfg: MegarlConfig) -> list[Input]:
 
 def inputs(cfg: MegarlConfig) -> list[Input]:
     """Every path the recipe's commands read, where its settings make them read it."""
-    from megarl.sft import sft_output_dir
-
     r, found = cfg.reward, []
     models = (
         ("model.path", cfg.model.path, True, HF_DIR_FIX + ", or add model.create_tiny to create a tiny random model "
@@ -92,11 +92,6 @@ def inputs(cfg: MegarlConfig) -> list[Input]:
 
 def written(cfg: MegarlConfig) -> list[tuple[Path, str]]:
     """(path, megarl command) for each path the recipe's commands write."""
-    from megarl.prepare import synthetic_paths
-    from megarl.rm import pair_paths, rm_output_dir
-    from megarl.rm_data import policy_pair_paths
-    from megarl.sft import sft_output_dir
-
     run = Path(cfg.trainer.run_dir)
     out = [(run, "train"), (run / "checkpoints", "train"), (sft_output_dir(cfg), "sft"), (rm_output_dir(cfg), "rm")]
     if cfg.model.create_tiny is not None and cfg.model.path:
@@ -110,10 +105,6 @@ def written(cfg: MegarlConfig) -> list[tuple[Path, str]]:
 def made_by_run(cfg: MegarlConfig) -> set[Path]:
     """What a command of this recipe makes before it reads it (megarl.prepare, the SFT warm-start, `megarl rm`'s
     pairs), absolute."""
-    from megarl.prepare import synthetic_paths
-    from megarl.rm import pair_paths
-    from megarl.rm_data import policy_pair_paths
-    from megarl.sft import sft_output_dir
 
     made = []
     if cfg.model.create_tiny is not None and cfg.model.path:
