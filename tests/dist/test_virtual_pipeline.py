@@ -132,8 +132,10 @@ def test_train_step_pp2_vpp2_equals_pp2(tmp_path):
     for r in results:
         base, vpp = r["pp2"]["metrics"], r["pp2_vpp2"]["metrics"]
         assert abs(base["pg_loss"] - ref_loss.item()) < 1e-5, (base["pg_loss"], ref_loss.item())
-        print(f"[pp2 vs pp2 x vpp2] pg_loss {base['pg_loss']:.8f} vs {vpp['pg_loss']:.8f}, grad_norm "
-              f"{base['grad_norm']:.8f} vs {vpp['grad_norm']:.8f}")
+        print(f"[pp2 vs pp2 x vpp2] pg_loss {base['pg_loss']:.8f} vs {vpp['pg_loss']:.8f} (torch "
+              f"{ref_loss.item():.8f}), grad_norm {base['grad_norm']:.8f} vs {vpp['grad_norm']:.8f}")
+        # both layouts run the same GEMM shapes and reduction order on each rank (one layer per chunk either way):
+        # equal up to a few ulp, so these comparisons (and the weights after Adam at eps 1e-8) are tight on purpose
         for key in ("pg_loss", "grad_norm", "pg_clipfrac"):
             assert abs(base[key] - vpp[key]) <= 1e-6 * max(1.0, abs(base[key])), (key, base[key], vpp[key])
     last = [r for r in results if r["pp2"]["after"] is not None]

@@ -63,16 +63,27 @@ def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None
 
 def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: Optional[object] = None) -> tuple:
     """(logprobs [B, S-1], logprob_bound) of HF transformers running the architecture at hf_dir with `weights`
-    (HF names: an exported or merged state dict; a tied head may be left out). The pure-forward check of weights
-    an optimizer step produced: the step itself is checked where the weights are compared."""
+    (HF checkpoint names: an exported or merged state dict; a tied head may be left out). The pure-forward check of
+    weights an optimizer step produced: the step itself is checked where the weights are compared. The weights are
+    loaded as a checkpoint (transformers converts its per-expert names into fused modules)."""
+    import shutil
+    import tempfile
+
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(Path(hf_dir) / "config.json", Path(tmp) / "config.json")
+        tensors = {k: v.detach().float().contiguous() for k, v in weights.items()}
+        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="eager",
+                                                           output_loading_info=True)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    if unexpected or [k for k in missing if not (tied and k == "lm_head.weight")]:
-        raise ValueError(f"weights do not fit {hf_dir}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    missing = [k for k in info["missing_keys"] if not (tied and k == "lm_head.weight")]
+    if missing or info["unexpected_keys"] or info.get("mismatched_keys"):
+        raise ValueError(f"weights do not fit {hf_dir}: missing {missing[:5]}, unexpected "
+                         f"{list(info['unexpected_keys'])[:5]}, mismatched {list(info.get('mismatched_keys', []))[:5]}")
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()[:, :-1]
