@@ -6,6 +6,8 @@ from megarl.launch_local import run_ranks
 from megarl.verify import main
 from tests.helpers.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):

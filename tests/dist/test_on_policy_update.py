@@ -15,6 +15,8 @@ from megarl.launch_local import run_ranks
 from tests.helpers.bounds import ADAM_EPS, after_step_bound, logprob_bound
 from tests.helpers.tiny_models import make_tiny_model, sample_tokens
 
+pytestmark = pytest.mark.parity
+
 LR, N, S, GROUP = 1e-3, 8, 20, 2
 
 

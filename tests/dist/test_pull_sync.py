@@ -114,6 +114,7 @@ def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
 
 
 @pytest.mark.parity
+@pytest.mark.vllm
 @pytest.mark.parametrize("prepack", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["placed-pulls", "device-buckets"])
 def test_real_vllm_worker_takes_the_gpu_path_on_cpu(tmp_path, prepack):

@@ -14,6 +14,8 @@ from megarl.launch_local import run_ranks
 from megarl.verify import main
 from tests.helpers.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.parity
+
 # name -> (tiny preset, the released model's widths, layout flags)
 REAL = {
     "Qwen2.5-0.5B": ("qwen2", dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
@@ -50,7 +52,7 @@ def _verdict(out: str) -> tuple:
     return float(m.group(1)), float(m.group(2))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("Qwen2.5-0.5B", "Qwen3-30B-A3B")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "Qwen2.5-0.5B"
                                                else pytest.mark.slow) for n in REAL])
 def test_float32_verify_passes_at_real_widths(name, tmp_path, capsys):
     hf_dir = _make(name, tmp_path)

