@@ -5,7 +5,8 @@ file), save through megarl's Checkpointer and return their logprobs and the adap
 - the PEFT directory loads with peft.PeftModel.from_pretrained and gives megarl's logprobs (float32, within the
   derived bound of tests/helpers/bounds.py: a pure forward of the same weights), and
   its tensors are the trained adapters;
-- every merged HF weight equals base + scaling * (B @ A) bitwise in float32 (A, B from the PEFT directory), and
+- every merged HF weight equals base + scaling * (B @ A) in float32 within the GEMM's rounding (A, B from the PEFT
+  directory; the last bits follow the CPU's kernels), and
   every weight without an adapter equals the base bitwise.
 """
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from megarl.launch_local import run_ranks
 from tests.dist.test_merge import _batch
-from tests.helpers.bounds import logits_bound
+from tests.helpers.bounds import logits_bound, lora_merge_bound
 from tests.helpers.tiny_models import make_peft_adapter, make_tiny_model, read_checkpoint
 
 pytestmark = pytest.mark.parity
@@ -104,7 +105,7 @@ def test_merge_writes_a_peft_adapter_directory(saved, tmp_path):
     assert diff <= tol, (diff, tol)
 
 
-def test_merge_writes_merged_weights_bitwise(saved, tmp_path):
+def test_merge_writes_merged_weights(saved, tmp_path):
     from megarl.checkpoint.merge import main
 
     hf_dir, _, run_dir, trained = saved
@@ -118,7 +119,10 @@ def test_merge_writes_merged_weights_bitwise(saved, tmp_path):
         stem = "base_model.model." + name[: -len(".weight")]
         if stem + ".lora_A.weight" in trained["adapters"]:
             a, b = trained["adapters"][stem + ".lora_A.weight"], trained["adapters"][stem + ".lora_B.weight"]
-            assert torch.equal(merged[name], w + scaling * (b @ a)), name
+            # the GEMM's bits depend on the CPU's kernels (AVX2 and AVX-512 MKL block the rank-r sum differently)
+            expected = w + scaling * (b @ a)
+            excess = (merged[name].double() - expected.double()).abs() - lora_merge_bound(w, a, b, scaling)
+            assert excess.max() <= 0, (name, excess.max().item())
             adapted += 1
         else:
             assert torch.equal(merged[name], w), name

@@ -19,6 +19,7 @@ Tests of the optimizer itself (Adam at its real eps) compare weights where |g| >
     tol = score_bound(hf_dir, scores, seq_len)                   # scores / values: a linear read-out of the last state
     tol = verify_bound(hf_dir, seq_len, batch, lora=None)        # what `megarl verify`'s batch allows
     tol = rollout_bound(batch, model)                            # an engine's sampled tokens vs the HF model
+    tol = lora_merge_bound(w, a, b, scaling)                     # w + scaling * (b @ a) computed twice, elementwise
 """
 from __future__ import annotations
 
@@ -159,3 +160,18 @@ def rollout_bound(batch, model) -> float:
             logits = model(ids).logits[0].float()
         rows.append(logits[len(prompt) - 1: len(prompt) + len(response) - 1])
     return logits_bound(model.name_or_path, torch.cat(rows)[None], seq_len=longest)
+
+
+def lora_merge_bound(w, a, b, scaling: float):
+    """Elementwise bound [out, in] on two float32 computations of a merged LoRA weight w + scaling * (b @ a) (b [out, r],
+    a [r, in]; scaling a power of two, so its product is exact). GEMM libraries order and block the rank-r sums by the
+    CPU's vector width and the operands' layout, so the two may differ in the last bits. Each is within the classic
+    worst case of the exact value: gamma_r * scaling * (|b| @ |a|) for the sum of r products, gamma_r = r u / (1 - r u),
+    plus u * |result| for the final addition (u = 2^-24); two computations differ by at most twice that."""
+    import torch
+
+    u = torch.finfo(torch.float32).eps / 2
+    r = a.shape[0]
+    gamma = r * u / (1 - r * u)
+    spread = scaling * (b.double().abs() @ a.double().abs())
+    return 2 * (gamma * spread + u * (w.double().abs() + spread))
