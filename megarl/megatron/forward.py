@@ -20,6 +20,7 @@ import torch
 
 from megarl import algo, runtime
 from megarl.megatron import router_replay
+from megarl.megatron.vocab_parallel import logprobs_from_logits, scaled_local_logits, tp_reductions
 
 
 def causal_inputs(tokens: torch.Tensor) -> tuple:
@@ -33,38 +34,6 @@ def causal_inputs(tokens: torch.Tensor) -> tuple:
     pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), diagonal=1).view(1, 1, s, s)
     return pos, mark_causal(mask)
-
-
-def scaled_local_logits(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0,
-                        pad_fill: Optional[float] = None) -> torch.Tensor:
-    """This TP rank's vocab shard [..., V_padded / TP] in float32 divided by temperature, with megatron's vocab padding
-    columns (ids >= vocab_size; they are not tokens) set to `pad_fill` (default: the most negative float). It may be
-    `logits` itself when there is nothing to change."""
-    from megatron.core import parallel_state as ps
-
-    local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * local
-    x = logits.float()
-    if temperature != 1.0:
-        x = x / temperature
-    if start + local > vocab_size:
-        cols = torch.arange(start, start + local, device=x.device)
-        x = x.masked_fill(cols >= vocab_size, torch.finfo(x.dtype).min if pad_fill is None else pad_fill)
-    return x
-
-
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                         temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[targets] from this TP rank's vocab shard, differentiable.
-
-    logits: [..., V_padded / TP] (this rank's vocab columns); targets: [...] token ids < vocab_size.
-    Columns at or beyond `vocab_size` (megatron's vocab padding) are excluded from the softmax."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    x = scaled_local_logits(logits, vocab_size, temperature)
-    if x is logits:
-        x = x.clone()  # vocab_parallel_cross_entropy works in place on its input
-    return -vocab_parallel_cross_entropy(x, targets)
 
 
 def _pad_batch(tokens: torch.Tensor, rows: int, seq_multiple: int) -> torch.Tensor:
@@ -164,7 +133,6 @@ def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_s
                                       ) -> Optional[torch.Tensor]:
     """[N, S-1, 2] (float32) on the last pipeline stage, None elsewhere: [..., 0] the per-token logprobs (as
     token_logprobs), [..., 1] sum_v pi(v)^2 over the full vocabulary at each position (optimal_token_baseline)."""
-    from megarl.megatron.losses import _tp_reductions
 
     chunk = _first(model)
     vocab_size = vocab_size or chunk.megarl_spec.vocab_size
@@ -173,7 +141,7 @@ def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_s
     def fn(logits, mb):
         logits = logits[:, : s - 1]
         logp = logprobs_from_logits(logits, mb[:, 1:s], vocab_size, temperature)
-        reduce_max, reduce_sum = _tp_reductions()
+        reduce_max, reduce_sum = tp_reductions()
         x = scaled_local_logits(logits, vocab_size, temperature, pad_fill=float("-inf"))
         sq = algo.sum_pi_squared_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
         return torch.stack([logp, sq], dim=-1)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from megarl import algo
-from megarl.megatron.forward import logprobs_from_logits, scaled_local_logits
+from megarl.megatron.vocab_parallel import logprobs_from_logits, vocab_parallel_entropy
 
 
 @dataclass(frozen=True)
@@ -49,31 +49,6 @@ class PolicyLossSettings:
                    entropy_coeff=a.entropy_coeff, use_kl_loss=cfg.kl_loss_active, kl_loss_coef=a.kl_loss_coef,
                    kl_loss_type=a.kl_loss_type, temperature=cfg.rollout.temperature or 1.0,
                    loss_options={k: options[k] for k in algo.POLICY_LOSS_OPTIONS.get(a.policy_loss, ())})
-
-
-def _tp_reductions():
-    """Max/sum over the tensor-parallel group for vocab-parallel entropy (None, None without TP)."""
-    import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_fn
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() == 1:
-        return None, None
-    group = ps.get_tensor_model_parallel_group()
-
-    def reduce_max(t):
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t
-
-    return reduce_max, lambda t: dist_fn.all_reduce(t, group=group)
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy [...] of softmax(logits / temperature) over the full vocabulary from this rank's shard [..., V/TP]."""
-    x = scaled_local_logits(logits, vocab_size, temperature, pad_fill=float("-inf"))
-    reduce_max, reduce_sum = _tp_reductions()
-    return algo.entropy_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
 
 
 def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None,
