@@ -22,9 +22,17 @@ class LocalParam:
     def value(self) -> torch.Tensor:
         """The tensor as the model computes with it: with enabled LoRA adapters on this weight, base + scaling * B A
         (a new tensor); otherwise the parameter (detached)."""
-        from megarl.lora.layers import merged_value
-
         return merged_value(self.param)
+
+
+def merged_value(param: torch.Tensor) -> torch.Tensor:
+    """A base weight as the adapted model uses it: base + its delta when a delta is attached and enabled (a new tensor),
+    the parameter itself otherwise. megarl.lora attaches `megarl_lora_delta` (the bound method giving scaling * B A, of
+    an adapter module with an `enabled` flag); the bridge reads weights through this protocol without importing LoRA."""
+    delta = getattr(param, "megarl_lora_delta", None)
+    if delta is None or not delta.__self__.enabled:
+        return param.detach()
+    return param.detach() + delta().to(param.dtype)
 
 
 def unwrap(model) -> list:

@@ -264,15 +264,6 @@ def adapters_disabled(model):
             m.enabled = b
 
 
-def merged_value(param: torch.Tensor) -> torch.Tensor:
-    """A base weight as the adapted model uses it: base + scaling * B A when it has enabled adapters (a new tensor),
-    the parameter itself otherwise."""
-    delta = getattr(param, "megarl_lora_delta", None)
-    if delta is None or not delta.__self__.enabled:
-        return param.detach()
-    return param.detach() + delta().to(param.dtype)
-
-
 # ---- moving adapters as PEFT tensors -------------------------------------------------------------------------------
 def gather_adapters(model, dst: Optional[int] = 0) -> Optional[dict]:
     """Every adapter tensor of the model as PEFT names it, whole ({key: tensor} in float32 on the CPU), on global rank
