@@ -62,7 +62,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, 
     """Write `out/checkpoints/step_0` from `hf_dir` at the layout; returns the step directory."""
     from megarl.bridge.hf_config import check_layout, load_spec
     from megarl.checkpoint.merge import MergeError
-    from megarl.checkpoint.state import checkpoints_dir, step_dir
+    from megarl.checkpoint.locate import checkpoints_dir, step_dir
     from megarl.launch_local import run_ranks
 
     hf_dir, out = Path(hf_dir).resolve(), Path(out)
@@ -97,7 +97,7 @@ def finish_step_dir(tmp: Path, model: str, hf_dir: Path, parallelism: dict, worl
     import yaml
 
     from megarl import __version__
-    from megarl.checkpoint.state import LAYOUT_VERSION, META_FILE, TRAINER_STATE_FILE
+    from megarl.checkpoint.locate import LAYOUT_VERSION, META_FILE, TRAINER_STATE_FILE
 
     (tmp / "config.resolved.yaml").write_text(yaml.safe_dump(
         {"model": {"path": str(hf_dir)}, **({"critic": {"model_path": str(hf_dir)}} if model == "critic" else {}),

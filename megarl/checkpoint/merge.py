@@ -52,7 +52,7 @@ import torch
 from megarl.bridge.hf_config import (ArchSpec, BridgeError, load_spec, name_sample, problem_report,
                                       spec_from_dict)
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping, canonical_name
-from megarl.checkpoint.state import LAYOUT_VERSION, checkpoints_dir, complete_checkpoints, is_complete, read_meta
+from megarl.checkpoint.locate import LAYOUT_VERSION, checkpoints_dir, complete_checkpoints, is_complete, read_meta
 
 log = logging.getLogger("megarl")
 

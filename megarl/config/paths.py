@@ -238,7 +238,7 @@ def _present(item: Input, cfg: MegarlConfig, made: set) -> Optional[Issue]:
     if item.kind == FILE and path.is_dir() and item.key == "rollout.multi_turn.tool_config_path":
         return PathIssue(item.key, item.value, "is a directory, not a YAML file", item.fix, keys=(item.key,))
     if item.kind == CHECKPOINT:
-        from megarl.checkpoint.state import resolve_resume
+        from megarl.checkpoint.locate import resolve_resume
 
         try:
             resolve_resume(item.value, cfg.trainer.run_dir)

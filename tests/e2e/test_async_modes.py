@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.checkpoint.state import complete_checkpoints
+from megarl.checkpoint.locate import complete_checkpoints
 from megarl.config import load_config
 from megarl.launch_local import RankFailure, run_ranks
 from tests.e2e.test_checkpoint_resume import _assert_same_steps

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.checkpoint.state import complete_checkpoints, latest_checkpoint, read_meta
+from megarl.checkpoint.locate import complete_checkpoints, latest_checkpoint, read_meta
 from megarl.config import load_config
 from megarl.launch_local import RankFailure, run_ranks
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.checkpoint.state import complete_checkpoints
+from megarl.checkpoint.locate import complete_checkpoints
 from tests.e2e.test_checkpoint_resume import _assert_same_steps
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 

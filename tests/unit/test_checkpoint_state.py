@@ -1,11 +1,12 @@
-"""The pure parts of megarl.checkpoint.state: discovery of complete checkpoints, leftovers, keep-last-k, resume."""
+"""megarl.checkpoint.locate and the pure parts of megarl.checkpoint.state: discovery of complete checkpoints, leftovers, keep-last-k, resume."""
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from megarl.checkpoint.state import (checkpoints_dir, checkpoints_to_delete, complete_checkpoints, is_complete,
-                                     latest_checkpoint, resolve_resume, rollout_seed, stale_entries)
+from megarl.checkpoint.locate import (checkpoints_dir, checkpoints_to_delete, complete_checkpoints, is_complete,
+                                      latest_checkpoint, resolve_resume, stale_entries)
+from megarl.checkpoint.state import rollout_seed
 
 
 def _ckpt(root, name, step=None, complete=True, meta=True):
