@@ -234,7 +234,7 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     if lora:
         from megarl.lora.layers import apply_lora, load_adapters
         from megarl.lora.peft_io import read_adapter, settings_from_peft
-        from megarl.sync.adapters import lora_engine_settings
+        from megarl.lora.vllm import lora_engine_settings
 
         settings = settings_from_peft(lora)
         targets = apply_lora(model, spec, settings)
@@ -264,7 +264,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
     """Rank 0 starts a vLLM engine (TP engine_tp, EP engine_ep) with random (dummy) weights; every rank delivers
     megarl's weights into it through the trainer's weight sync (each engine worker receives its own shard from the
     ranks that hold it; checksums verified on every worker); rank 0 returns vLLM's logprobs of the batch.
-    lora (megarl.sync.adapters.lora_engine_settings): the engine starts with vLLM's LoRA support and the adapter sync
+    lora (megarl.lora.vllm.lora_engine_settings): the engine starts with vLLM's LoRA support and the adapter sync
     runs as the trainer's does with dummy weights: the base through the ordinary sync, then the adapters alone."""
     import torch.distributed as dist
 

@@ -835,7 +835,7 @@ def check_lora(cfg: MegarlConfig) -> list[Issue]:
                             keys=("ref.offload", "actor.lora.rank")))
     adapter = lo.sync == "adapter"
     if adapter:
-        from megarl.sync.adapters import VLLM_LORA_RANKS, vllm_max_lora_rank
+        from megarl.lora.vllm import VLLM_LORA_RANKS, vllm_max_lora_rank
 
         if vllm_max_lora_rank(lo.rank) is None:
             issues.append(Issue("actor.lora.rank", lo.rank, f"with actor.lora.sync=adapter the engine runs the adapters "

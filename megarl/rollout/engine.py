@@ -97,7 +97,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, 
                   hf_overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
     """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory.
 
-    lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA support for one adapter
+    lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA support for one adapter
     at a time of up to that rank (the smallest max_lora_rank vLLM takes that holds it); lora_targets: the vLLM module
     names given LoRA layers (None: every module vLLM supports). cpu_choice: the CPU engine's kernels
     (megarl.rollout.cpu_engine.cpu_engine_choice); hf_overrides: config fields the engine needs that config.json
@@ -361,7 +361,7 @@ class VLLMEngine:
         device: 'cpu' or 'cuda'; None: CUDA when available.
         abort_signal: what `abort()` raises (megarl.rollout.requests.AbortSignal); the engine process passes one
             shared with its parent so the trainer can abort a generate that is running.
-        lora: megarl.sync.adapters.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
+        lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
             `load_adapter` then installs each new adapter and every request carries it.
         cpu: the CPU a CPU engine's kernels are chosen for (megarl.rollout.cpu_engine); None: this machine's.
     """
@@ -477,7 +477,7 @@ class VLLMEngine:
         """vLLM's names of the modules the adapters adapt, from the vLLM model class's packed_modules_mapping (None
         where the class cannot be looked up: vLLM then gives every supported module a LoRA layer, which computes
         the same, only slower)."""
-        from megarl.sync.adapters import vllm_target_modules
+        from megarl.lora.vllm import vllm_target_modules
 
         archs = (self._hf_config or {}).get("architectures") or []
         try:
