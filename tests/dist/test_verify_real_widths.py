@@ -14,7 +14,8 @@ from megarl.launch_local import run_ranks
 from megarl.verify import main
 from tests.helpers.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.parity
+# `parity` (the AVX2 tier) marks the tests whose bound depends on rounding;
+# a wrong mapping misses by orders of magnitude on any kernels
 
 # name -> (tiny preset, the released model's widths, layout flags)
 REAL = {
@@ -54,6 +55,7 @@ def _verdict(out: str) -> tuple:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "Qwen2.5-0.5B"
                                                else pytest.mark.slow) for n in REAL])
+@pytest.mark.parity
 def test_float32_verify_passes_at_real_widths(name, tmp_path, capsys):
     hf_dir = _make(name, tmp_path)
     code = main(["--hf", hf_dir, *REAL[name][2], "--seq-len", "48", "--batch", "3"])

@@ -1,4 +1,6 @@
 """DAPO dynamic sampling, GSPO and PPO-with-critic runs of the tiny recipe (real engine, real megatron)."""
+import pytest
+
 from tests.e2e.test_grpo_loop import _run
 
 
@@ -15,6 +17,7 @@ def test_dapo_dynamic_sampling_keeps_only_groups_with_varying_rewards(tmp_path):
     assert all(m["rollout/logprob_abs_diff_mean"] < 1e-4 for m in metrics)
 
 
+@pytest.mark.slow  # two runs; PPO with a critic: the test below, GSPO's loss: tests/unit
 def test_gspo_and_ppo_with_critic_run(tmp_path):
     gspo = _run(tmp_path, "gspo", ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean",
                                    "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004"])

@@ -27,6 +27,7 @@ def _verify(hf_dir, *args) -> str:
     return r.stdout
 
 
+@pytest.mark.slow  # an engine start at TP2; the default suite keeps the choice on simulated flags and one real failure
 def test_deepseek_v3_starts_on_this_cpu_at_engine_tp2(deepseek_v3):
     # on an AMX CPU vLLM's own pick (AMX_MLA) cannot take float32 weights; megarl names CPU_MLA there
     out = _verify(deepseek_v3, "--engine-tp", "2")

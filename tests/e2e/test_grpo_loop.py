@@ -91,6 +91,7 @@ def test_missing_reward_file_is_a_clear_error(tmp_path):
     assert "no/such/file.py" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # a second run; offload's round trip itself: tests/dist/test_trainer_offload.py
 def test_offload_around_rollout_leaves_the_run_unchanged(tp1):
     """actor.offload and ref.offload move the trainer's states to host memory from each weight sync to the next
     forward (and bring them back for a checkpoint): the run is the same step for step, and the metrics show the cost."""

@@ -28,6 +28,7 @@ def test_verify_engine_vllm_at_tp2(tmp_path):
     assert diff < verify_bound(hf_dir, 64, 4), diff  # verify's default batch: 4 sequences of up to 64 tokens
 
 
+@pytest.mark.slow  # the same engine shapes after an update: test_sync_after_update[dp2-engine-tp2-one-kv-head-...]
 def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
     # one KV head replicated on both engine ranks, a prime vocabulary that vLLM pads to 320 rows before splitting it,
     # tied embeddings (the engine's LM head follows its embedding); trainer TP1 on two ranks (data parallel), each

@@ -98,7 +98,9 @@ def test_and_chain_runs_the_verl_command_after_it(tmp_path):
     assert r.overrides == ["a.b=1"]
 
 
-def test_fuzz_mangled_scripts_read_or_refuse_never_raise_otherwise(tmp_path):
+# the default suite runs the first 40 scripts of the same random sequence; `make test-slow` all 150
+@pytest.mark.parametrize("cases", [40, pytest.param(150, marks=pytest.mark.slow)])
+def test_fuzz_mangled_scripts_read_or_refuse_never_raise_otherwise(tmp_path, cases):
     """verl's scripts with characters deleted and quotes, brackets, keywords and here-documents inserted at random:
     each is read, or refused with ShellParseError; nothing else escapes (no traceback for the user)."""
     import random
@@ -110,7 +112,7 @@ def test_fuzz_mangled_scripts_read_or_refuse_never_raise_otherwise(tmp_path):
     inserts = list("\"'$(){}[]\\`#;&|<>= \n") + ["$((", "${", "<<EOF\n", "if ", "fi", "for ", "done", "case ", "esac"]
     rng = random.Random(7)
     read = 0
-    for i in range(150):
+    for i in range(cases):
         text = list(rng.choice(sources))
         for _ in range(rng.randint(1, 6)):
             k = rng.randrange(len(text))
@@ -126,4 +128,4 @@ def test_fuzz_mangled_scripts_read_or_refuse_never_raise_otherwise(tmp_path):
             continue
         convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
         read += 1
-    assert read > 30  # most mangled scripts still read (a deleted character rarely breaks the whole script)
+    assert read > cases / 5  # most mangled scripts still read (a deleted character rarely breaks the whole script)
