@@ -50,13 +50,13 @@ trainer GPUs, and the trainer GPUs' phases have no engine term.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, read_config_json, spec_from_dict
 from megarl.layout import Layout
 from megarl.sync.plan import DTYPE_BYTES, build_plan
 
@@ -105,42 +105,19 @@ def n_params_total(plan) -> int:
 
 
 def _read_hf_config(cfg) -> dict:
-    for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
+    for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / CONFIG_FILE)):
         if candidate and Path(candidate).is_file():
-            data = json.loads(Path(candidate).read_text())
+            data = _read_json(candidate, "model.config_path" if candidate == cfg.model.config_path else "model.path")
             return data.get("text_config", data)
     raise PlanError("the planner needs the model's config.json: set model.config_path (a config.json) or a model.path "
                     "that exists on this machine")
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a model that the activation and KV-cache estimates use."""
-
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    experts: int = 0
-    moe_ffn: int = 0
-    mla_cache: int = 0  # MLA (DeepSeek-V3): elements cached per token and layer, kv_lora_rank + qk_rope_head_dim
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelShape":
-        heads = int(cfg["num_attention_heads"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
-        mla = cfg.get("kv_lora_rank") is not None
-        head_dim = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]) if mla else \
-            int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-        return cls(hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]), heads=heads,
-                   kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
-                   mla_cache=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if mla else 0,
-                   ffn=int(cfg.get("intermediate_size") or 0), vocab=int(cfg["vocab_size"]), experts=experts,
-                   moe_ffn=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") if experts else 0)
-                               or 0))
+def _read_json(path, key: str) -> dict:
+    try:
+        return read_config_json(path)
+    except BridgeError as exc:  # it names the file, what is wrong with it and the fix
+        raise PlanError(f"{key}: {exc}") from None
 
 
 def _per_stage_max(values: dict[int, int], world: int, pp: int) -> list[int]:
@@ -149,29 +126,40 @@ def _per_stage_max(values: dict[int, int], world: int, pp: int) -> list[int]:
     return [max(values[r] for r in range(s * per, (s + 1) * per)) for s in range(pp)]
 
 
-def reward_model_stage_bytes(cfg, policy_hf: dict, tp: int, pp: int, ep: int, pbytes: int) -> list[int]:
+def reward_model_spec(cfg, policy: ArchSpec) -> ArchSpec:
+    """reward.reward_model's architecture: its config.json, or the policy's when the run has not written it yet."""
+    path = Path(cfg.reward.reward_model.path or "") / CONFIG_FILE
+    if not (cfg.reward.reward_model.path and path.is_file()):
+        return policy
+    hf = _read_json(path, "reward.reward_model.path")
+    try:
+        return spec_from_dict(hf.get("text_config", hf), str(path))
+    except BridgeError as exc:
+        raise PlanError(f"reward.reward_model.path: {exc}") from None
+
+
+def reward_model_stage_bytes(m: ArchSpec, tp: int, pp: int, ep: int, pbytes: int) -> list[int]:
     """Parameter bytes per pipeline stage of reward.reward_model on one GPU (see the module doc)."""
-    path = Path(cfg.reward.reward_model.path or "") / "config.json"
-    hf = json.loads(path.read_text()) if cfg.reward.reward_model.path and path.is_file() else policy_hf
-    m = ModelShape.from_hf_config(hf.get("text_config", hf))
-    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    mlp = 3 * m.hidden * m.moe_ffn * m.experts // ep if m.experts else 3 * m.hidden * m.ffn
-    layer = (m.hidden * (q + 2 * kv) + q * m.hidden + mlp) // tp + 2 * m.hidden
-    per_stage = [layer * (m.layers // pp) for _ in range(pp)]
-    per_stage[0] += m.vocab * m.hidden // tp
-    per_stage[-1] += m.hidden * 2  # final norm and the score head
+    h = m.hidden_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    mlp = 3 * h * m.moe_ffn_hidden_size * m.num_experts // ep if m.is_moe else 3 * h * m.ffn_hidden_size
+    layer = (h * (q + 2 * kv) + q * h + mlp) // tp + 2 * h
+    per_stage = [layer * (m.num_layers // pp) for _ in range(pp)]
+    per_stage[0] += m.vocab_size * h // tp
+    per_stage[-1] += h * 2  # final norm and the score head
     return [n * pbytes for n in per_stage]
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, tp: int, sp: bool, recompute: str, top_k: int) -> int:
+def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str) -> int:
     """Stored activation bytes of one token in one layer (bf16) under the recompute setting (see the module doc)."""
-    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h = spec.hidden_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
     resid = 8 * h / (tp if sp else 1)
     attn = 4 * q + 4 * kv
-    if shape.experts:
-        mlp = top_k * (2 * h + 6 * shape.moe_ffn)
+    if spec.is_moe:
+        mlp = spec.moe_topk * (2 * h + 6 * spec.moe_ffn_hidden_size)
     else:
-        mlp = 6 * shape.ffn
+        mlp = 6 * spec.ffn_hidden_size
     if recompute == "selective":
         attn -= 2 * q
     return int(resid + (attn + mlp) / tp)
@@ -195,7 +183,6 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                 link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
     """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each."""
     hf = _read_hf_config(cfg)
-    shape = ModelShape.from_hf_config(hf)
     p, r = cfg.parallelism, cfg.rollout
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     etp_engine, eep_engine = r.tensor_model_parallel_size, r.expert_model_parallel_size
@@ -225,6 +212,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
                           first_stage=first, last_stage=last)
     except ValueError as exc:
         raise PlanError(f"the weight-sync plan refuses this layout: {exc}") from None
+    spec = plan.mapping.spec
     dense, expert = plan.held_bytes()
     stage_dense = _per_stage_max(dense, world, pp)
     stage_expert = _per_stage_max(expert, world, pp)
@@ -243,11 +231,11 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
             return tokens, max(1, math.ceil(per_rank_seqs * seq_len / tokens))
         return micro * seq_len, max(1, per_rank_seqs // micro)
 
-    top_k = int(hf.get("num_experts_per_tok") or 0)
+    top_k = spec.moe_topk
     recompute = cfg.model.recompute
-    act_tok_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, recompute, top_k)
-    full_layer = activation_bytes_per_token_layer(shape, tp, p.sequence_parallel, "none", top_k)
-    stage_layers = layout.stage_layers(shape.layers)  # uneven stages: each stage's own layer count
+    act_tok_layer = activation_bytes_per_token_layer(spec, tp, p.sequence_parallel, recompute)
+    full_layer = activation_bytes_per_token_layer(spec, tp, p.sequence_parallel, "none")
+    stage_layers = layout.stage_layers(spec.num_layers)  # uneven stages: each stage's own layer count
 
     vpp = p.virtual_pipeline_model_parallel_size or 1
 
@@ -256,14 +244,14 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         for s in range(pp):
             layers_in_flight = in_flight_layers(pp, vpp, s, micro_batches, stage_layers[s])
             if recompute == "full":
-                kept = 2 * shape.hidden // (tp if p.sequence_parallel else 1)
+                kept = 2 * spec.hidden_size // (tp if p.sequence_parallel else 1)
                 per_layer = tokens * kept
                 extra = tokens * full_layer
             else:
                 per_layer = tokens * act_tok_layer
                 extra = 0
             last = logits and s == pp - 1
-            out.append(int(layers_in_flight * per_layer) + extra + (tokens * shape.vocab // tp * 8 if last else 0))
+            out.append(int(layers_in_flight * per_layer) + extra + (tokens * spec.vocab_size // tp * 8 if last else 0))
         return out
 
     opt_bpp = 12 if pbytes == 2 else 8
@@ -291,7 +279,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         tm = a.lora.target_modules
         targets = resolve_targets(plan.mapping, LoraSettings(rank=a.lora.rank, alpha=a.lora.alpha,
                                                              target_modules=tm if isinstance(tm, str) else tuple(tm)))
-        n_lora = stage_adapter_numel(targets, a.lora.rank, tp, pp, ep, p.expert_tensor_parallel_size, shape.layers)
+        n_lora = stage_adapter_numel(targets, a.lora.rank, tp, pp, ep, p.expert_tensor_parallel_size, spec.num_layers)
         actor = ModelMemory("actor", [b + n * pbytes for b, n in zip(stage_all, n_lora)],
                             grads=[n * 4 for n in n_lora],
                             optim=[n * opt_bpp // (dp if p.use_distributed_optimizer else 1) for n in n_lora],
@@ -310,7 +298,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     models = [actor]
     if cfg.critic_enabled:  # the LM head becomes a 1-wide value head on the last stage
         untied = "lm_head.weight" in plan.mapping.by_hf
-        head = (shape.vocab * shape.hidden // tp * pbytes if untied else 0) - shape.hidden * pbytes
+        head = (spec.vocab_size * spec.hidden_size // tp * pbytes if untied else 0) - spec.hidden_size * pbytes
         critic_dense = [b - (head if s == pp - 1 else 0) for s, b in enumerate(stage_dense)]
         models.append(trainable("critic", critic_dense, stage_expert, cfg.critic.ppo_micro_batch_size_per_gpu,
                                 a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, False))
@@ -319,7 +307,7 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
         models.append(ref)
 
     if cfg.reward.reward_model.enable:
-        models.append(ModelMemory("reward model", reward_model_stage_bytes(cfg, hf, tp, pp, ep, pbytes)))
+        models.append(ModelMemory("reward model", reward_model_stage_bytes(reward_model_spec(cfg, spec), tp, pp, ep, pbytes)))
 
     # forward-only logits (old/ref logprobs) on the last stage
     fwd_micro = max(r.log_prob_micro_batch_size_per_gpu,
@@ -327,20 +315,20 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
     fwd_tokens = fwd_micro * seq_len
     if r.log_prob_use_dynamic_bsz:
         fwd_tokens = max(r.log_prob_max_token_len_per_gpu, seq_len)
-    fwd_logits = fwd_tokens * shape.vocab // tp * 8
+    fwd_logits = fwd_tokens * spec.vocab_size // tp * 8
 
     # engine
     gpu_bytes = int(gpu_mem_gib * GIB)
     engine_reserve = int(r.gpu_memory_utilization * gpu_bytes)
     engine_weights = int(max(loaded.values()) * ebytes_ratio)  # the largest engine worker's shard
     ebytes = 2 if engine_dtype != "float32" else 4
-    eng_ffn = (top_k * shape.moe_ffn) if shape.experts else shape.ffn
-    engine_act = r.max_num_batched_tokens * ebytes * (4 * shape.hidden + 2 * eng_ffn // etp_engine) + \
-        r.max_num_seqs * shape.vocab // etp_engine * 4
-    kv_heads_per_rank = max(1, shape.kv_heads // etp_engine)
-    kv_per_token = 2 * shape.layers * kv_heads_per_rank * shape.head_dim * ebytes
-    if shape.mla_cache:  # vLLM's MLA backends cache the compressed latent, whole on every TP rank (no K/V heads)
-        kv_per_token = shape.layers * shape.mla_cache * ebytes
+    eng_ffn = (top_k * spec.moe_ffn_hidden_size) if spec.is_moe else spec.ffn_hidden_size
+    engine_act = r.max_num_batched_tokens * ebytes * (4 * spec.hidden_size + 2 * eng_ffn // etp_engine) + \
+        r.max_num_seqs * spec.vocab_size // etp_engine * 4
+    kv_heads_per_rank = max(1, spec.num_key_value_heads // etp_engine)
+    kv_per_token = 2 * spec.num_layers * kv_heads_per_rank * spec.head_dim * ebytes
+    if spec.mla is not None:  # vLLM's MLA backends cache the compressed latent, whole on every TP rank (no K/V heads)
+        kv_per_token = spec.num_layers * spec.mla.kv_cache_elements_per_token() * ebytes
     kv_budget = engine_reserve - engine_weights - engine_act
     kv_tokens = max(0, kv_budget) // kv_per_token
     max_len = r.resolved_max_model_len
@@ -448,11 +436,11 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
              else f"colocated, {replicas} replica(s) x TP{etp_engine}: {generating} of {world} GPUs generate")
     lines = [
         f"megarl plan: {nodes} node(s) x {gpus_per_node} GPU(s) of {gpu_mem_gib:g} GiB = {total_gpus} GPUs",
-        f"model: {(hf.get('architectures') or ['?'])[0]}, {n_params / 1e9:.2f} B parameters"
-        + (f" ({n_expert / 1e9:.2f} B in {shape.experts} experts, top-{top_k})" if shape.experts else " (dense)")
-        + f", {shape.layers} layers, hidden {shape.hidden}; trainer dtype {dtype}, engine dtype {engine_dtype}",
+        f"model: {spec.architecture}, {n_params / 1e9:.2f} B parameters"
+        + (f" ({n_expert / 1e9:.2f} B in {spec.num_experts} experts, top-{top_k})" if spec.is_moe else " (dense)")
+        + f", {spec.num_layers} layers, hidden {spec.hidden_size}; trainer dtype {dtype}, engine dtype {engine_dtype}",
         f"trainer: {world} GPUs, TP{tp} PP{pp}" + (f" x VPP{vpp} (interleaved 1F1B)" if vpp > 1 else "")
-        + f" EP{ep} DP{dp}" + (f" (expert DP {edp})" if shape.experts else "")
+        + f" EP{ep} DP{dp}" + (f" (expert DP {edp})" if spec.is_moe else "")
         + f", sequence parallel {p.sequence_parallel}, recompute {recompute}, distributed optimizer "
         f"{p.use_distributed_optimizer}",
         f"  actor micro-batch: {actor_tokens} tokens, {actor_mbs} micro-batch(es) per mini-batch per rank; models: "

@@ -187,3 +187,25 @@ def test_virtual_pipeline_stages_cost_activation_memory_in_the_plan():
     train = [float(t.split("train ")[1].split(",")[0]) for t in (base.text, vpp.text)]
     # stage 0 at PP4: 1F1B holds 4 micro-batches through 20 layers (80), interleaved 11 chunks of 10 layers (110)
     assert train[1] > train[0], train
+
+
+def test_a_reward_model_is_counted_from_its_own_config(tmp_path):
+    # a reward model smaller than the policy: Llama of hidden 4096, 40 layers, 32 heads / 8 KV heads of 128, FFN 14336
+    from safetensors.numpy import save_file
+
+    import numpy as np
+
+    h, layers, q, kv, f, vocab = 4096, 40, 32 * 128, 8 * 128, 14336, 128256
+    hf = json.loads(_config("ppo_llama3_70b.yaml").read_text())
+    hf.update(architectures=["LlamaForSequenceClassification"], num_labels=1, hidden_size=h, num_hidden_layers=layers,
+              num_attention_heads=32, num_key_value_heads=8, intermediate_size=f)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    save_file({"score.weight": np.zeros((1, h), np.float32)}, str(tmp_path / "model.safetensors"))
+    _, base = _plan("ppo_llama3_70b.yaml", 16, 8, 80)
+    _, with_rm = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ("reward.reward_model.enable=true",
+                                                           f"reward.reward_model.path={tmp_path}"))
+    # its stage-0 shard at the trainer's TP8 x PP4, bf16: 10 layers and the embedding, 1/8 of each (norms negligible)
+    rm_stage0 = (layers // 4 * (h * q + 2 * h * kv + q * h + 3 * h * f) + vocab * h) / 8 * 2
+    added = with_rm.per_gpu_bytes - base.per_gpu_bytes
+    assert abs(added - rm_stage0) / rm_stage0 < 0.01, (added / GIB, rm_stage0 / GIB)
+
