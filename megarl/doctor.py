@@ -61,11 +61,16 @@ def versions() -> dict:
     """{component: installed version or None}."""
     out = {"python": platform.python_version(),
            "torch": f"{torch.__version__}" + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else "")}
+    from megarl.megatron.te_guard import te_import_failure
+
+    te_broken = te_import_failure() is not None  # before find_spec: a TE that fails to import is hidden as absent
     for key, names in _DISTS.items():
         import importlib.util
 
         v = _dist_version(names)
         out[key] = v if v and importlib.util.find_spec(_MODULES[key]) is not None else None
+        if key == "transformer-engine" and te_broken:
+            out[key] = f"{v or 'installed'} (does not import)"
     try:
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
     except Exception:
@@ -261,6 +266,24 @@ def run_probes(skip_engine: bool = False, out=None) -> list[tuple[str, bool, str
     return results
 
 
+def te_spec_line(used: bool) -> str:
+    """Whether megarl builds Transformer Engine layers here, and why not."""
+    import importlib.util
+    import os
+
+    from megarl.megatron.te_guard import te_import_failure
+
+    if used:
+        return "yes"
+    failure = te_import_failure()
+    why = (f"{failure}; megarl falls back to its no-TE specs" if failure
+           else "MEGARL_USE_TE=0" if os.environ.get("MEGARL_USE_TE") == "0"
+           else "transformer_engine is not installed" if importlib.util.find_spec("transformer_engine") is None
+           else "no CUDA device" if not torch.cuda.is_available()
+           else "transformer_engine.pytorch does not import")
+    return f"no ({why})"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="megarl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-engine", action="store_true", help="do not start a vLLM engine (the slowest probe)")
@@ -276,8 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         have = installed.get(key)
         print(f"{key:<20} {have or 'not installed':<28} {tested}")
     print("devices: " + "; ".join(devices()))
-    print(f"Transformer Engine layer spec: {'yes' if te_available() else 'no'}; precision for the probes: float32, "
-          f"TF32 off ({', '.join(f'{k}={v}' for k, v in state.items())})")
+    print(f"Transformer Engine layer spec: {te_spec_line(te_available())}")
+    print(f"precision for the probes: float32, TF32 off ({', '.join(f'{k}={v}' for k, v in state.items())})")
     results = run_probes(skip_engine=args.skip_engine)
     failed = [name for name, ok, _ in results if not ok]
     print(f"doctor: {len(results) - len(failed)} of {len(results)} checks passed" +

@@ -10,7 +10,10 @@ runs:
   (megarl's own wandb logger imports it when `logging.wandb` asks). While megatron.core itself is being imported,
   `import wandb` fails as if wandb were absent; afterwards it imports normally.
 
-`install()` (run by `import megarl`) hooks both into the imports of those modules (megarl.import_hooks); it changes
+Before megatron.core's own code runs, an installed Transformer Engine whose import fails is made absent
+(megarl.megatron.te_guard): megatron catches only ImportError around its TE imports.
+
+`install()` (run by `import megarl`) hooks these into the imports of those modules (megarl.import_hooks); it changes
 nothing if megatron.core was imported before megarl.
 """
 from __future__ import annotations
@@ -30,7 +33,10 @@ def _after_jit(module: Any) -> None:
         module.disable_jit_fuser()
 
 
-def _without_wandb(run: Callable, module: Any) -> None:
+def _core_import(run: Callable, module: Any) -> None:
+    from megarl.megatron.te_guard import te_import_failure
+
+    te_import_failure()
     with refusing_import("wandb", "not imported with megatron.core: megarl does not use megatron's wandb logging"):
         run()
 
@@ -39,5 +45,5 @@ def install() -> None:
     """Hook the imports of megatron.core and its jit module (idempotent; a no-op once megatron.core was imported)."""
     if _CORE in sys.modules:
         return
-    around_import(_CORE, _without_wandb)
+    around_import(_CORE, _core_import)
     after_import("megatron.core.jit", _after_jit)

@@ -48,7 +48,11 @@ def te_available() -> bool:
     """Transformer Engine layer specs are used when CUDA is available and transformer_engine imports, unless the
     environment says MEGARL_USE_TE=0 (`make test-gpu TE=0` and the benchmarks' no-TE rows: the path without TE on a
     machine that has it)."""
+    from megarl.megatron.te_guard import te_import_failure
+
     if os.environ.get("MEGARL_USE_TE") == "0":
+        return False
+    if te_import_failure() is not None:  # logged once by te_guard with the reason
         return False
     if not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None:
         return False

@@ -59,7 +59,9 @@ def _te_gemms_use_tf32() -> bool:
     # Transformer Engine's float32 GEMMs take the cuBLAS fast-TF32 path unless the override is 0
     import importlib.util
 
-    return importlib.util.find_spec("transformer_engine") is not None
+    from megarl.megatron.te_guard import te_import_failure
+
+    return te_import_failure() is None and importlib.util.find_spec("transformer_engine") is not None
 
 
 def _cuda_initialized() -> bool:
