@@ -34,8 +34,10 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     from megarl.sync.standin import StandInEngine, expected_parameters
     from tests.helpers.tiny_models import sample_tokens
 
+    # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
+    # kernel instead of the device memcpy the test is about
     init_model_parallel(Layout(), seed=0)
-    model, spec = build_and_load(hf_dir)
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, record["dtype"]))
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=2)
     engine = StandInEngine(record, device=device)
     out = {"mismatch": [], "moved": None, "placed_bytes": []}

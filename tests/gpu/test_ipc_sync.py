@@ -30,8 +30,10 @@ def sync_with_profile(hf_dir: str, record: dict) -> dict:
     from megarl.sync.delivery import plan_sync
     from megarl.sync.standin import StandInEngine, memcpy_bytes
 
+    # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
+    # kernel instead of the device memcpy the test is about
     init_model_parallel(Layout(), seed=0)
-    model, spec = build_and_load(hf_dir)
+    model, spec = build_and_load(hf_dir, dtype=getattr(torch, record["dtype"]))
     engine = StandInEngine(record, device="cuda")
     try:
         sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 20)
