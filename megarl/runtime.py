@@ -81,8 +81,7 @@ def start(cfg: MegarlConfig) -> Runtime:
     init_model_parallel(layout_of(cfg), seed=cfg.trainer.seed)
     from megatron.core import parallel_state as ps
 
-    global _object_group
-    _object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    parallel.object_group()  # made now, at the same point on every rank
 
     setup_logging(cfg.logging.level, dist.get_rank() == 0)
     r = cfg.rollout
@@ -96,8 +95,6 @@ def start(cfg: MegarlConfig) -> Runtime:
 
 def stop() -> None:
     """Tear down megatron's and torch.distributed's groups (no collective: after a failure the peers may be gone)."""
-    global _object_group
-    _object_group = None
     parallel.destroy()
 
 
@@ -105,7 +102,6 @@ def stop() -> None:
 # Devices and collectives
 # ---------------------------------------------------------------------------------------------------------------------
 
-_object_group = None  # a gloo group over the world when the default group is NCCL
 _declared_device: Optional[torch.device] = None
 
 
@@ -179,16 +175,17 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if dist.get_world_size() == 1:  # nobody to send it to: no pickling round trip
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src, group=_object_group)
+    dist.broadcast_object_list(holder, src=src, group=parallel.object_group())
     return holder[0]
 
 
 def all_gather_objects(obj: Any) -> list:
-    """Every rank's `obj` (small, picklable: plans and layouts, never step data)."""
+    """Every rank's `obj` (small, picklable: plans, layouts, per-rank figures; never step data), over gloo (CPU
+    memory) also when training on NCCL."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=parallel.object_group())
     return out
 
 

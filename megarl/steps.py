@@ -18,7 +18,7 @@ from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
 from megarl.rollout.replicas import broadcast_rollout, combine
-from megarl.runtime import Runtime, broadcast_object
+from megarl.runtime import Runtime, broadcast_object, compute_device
 from megarl.types import RolloutBatch
 
 
@@ -73,7 +73,7 @@ def finish_generate(handles: list, rt: Runtime) -> RolloutBatch:
     """The second half of `generate`, collective: wait for the replicas' shares; every rank gets the whole batch."""
     topo = rt.engines
     # every owner generates before anyone waits on a broadcast, so the replicas run at the same time
-    return combine([broadcast_rollout(None if h is None else h.result(), topo.owner(r))
+    return combine([broadcast_rollout(None if h is None else h.result(), topo.owner(r), device=compute_device())
                     for r, h in enumerate(handles)])
 
 

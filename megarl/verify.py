@@ -282,7 +282,9 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
             engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
         except EngineProcessError as exc:  # one line: the cause, the fix where known, the engine's log
             failed[0] = str(exc)
-    dist.broadcast_object_list(failed, src=0)  # no rank waits on a sync into an engine that is not there
+    from megarl.runtime import broadcast_object
+
+    failed = broadcast_object(failed, src=0)  # no rank waits on a sync into an engine that is not there
     if failed[0] is not None:
         return {"engine_error": failed[0]} if dist.get_rank() == 0 else {}
     try:
@@ -449,16 +451,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         import torch.distributed as dist
 
         from megarl.megatron.parallel import init_distributed
+        from megarl.runtime import all_gather_objects, broadcast_object
 
         init_distributed()
-        mine = megatron_logprobs(**kwargs)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        code = torch.tensor([0])
-        if dist.get_rank() == 0:
-            code[0] = _judge(args, gathered, tokens, lengths, source)
-        dist.broadcast(code, src=0)
-        return int(code.item())
+        # the results and the verdict are host objects: over gloo beside an NCCL default group
+        gathered = all_gather_objects(megatron_logprobs(**kwargs))
+        return broadcast_object(_judge(args, gathered, tokens, lengths, source) if dist.get_rank() == 0 else None)
     from megarl.launch_local import RankFailure, run_ranks
 
     world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine == "vllm" else 1)

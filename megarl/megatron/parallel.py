@@ -84,9 +84,26 @@ def uneven_stages() -> dict:
             if (v := getattr(_LAYOUT, k)) is not None}
 
 
+_object_group: Optional[tuple] = None  # (gloo group over the world, the default group it was made beside)
+
+
+def object_group():
+    """The group pickled objects and host tensors travel over: None (the default group) when that is gloo; beside an
+    NCCL default group, one gloo group over the world (NCCL takes only device tensors). Made at the first call after
+    init_distributed, a collective: every rank calls it at the same point."""
+    global _object_group
+    if dist.get_backend() == "gloo":
+        return None
+    if _object_group is None or _object_group[1] is not dist.group.WORLD:
+        _object_group = (dist.new_group(backend="gloo"), dist.group.WORLD)
+    return _object_group[0]
+
+
 def destroy() -> None:
     from megatron.core import parallel_state as ps
 
+    global _object_group
+    _object_group = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -65,30 +65,35 @@ def replica_cores(cores: list, index: int, count: int, workers: int) -> list:
     return list(cores[index * per:(index + 1) * per])
 
 
-def _broadcast(t: torch.Tensor, src: int, group) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast(t, src=src, group=group)
-    return t
+def _broadcast(t: torch.Tensor, src: int, group, device: torch.device) -> Optional[torch.Tensor]:
+    """src's `t` on every rank, through `device` (the group's: an NCCL group takes device tensors only). Receivers
+    get it back on the CPU, where the step's batch lives; the sender keeps its own (None)."""
+    out = t.to(device)
+    dist.broadcast(out, src=src, group=group)
+    return None if dist.get_rank() == src else out.cpu()
 
 
-def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> RolloutBatch:
-    """`batch` (on rank src; None elsewhere) on every rank, sent as tensors."""
+def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None,
+                      device: Optional[torch.device] = None) -> RolloutBatch:
+    """`batch` (on rank src; None elsewhere) on every rank, sent as tensors from `device` (the runtime's compute
+    device: the rank's GPU under NCCL; default the CPU)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return batch
+    device = device or torch.device("cpu")
     me = dist.get_rank()
     if me == src:
         n, width = batch.response_ids.shape
         routes = tuple(batch.routed_experts.shape[1:]) if batch.routed_experts is not None else (0, 0, 0)
-        header = torch.tensor([n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),
-                               batch.weight_version, batch.pad_token_id, batch.loss_mask is not None,
-                               batch.tool_rewards is not None, *routes], dtype=torch.long)
+        header = [n, width, batch.rollout_logprobs is not None, sum(len(p) for p in batch.prompt_ids),
+                  batch.weight_version, batch.pad_token_id, batch.loss_mask is not None,
+                  batch.tool_rewards is not None, *routes]
+        _broadcast(torch.tensor(header, dtype=torch.long), src, group, device)
     else:
-        header = torch.empty(11, dtype=torch.long)
-    n, width, has_lp, prompt_tokens, version, pad, has_mask, has_tool, *routes = _broadcast(header, src,
-                                                                                           group).tolist()
+        header = _broadcast(torch.empty(11, dtype=torch.long), src, group, device).tolist()
+    n, width, has_lp, prompt_tokens, version, pad, has_mask, has_tool, *routes = header
 
     def field(make, value):
-        return _broadcast(value() if me == src else make(), src, group)
+        return _broadcast(value() if me == src else make(), src, group, device)
 
     response = field(lambda: torch.empty((n, width), dtype=torch.long), lambda: batch.response_ids.contiguous())
     logprobs = field(lambda: torch.empty((n, width), dtype=torch.float32),
@@ -106,7 +111,7 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
                          lambda: batch.tool_rewards.contiguous()) if has_tool else None
     # sent as int32 (gloo has no int16 collectives)
     routed = field(lambda: torch.empty((n, *routes), dtype=torch.int32),
-                   lambda: batch.routed_experts.to(torch.int32)).to(torch.int16) if routes[1] else None
+                   lambda: batch.routed_experts.to(torch.int32)) if routes[1] else None
     # NaN marks a metric the batch does not have (single-turn rollouts have no tool/* counts)
     metrics = field(lambda: torch.empty(len(METRIC_KEYS), dtype=torch.float64), lambda: torch.tensor(
         [float(batch.metrics.get(k, float("nan"))) for k in METRIC_KEYS], dtype=torch.float64))
@@ -116,7 +121,8 @@ def broadcast_rollout(batch: Optional[RolloutBatch], src: int, group=None) -> Ro
                         response_lengths=rows[0].clone(), rollout_logprobs=logprobs,
                         finish_reasons=[FINISH_REASONS[c] for c in rows[4].tolist()], truncated=rows[2].bool(),
                         prompt_index=rows[1].clone(), prompt_truncated=rows[3].bool(), weight_version=int(version),
-                        pad_token_id=int(pad), loss_mask=loss_mask, tool_rewards=tool_rewards, routed_experts=routed,
+                        pad_token_id=int(pad), loss_mask=loss_mask, tool_rewards=tool_rewards,
+                        routed_experts=None if routed is None else routed.to(torch.int16),
                         metrics={k: v for k, v in zip(METRIC_KEYS, metrics.tolist()) if v == v})
 
 

@@ -465,13 +465,11 @@ class WeightSync:
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def _metrics(self, stats: dict, seconds: float) -> dict:
-        mine = torch.tensor([stats["sent"], stats["received"], stats["loaded"], stats["placed"]], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-            dist.all_gather(every, mine, group=self.group)
-        else:
-            every = [mine]
-        every = torch.stack(every)
+        from megarl.runtime import all_gather_objects
+
+        # four numbers per rank: host objects over gloo (an NCCL group takes device tensors only)
+        mine = [float(stats[k]) for k in ("sent", "received", "loaded", "placed")]
+        every = torch.tensor(all_gather_objects(mine), dtype=torch.float64)
         out = {"weight_sync/seconds": seconds, "weight_sync/exchange_seconds": stats["exchange_s"],
                "weight_sync/engine_load_seconds": stats["load_s"], "weight_sync/num_buckets": float(len(self.buckets))}
         for i, kind in enumerate(("sent", "received", "loaded")):
@@ -537,16 +535,14 @@ def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: 
     return sync
 
 
-def gather_owners(local: dict, tp_info: dict, dtypes: dict, group=None) -> tuple:
+def gather_owners(local: dict, tp_info: dict, dtypes: dict) -> tuple:
     """Every rank's {megatron name: (tp rank, tp size)} and dtypes, merged: ({name: [(rank, tp rank, tp size)]},
     {name: dtype})."""
+    from megarl.runtime import all_gather_objects
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = {name: (rank,) + tp_info[name] for name in local}
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, (mine, dtypes), group=group)
-    else:
-        every = [(mine, dtypes)]
+    every = all_gather_objects((mine, dtypes))
     owners: dict = {}
     all_dtypes: dict = {}
     for per_rank, dts in every:
