@@ -127,12 +127,12 @@ def _reads(planner: bool = False) -> tuple[set, set]:
     """(field names read, (section name, field) pairs read through their section) by megarl/ outside megarl/config/
     (except config/outputs.py: where the commands that write data and models read their output paths) and the memory
     planner, plus the schema's own properties that such code reads (critic_enabled, world_size, ...).
-    The planner (plan.py) estimates the memory of every setting without acting on any: planner=True gives its reads
+    The planner (the plan package) estimates the memory of every setting without acting on any: planner=True gives its reads
     alone, which count only for fields whose description says they serve `plan`."""
     plain, qualified = set(), set()
     for path in (ROOT / "megarl").rglob("*.py"):
         rel = path.relative_to(ROOT / "megarl").parts
-        if rel[0] == "config" and rel != ("config", "outputs.py") or (rel == ("plan.py",)) != planner:
+        if rel[0] == "config" and rel != ("config", "outputs.py") or (rel[0] == "plan") != planner:
             continue
         p, q = _module_reads(ast.parse(path.read_text()))
         plain |= p

@@ -209,3 +209,17 @@ def test_a_reward_model_is_counted_from_its_own_config(tmp_path):
     added = with_rm.per_gpu_bytes - base.per_gpu_bytes
     assert abs(added - rm_stage0) / rm_stage0 < 0.01, (added / GIB, rm_stage0 / GIB)
 
+
+def test_a_config_json_that_does_not_parse_is_named_with_its_key(tmp_path):
+    from types import SimpleNamespace
+
+    from megarl.plan import PlanError
+    from megarl.plan.model import read_model_config
+
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 8,')
+    with pytest.raises(PlanError) as err:
+        read_model_config(SimpleNamespace(model=SimpleNamespace(config_path=str(bad), path=None)))
+    message = str(err.value)
+    assert message.startswith("model.config_path: ") and str(bad) in message and "not valid JSON" in message
+    assert "\n" not in message

@@ -1,0 +1,5 @@
+import sys
+
+from megarl.plan import main
+
+sys.exit(main())

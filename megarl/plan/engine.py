@@ -1,0 +1,61 @@
+"""The engine step: what a vLLM engine worker holds on its GPU.
+
+It takes gpu_memory_utilization * GPU memory: its weight shard (from the sync plan), an activation estimate for
+max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence): per token
+2 * layers * KV heads per rank * head_dim, or with MLA (DeepSeek-V3) layers * (kv_lora_rank + qk_rope_head_dim), the
+compressed latent, whole on every engine TP rank. Colocated with enable_sleep_mode and free_cache_engine it releases
+everything between a rollout and the next weight sync; without it, it keeps its share. Engines placed separately hold
+gpu_memory_utilization of their GPUs throughout (no sleep).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megarl.bridge.hf_config import ArchSpec
+from megarl.plan.model import GIB, Cluster, Placement, Weights
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """One engine GPU's share split into weights, activations and the KV cache."""
+
+    reserve: int  # gpu_memory_utilization of the GPU
+    weights: int  # the largest engine worker's shard
+    activations: int
+    kv_per_token: int
+    kv_budget: int  # what is left for the KV cache; negative when nothing is
+    max_len: int  # rollout.max_model_len, resolved
+    sleeps: bool  # releases its memory while the trainer computes
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, self.kv_budget) // self.kv_per_token
+
+
+def kv_bytes_per_token(spec: ArchSpec, engine_tp: int, ebytes: int) -> int:
+    if spec.mla is not None:  # vLLM's MLA backends cache the compressed latent, whole on every TP rank (no K/V heads)
+        return spec.num_layers * spec.mla.kv_cache_elements_per_token() * ebytes
+    return 2 * spec.num_layers * max(1, spec.num_key_value_heads // engine_tp) * spec.head_dim * ebytes
+
+
+def engine_memory(r, cluster: Cluster, pl: Placement, weights: Weights) -> EngineMemory:
+    """r: the recipe's rollout section."""
+    spec, etp, ebytes = weights.spec, pl.engine_tp, pl.ebytes
+    reserve = int(r.gpu_memory_utilization * cluster.gpu_bytes)
+    shard = int(max(weights.loaded.values()) * pl.engine_ratio)
+    ffn = (spec.moe_topk * spec.moe_ffn_hidden_size) if spec.is_moe else spec.ffn_hidden_size
+    act = r.max_num_batched_tokens * ebytes * (4 * spec.hidden_size + 2 * ffn // etp) + \
+        r.max_num_seqs * spec.vocab_size // etp * 4
+    return EngineMemory(reserve, shard, act, kv_bytes_per_token(spec, etp, ebytes), reserve - shard - act,
+                        r.resolved_max_model_len, r.enable_sleep_mode and r.free_cache_engine and not pl.separate)
+
+
+def kv_cache_reason(e: EngineMemory, r, cluster: Cluster) -> Optional[str]:
+    if e.kv_tokens >= e.max_len:
+        return None
+    return (f"engine KV cache: gpu_memory_utilization {r.gpu_memory_utilization} x {cluster.gpu_mem_gib:g} GiB = "
+            f"{e.reserve / GIB:.1f} GiB minus weights {e.weights / GIB:.1f} GiB and activations "
+            f"{e.activations / GIB:.1f} GiB leaves {max(0, e.kv_budget) / GIB:.1f} GiB = {e.kv_tokens} tokens, "
+            f"less than one max_model_len={e.max_len} sequence; raise rollout.gpu_memory_utilization or "
+            "rollout.tensor_model_parallel_size")

@@ -1,0 +1,248 @@
+"""Memory per role: the per-GPU bytes of actor, critic, reference and reward model on each pipeline stage.
+
+The memory model (bytes per GPU; P = parameters this rank holds, from the sync plan)
+* Trainable model (actor; critic with a 1-wide value head instead of the LM head):
+    parameters      P * 2 (bf16) or 4 (fp32)
+    gradients       P * 4 (megarl reduces gradients in fp32: grad_reduce_in_fp32)
+    optimizer       Adam: fp32 master copy + exp_avg + exp_avg_sq = 12 B/param in bf16 (8 in fp32, no master copy);
+                    with the distributed optimizer divided by the data-parallel size (dense parameters) or the
+                    expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
+    activations     per token per layer, bf16, flash attention (no score matrix), SwiGLU, GQA, no dropout:
+                    8h (norm inputs and residual stream, /TP with sequence parallel) + (4q + 4kv + 6f) / TP
+                    with q = heads*head_dim, kv = kv_heads*head_dim, f = FFN size; MoE: f-term -> top_k * (2h + 6f_moe)
+                    / expert TP. selective recompute drops the attention output (2q); full recompute keeps only each
+                    layer's input (2h, /TP with SP) plus one layer's full activations being recomputed.
+                    1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight; interleaved
+                    1F1B (virtual pipeline stages) more, in chunks of layers/(PP*VPP) (see in_flight_layers). The
+                    last stage adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
+* LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
+* Reference: parameters only, plus the logits of one forward micro-batch.
+* Reward model (reward.reward_model.enable): parameters only (frozen, at the trainer's layout), counted from its
+  config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
+  attention and MLP over TP, experts over EP, a 1-wide head.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, spec_from_dict
+from megarl.plan.model import Placement, PlanError, Weights, read_json
+from megarl.sync.plan import DTYPE_BYTES
+
+
+@dataclass
+class ModelMemory:
+    """One trainable or frozen model's per-GPU bytes on the most loaded rank of each pipeline stage."""
+
+    name: str
+    params: list[int]  # per stage
+    grads: list[int] = field(default_factory=list)
+    optim: list[int] = field(default_factory=list)
+    optim_distributed: list[int] = field(default_factory=list)
+    optim_replicated: list[int] = field(default_factory=list)
+    activations: list[int] = field(default_factory=list)
+
+    def state(self, s: int) -> int:
+        return self.params[s] + (self.grads[s] if self.grads else 0) + (self.optim[s] if self.optim else 0)
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """actor.lora: the adapters' size and, with actor.lora.sync=adapter, what one engine replica receives."""
+
+    projections: list[str]
+    total: int  # adapter parameters
+    per_gpu_max: int  # on the most loaded GPU
+    adapter_sync_bytes: Optional[int]  # None: the engine receives merged weights
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Every model the run holds, actor first, and the shapes of the work that sizes their activations."""
+
+    models: list[ModelMemory]
+    lora: Optional[LoraPlan]
+    forward_logits: int  # the logits of one old/ref logprob forward micro-batch, on the last stage
+    actor_tokens: int  # per micro-batch
+    actor_micro_batches: int  # per mini-batch and rank
+
+
+@dataclass(frozen=True)
+class Batches:
+    """An actor mini-batch's sequences on one data-parallel rank."""
+
+    seq_len: int
+    per_rank_seqs: int
+
+    def micro(self, micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
+        """(tokens per micro-batch, micro-batches per mini-batch): fixed-size, or packed to a token budget."""
+        if dynamic:
+            tokens = max(max_tokens, self.seq_len)
+            return tokens, max(1, math.ceil(self.per_rank_seqs * self.seq_len / tokens))
+        return micro * self.seq_len, max(1, self.per_rank_seqs // micro)
+
+
+def batches(cfg, dp: int) -> Batches:
+    r = cfg.rollout
+    return Batches(r.prompt_length + r.response_length, max(1, cfg.actor.ppo_mini_batch_size * r.n // dp))
+
+
+def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str) -> int:
+    """Stored activation bytes of one token in one layer (bf16) under the recompute setting (see the module doc)."""
+    h = spec.hidden_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    resid = 8 * h / (tp if sp else 1)
+    attn = 4 * q + 4 * kv
+    if spec.is_moe:
+        mlp = spec.moe_topk * (2 * h + 6 * spec.moe_ffn_hidden_size)
+    else:
+        mlp = 6 * spec.ffn_hidden_size
+    if recompute == "selective":
+        attn -= 2 * q
+    return int(resid + (attn + mlp) / tp)
+
+
+def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_per_stage: int) -> float:
+    """Layer activations of one micro-batch that pipeline stage `stage` holds at its peak during a training step.
+
+    1F1B (vpp 1): min(PP - stage, micro-batches) micro-batches through all its layers. Interleaved 1F1B (vpp > 1, the
+    warm-up count of megatron's get_pp_rank_microbatches plus the one in its forward): (PP - stage - 1) * 2 +
+    (VPP - 1) * PP + 1 chunk forwards, at most micro-batches * VPP, each through layers_per_stage / VPP layers. At
+    PP2 x VPP2 stage 0 holds 5/4 of a micro-batch's layers where 1F1B holds 2/2: interleaving costs activation memory
+    for its smaller bubble."""
+    if vpp <= 1:
+        return min(pp - stage, micro_batches) * layers_per_stage
+    chunks = min((pp - stage - 1) * 2 + (vpp - 1) * pp + 1, micro_batches * vpp)
+    return chunks * layers_per_stage / vpp
+
+
+def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, tokens: int, micro_batches: int,
+                      logits: bool) -> list[int]:
+    """Activation bytes per pipeline stage at the peak of a training step (logits: the LM head's, last stage)."""
+    stored = activation_bytes_per_token_layer(spec, pl.tp, sp, recompute)
+    full_layer = activation_bytes_per_token_layer(spec, pl.tp, sp, "none")
+    stage_layers = pl.layout.stage_layers(spec.num_layers)  # uneven stages: each stage's own layer count
+    out = []
+    for s in range(pl.pp):
+        layers_in_flight = in_flight_layers(pl.pp, pl.vpp, s, micro_batches, stage_layers[s])
+        if recompute == "full":
+            per_layer = tokens * (2 * spec.hidden_size // (pl.tp if sp else 1))
+            extra = tokens * full_layer
+        else:
+            per_layer = tokens * stored
+            extra = 0
+        last = logits and s == pl.pp - 1
+        out.append(int(layers_in_flight * per_layer) + extra + (tokens * spec.vocab_size // pl.tp * 8 if last else 0))
+    return out
+
+
+def optimizer_bytes_per_param(pbytes: int) -> int:
+    return 12 if pbytes == 2 else 8
+
+
+def trainable(name: str, dense: list[int], expert: list[int], pl: Placement, distributed: bool,
+              activations: list[int]) -> ModelMemory:
+    """A model that trains every parameter: its dense and expert parameter bytes per stage, with their states."""
+    opt_bpp = optimizer_bytes_per_param(pl.pbytes)
+    n_dense = [b // pl.pbytes for b in dense]
+    n_exp = [b // pl.pbytes for b in expert]
+    opt_rep = [(a + b) * opt_bpp for a, b in zip(n_dense, n_exp)]
+    opt_dist = [a * opt_bpp // pl.dp + b * opt_bpp // pl.edp for a, b in zip(n_dense, n_exp)]
+    return ModelMemory(name, [a + b for a, b in zip(dense, expert)],
+                       grads=[(a + b) * 4 for a, b in zip(n_dense, n_exp)],  # fp32 gradients
+                       optim=opt_dist if distributed else opt_rep, optim_distributed=opt_dist,
+                       optim_replicated=opt_rep, activations=activations)
+
+
+def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> tuple[ModelMemory, LoraPlan]:
+    """A frozen base (parameters only) and the adapters with their gradients and optimizer states."""
+    from megarl.lora.targets import LoraSettings, adapter_numel, resolve_targets, stage_adapter_numel
+
+    lora, p = cfg.actor.lora, cfg.parallelism
+    tm = lora.target_modules
+    settings = LoraSettings(rank=lora.rank, alpha=lora.alpha, target_modules=tm if isinstance(tm, str) else tuple(tm))
+    targets = resolve_targets(weights.sync.mapping, settings)
+    n_lora = stage_adapter_numel(targets, lora.rank, pl.tp, pl.pp, pl.ep, p.expert_tensor_parallel_size,
+                                 weights.spec.num_layers)
+    opt_bpp = optimizer_bytes_per_param(pl.pbytes)
+    actor = ModelMemory("actor", [b + n * pl.pbytes for b, n in zip(weights.held, n_lora)],
+                        grads=[n * 4 for n in n_lora],
+                        optim=[n * opt_bpp // (pl.dp if p.use_distributed_optimizer else 1) for n in n_lora],
+                        optim_distributed=[n * opt_bpp // pl.dp for n in n_lora],
+                        optim_replicated=[n * opt_bpp for n in n_lora], activations=activations)
+    total = adapter_numel(targets, lora.rank)
+    adapter = total * DTYPE_BYTES[pl.engine_dtype] if lora.sync == "adapter" else None
+    return actor, LoraPlan(sorted({t.projection for t in targets.targets}), total, max(n_lora), adapter)
+
+
+def critic(pl: Placement, weights: Weights, distributed: bool, activations: list[int]) -> ModelMemory:
+    """The actor's shape with the LM head replaced by a 1-wide value head on the last stage."""
+    spec = weights.spec
+    untied = "lm_head.weight" in weights.sync.mapping.by_hf
+    head = (spec.vocab_size * spec.hidden_size // pl.tp * pl.pbytes if untied else 0) - spec.hidden_size * pl.pbytes
+    dense = [b - (head if s == pl.pp - 1 else 0) for s, b in enumerate(weights.dense)]
+    return trainable("critic", dense, weights.expert, pl, distributed, activations)
+
+
+def reward_model_spec(cfg, policy: ArchSpec) -> ArchSpec:
+    """reward.reward_model's architecture: its config.json, or the policy's when the run has not written it yet."""
+    path = Path(cfg.reward.reward_model.path or "") / CONFIG_FILE
+    if not (cfg.reward.reward_model.path and path.is_file()):
+        return policy
+    hf = read_json(path, "reward.reward_model.path")
+    try:
+        return spec_from_dict(hf.get("text_config", hf), str(path))
+    except BridgeError as exc:
+        raise PlanError(f"reward.reward_model.path: {exc}") from None
+
+
+def reward_model_stage_bytes(m: ArchSpec, tp: int, pp: int, ep: int, pbytes: int) -> list[int]:
+    """Parameter bytes per pipeline stage of reward.reward_model on one GPU (see the module doc)."""
+    h = m.hidden_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    mlp = 3 * h * m.moe_ffn_hidden_size * m.num_experts // ep if m.is_moe else 3 * h * m.ffn_hidden_size
+    layer = (h * (q + 2 * kv) + q * h + mlp) // tp + 2 * h
+    per_stage = [layer * (m.num_layers // pp) for _ in range(pp)]
+    per_stage[0] += m.vocab_size * h // tp
+    per_stage[-1] += h * 2  # final norm and the score head
+    return [n * pbytes for n in per_stage]
+
+
+def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int) -> int:
+    """fp32 logits of the larger old/ref logprob forward micro-batch."""
+    r = cfg.rollout
+    ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0
+    micro = max(r.log_prob_micro_batch_size_per_gpu, ref_micro)
+    tokens = max(r.log_prob_max_token_len_per_gpu, seq_len) if r.log_prob_use_dynamic_bsz else micro * seq_len
+    return tokens * spec.vocab_size // tp * 8
+
+
+def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
+    """Each model the recipe runs, with its states and activations per pipeline stage."""
+    a, p = cfg.actor, cfg.parallelism
+    spec, b = weights.spec, batches(cfg, pl.dp)
+
+    def activations(micro: int, logits: bool) -> list[int]:
+        tokens, mbs = b.micro(micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
+        return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute, tokens, mbs, logits)
+
+    lora = None
+    if a.lora.enabled:
+        actor, lora = lora_actor(cfg, pl, weights, activations(a.ppo_micro_batch_size_per_gpu, True))
+    else:
+        actor = trainable("actor", weights.dense, weights.expert, pl, p.use_distributed_optimizer,
+                          activations(a.ppo_micro_batch_size_per_gpu, True))
+    models = [actor]
+    if cfg.critic_enabled:
+        models.append(critic(pl, weights, p.use_distributed_optimizer,
+                             activations(cfg.critic.ppo_micro_batch_size_per_gpu, False)))
+    if cfg.ref_enabled and not a.lora.enabled:  # a LoRA actor with its adapters off is the reference
+        models.append(ModelMemory("ref", list(weights.held)))
+    if cfg.reward.reward_model.enable:
+        rm = reward_model_spec(cfg, spec)
+        models.append(ModelMemory("reward model", reward_model_stage_bytes(rm, pl.tp, pl.pp, pl.ep, pl.pbytes)))
+    tokens, mbs = b.micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
+    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len), tokens, mbs)
