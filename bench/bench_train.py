@@ -3,13 +3,17 @@ loss, then the optimizer step) in tokens/s and MFU, next to the same model and l
 transformers + torch.optim.AdamW) in the same run.
 
     python bench/bench_train.py                       # GPU: 1.1B at 2048 and 3B at 4096 tokens, bf16; CPU: a small one
-    python bench/bench_train.py --sizes 3b --profile 10 --offload     # top-10 kernels and the offload round trip
+    python bench/bench_train.py --sizes 1b --profile 10 --offload     # top-10 kernels and the offload round trip
+    python bench/bench_train.py --sizes 1b --require-targets           # exit 1 when a speed target is short
     python bench/bench_train.py --hidden 2048 --layers 20 --seq 2048 --micro-batch 4 --micro-batches 2 --steps 5
 
 Contenders: megarl with Transformer Engine ("megarl TE", its fusions on where their kernels are), megarl without TE
 ("megarl no TE": megatron's local spec with megarl's SDPA attention and RMSNorm in bf16), and plain torch. Sizes: 1b =
 hidden 2048, 20 layers, 2 micro-batches of 4 x 2048 tokens; 3b = hidden 3072, 26 layers, 4 micro-batches of 1 x 4096.
-Each row also gives the peak GPU memory allocated while it ran.
+Each row also gives the peak GPU memory allocated while it ran. Every model is created on the device it trains on.
+`target:` lines give the speed targets (megarl no TE >= 1.0x plain torch; megarl TE >= 45% MFU at 1b), MET or SHORT
+with the figure; --require-targets makes a short one exit 1. --offload times the round trip at one size only (its
+pinned staging area is released after).
 
 One process, TP1 (NCCL on GPU, gloo on CPU). MFU counts 6 * (matmul parameters) + 12 * layers * hidden * seq FLOPs
 per token (forward and backward; causal masking not discounted) against --peak-tflops, by default the dense bf16 peak
@@ -28,6 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+# speed targets: the path without Transformer Engine at least as fast as plain torch; MFU with TE at 1.1B / 2048
+NO_TE_VS_TORCH = 1.0
+TE_MFU = {"1b": 0.45}
 
 
 def model_config(hidden: int, layers: int, vocab: int) -> dict:
@@ -133,8 +140,10 @@ def _offload_round_trip(trainable) -> dict:
     down = off.offload()
     allocated_off = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     up = off.onload()
+    staging = off.staging_bytes()
+    off.release()  # the pinned host memory goes back now, not when the process ends
     return {"bytes": down["bytes"], "offload_s": down["seconds"], "onload_s": up["seconds"],
-            "freed": down["freed_bytes"], "allocated_freed": allocated - allocated_off,
+            "freed": down["freed_bytes"], "allocated_freed": allocated - allocated_off, "staging": staging,
             "unchanged": before == checksums()}
 
 
@@ -186,7 +195,8 @@ def torch_contender(cfg: dict, batch: dict, micro_batch: int, warmup: int, steps
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     _reset_peak()
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})).to(device)
+    with device:  # the weights are created on the device: initialising 3B on the CPU first takes minutes
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"}))
     model.config.use_cache = False
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
     micro = [{k: v[i:i + micro_batch].to(device) for k, v in batch.items()}
@@ -221,7 +231,8 @@ SIZES = {  # the issue's two sizes: name -> (hidden, layers, vocab, seq, micro-b
 }
 
 
-def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype) -> None:
+def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype) -> list:
+    """Benchmark one size; returns the speed targets it fell short of."""
     from megarl.bridge import spec_from_dict
 
     hidden, layers, vocab, seq, mb, n_mb = shape
@@ -243,7 +254,8 @@ def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype
                 r = torch_contender(cfg, batch, mb, args.warmup, args.steps, dtype, args.profile)
             else:
                 r = megarl_contender(cfg, batch, mb, args.warmup, args.steps, dtype, args.distributed_optimizer,
-                                     use_te=c == "te", profile=args.profile, offload=args.offload and c == contenders[0])
+                                     use_te=c == "te", profile=args.profile,
+                                     offload=args.offload == name and c == contenders[0])
         except torch.OutOfMemoryError:
             _free()
             print(f"{label}: out of GPU memory at this size")
@@ -269,7 +281,22 @@ def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype
                   f"({o['bytes'] / max(o['offload_s'], 1e-9) / 1e9:.1f} GB/s), back in {o['onload_s']:.3f} s "
                   f"({o['bytes'] / max(o['onload_s'], 1e-9) / 1e9:.1f} GB/s); device memory freed "
                   f"{o['freed'] / 2 ** 20:.1f} MiB (reserved), {o['allocated_freed'] / 2 ** 20:.1f} MiB (allocated); "
-                  f"states unchanged: {o['unchanged']}")
+                  f"host staging {o['staging'] / 2 ** 20:.1f} MiB (released after); states unchanged: {o['unchanged']}")
+    short = []
+    by_label = dict(rows)
+    if "megarl no TE" in by_label and base:
+        ratio = base / by_label["megarl no TE"]["seconds"]
+        short += _target(f"megarl no TE >= {NO_TE_VS_TORCH:.2f}x plain torch [{name}]", ratio >= NO_TE_VS_TORCH,
+                         f"{ratio:.2f}x")
+    if "megarl TE" in by_label and peak and name in TE_MFU:
+        mfu = tokens / by_label["megarl TE"]["seconds"] * flops / 1e12 / peak
+        short += _target(f"megarl TE MFU >= {TE_MFU[name]:.0%} [{name}]", mfu >= TE_MFU[name], f"{mfu:.1%}")
+    return short
+
+
+def _target(what: str, met: bool, figure: str) -> list:
+    print(f"target: {what}: {'MET' if met else 'SHORT'} ({figure})")
+    return [] if met else [what]
 
 
 def main(argv=None) -> int:
@@ -292,8 +319,11 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's peak for MFU")
     p.add_argument("--skip-torch", action="store_true", help="no plain-torch baseline (e.g. when memory is short)")
     p.add_argument("--profile", type=int, default=0, metavar="K", help="print the top K kernels of one profiled step")
-    p.add_argument("--offload", action="store_true", help="time the offload round trip of the first megarl "
-                   "contender's states (parameters, gradient buffers, optimizer states) to pinned host memory")
+    p.add_argument("--offload", nargs="?", const="first", default=None, metavar="SIZE",
+                   help="time the offload round trip of the first megarl contender's states (parameters, gradient "
+                   "buffers, optimizer states) to pinned host memory, at one size: SIZE, or the first of --sizes")
+    p.add_argument("--require-targets", action="store_true", help="exit 1 when a speed target is short (megarl "
+                   f"no TE >= {NO_TE_VS_TORCH:g}x plain torch; megarl TE MFU at 1b >= {TE_MFU['1b']:.0%})")
     args = p.parse_args(argv)
 
     from megarl.megatron.model import te_available
@@ -312,11 +342,19 @@ def main(argv=None) -> int:
         sizes = {"custom": (args.hidden, args.layers, args.vocab, args.seq, args.micro_batch, args.micro_batches)}
     else:
         sizes = {name: SIZES[name] for name in args.sizes.split(",")}
+    if args.offload == "first":
+        args.offload = next(iter(sizes))
+    elif args.offload is not None and args.offload not in sizes:
+        p.error(f"--offload {args.offload}: not one of the sizes run ({', '.join(sizes)}); give one of them")
+    short = []
     for name, shape in sizes.items():
-        run_size(name, shape, args, contenders, dtype)
+        short += run_size(name, shape, args, contenders, dtype)
     from megarl.megatron.parallel import destroy
 
     destroy()
+    if short and args.require_targets:
+        print(f"error: speed targets short: {'; '.join(short)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,10 +7,15 @@ optimizer_offload).
 
 How: every tensor of a category is a view of some storage (megatron's DDP keeps parameters and main_grad in a few
 flat buffers; the distributed optimizer's shards are views of them too), so the unit moved is the storage. `offload`
-copies each distinct storage's bytes to a host buffer (pinned on CUDA) and resizes the storage to 0 bytes, which
+copies each distinct storage's bytes into its slice of one host staging area and resizes the storage to 0 bytes, which
 releases its memory while every view keeps its shape, strides and offset; `onload` resizes it back and copies the bytes
 in. Nothing is re-created, so the model, the DDP buckets and the optimizer see the same tensors, bitwise. The same
-happens on CPU (the host copy is another allocation; the original storage is released), so the CPU tests measure it.
+happens on CPU (the staging area is another allocation; the original storage is released), so the CPU tests measure it.
+
+The staging area is allocated once, at the exact size, and reused by every offload (grown when the states grow: the
+optimizer's appear at its first step); on CUDA it is page-locked with cudaHostRegister. torch's pinned allocator
+would round each buffer up to a power of two and keep it cached after use, so one buffer per storage per offload
+could pin up to twice the states, and a second model's on top. `release()` unpins and frees it.
 
 A storage belongs to the first category that holds it (params, then grads, then optimizer): with float32 weights the
 distributed optimizer's main parameters are views of the parameter buffer and move with `params`.
@@ -31,12 +36,56 @@ import torch
 CATEGORIES = ("params", "grads", "optimizer")
 
 
+ALIGN = 4096  # each storage's slice of the staging area starts on a page
+
+
 @dataclass
 class _Held:
     storage: torch.UntypedStorage
     nbytes: int
     device: torch.device
-    host: Optional[torch.Tensor] = None  # uint8 [nbytes] on the host while offloaded
+    host: Optional[torch.Tensor] = None  # uint8 [nbytes]: its slice of the staging area while offloaded
+
+
+class Staging:
+    """One host buffer reused by every offload: page-locked (pinned) when `pin`, at exactly the bytes asked for."""
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+        self.pinned = False
+
+    def take(self, nbytes: int, pin: bool) -> torch.Tensor:
+        """A uint8 buffer of at least nbytes (the one already held when it is large enough)."""
+        if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.pinned):
+            self.release()
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            self.pinned = pin and _register(self.buffer)
+        return self.buffer
+
+    def release(self) -> None:
+        if self.buffer is not None and self.pinned:
+            _unregister(self.buffer)
+        self.buffer, self.pinned = None, False
+
+    def __del__(self):  # registered pages go back to the allocator unpinned
+        self.release()
+
+
+def _register(buf: torch.Tensor) -> bool:
+    """Page-lock buf for the device's DMA engines (asynchronous copies); False, with the reason logged, if the driver
+    refuses (the copies then go through pageable memory: correct, slower)."""
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) != 0:
+        import logging
+
+        logging.getLogger("megarl").warning("offload: cudaHostRegister of %.1f GiB failed (%s); the states go to "
+                                            "pageable host memory", buf.numel() / 2 ** 30, err)
+        return False
+    return True
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 def _byte_view(storage: torch.UntypedStorage, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -98,6 +147,7 @@ class StateOffloader:
         self.optimizer = optimizer
         self.selected = {"params": params, "grads": grads, "optimizer": optimizer_states}
         self._held: dict = {}  # storage key -> _Held, while offloaded
+        self._staging = Staging()
         self.offloaded = False
 
     def _targets(self) -> list:
@@ -119,9 +169,15 @@ class StateOffloader:
         before = torch.cuda.memory_reserved() if cuda else None
         t0 = time.perf_counter()
         held = {}
-        for s, device in self._targets():
+        targets = self._targets()
+        offsets, total = [], 0
+        for s, _ in targets:
+            offsets.append(total)
+            total += -(-s.nbytes() // ALIGN) * ALIGN
+        staging = self._staging.take(total, pin=any(device.type == "cuda" for _, device in targets))
+        for (s, device), at in zip(targets, offsets):
             n = s.nbytes()
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            host = staging[at:at + n]
             host.copy_(_byte_view(s, n, device), non_blocking=device.type == "cuda")
             held[s.data_ptr()] = _Held(s, n, device, host)
         _sync()  # the copies are done before the memory is released
@@ -152,6 +208,15 @@ class StateOffloader:
         self._held = {}
         self.offloaded = False
         return {"bytes": moved, "seconds": time.perf_counter() - t0}
+
+    def release(self) -> None:
+        """Free the host staging area (onloaded first if offloaded): for a model that is not offloaded again."""
+        self.onload()
+        self._staging.release()
+
+    def staging_bytes(self) -> int:
+        """Host bytes the staging area holds now (0 once released)."""
+        return 0 if self._staging.buffer is None else self._staging.buffer.numel()
 
 
 def _sync() -> None:
