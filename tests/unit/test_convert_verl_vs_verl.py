@@ -11,7 +11,7 @@ import yaml
 
 from megarl.config import load_config
 from megarl.convert_verl import convert, gather
-from megarl.verl_shell import read_script
+from megarl.convert_verl.interpreter import read_script
 
 UP = Path(__file__).resolve().parents[1] / "fixtures" / "verl" / "upstream"
 ENV = {"HOME": "/home/u", "PATH": "/usr/bin", "aime24_test_path": "/d/aime.parquet"}

@@ -1,10 +1,10 @@
-"""megarl.verl_shell: verl launch scripts expanded as bash would, without running them (expected values worked out by
-hand from bash's rules)."""
+"""megarl.convert_verl's shell reading: verl launch scripts expanded as bash would, without running them (expected
+values worked out by hand from bash's rules)."""
 from pathlib import Path
 
 import pytest
 
-from megarl.verl_shell import ShellParseError, read_script
+from megarl.convert_verl.interpreter import ShellParseError, read_script
 
 ENV = {"HOME": "/home/u", "PATH": "/usr/bin"}
 

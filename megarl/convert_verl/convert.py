@@ -2,14 +2,15 @@
 
 Every verl key is either mapped (printed as `verl key = value -> megarl key = value`), dropped because it asks for
 nothing megarl would do differently (printed with the reason), or refused by name with what to do instead. Scripts are
-read as bash would expand them (megarl.verl_shell), never run; an override naming a variable that cannot be resolved
-is refused by the variable's name. `--config-path/--config-name` files (and their Hydra `defaults`) are read. The
-defaults of the verl trainer the command names (ppo_trainer, or ppo_megatron_trainer with its sequence parallelism and
-distributed optimizer) that differ from megarl's are applied first, so the recipe trains what the verl command would
-have. Where verl's code computes something other than its keys say (sapo and geo_mean fix their own aggregation,
-VERL_FIXED_AGGREGATION), the recipe names what verl computes; what megarl would still train differently is listed as
-DIFFERS (and fails --strict). Finally the recipe goes through `megarl validate`'s own checks: whatever validate would
-refuse is refused here with validate's message and left out of the recipe (one set of rules for what megarl supports).
+read as bash would expand them (megarl.convert_verl.interpreter), never run; an override naming a variable that cannot
+be resolved is refused by the variable's name. `--config-path/--config-name` files (and their Hydra `defaults`) are
+read. The defaults of the verl trainer the command names (ppo_trainer, or ppo_megatron_trainer with its sequence
+parallelism and distributed optimizer) that differ from megarl's are applied first, so the recipe trains what the verl
+command would have. Where verl's code computes something other than its keys say (sapo and geo_mean fix their own
+aggregation, VERL_FIXED_AGGREGATION), the recipe names what verl computes; what megarl would still train differently is
+listed as DIFFERS (and fails --strict). Finally the recipe goes through `megarl validate`'s own checks: whatever
+validate would refuse is refused here with validate's message and left out of the recipe (one set of rules for what
+megarl supports).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from megarl.config.loader import parse_value as override_value
-from megarl.verl_shell import ShellParseError, read_script
+from megarl.convert_verl.interpreter import ShellParseError, read_script
 
 DESCRIPTION = ("Turn a verl Hydra config (YAML) or a verl command line (key=value overrides, or a .sh script that "
                "runs verl.trainer.main_ppo) into a megarl recipe. Prints every key it mapped and refuses, by name, "
@@ -153,7 +154,7 @@ def parse_value(text: str) -> Any:
 
 def script_overrides(text: str) -> list[str]:
     """The key=value arguments of a shell command line (no variables): tokens after the command up to a pipe, `&&`
-    or redirection. Scripts go through megarl.verl_shell instead (variables, arrays, conditions)."""
+    or redirection. Scripts go through megarl.convert_verl.interpreter instead (variables, arrays, conditions)."""
     tokens = shlex.split(text.replace("\\\n", " "), comments=True)
     out = []
     for token in tokens:
