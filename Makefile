@@ -46,12 +46,13 @@ test-gpu:
 	 GPU_VENV="$(if $(filter command line environment,$(origin VENV)),$(VENV))" \
 	 bash scripts/gpu_tests.sh $(PYTEST_ARGS)
 
-# Every GPU acceptance measurement in one command (tests with and without TE, verify, doctor, bench, offload):
-#   make gpu-check [WHEELS=DIR] [OUT=gpu-check]
+# Every GPU acceptance measurement in one command (tests with and without TE, verify, bench, offload, doctor): the
+# quick form (about 8 minutes on one H100), or FULL=1 for the long one; summary.txt and logs.tgz in OUT:
+#   make gpu-check [WHEELS=DIR] [OUT=gpu-check] [FULL=1]
 gpu-check:
 	@GPU_PYTHON="$(if $(filter command line environment,$(origin PYTHON)),$(PYTHON))" \
 	 GPU_VENV="$(if $(filter command line environment,$(origin VENV)),$(VENV))" \
-	 bash scripts/gpu_check.sh
+	 bash scripts/gpu_check.sh $(if $(filter 1,$(FULL)),--full)
 
 clean-env:
 	rm -rf $(VENV)

@@ -8,7 +8,9 @@
 #   WHEELS=DIR       wheels to install, without an index and without dependencies, into GPU_SITE (default
 #                    .gpu-site, git-ignored) for what that Python lacks: megatron-core, pydantic, Transformer Engine
 #                    (transformer_engine, transformer_engine_cu*, transformer_engine_torch), nvdlfw_inspect, ...
-#                    Any torch wheel in DIR is skipped: the machine's CUDA torch stays the one used.
+#                    Any torch wheel in DIR is skipped: the machine's CUDA torch stays the one used. Without TE's
+#                    core library wheel (transformer_engine_cu*) the other TE wheels are left out too, and
+#                    GPU_WHEELS_NOTE says so. A relative DIR is taken from the checkout's root.
 # On failure it prints one line "error: ..." and returns 1 (the caller exits with it).
 _gpu_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _gpu_fail() { echo "error: $*" >&2; return 1; }
@@ -50,27 +52,41 @@ PY
 }
 
 _gpu_wheels() {
+    GPU_WHEELS_NOTE=""
     [ -n "${WHEELS:-}" ] || return 0
     [ -d "$WHEELS" ] || { _gpu_fail "WHEELS=$WHEELS is not a directory"; return 1; }
     GPU_SITE=${GPU_SITE:-$_gpu_root/.gpu-site}
     local stamp="$GPU_SITE/.installed-from"
-    local listing
-    listing=$(cd "$WHEELS" && ls -1 ./*.whl 2>/dev/null | sort | tr '\n' ' ')
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$listing" ]; then return 0; fi
-    mkdir -p "$GPU_SITE"
-    local plain=() ext=() w
+    local plain=() ext=() te=() w te_core=0
     for w in "$WHEELS"/*.whl; do
+        case "$(basename "$w")" in transformer_engine_cu[0-9]*) te_core=1;; esac
+    done
+    for w in "$WHEELS"/*.whl; do
+        [ -e "$w" ] || continue
         case "$(basename "$w")" in
             torch-*|torchvision-*|torchaudio-*|triton-*) echo "note: skipping $(basename "$w"): the machine's torch is used" >&2;;
-            transformer_engine_torch-*) ext+=("$w");;  # a second wheel into TE's package folder: unpacked below
+            transformer_engine_cu[0-9]*) plain+=("$w");;
+            # without TE's core library `import transformer_engine` raises: its other wheels would only break imports
+            transformer_engine_torch-*) if [ "$te_core" -eq 1 ]; then ext+=("$w"); else te+=("$(basename "$w")"); fi;;
+            transformer_engine-*|nvdlfw_inspect-*) if [ "$te_core" -eq 1 ]; then plain+=("$w"); else te+=("$(basename "$w")"); fi;;
             *) plain+=("$w");;
         esac
     done
+    if [ ${#te[@]} -gt 0 ]; then
+        GPU_WHEELS_NOTE="Transformer Engine not installed from WHEELS: no TE core library wheel (transformer_engine_cu*) in $WHEELS, so ${te[*]} were left out"
+        echo "note: $GPU_WHEELS_NOTE" >&2
+    fi
+    local listing
+    listing=$(cd "$WHEELS" && ls -1 ./*.whl 2>/dev/null | sort | tr '\n' ' ')
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$listing" ]; then return 0; fi
+    # another set of wheels: start from an empty folder (only one this script made: it holds the stamp)
+    if [ -f "$stamp" ]; then rm -rf "$GPU_SITE"; fi
+    mkdir -p "$GPU_SITE"
     if [ ${#plain[@]} -gt 0 ]; then
         "$GPU_PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$GPU_SITE" "${plain[@]}" \
             || { _gpu_fail "pip could not install the wheels of $WHEELS into $GPU_SITE"; return 1; }
     fi
-    for w in "${ext[@]}"; do
+    for w in "${ext[@]}"; do  # a second wheel into TE's package folder: pip --target would not add it
         "$GPU_PY" -m zipfile -e "$w" "$GPU_SITE" || { _gpu_fail "could not unpack $w"; return 1; }
     done
     echo "$listing" > "$stamp"
@@ -80,7 +96,7 @@ gpu_env() {
     _gpu_pick || return 1
     _gpu_wheels || return 1
     export PYTHONPATH="${GPU_SITE:+$GPU_SITE:}$_gpu_root${PYTHONPATH:+:$PYTHONPATH}"
-    export GPU_PY
+    export GPU_PY GPU_WHEELS_NOTE
     "$GPU_PY" -c "import torch, megatron.core, pydantic, transformers, megarl" 2>/dev/null || {
         _gpu_fail "$GPU_PY cannot import megarl's dependencies ($("$GPU_PY" -c 'import megatron.core, pydantic, transformers' 2>&1 | tail -1)); give WHEELS=DIR with their wheels, or install them into that env"
         return 1

@@ -160,7 +160,8 @@ def test_resumed_update_equals_the_uninterrupted_one(setup, tmp_path):  # noqa: 
 
 
 def test_bench_train_reports_tokens_per_second_and_mfu_for_a_1b_model():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train.py"), "--sizes", "1b"],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_train.py"), "--sizes", "1b", "--warmup", "1",
+                          "--steps", "2"],
                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     print(out.stdout)
