@@ -1,5 +1,6 @@
 """bench/bench_train.py runs on CPU (the GPU tier runs both sizes): megarl without TE and plain torch step, the table is
-printed with peak memory, the profiler's top operators, and the offload round trip of megarl's states."""
+printed with peak memory, the profiler's top operators, the offload round trip of megarl's states, and the speed
+target's line."""
 import re
 import subprocess
 import sys
@@ -21,3 +22,8 @@ def test_bench_train_runs_on_cpu_with_a_small_model():
     offload = re.search(r"offload round trip \(megarl no TE.*?\): ([\d.]+) MiB .* states unchanged: True", out.stdout)
     assert offload and float(offload.group(1)) > 0, out.stdout
     assert len(re.findall(r"^\s+[\d.]+%\s+[\d.]+ ms  \S", out.stdout, re.M)) == 6  # top 3 of each contender
+    assert re.search(r"host staging [\d.]+ MiB \(released after\)", out.stdout), out.stdout
+    # the speed target is a line of the benchmark (MET or SHORT with the ratio), not its exit code
+    target = re.search(r"^target: megarl no TE >= 1\.00x plain torch \[custom\]: (MET|SHORT) \(([\d.]+)x\)$",
+                       out.stdout, re.M)
+    assert target and float(target.group(2)) > 0, out.stdout
