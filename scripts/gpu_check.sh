@@ -53,6 +53,7 @@ failed=()
 say() { echo "$*" | tee -a "$SUMMARY"; }
 pack() { tar -czf "$OUT/.logs.tgz" -C "$SCRATCH" logs 2>/dev/null && mv -f "$OUT/.logs.tgz" "$OUT/logs.tgz"; }
 detail() { sed 's/^/      /' | tee -a "$SUMMARY"; }
+show() { [ ! -f "$LOGS/$1.log" ] || detail < "$LOGS/$1.log"; }  # a step's whole log (a few lines) in the summary
 
 # step NAME LIMIT_S COMMAND...: run under `timeout` (within what is left of the budget), log to logs/NAME.log, one
 # PASS / FAIL / SKIP line in the summary; returns the command's exit code
@@ -136,7 +137,7 @@ XDIST=()
 pack
 
 # ---- tests ---------------------------------------------------------------------------------------------------------
-test_lines() { grep -hE '^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|errors?)' "$LOGS/$1.log" | tail -12 | detail; }
+test_lines() { grep -shE '^(FAILED|ERROR|SKIPPED) |[0-9]+ (passed|failed|errors?)' "$LOGS/$1.log" | tail -12 | detail; }
 if [ "$MODE" = quick ]; then t_tests=200; else t_tests=1800; fi
 step tests-no-te "$t_tests" env TE=0 bash scripts/gpu_tests.sh -q "${XDIST[@]}"; test_lines tests-no-te
 if [ "$TE_OK" -eq 1 ]; then
@@ -153,18 +154,19 @@ for arch in sys.argv[1].split():
     make_tiny_model(arch, sys.argv[2] + '/' + arch)
 print('tiny models:', sys.argv[1])" "$VERIFY_ARCHS" "$MODELS"
 if [ "$MODE" = quick ]; then t_verify=150; else t_verify=900; fi
-step verify-fp32-no-te "$t_verify" bash -c 'verify_all 0 float32'; detail < "$LOGS/verify-fp32-no-te.log"
+step verify-fp32-no-te "$t_verify" bash -c 'verify_all 0 float32'; show verify-fp32-no-te
 if [ "$TE_OK" -eq 1 ]; then
-    step verify-fp32-te "$t_verify" bash -c 'verify_all 1 float32'; detail < "$LOGS/verify-fp32-te.log"
+    step verify-fp32-te "$t_verify" bash -c 'verify_all 1 float32'; show verify-fp32-te
 else
     skip verify-fp32-te "Transformer Engine does not import here"
 fi
 if [ "$MODE" = full ]; then
-    step verify-bf16 "$t_verify" bash -c "verify_all $TE_OK bfloat16"; detail < "$LOGS/verify-bf16.log"
+    step verify-bf16 "$t_verify" bash -c "verify_all $TE_OK bfloat16"; show verify-bf16
 fi
 
 # ---- benchmarks ----------------------------------------------------------------------------------------------------
 bench_lines() {
+    [ -f "$LOGS/$1.log" ] || return 0
     awk '/^\[|^trainer|^megarl|^plain|^MFU peak|^target:|offload round trip|out of GPU memory/ {print; next}
          /^  [^ ].*: / {print; kernels = 0; next}
          /^    +[0-9.]+%/ && kernels < 5 {print; kernels++}' "$LOGS/$1.log" | detail
@@ -177,11 +179,11 @@ else
     bench_lines bench-train
 fi
 step bench-ipc "$([ "$MODE" = quick ] && echo 150 || echo 600)" "$GPU_PY" bench/bench_ipc.py
-grep -hE '^device|^(sync|write|floor) |^memcpy|over PCIe|^target:' "$LOGS/bench-ipc.log" | detail
+grep -shE '^device|^(sync|write|floor) |^memcpy|over PCIe|^target:' "$LOGS/bench-ipc.log" | detail
 
 # ---- doctor ----------------------------------------------------------------------------------------------------------
 step doctor "$([ "$MODE" = quick ] && echo 120 || echo 600)" "$GPU_PY" -m megarl doctor
-grep -hE '^(PASS|FAIL|skip) |^Transformer Engine layer spec|^doctor:' "$LOGS/doctor.log" | detail
+grep -shE '^(PASS|FAIL|skip) |^Transformer Engine layer spec|^doctor:' "$LOGS/doctor.log" | detail
 
 # ---- full: the benchmark where Transformer Engine is not installed at all (megatron's own optimizer kernels too) ------
 if [ "$MODE" = full ] && [ -n "${WHEELS:-}" ]; then
