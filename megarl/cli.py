@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="curves of a run (PNG) and a table of its metrics over steps",
                         description=_report.__doc__.splitlines()[0])
     _report.add_arguments(rp)
-    from megarl import convert_verl as _convert
+    from megarl.convert_verl import cli as _convert
 
     cv = sub.add_parser("convert-verl", help="a verl Hydra config or command line -> a megarl recipe",
                         description=_convert.DESCRIPTION)
@@ -179,9 +179,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return report.run(args)
     if args.command == "convert-verl":
-        from megarl import convert_verl
+        from megarl.convert_verl import cli as convert_verl_cli
 
-        return convert_verl.run(args)
+        return convert_verl_cli.run(args)
     return {"validate": _cmd_validate, "train": _cmd_train, "sft": _cmd_sft, "rm": _cmd_rm}[args.command](args)
 
 

@@ -7,7 +7,9 @@ import yaml
 
 from megarl import cli
 from megarl.config import load_config
-from megarl.convert_verl import HUGE_STEPS, convert, read_inputs, script_overrides
+from megarl.convert_verl import convert
+from megarl.convert_verl.convert import HUGE_STEPS
+from megarl.convert_verl.inputs import read_inputs, script_overrides
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
 PPO = FIXTURES / "ppo_gsm8k_quickstart.sh"
@@ -124,7 +126,8 @@ def test_script_parsing_stops_at_the_pipe():
 import random  # noqa: E402
 
 from megarl.config import ConfigError  # noqa: E402
-from megarl.convert_verl import RULES, gather  # noqa: E402
+from megarl.convert_verl import gather  # noqa: E402
+from megarl.convert_verl.rules import RULES  # noqa: E402
 
 UP = FIXTURES / "upstream"
 ENV = {"HOME": "/home/u", "PATH": "/usr/bin"}

@@ -9,7 +9,8 @@ import torch
 
 from megarl import algo, cli
 from megarl.config import load_config
-from megarl.convert_verl import VERL_FIXED_AGGREGATION, convert, gather
+from megarl.convert_verl import convert, gather
+from megarl.convert_verl.verl_behaviour import VERL_FIXED_AGGREGATION
 from megarl.megatron.losses import PolicyLossSettings
 
 AR = "actor_rollout_ref.actor."

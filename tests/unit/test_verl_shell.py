@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.convert_verl.interpreter import ShellParseError, read_script
+from megarl.convert_verl.interpreter import read_script
+from megarl.convert_verl.lexer import ShellParseError
 
 ENV = {"HOME": "/home/u", "PATH": "/usr/bin"}
 
