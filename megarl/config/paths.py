@@ -271,7 +271,7 @@ def check_paths(cfg: MegarlConfig) -> list[Issue]:
 
 
 def _config_path_issues(cfg: MegarlConfig) -> list[Issue]:
-    """model.config_path is read by validate and plan themselves (a missing one: config.checks.check_model_source)."""
+    """model.config_path is read by validate and plan themselves (a missing one: megarl.bridge.checks.check_model_source)."""
     from megarl.bridge.hf_config import ModelFileError, read_config_json
 
     path = cfg.model.config_path
@@ -283,15 +283,3 @@ def _config_path_issues(cfg: MegarlConfig) -> list[Issue]:
         return [PathIssue("model.config_path", path, exc.problem, "fix it, or download the model's config.json "
                           "again", keys=("model.config_path",))]
     return []
-
-
-def model_config(path) -> Optional[dict]:
-    """config.json as a dict, or None when it is missing or does not parse (check_paths names it)."""
-    from megarl.bridge.hf_config import ModelFileError, read_config_json
-
-    if not path or not Path(path).is_file():
-        return None
-    try:
-        return read_config_json(path)
-    except ModelFileError:
-        return None

@@ -1,4 +1,5 @@
-"""`megarl validate` rules of learned rewards: reward.reward_model, reward.judge, reward.components, and `megarl rm`."""
+"""`megarl validate` rules of rewards: the reward function, and the learned rewards (reward.reward_model, reward.judge,
+reward.components, and `megarl rm`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,12 +11,11 @@ RM, J, C = "reward.reward_model.", "reward.judge.", "reward.components."
 
 def _rm_layout_issue(cfg) -> list[Issue]:
     """The reward model runs at the trainer's layout: TP must divide its heads, PP its layers."""
+    from megarl.bridge.checks import read_config
     from megarl.bridge.hf_config import BridgeError, check_layout, spec_from_dict
 
-    from megarl.config.paths import model_config
-
     path = Path(cfg.reward.reward_model.path) / "config.json"
-    hf = model_config(path)
+    hf = read_config(path)
     if hf is None:  # missing or damaged: megarl.config.paths says which, and what writes it
         return []
     p = cfg.parallelism
@@ -44,6 +44,12 @@ def _fn_issue(key: str, spec: str, file_only: bool = False) -> list[Issue]:
     except RewardError as exc:
         return [Issue(key, spec, str(exc), keys=(key,))]
     return []
+
+
+def check_reward_fn(cfg) -> list[Issue]:
+    """A named reward must exist and a file reward must import (caught here, before any process starts)."""
+    spec = cfg.reward.reward_fn
+    return [] if spec is None else _fn_issue("reward.reward_fn", spec)
 
 
 def check_learned_rewards(cfg) -> list[Issue]:

@@ -1,8 +1,9 @@
-"""An honest schema: every config field is read by the code outside megarl/config/, or refused by validation.
+"""An honest schema: every config field is read by the code that acts on it, or refused by validation.
 
 A field nobody reads is a silent no-op: a user sets it, nothing changes, and nothing says so. This test walks every
-leaf of the schema and looks for a read of it in megarl/**.py outside megarl/config/ (an attribute access in the
-syntax tree). A field name that is not unique (`enable`, `n`, `dtype` on a tensor, `sequence_parallel` on megatron's
+leaf of the schema and looks for a read of it (an attribute access in the syntax tree) in megarl/**.py outside
+validation (megarl/config/, megarl/validate.py and each feature's checks.py: a rule reads a field to refuse it, not to
+act on it). A field name that is not unique (`enable`, `n`, `dtype` on a tensor, `sequence_parallel` on megatron's
 config, ...) must be read through its own section: `<section>.<field>`, or a variable bound to that section
 (`r = cfg.rollout`, `cfg: RolloutConfig`). Reads inside the schema's properties count when the property is read
 (`critic_enabled`); reads by the memory planner count only for fields whose description names `plan`; a Literal with
@@ -123,16 +124,21 @@ def _module_reads(tree: ast.AST) -> tuple[set, set]:
     return plain, qualified
 
 
+def _validation(rel: tuple) -> bool:
+    """megarl/config/ (but outputs.py: where the commands that write data and models read their output paths),
+    megarl/validate.py and each feature's rules (checks.py)."""
+    return rel[0] == "config" and rel != ("config", "outputs.py") or rel == ("validate.py",) or rel[-1] == "checks.py"
+
+
 def _reads(planner: bool = False) -> tuple[set, set]:
-    """(field names read, (section name, field) pairs read through their section) by megarl/ outside megarl/config/
-    (except config/outputs.py: where the commands that write data and models read their output paths) and the memory
-    planner, plus the schema's own properties that such code reads (critic_enabled, world_size, ...).
+    """(field names read, (section name, field) pairs read through their section) by megarl/ outside validation and
+    the memory planner, plus the schema's own properties that such code reads (critic_enabled, world_size, ...).
     The planner (the plan package) estimates the memory of every setting without acting on any: planner=True gives its reads
     alone, which count only for fields whose description says they serve `plan`."""
     plain, qualified = set(), set()
     for path in (ROOT / "megarl").rglob("*.py"):
         rel = path.relative_to(ROOT / "megarl").parts
-        if rel[0] == "config" and rel != ("config", "outputs.py") or (rel[0] == "plan") != planner:
+        if _validation(rel) or (rel[0] == "plan") != planner:
             continue
         p, q = _module_reads(ast.parse(path.read_text()))
         plain |= p

@@ -3,7 +3,7 @@ The replay inside megatron's routers is checked against HF transformers in tests
 import torch
 
 from megarl.config import load_config
-from megarl.config.checks import check_router_replay
+from megarl.megatron.checks import check_router_replay
 from megarl.convert_verl import convert
 from megarl.megatron import router_replay as rr
 

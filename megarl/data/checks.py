@@ -1,0 +1,29 @@
+"""`megarl validate` rules of the prompt data: file types the loaders read and the synthetic tasks' ranges."""
+from __future__ import annotations
+
+from megarl.config.issues import Issue
+from megarl.config.schema import MegarlConfig
+
+
+def check_data_files(cfg: MegarlConfig) -> list[Issue]:
+    issues = []
+    for section, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
+                           ("sft.train_files", cfg.sft.train_files)):
+        for i, f in enumerate(files):
+            if not f.endswith((".parquet", ".jsonl", ".json")):
+                issues.append(Issue(f"{section}[{i}]", f, "unsupported file type", "use .parquet or .jsonl",
+                                    keys=(section,)))
+    return issues
+
+
+def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
+    syn, key = cfg.data.synthetic, "data.synthetic.max_operand"
+    if syn is None:
+        return []
+    if syn.task == "arithmetic" and syn.max_operand > 60:
+        return [Issue(key, syn.max_operand, "the arithmetic task's tokenizer has one token per number up to "
+                      "2 * max_operand, kept under 128 numbers", "use at most 60", keys=(key, "data.synthetic.task"))]
+    if syn.task == "multiply_tool" and syn.max_operand < 32:
+        return [Issue(key, syn.max_operand, "multiply_tool draws operands from [32, max_operand]", "use at least 32",
+                      keys=(key, "data.synthetic.task"))]
+    return []
