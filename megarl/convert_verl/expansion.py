@@ -293,7 +293,8 @@ def arith_eval(text: str, lookup: Callable[[str], Value], depth: int = 0) -> int
             value = lookup(node.id)
             if isinstance(value, Unknown):
                 raise _Unresolved(node.id, value.why)
-            value = value[0] if isinstance(value, list) and value else value
+            if isinstance(value, list):  # bash reads an array as its first element, an empty one as ""
+                value = value[0] if value else ""
             return arith_eval(value, lookup, depth + 1) if value != "" else 0
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)

@@ -38,6 +38,15 @@ python3 -m verl.trainer.main_ppo \\
     assert not r.unresolved and r.module == "verl.trainer.main_ppo"
 
 
+def test_arrays_in_arithmetic_read_as_their_first_element(tmp_path):
+    # bash: $((a + 1)) with a=() is 1 (an empty array reads as ""), with a=(4 9) it is 5
+    r = _read(tmp_path, """a=()
+b=(4 9)
+python3 -m verl.trainer.main_ppo x.n=$((a + 1)) x.m=$((b + 1))
+""")
+    assert r.overrides == ["x.n=1", "x.m=5"]
+
+
 def test_arrays_strings_of_overrides_substitution_and_conditions(tmp_path):
     r = _read(tmp_path, """backend=megatron
 ACTOR="
