@@ -1,15 +1,23 @@
-"""Cross-field rules of a recipe: every feature's rules (each beside its feature), composed in the order their problems
-are listed, and the rules that read several features' settings. Each check returns Issues naming the keys it reads;
-none raises."""
+"""A recipe loaded and checked: the schema (megarl.config), then every feature's rules, all problems reported at once.
+
+    cfg = load_config("recipes/grpo_tiny_cpu.yaml", ["rollout.temperature=0.7", "trainer.total_steps=10"])
+
+Each feature's rules live beside the feature (algo/, bridge/, data/, lora/, megatron/, reward/, rollout/ and agent/
+checks.py; the files a recipe names: config/paths.py). This module composes them in the order their problems are
+listed and holds the rules that read several features' settings. A rule returns Issues naming the keys it reads; none
+raises.
+"""
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 from megarl.agent.checks import check_multi_turn
 from megarl.algo.checks import check_algorithm_names, check_distillation
 from megarl.bridge.checks import check_architecture, check_model_source
 from megarl.config.issues import Issue
+from megarl.config.loader import config_or_error, parse_config
 from megarl.config.paths import check_paths
 from megarl.config.schema import MegarlConfig
 from megarl.data.checks import check_data_files, check_synthetic
@@ -104,3 +112,13 @@ def run_checks(cfg: MegarlConfig) -> list[Issue]:
     for check in CHECKS:
         issues += check(cfg)
     return issues
+
+
+def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = (), *,
+                data: Optional[dict] = None) -> MegarlConfig:
+    """Load, override and check a recipe; raise ConfigError listing every problem found (warnings: cfg._warnings)."""
+    cfg, issues = parse_config(recipe, overrides, data=data)
+    if cfg is not None:
+        bad_keys = {i.key for i in issues}  # a rule over a key the schema refused would report it again
+        issues += [i for i in run_checks(cfg) if not (set(i.keys) & bad_keys)]
+    return config_or_error(recipe, cfg, issues)

@@ -5,10 +5,10 @@
 A recipe may extend another with `base: other.yaml` (relative to the recipe). Field names follow verl's conventions.
 """
 from megarl.config.issues import ConfigError, Issue
-from megarl.config.loader import load_config, read_recipe
+from megarl.config.loader import load_config, load_unchecked, parse_config, read_recipe
 from megarl.config.resolve import derived, resolved_dict, to_yaml, write_resolved
 from megarl.config.schema import *  # noqa: F401,F403  (the section classes)
 from megarl.config.schema import MegarlConfig
 
-__all__ = ["ConfigError", "Issue", "MegarlConfig", "derived", "load_config", "read_recipe", "resolved_dict", "to_yaml",
-           "write_resolved"]
+__all__ = ["ConfigError", "Issue", "MegarlConfig", "derived", "load_config", "load_unchecked", "parse_config",
+           "read_recipe", "resolved_dict", "to_yaml", "write_resolved"]
