@@ -103,11 +103,11 @@ class MinimalGRPO:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from megarl.config import load_config
         from megarl.data import PromptLoader
         from megarl.prepare import prepare
         from megarl.reward.registry import reward_fn_from_config
         from megarl.trainer import load_data
+        from megarl.validate import load_config
 
         # the recipe's config with the prepared data files filled in (prepare_sft_model created them)
         cfg = prepare(load_config(RECIPE, shared_overrides(work) + [f"trainer.run_dir={work / 'minimal_run'}"]), True)

@@ -20,7 +20,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.validate import load_config
 
     overrides = list(args.overrides) + (["logging.verbose=true"] if getattr(args, "verbose", False) else [])
     try:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
 from megarl.convert_verl import convert, gather
+from megarl.validate import load_config
 
 
 def one(script: str, environ: dict) -> dict:

@@ -208,13 +208,3 @@ def load_unchecked(recipe: str | Path | None = None, overrides: Iterable[str] = 
     """A recipe held against the schema alone, without the cross-field rules (megarl.validate.load_config has them):
     for code that builds a config it knows the rules would refuse, e.g. a test of one mechanism on a stand-in model."""
     return config_or_error(recipe, *parse_config(recipe, overrides, data=data))
-
-
-def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = (), *, data: Optional[dict] = None,
-                check: bool = True) -> MegarlConfig:
-    """megarl.validate.load_config, or load_unchecked with check=False (kept until the callers import those)."""
-    if not check:
-        return load_unchecked(recipe, overrides, data=data)
-    from megarl.validate import load_config as checked
-
-    return checked(recipe, overrides, data=data)

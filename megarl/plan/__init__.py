@@ -79,7 +79,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.validate import load_config
 
     overrides = list(args.overrides)
     try:

@@ -20,7 +20,7 @@ def _recording(gating, seen: list):
 
 
 def router_rank(hf_dir: str, tokens):
-    from megarl.config import load_config
+    from megarl.config import load_unchecked
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
@@ -29,7 +29,7 @@ def router_rank(hf_dir: str, tokens):
     init_model_parallel(Layout(), seed=1)
     out = {}
     for router_dtype in ("fp64", None):
-        cfg = load_config(data={"model": {"path": hf_dir, "moe_router_dtype": router_dtype}}, check=False)
+        cfg = load_unchecked(data={"model": {"path": hf_dir, "moe_router_dtype": router_dtype}})
         model, _ = build_and_load(hf_dir, **{**build_options(cfg), "dtype": torch.float32})
         model.eval()
         seen: list = []

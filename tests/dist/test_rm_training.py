@@ -28,17 +28,18 @@ def _pairs(n: int, seed: int):
 def test_rm_trains_at_a_layout_and_exports_what_it_scored(tmp_path, tp, pp):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from megarl.config import load_config
+    from megarl.config import load_unchecked
 
     base = make_tiny_model("qwen2", tmp_path / "base", seed=2, init_std=0.02)
     for name, rows in (("train", _pairs(32, 1)), ("val", _pairs(8, 2))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [f"model.path={base}", f"trainer.run_dir={tmp_path / 'run'}", "model.dtype=float32",
-                             f"parallelism.tensor_model_parallel_size={tp}",
-                             f"parallelism.pipeline_model_parallel_size={pp}", "trainer.n_gpus_per_node=2",
-                             f"rm.train_files=[{tmp_path / 'train.jsonl'}]", f"rm.val_files=[{tmp_path / 'val.jsonl'}]",
-                             "rm.batch_size=8", "rm.micro_batch_size_per_gpu=4", "rm.total_steps=3",
-                             "rm.optim.lr=1e-3", "logging.tensorboard=false"], check=False)
+    cfg = load_unchecked(None, [f"model.path={base}", f"trainer.run_dir={tmp_path / 'run'}", "model.dtype=float32",
+                                f"parallelism.tensor_model_parallel_size={tp}",
+                                f"parallelism.pipeline_model_parallel_size={pp}", "trainer.n_gpus_per_node=2",
+                                f"rm.train_files=[{tmp_path / 'train.jsonl'}]",
+                                f"rm.val_files=[{tmp_path / 'val.jsonl'}]",
+                                "rm.batch_size=8", "rm.micro_batch_size_per_gpu=4", "rm.total_steps=3",
+                                "rm.optim.lr=1e-3", "logging.tensorboard=false"])
     run_ranks("megarl.rm:rm_entry", 2, {"cfg_dict": cfg.model_dump()}, timeout=900)
 
     out = tmp_path / "run" / "rm_model"

@@ -22,7 +22,7 @@ N, S, LAYERS, EXPERTS, TOPK = 4, 16, 4, 4, 2
 def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int = 1):
     import torch.distributed as dist
 
-    from megarl.config import load_config
+    from megarl.config import load_unchecked
     from megarl.megatron import router_replay as rr
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
@@ -31,7 +31,7 @@ def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int 
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                pipeline_model_parallel_size=pp), seed=1)
-    cfg = load_config(data={"model": {"path": hf_dir}, "actor": {"router_replay": {"mode": "R2"}}}, check=False)
+    cfg = load_unchecked(data={"model": {"path": hf_dir}, "actor": {"router_replay": {"mode": "R2"}}})
     model, _ = build_and_load(hf_dir, **{**build_options(cfg), "dtype": torch.float32})
     model.eval()
     assert rr.install([model]) == LAYERS // pp  # this stage's routers
@@ -151,7 +151,7 @@ def update_rank(hf_dir: str, batch, routes, tp: int, ep: int):
     """One PPO update with the routes replayed (the update pass of R2/R3): megatron's loss and gradient norm."""
     from megatron.core import parallel_state as ps
 
-    from megarl.config import load_config
+    from megarl.config import load_unchecked
     from megarl.config.schema import OptimConfig
     from megarl.megatron import router_replay as rr
     from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
@@ -161,7 +161,7 @@ def update_rank(hf_dir: str, batch, routes, tp: int, ep: int):
     from megarl.megatron.workers import build_options
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, expert_model_parallel_size=ep), seed=1)
-    cfg = load_config(data={"model": {"path": hf_dir}, "actor": {"router_replay": {"mode": "R2"}}}, check=False)
+    cfg = load_unchecked(data={"model": {"path": hf_dir}, "actor": {"router_replay": {"mode": "R2"}}})
     model, spec = build_and_load(hf_dir, **{**build_options(cfg), "dtype": torch.float32})
     rr.install([model])
     trainable = make_trainable(model, OptimConfig(lr=LR, weight_decay=0.0, clip_grad=0.0), total_steps=10)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint.locate import complete_checkpoints
-from megarl.config import load_config
 from megarl.launch_local import RankFailure, run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_checkpoint_resume import _assert_same_steps
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 

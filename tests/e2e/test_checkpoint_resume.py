@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megarl.checkpoint.locate import complete_checkpoints, latest_checkpoint, read_meta
-from megarl.config import load_config
 from megarl.launch_local import RankFailure, run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 
 STEPS = 6

@@ -2,7 +2,7 @@
 and GLM-4.5-shaped CPU recipes: the engine's logprobs of the sampled tokens equal the trainer's after every sync."""
 import pytest
 
-from megarl.config import load_config
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, ROOT, SMALL, _metrics
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "multiturn_tool_tiny_cpu.yaml"

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
 from megarl.rollout.ray_engine import concat_rollouts, split_prompts
 from megarl.types import RolloutBatch
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE
 from tests.e2e.test_grpo_loop import SMALL as SMALL_LOOP
 

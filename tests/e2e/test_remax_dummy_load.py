@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL, _metrics
 
 pytestmark = pytest.mark.slow  # 85-110 s on 2 shared cores

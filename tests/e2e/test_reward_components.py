@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["sft.enable=false", "data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.train_batch_size=8",

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 
 MOE = ["model.create_tiny.architecture=qwen3_moe", "model.create_tiny.hidden_size=128",

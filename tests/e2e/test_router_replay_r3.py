@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE, SMALL
 
 SPEC = {"architecture": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
 from megarl.launch_local import run_ranks
+from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE
 from tests.e2e.test_grpo_loop import SMALL as SMALL_LOOP
 

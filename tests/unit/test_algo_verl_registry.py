@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megarl.algo import ADV_ESTIMATORS, POLICY_LOSSES, sum_pi_squared_from_logits
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.validate import load_config
 
 L = math.log
 

@@ -163,7 +163,8 @@ def test_validate_checks_the_architecture(tmp_path):
     naming the supported list; DeepSeek-V3 is accepted."""
     from pathlib import Path
 
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.validate import load_config
 
     root = Path(__file__).resolve().parents[2]
     recipe = root / "recipes" / "grpo_deepseek_v3_671b.yaml"

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import ConfigError, load_config, write_resolved
+from megarl.config import ConfigError, write_resolved
 from megarl.config.loader import parse_value
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"model": {"path": "unused", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,

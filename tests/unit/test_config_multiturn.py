@@ -1,7 +1,8 @@
 """Validation of rollout.multi_turn: clear errors for settings that cannot work, before any process starts."""
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.validate import load_config
 
 RECIPE = "recipes/multiturn_tool_tiny_cpu.yaml"
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
 from megarl.config.paths import PathIssue
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_tiny_cpu.yaml"

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.validate import load_config
 
 TINY = {"model": {"path": "unused", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                     "num_hidden_layers": 2}}}

@@ -18,9 +18,10 @@ from typing import Literal
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
 from megarl.config.loader import _model_fields, schema_paths
 from megarl.config.schema import MegarlConfig
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

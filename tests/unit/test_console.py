@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 from megarl import console
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ import pytest
 import yaml
 
 from megarl import cli
-from megarl.config import load_config
 from megarl.convert_verl import convert
 from megarl.convert_verl.convert import HUGE_STEPS
 from megarl.convert_verl.inputs import read_inputs, script_overrides
+from megarl.validate import load_config
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
 PPO = FIXTURES / "ppo_gsm8k_quickstart.sh"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megarl import algo, cli
-from megarl.config import load_config
+from megarl.config import load_unchecked
 from megarl.convert_verl import convert, gather
 from megarl.convert_verl.verl_behaviour import VERL_FIXED_AGGREGATION
 from megarl.megatron.losses import PolicyLossSettings
@@ -67,7 +67,7 @@ def _inputs():
 def _converted(loss: str, *extra: str):
     inputs = gather([f"{AR}policy_loss.loss_mode={loss}", "actor_rollout_ref.rollout.n=4", *extra], {})
     c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer)
-    cfg = load_config(data={**c.recipe, "model": {"path": "unused"}}, check=False)
+    cfg = load_unchecked(data={**c.recipe, "model": {"path": "unused"}})
     return c, PolicyLossSettings.from_config(cfg, vocab_size=8)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megarl.config import load_config
+from megarl.config import load_unchecked
 from megarl.convert_verl import convert, gather
 from megarl.convert_verl.interpreter import read_script
 
@@ -125,7 +125,7 @@ def _side_by_side(script: Path, config_file=None):
     verl = VerlConfig(config_file, read.overrides)
     inputs = gather([str(script)], dict(ENV))
     c = convert(inputs.settings, unresolved=inputs.unresolved, trainer=inputs.trainer, from_files=inputs.file_keys)
-    cfg = load_config(data=c.recipe, check=False)
+    cfg = load_unchecked(data=c.recipe)
     refused = {line.split(" = ")[0].removeprefix("(verl default) ") for line in c.refused}
     rows, compared = [], 0
     for key, megarl in PAIRS.items():

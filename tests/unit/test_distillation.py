@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megarl.algo import reverse_kl_advantage
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, load_unchecked
+from megarl.validate import load_config
 
 TINY = {"model": {"path": "unused", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                     "num_hidden_layers": 2}}}
@@ -35,8 +36,8 @@ def test_distillation_needs_a_teacher():
     with pytest.raises(ConfigError) as err:
         load_config(data=TINY, overrides=["rollout.n=4", "distillation.enable=true"])
     assert "set distillation.teacher.path" in str(err.value)
-    cfg = load_config(data=TINY, overrides=["rollout.n=4", "distillation.enable=true",
-                                            "distillation.teacher.path=teacher_dir"], check=False)
+    cfg = load_unchecked(data=TINY, overrides=["rollout.n=4", "distillation.enable=true",
+                                               "distillation.teacher.path=teacher_dir"])
     from megarl.steps import old_log_probs_from_update
 
     assert not old_log_probs_from_update(cfg, actor_updates=True)  # the student's logprobs are needed first

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from megarl.config import load_config
+from megarl.config import load_unchecked
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, cpu_engine_issues,
                                        engine_hf_overrides, host_cpu, parse_cpu_flags)
@@ -194,8 +194,8 @@ def test_start_failure_line_names_the_log_and_keeps_the_traceback_there(capsys):
 def _cfg(tmp_path, hf: dict, **rollout):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
-    return load_config(data={"model": {"path": str(tmp_path / "absent"), "config_path": str(path)},
-                             "trainer": {"device": "cpu"}, "rollout": rollout}, check=False)
+    return load_unchecked(data={"model": {"path": str(tmp_path / "absent"), "config_path": str(path)},
+                                "trainer": {"device": "cpu"}, "rollout": rollout})
 
 
 def test_validate_refuses_what_no_cpu_setting_runs(tmp_path):
@@ -204,6 +204,6 @@ def test_validate_refuses_what_no_cpu_setting_runs(tmp_path):
     assert "is 544" in issue.rule and "576" in issue.rule
     assert cpu_engine_issues(_cfg(tmp_path, DSV3), AMX) == []  # chosen, not refused
     assert cpu_engine_issues(_cfg(tmp_path, DSV3, dtype="bfloat16"), AVX512) == []
-    gpu = load_config(data={"model": {"path": str(tmp_path / "absent"), "config_path": str(tmp_path / "config.json")},
-                            "trainer": {"device": "cuda"}}, check=False)
+    gpu = load_unchecked(data={"model": {"path": str(tmp_path / "absent"),
+                                         "config_path": str(tmp_path / "config.json")}, "trainer": {"device": "cuda"}})
     assert cpu_engine_issues(gpu, AMX) == []  # vLLM's GPU build has its own kernels

@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
 from megarl.config.schema import RolloutConfig
 from megarl.lora.targets import LoraSettings
 from megarl.rollout.engine import engine_kwargs
 from megarl.lora.vllm import lora_engine_settings, vllm_max_lora_rank, vllm_target_modules
 from megarl.sync.adapters import adapter_bytes, read_adapter_file, write_adapter_file
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}

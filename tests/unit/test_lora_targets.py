@@ -6,8 +6,8 @@ import pytest
 
 from megarl.bridge.hf_config import spec_from_dict
 from megarl.bridge.mapping import Mapping
-from megarl.config import load_config
 from megarl.lora.targets import LoraError, LoraSettings, adapter_numel, resolve_targets, stage_adapter_numel
+from megarl.validate import load_config
 from tests.helpers.tiny_models import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
 from megarl.plan import plan_recipe
 from megarl.sync.plan import build_plan
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3
@@ -138,7 +138,7 @@ def test_offload_around_rollout_is_counted_and_grows_the_kv_cache():
 
 
 def test_offload_takes_verl_style_booleans_per_state():
-    from megarl.config import load_config
+    from megarl.validate import load_config
 
     cfg = load_config(ROOT / "recipes" / "grpo_tiny_cpu.yaml", ["actor.offload.optimizer=true", "ref.offload=true"])
     assert (cfg.actor.offload.params, cfg.actor.offload.grads, cfg.actor.offload.optimizer) == (False, False, True)

@@ -3,8 +3,8 @@ hand calculation from the published config: MLA's latent KV cache, uneven pipeli
 import re
 from pathlib import Path
 
-from megarl.config import load_config
 from megarl.plan import plan_recipe
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3

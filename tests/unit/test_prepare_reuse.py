@@ -5,9 +5,9 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-from megarl.config import load_config
 from megarl.prepare import MADE_FILE, note_reuse, prepare, record_made
 from megarl.sft import sft_model_path, sft_settings
+from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_tiny_cpu.yaml"

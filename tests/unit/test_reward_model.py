@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
 from megarl.data.synthetic import make_arithmetic_preferences
 from megarl.reward.model import bt_loss, encode_side, last_token_scores, pad_rows, same_tokenizer, score_length
+from megarl.validate import load_config
 
 
 def test_bt_loss_matches_hand_values():

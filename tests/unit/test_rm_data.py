@@ -54,7 +54,8 @@ def test_top1_accuracy_by_hand():
 
 
 def test_validate_refuses_policy_pair_settings_without_enable():
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.validate import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config("recipes/rm_tiny_cpu.yaml", ["rm.policy_pairs.enable=false", "rm.policy_pairs.n=4",

@@ -8,8 +8,9 @@ import torch
 
 from megarl import steps
 from megarl.algo import rollout_is_weights, rollout_mismatch_metrics, rollout_rejection_mask
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
 from megarl.megatron.losses import PolicyLossSettings
+from megarl.validate import load_config
 
 TINY = {"model": {"path": "unused", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,
                                                     "num_hidden_layers": 2}}}

@@ -2,7 +2,7 @@
 The replay inside megatron's routers is checked against HF transformers in tests/dist/test_router_replay.py."""
 import torch
 
-from megarl.config import load_config
+from megarl.config import load_unchecked
 from megarl.megatron.checks import check_router_replay
 from megarl.convert_verl import convert
 from megarl.megatron import router_replay as rr
@@ -57,8 +57,7 @@ def test_micro_batch_slices_routes_by_global_row_and_pads():
 
 
 def _cfg(mode, **extra):
-    return load_config(data={"model": {"path": "x"}, "actor": {"router_replay": {"mode": mode}}, **extra},
-                       check=False)
+    return load_unchecked(data={"model": {"path": "x"}, "actor": {"router_replay": {"mode": mode}}, **extra})
 
 
 def test_validate_refuses_dense_models_and_recompute(tmp_path):

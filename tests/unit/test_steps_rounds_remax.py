@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from megarl import steps
-from megarl.config import load_config
 from megarl.data import PromptLoader, PromptRecord
 from megarl.metrics import combine_round_metrics, write_rollouts
 from megarl.runtime import Runtime
 from megarl.types import RolloutBatch
+from megarl.validate import load_config
 
 TINY = {"model": {"path": "unused", "create_tiny": {}}, "reward": {"num_workers": 0}}
 

@@ -1,8 +1,8 @@
 """`megarl validate` refuses the virtual-pipeline recipes megatron's interleaved schedule would refuse, with the rule."""
 import pytest
 
-from megarl.config import load_config
 from megarl.config.issues import ConfigError
+from megarl.validate import load_config
 
 KEY = "parallelism.virtual_pipeline_model_parallel_size"
 
