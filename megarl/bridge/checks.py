@@ -1,38 +1,23 @@
 """`megarl validate` rules of the model a recipe names: where its shape is read from, and whether the bridge converts
-its architecture exactly. The layout rules of the other features read the model's shape through `model_shape`."""
+its architecture exactly. The other features' layout rules read the model through `model_spec`: its ArchSpec from
+config.json, or, before model.create_tiny makes the model, from the config it will be made with."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megarl.bridge.hf_config import BridgeError, ModelFileError, check_layout, read_config_json, spec_from_dict
+from megarl.bridge.hf_config import (ArchSpec, BridgeError, ModelFileError, check_layout, read_config_json,
+                                     spec_from_dict)
+from megarl.bridge.tiny import TINY_SOURCE, tiny_spec
 from megarl.config.issues import Issue
 from megarl.config.schema import MegarlConfig
+from megarl.data.synthetic import arithmetic_vocab
+from megarl.data.synthetic_tool import multiply_vocab
 
 P = "parallelism."
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The few numbers of a model's config.json that the layout rules need."""
-
-    source: str
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-    num_experts: int
-    max_position_embeddings: Optional[int]
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict, source: str) -> "ModelShape":
-        heads = int(cfg.get("num_attention_heads", 0))
-        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
-        return cls(source, heads, int(cfg.get("num_key_value_heads") or heads), int(cfg.get("num_hidden_layers", 0)),
-                   int(experts), cfg.get("max_position_embeddings"))
-
-
-def read_config(path) -> Optional[dict]:
+def config_json(path) -> Optional[dict]:
     """config.json as a dict, or None when it is missing or does not parse (validate's path rules name it)."""
     if not path or not Path(path).is_file():
         return None
@@ -47,21 +32,30 @@ def model_config(cfg: MegarlConfig) -> tuple:
     does not parse: check_paths names the file)."""
     for candidate in (cfg.model.config_path, cfg.model.path and str(Path(cfg.model.path) / "config.json")):
         if candidate and Path(candidate).is_file():
-            hf = read_config(candidate)
+            hf = config_json(candidate)
             return (hf, candidate) if hf is not None else (None, None)
     return None, None
 
 
-def model_shape(cfg: MegarlConfig) -> Optional[ModelShape]:
-    """The model's shape from model.config_path, model.path/config.json, or model.create_tiny; None if unknown."""
+def model_spec(cfg: MegarlConfig) -> Optional[tuple[ArchSpec, str]]:
+    """(the model's ArchSpec, where it was read: config.json's path or model.create_tiny); None where the model is not
+    known yet, or the bridge cannot read it (check_architecture says why)."""
     hf, source = model_config(cfg)
-    if hf is not None:
-        return ModelShape.from_hf_dict(hf, source)
     tiny = cfg.model.create_tiny
-    if tiny is not None:
-        return ModelShape("model.create_tiny", tiny.num_attention_heads, tiny.num_key_value_heads,
-                          tiny.num_hidden_layers, tiny.num_experts, None)
+    try:
+        if hf is not None:
+            return spec_from_dict(hf.get("text_config", hf), source), source
+        if tiny is not None:
+            return tiny_spec(tiny, len(_tiny_vocab(cfg))), TINY_SOURCE
+    except BridgeError:
+        return None
     return None
+
+
+def _tiny_vocab(cfg: MegarlConfig) -> list[str]:
+    """The vocabulary of the tokenizer megarl.prepare makes a tiny model with: the synthetic task's."""
+    syn = cfg.data.synthetic
+    return multiply_vocab() if syn and syn.task == "multiply_tool" else arithmetic_vocab(syn.max_operand if syn else 20)
 
 
 def check_model_source(cfg: MegarlConfig) -> list[Issue]:

@@ -61,12 +61,16 @@ def make_multiply_dataset(n: int, seed: int, min_operand: int = 32, max_operand:
     return rows
 
 
+def multiply_vocab() -> list[str]:
+    """Token strings in id order: specials (<pad>=0, <s>=1, </s>=2, <unk>=3), role and call markers, words, chars."""
+    return list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + CALL_TOKENS + WORDS + CHARS
+
+
 def multiply_tokenizer(save_dir: str):
     """Build, save and return the task's PreTrainedTokenizerFast (with its chat template) in save_dir."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab_list = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + CALL_TOKENS + WORDS + CHARS
-    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    vocab = {tok: i for i, tok in enumerate(multiply_vocab())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     # words whole, everything else one character (digits, JSON punctuation, the space); decoding concatenates
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[A-Za-z_]+|#+|\d|\s|[^A-Za-z\d\s#]"), behavior="isolated")

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from megarl.bridge.checks import model_shape
+from megarl.bridge.checks import model_spec
+from megarl.bridge.tiny import TINY_SOURCE
 from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
@@ -43,49 +44,51 @@ def check_layout(cfg: MegarlConfig) -> list[Issue]:
 
 
 def check_model_layout(cfg: MegarlConfig) -> list[Issue]:
-    shape = model_shape(cfg)
-    if shape is None:
+    found = model_spec(cfg)
+    if found is None:
         return []
-    p, src = cfg.parallelism, f"({shape.source})"
+    spec, source = found
+    p, src = cfg.parallelism, f"({source})"
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     issues = []
-    if shape.num_attention_heads % tp:
+    if spec.num_attention_heads % tp:
         issues.append(Issue(P + "tensor_model_parallel_size", tp, f"must divide num_attention_heads = "
-                            f"{shape.num_attention_heads} {src}", "pick a TP that divides the heads",
+                            f"{spec.num_attention_heads} {src}", "pick a TP that divides the heads",
                             keys=(P + "tensor_model_parallel_size",)))
-    if shape.num_key_value_heads % tp:
+    if spec.num_key_value_heads % tp:
         issues.append(Issue(P + "tensor_model_parallel_size", tp, f"must divide num_key_value_heads = "
-                            f"{shape.num_key_value_heads} {src} (Megatron splits KV groups over TP)",
+                            f"{spec.num_key_value_heads} {src} (Megatron splits KV groups over TP)",
                             "pick a TP that divides the KV heads", keys=(P + "tensor_model_parallel_size",)))
     stages = pp * (p.virtual_pipeline_model_parallel_size or 1)
     uneven = p.num_layers_in_first_pipeline_stage is not None or p.num_layers_in_last_pipeline_stage is not None
     if uneven:
         try:
-            Layout.of(p).stage_layers(shape.num_hidden_layers)
+            Layout.of(p).stage_layers(spec.num_layers)
         except ValueError as exc:
             issues.append(Issue(P + "num_layers_in_first_pipeline_stage", p.num_layers_in_first_pipeline_stage,
                                 f"{exc} {src}", "pick first/last stage sizes that leave an even split",
                                 keys=(P + "num_layers_in_first_pipeline_stage", P + "num_layers_in_last_pipeline_stage",
                                       P + "pipeline_model_parallel_size")))
-    elif shape.num_hidden_layers % stages:
+    elif spec.num_layers % stages:
         issues.append(Issue(P + "pipeline_model_parallel_size", pp, f"PP * virtual PP = {stages} must divide "
-                            f"num_hidden_layers = {shape.num_hidden_layers} {src}", "pick a PP that divides the layers",
+                            f"num_hidden_layers = {spec.num_layers} {src}", "pick a PP that divides the layers",
                             keys=(P + "pipeline_model_parallel_size", P + "virtual_pipeline_model_parallel_size")))
-    if ep > 1 and shape.num_experts == 0:
+    if ep > 1 and spec.num_experts == 0:
         issues.append(Issue(P + "expert_model_parallel_size", ep, f"the model is dense {src}; expert parallelism "
                             "needs an MoE model", "set it to 1", keys=(P + "expert_model_parallel_size",)))
-    elif shape.num_experts and shape.num_experts % ep:
+    elif spec.num_experts and spec.num_experts % ep:
         issues.append(Issue(P + "expert_model_parallel_size", ep, f"must divide the number of experts = "
-                            f"{shape.num_experts} {src}", "pick an EP that divides the experts",
+                            f"{spec.num_experts} {src}", "pick an EP that divides the experts",
                             keys=(P + "expert_model_parallel_size",)))
-    if shape.num_experts and tp > 1 and not p.sequence_parallel:
+    if spec.num_experts and tp > 1 and not p.sequence_parallel:
         issues.append(Issue(P + "sequence_parallel", False, "Megatron requires sequence parallelism for MoE models "
                             "with tensor_model_parallel_size > 1", "set parallelism.sequence_parallel=true",
                             keys=(P + "sequence_parallel",)))
     max_len = cfg.rollout.resolved_max_model_len
-    if shape.max_position_embeddings and max_len > shape.max_position_embeddings:
+    # a tiny model not made yet: the lengths are held against its positions once prepare has written its config.json
+    if source != TINY_SOURCE and max_len > spec.max_position_embeddings:
         issues.append(Issue("rollout.max_model_len", max_len, f"exceeds the model's max_position_embeddings = "
-                            f"{shape.max_position_embeddings} {src}", "shorten prompt_length/response_length",
+                            f"{spec.max_position_embeddings} {src}", "shorten prompt_length/response_length",
                             keys=("rollout.max_model_len", "rollout.prompt_length", "rollout.response_length")))
     return issues
 
@@ -258,13 +261,13 @@ def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
     (megarl.megatron.router_replay; megarl.sync.worker_ext.RouteRecorder)."""
     mode, key, rkey = cfg.actor.router_replay.mode, "actor.router_replay.mode", "rollout.return_routed_experts"
     issues = []
-    shape = model_shape(cfg)
+    spec, source = model_spec(cfg) or (None, None)
     if cfg.routes_from_engine:
         # who asks for the routes: R3 (implicitly) or the user
         who, keys = ((key, mode), (key, rkey)) if cfg.rollout.return_routed_experts is None else ((rkey, True), (rkey,))
-        if shape is not None and shape.num_experts == 0:
+        if spec is not None and spec.num_experts == 0:
             issues.append(Issue(*who, f"the engine's routed experts exist only for MoE models, and the model "
-                                f"({shape.source}) has no experts", f"set {who[0]} to " +
+                                f"({source}) has no experts", f"set {who[0]} to " +
                                 ("none" if who[0] == key else "false"), keys=keys))
         if cfg.rollout.multi_turn.enable:
             # each turn of a trajectory is a request of its own: the engine does not join their routes
@@ -284,8 +287,8 @@ def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue(key, mode, "R3 replays the engine's routed experts, and rollout.return_routed_experts="
                             "false turns them off", "unset rollout.return_routed_experts (R3 turns it on), or use R2",
                             keys=(key, rkey)))
-    if shape is not None and shape.num_experts == 0 and not (mode == "R3" and cfg.routes_from_engine):
-        issues.append(Issue(key, mode, f"routing replay acts on MoE routers and the model ({shape.source}) has none",
+    if spec is not None and spec.num_experts == 0 and not (mode == "R3" and cfg.routes_from_engine):
+        issues.append(Issue(key, mode, f"routing replay acts on MoE routers and the model ({source}) has none",
                             "set it to none", keys=(key,)))
     if cfg.model.recompute != "none":
         issues.append(Issue(key, mode, f"a recomputed forward (model.recompute={cfg.model.recompute}) would replay the "

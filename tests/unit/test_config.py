@@ -62,8 +62,8 @@ def test_wrong_type_and_unknown_section_are_reported_with_the_expected_type():
 
 def test_layout_rules():
     with pytest.raises(ConfigError) as err:
-        load_config(data={"model": {"path": "x", "create_tiny": {"num_attention_heads": 4, "num_key_value_heads": 2,
-                                                                  "num_experts": 6}}},
+        load_config(data={"model": {"path": "x", "create_tiny": {"architecture": "qwen3_moe", "num_attention_heads": 4,
+                                                                  "num_key_value_heads": 2, "num_experts": 6}}},
                     overrides=["parallelism.tensor_model_parallel_size=4", "parallelism.expert_model_parallel_size=4",
                                "trainer.n_gpus_per_node=4", "rollout.n=4"])
     text = str(err.value)

@@ -1,0 +1,35 @@
+"""validate reads the recipe's model as one ArchSpec (megarl.bridge.checks.model_spec): for a tiny model, the spec it
+reads before megarl makes the model (from model.create_tiny) is the one it reads afterwards from the config.json that
+megarl.prepare wrote, every field, the tokenizer's vocabulary size included."""
+import pytest
+
+from megarl.bridge.checks import model_spec
+from megarl.config import load_unchecked
+from megarl.prepare import create_tiny_model
+
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+CASES = [(arch, "arithmetic") for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE)] + [("qwen3", "multiply_tool")]
+
+
+@pytest.mark.parametrize("arch,task", CASES)
+def test_a_tiny_models_spec_is_the_same_before_and_after_megarl_makes_it(tmp_path, arch, task):
+    model = tmp_path / "model"
+    cfg = load_unchecked(data={
+        "model": {"path": str(model), "create_tiny": {"architecture": arch, "num_experts": 4 if arch in MOE else 0}},
+        "data": {"synthetic": {"task": task, "max_operand": 40 if task == "multiply_tool" else 30}}})
+    before, source = model_spec(cfg)
+    assert source == "model.create_tiny"
+    syn = cfg.data.synthetic
+    create_tiny_model(cfg.model.create_tiny, model, seed=0, max_operand=syn.max_operand, task=syn.task)
+    after, source = model_spec(cfg)
+    assert source == str(model / "config.json")
+    assert before == after
+
+
+def test_no_spec_where_the_model_is_unknown_or_the_bridge_cannot_read_it(tmp_path):
+    """The layout rules then stay silent: check_paths and check_architecture say what is wrong."""
+    assert model_spec(load_unchecked(data={"model": {"path": str(tmp_path / "absent")}})) is None
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "n_head": 12}')
+    cfg = load_unchecked(data={"model": {"path": str(tmp_path / "absent"),
+                                         "config_path": str(tmp_path / "config.json")}})
+    assert model_spec(cfg) is None
