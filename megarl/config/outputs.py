@@ -1,5 +1,5 @@
 """Where a run writes what it makes (data, SFT and reward models, preference pairs): pure functions of the config, read
-by the commands that write these and by validate's path rules (megarl.config.paths)."""
+by the commands that write these and by validate's path rules (megarl.validate.paths)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -122,8 +122,8 @@ def validate_against_megarl(c: Conversion) -> None:
     """Run `megarl validate`'s rules on the recipe; refuse each verl key whose megarl key they reject, with validate's
     own message, and take it out of the recipe. Problems of settings no verl key gave are refused as the recipe's."""
     from megarl.config import ConfigError
-    from megarl.config.paths import PathIssue
     from megarl.validate import load_config
+    from megarl.validate.paths import PathIssue
 
     seen = set()
     for _ in range(6):

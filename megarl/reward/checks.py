@@ -16,7 +16,7 @@ def _rm_layout_issue(cfg) -> list[Issue]:
 
     path = Path(cfg.reward.reward_model.path) / "config.json"
     hf = config_json(path)
-    if hf is None:  # missing or damaged: megarl.config.paths says which, and what writes it
+    if hf is None:  # missing or damaged: megarl.validate.paths says which, and what writes it
         return []
     p = cfg.parallelism
     try:

@@ -164,7 +164,7 @@ def test_every_field_has_a_default_and_a_description():
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "recipes").glob("*.yaml")))
 def test_shipped_recipes_validate(recipe):
-    from megarl.config.paths import PathIssue
+    from megarl.validate.paths import PathIssue
 
     try:
         load_config(ROOT / "recipes" / recipe)

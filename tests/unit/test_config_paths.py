@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from megarl.config import ConfigError
-from megarl.config.paths import PathIssue
 from megarl.validate import load_config
+from megarl.validate.paths import PathIssue
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "grpo_tiny_cpu.yaml"

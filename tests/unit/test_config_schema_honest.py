@@ -2,7 +2,7 @@
 
 A field nobody reads is a silent no-op: a user sets it, nothing changes, and nothing says so. This test walks every
 leaf of the schema and looks for a read of it (an attribute access in the syntax tree) in megarl/**.py outside
-validation (megarl/config/, megarl/validate.py and each feature's checks.py: a rule reads a field to refuse it, not to
+validation (megarl/config/, megarl/validate/ and each feature's checks.py: a rule reads a field to refuse it, not to
 act on it). A field name that is not unique (`enable`, `n`, `dtype` on a tensor, `sequence_parallel` on megatron's
 config, ...) must be read through its own section: `<section>.<field>`, or a variable bound to that section
 (`r = cfg.rollout`, `cfg: RolloutConfig`). Reads inside the schema's properties count when the property is read
@@ -127,8 +127,8 @@ def _module_reads(tree: ast.AST) -> tuple[set, set]:
 
 def _validation(rel: tuple) -> bool:
     """megarl/config/ (but outputs.py: where the commands that write data and models read their output paths),
-    megarl/validate.py and each feature's rules (checks.py)."""
-    return rel[0] == "config" and rel != ("config", "outputs.py") or rel == ("validate.py",) or rel[-1] == "checks.py"
+    megarl/validate/ and each feature's rules (checks.py)."""
+    return rel[0] == "config" and rel != ("config", "outputs.py") or rel[0] == "validate" or rel[-1] == "checks.py"
 
 
 def _reads(planner: bool = False) -> tuple[set, set]:

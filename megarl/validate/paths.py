@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megarl.config.issues import Issue
+from pydantic import ValidationError
+
+from megarl.bridge.hf_config import (CONFIG_FILE, INDEX_FILE, ModelFileError, check_weight_files,
+                                     read_config_json)
+from megarl.checkpoint.locate import resolve_resume
+from megarl.config.issues import ConfigError, Issue
+from megarl.config.loader import read_recipe
 from megarl.config.outputs import (pair_paths, policy_pair_paths, rm_output_dir, sft_output_dir,
                                    synthetic_paths)
 from megarl.config.schema import MegarlConfig
@@ -137,11 +143,6 @@ def recipe_dirs() -> list[Path]:
 
 def _recipes():
     """(shown path, config) of each recipe in recipe_dirs() that loads (schema only, no checks)."""
-    from pydantic import ValidationError
-
-    from megarl.config.issues import ConfigError
-    from megarl.config.loader import read_recipe
-
     for d in recipe_dirs():
         for path in sorted(d.glob("*.yaml")):
             try:
@@ -202,9 +203,6 @@ def _missing(item: Input, cfg: MegarlConfig) -> Issue:
 
 def model_dir_problem(path: Path, kind: str):
     """None, or (file, what is wrong, fix) of a model directory as the loaders would open it."""
-    from megarl.bridge.hf_config import (CONFIG_FILE, INDEX_FILE, ModelFileError, check_weight_files,
-                                         read_config_json)
-
     if not path.is_dir():
         return path, "is a file, not a model directory", "point it at the directory that holds config.json"
     if not (path / CONFIG_FILE).is_file():
@@ -238,8 +236,6 @@ def _present(item: Input, cfg: MegarlConfig, made: set) -> Optional[Issue]:
     if item.kind == FILE and path.is_dir() and item.key == "rollout.multi_turn.tool_config_path":
         return PathIssue(item.key, item.value, "is a directory, not a YAML file", item.fix, keys=(item.key,))
     if item.kind == CHECKPOINT:
-        from megarl.checkpoint.locate import resolve_resume
-
         try:
             resolve_resume(item.value, cfg.trainer.run_dir)
         except ValueError as exc:
@@ -272,8 +268,6 @@ def check_paths(cfg: MegarlConfig) -> list[Issue]:
 
 def _config_path_issues(cfg: MegarlConfig) -> list[Issue]:
     """model.config_path is read by validate and plan themselves (a missing one: megarl.bridge.checks.check_model_source)."""
-    from megarl.bridge.hf_config import ModelFileError, read_config_json
-
     path = cfg.model.config_path
     if not path or not Path(path).is_file():
         return []

@@ -3,7 +3,7 @@
     cfg = load_config("recipes/grpo_tiny_cpu.yaml", ["rollout.temperature=0.7", "trainer.total_steps=10"])
 
 Each feature's rules live beside the feature (algo/, bridge/, data/, lora/, megatron/, reward/, rollout/ and agent/
-checks.py; the files a recipe names: config/paths.py). This module composes them in the order their problems are
+checks.py; the files a recipe names: paths.py here). This module composes them in the order their problems are
 listed and holds the rules that read several features' settings. A rule returns Issues naming the keys it reads; none
 raises.
 """
@@ -18,7 +18,6 @@ from megarl.algo.checks import check_algorithm_names, check_distillation
 from megarl.bridge.checks import check_architecture, check_model_source
 from megarl.config.issues import Issue
 from megarl.config.loader import config_or_error, parse_config
-from megarl.config.paths import check_paths
 from megarl.config.schema import MegarlConfig
 from megarl.data.checks import check_data_files, check_synthetic
 from megarl.lora.checks import check_lora
@@ -29,6 +28,7 @@ from megarl.reward.checks import check_learned_rewards, check_reward_fn
 from megarl.rollout.checks import (check_engine_layout, check_lengths, check_quantization, check_rollout_logprobs,
                                    check_sampling, check_trainer_mode)
 from megarl.rollout.cpu_engine import cpu_engine_issues
+from megarl.validate.paths import check_paths
 
 
 def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
