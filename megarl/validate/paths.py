@@ -267,7 +267,7 @@ def check_paths(cfg: MegarlConfig) -> list[Issue]:
 
 
 def _config_path_issues(cfg: MegarlConfig) -> list[Issue]:
-    """model.config_path is read by validate and plan themselves (a missing one: megarl.bridge.checks.check_model_source)."""
+    """model.config_path is read by validate and plan themselves (a missing one: bridge.checks.check_model_source)."""
     path = cfg.model.config_path
     if not path or not Path(path).is_file():
         return []

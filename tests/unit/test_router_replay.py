@@ -1,5 +1,7 @@
 """Routing replay's pure parts (megarl.megatron.router_replay), its validate rules and verl's keys; hand-derived values.
 The replay inside megatron's routers is checked against HF transformers in tests/dist/test_router_replay.py."""
+import json
+
 import torch
 
 from megarl.config import load_unchecked
@@ -65,8 +67,9 @@ def test_validate_refuses_dense_models_and_recompute(tmp_path):
     assert check_router_replay(_cfg("R2")) == []  # model shape unknown: nothing to object to
     assert check_router_replay(_cfg("R3")) == []
     assert _cfg("R3").routes_from_engine and not _cfg("R2").routes_from_engine  # R3 turns the engine's routes on
-    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 32, '
-                                          '"num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128}')
+    llama = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 32, "num_attention_heads": 4,
+             "num_hidden_layers": 2, "intermediate_size": 128}  # dense
+    (tmp_path / "config.json").write_text(json.dumps(llama))
     (dense,) = check_router_replay(_cfg("R2", model={"path": str(tmp_path)}))
     assert "has none" in dense.rule
     (dense_r3,) = check_router_replay(_cfg("R3", model={"path": str(tmp_path)}))
