@@ -29,6 +29,7 @@ def bench_rank(cfg: dict, tp: int, bucket_bytes: int, repeat: int) -> dict:
     import torch.distributed as dist
 
     from megarl.bridge import export_hf_weights, spec_from_dict
+    from megarl.bridge.mapping import num_parameters
     from megarl.megatron.model import build_gpt_model
     from megarl.megatron.parallel import Layout, init_model_parallel
 
@@ -37,7 +38,7 @@ def bench_rank(cfg: dict, tp: int, bucket_bytes: int, repeat: int) -> dict:
     t0 = time.perf_counter()
     model = build_gpt_model(spec)
     build_s = time.perf_counter() - t0
-    results = {"params": spec.num_parameters(), "build_s": build_s}
+    results = {"params": num_parameters(spec), "build_s": build_s}
     for mode, dst in (("all_ranks", None), ("to_rank0", 0)):
         best, copy_best = float("inf"), float("inf")
         for _ in range(repeat):  # export and copy alternate, so a burst of load from elsewhere hits both alike
@@ -72,10 +73,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from megarl.bridge import spec_from_dict
+    from megarl.bridge.mapping import num_parameters
     from megarl.launch_local import run_ranks
 
     cfg = spec_dict(args.hidden, args.layers, args.vocab)
-    params = spec_from_dict(cfg).num_parameters()
+    params = num_parameters(spec_from_dict(cfg))
     print(f"Llama-like model: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {params / 1e6:.1f}M "
           f"parameters ({params * 4 / 1e9:.2f} GB fp32) at TP={args.tp}, buckets of {args.bucket_mb:g} MB")
     t0 = time.perf_counter()

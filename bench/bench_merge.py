@@ -50,6 +50,7 @@ def save_rank(cfg: dict, step_tmp: str, tp: int, dtype: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from megarl.bridge import spec_from_dict
+    from megarl.bridge.mapping import num_parameters
     from megarl.megatron.model import build_gpt_model
     from megarl.megatron.parallel import Layout, init_model_parallel
 
@@ -58,7 +59,7 @@ def save_rank(cfg: dict, step_tmp: str, tp: int, dtype: str) -> dict:
     model = build_gpt_model(spec, dtype=getattr(torch, dtype))
     # weights only (megatron's CPU optimizer takes no bfloat16 params, and the merge reads only the model)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "steps": 0}, str(Path(step_tmp) / "actor"))
-    return {"params": spec.num_parameters()}
+    return {"params": num_parameters(spec)}
 
 
 def _child(code: list) -> tuple:

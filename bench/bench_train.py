@@ -234,10 +234,11 @@ SIZES = {  # the issue's two sizes: name -> (hidden, layers, vocab, seq, micro-b
 def run_size(name: str, shape: tuple, args, contenders: list, dtype: torch.dtype) -> list:
     """Benchmark one size; returns the speed targets it fell short of."""
     from megarl.bridge import spec_from_dict
+    from megarl.bridge.mapping import num_parameters
 
     hidden, layers, vocab, seq, mb, n_mb = shape
     cfg = model_config(hidden, layers, vocab)
-    params = spec_from_dict(cfg).num_parameters()
+    params = num_parameters(spec_from_dict(cfg))
     batch = make_batch(mb * n_mb, seq, vocab)
     tokens = batch["input_ids"].numel()
     gpu = torch.cuda.is_available()

@@ -10,7 +10,6 @@ Both config dialects are read: transformers < 5 (`rope_theta`, `rope_scaling`) a
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -148,12 +147,6 @@ class ArchSpec:
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
-
-    def num_parameters(self) -> int:
-        """Parameters of the HF model (tied embeddings counted once)."""
-        from megarl.bridge.mapping import hf_shapes
-
-        return sum(math.prod(s) for s in hf_shapes(self).values())
 
 
 def _field(cfg: dict, name: str, path: str, default: Any = ..., kinds=(int,)) -> Any:

@@ -412,6 +412,11 @@ def hf_shapes(spec: ArchSpec, head: str = LM_HEAD) -> dict:
     return Mapping(spec, head).hf_shapes()
 
 
+def num_parameters(spec: ArchSpec) -> int:
+    """Parameters of the HF model (tied embeddings counted once)."""
+    return sum(math.prod(s) for s in hf_shapes(spec).values())
+
+
 # ---- megatron parameter names ----------------------------------------------------------------------------------
 _TE_RENAMES = (
     (re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),

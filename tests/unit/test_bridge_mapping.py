@@ -223,3 +223,16 @@ def test_transformer_engine_names_map_to_the_same_rules():
     # PP stage 1 of 2 (layers 2, 3) on EP rank 1 of 2 (experts 2, 3)
     assert globalize("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", lambda i: i + 2, 2) == \
         "decoder.layers.3.mlp.experts.local_experts.2.linear_fc1.weight"
+
+
+def test_num_parameters_counts_what_transformers_builds(tiny_dirs):
+    """The mapping's HF shapes add up to the parameters transformers instantiates (tied embeddings once), for every
+    architecture."""
+    import transformers
+
+    from megarl.bridge.mapping import num_parameters
+
+    for arch, d in tiny_dirs.items():
+        config = transformers.AutoConfig.from_pretrained(d)
+        model = getattr(transformers, config.architectures[0])(config)
+        assert num_parameters(load_spec(d)) == sum(p.numel() for p in model.parameters()), arch
