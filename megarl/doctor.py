@@ -142,8 +142,7 @@ def probe_bounds(hf_dir: str, ref: dict) -> tuple:
     """(forward, after-step) tolerances of the probe, derived from the probe model (megarl.numerics): what float32
     rounding explains between two correct implementations, on this machine's kernels or any other."""
     from megarl.bridge.hf_config import load_spec
-    from megarl.numerics import fp32_after_step_bound, fp32_relative_error
-    from megarl.verify import fp32_bound, layer_widths
+    from megarl.numerics import fp32_after_step_bound, fp32_bound, fp32_relative_error, layer_widths
 
     spec, (batch, seq) = load_spec(hf_dir), ref["before"].shape
     forward = fp32_bound(spec, seq + 1, batch * seq, ref["logits_rms"])

@@ -84,3 +84,24 @@ def transformer_widths(hidden: int, heads: int, head_dim: int, ffn: int, seq_len
     over `ffn` (for MoE: the widest expert or dense MLP; the top-k sum adds a handful of terms), and for multi-latent
     attention the up-projections from each latent width."""
     return [hidden, hidden, qk_dim or head_dim, seq_len, heads * head_dim, hidden, ffn, *latent]
+
+
+def layer_widths(spec, seq_len: int) -> list:
+    """One layer's chained inner widths (transformer_widths) for an ArchSpec: the widest MLP (dense,
+    expert or shared expert) and, for multi-latent attention, its latent ranks and q.k width."""
+    ffn = max(spec.ffn_hidden_size, spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size)
+    if spec.mla is None:
+        return transformer_widths(spec.hidden_size, spec.num_attention_heads, spec.head_dim, ffn, seq_len)
+    m = spec.mla
+    latent = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank else [])
+    return transformer_widths(spec.hidden_size, spec.num_attention_heads, m.v_head_dim, ffn, seq_len,
+                              qk_dim=m.q_head_dim, latent=latent)
+
+
+def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False) -> float:
+    """The float32 tolerance for this model: the max abs logprob (or score) difference rounding explains over
+    `n_positions` real positions (sequences, for scores) with reference logits (scores) of RMS `rms`."""
+    widths = layer_widths(spec, seq_len)
+    if score:
+        return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
+    return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions)

@@ -36,9 +36,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from megarl.hf_reference import hf_logprobs, hf_scores, real_mask
+from megarl.numerics import fp32_bound
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. Reinforcement learning from verifiable rewards trains a policy.",
@@ -99,44 +102,9 @@ TF32_UNIT = 2.0 ** -11  # TF32: 11 significant bits
 BF16_TOLERANCE_UNITS = 8.0  # a correct bridge: <= 4.7; a wrong mapping: >= 9 (module docstring)
 
 
-def logits_scale(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """RMS over the real positions (mask [B, S-1]) of the logits' standard deviation over the vocabulary."""
-    return float(logits.float().std(dim=-1)[mask].pow(2).mean().sqrt())
-
-
-def logits_rms(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """RMS of the logits over the real positions (mask [B, S-1]) and the vocabulary (what their rounding scales with)."""
-    return float(logits.float()[mask].pow(2).mean().sqrt())
-
-
 def precision_tolerance(dtype_unit: float, scale: float, units: float = BF16_TOLERANCE_UNITS) -> float:
     """The mean abs logprob difference that rounding with unit roundoff `dtype_unit` explains, for logits of `scale`."""
     return units * dtype_unit * scale
-
-
-def layer_widths(spec, seq_len: int) -> list:
-    """One layer's chained inner widths (megarl.numerics.transformer_widths) for an ArchSpec: the widest MLP (dense,
-    expert or shared expert) and, for multi-latent attention, its latent ranks and q.k width."""
-    from megarl.numerics import transformer_widths
-
-    ffn = max(spec.ffn_hidden_size, spec.moe_ffn_hidden_size, spec.shared_expert_ffn_hidden_size)
-    if spec.mla is None:
-        return transformer_widths(spec.hidden_size, spec.num_attention_heads, spec.head_dim, ffn, seq_len)
-    m = spec.mla
-    latent = [m.kv_lora_rank] + ([m.q_lora_rank] if m.q_lora_rank else [])
-    return transformer_widths(spec.hidden_size, spec.num_attention_heads, m.v_head_dim, ffn, seq_len,
-                              qk_dim=m.q_head_dim, latent=latent)
-
-
-def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False) -> float:
-    """The float32 tolerance for this model: the max abs logprob (or score) difference rounding explains over
-    `n_positions` real positions (sequences, for scores) with reference logits (scores) of RMS `rms`."""
-    from megarl.numerics import fp32_logprob_bound, fp32_output_bound
-
-    widths = layer_widths(spec, seq_len)
-    if score:
-        return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
-    return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions)
 
 
 def _cpu_reduced_precision() -> str:
@@ -302,50 +270,6 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
     finally:
         if engine is not None:
             engine.shutdown()
-
-
-def hf_logprobs(hf_dir: str, tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None,
-                lora: Optional[str] = None):
-    """HF transformers logprobs [B, S-1], float32, eager attention, on the CPU; with `lengths` also the logits'
-    statistics over the real positions, LogitStats(scale (logits_scale), rms (logits_rms)); with `lora`, of the base
-    with that PEFT adapter loaded by peft.PeftModel.from_pretrained."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
-    if lora:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, lora)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=tokens).logits.float()[:, :-1]
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    if lengths is None:
-        return lp
-    mask = real_mask(lengths, lp.shape[1])
-    return lp, LogitStats(logits_scale(logits, mask), logits_rms(logits, mask))
-
-
-class LogitStats(NamedTuple):
-    scale: float  # RMS of the logits' std over the vocabulary: what bf16 rounding of the logits moves logprobs by
-    rms: float  # RMS of the logits: what float32 rounding of the sums that make them scales with
-
-
-def real_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width] True at the logprob positions of real tokens (position t scores token t+1 < length)."""
-    return torch.arange(width)[None, :] < (lengths[:, None] - 1)
-
-
-def hf_scores(hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """HF AutoModelForSequenceClassification scores [B] (float32, eager attention), each sequence alone."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=torch.float32,
-                                                               attn_implementation="eager")
-    model.eval()
-    with torch.no_grad():
-        return torch.stack([model(input_ids=tokens[i:i + 1, :n]).logits.float()[0, 0]
-                            for i, n in enumerate(lengths.tolist())])
 
 
 def compare_scores(reference: torch.Tensor, got: torch.Tensor, lengths: torch.Tensor) -> tuple:

@@ -23,13 +23,14 @@ def test_plain_command_starts_ranks_and_fails_above_tolerance(qwen2_dir, capsys)
     assert "max abs logprob difference" in out and "FAILED" in out
     assert code == 1
     diff = float(out.split("max abs logprob difference ")[1].split()[0])
-    from megarl import verify
+    from megarl import hf_reference, verify
     from megarl.bridge.hf_config import load_spec
+    from megarl.numerics import fp32_bound
 
     spec = load_spec(qwen2_dir)
     tokens, lengths, _ = verify.make_batch(qwen2_dir, spec.vocab_size, 3, 32)
-    hf, stats = verify.hf_logprobs(qwen2_dir, tokens, lengths)
-    tol = verify.fp32_bound(spec, 32, int(verify.real_mask(lengths, hf.shape[1]).sum()), stats.rms)
+    hf, stats = hf_reference.hf_logprobs(qwen2_dir, tokens, lengths)
+    tol = fp32_bound(spec, 32, int(hf_reference.real_mask(lengths, hf.shape[1]).sum()), stats.rms)
     assert 0 < diff <= tol  # the same run passes at the default (derived) tolerance
     assert len([line for line in out.splitlines() if line.strip()[:1].isdigit()]) == 3  # one row per sequence
 
@@ -72,13 +73,13 @@ def _corrupt_norm(src, dst):
 def test_bf16_tolerance_catches_a_wrong_mapping_that_the_old_bound_let_pass(tmp_path):
     import torch
 
-    from megarl import verify
+    from megarl import hf_reference, verify
     from megarl.bridge.hf_config import load_spec
 
     good = str(make_tiny_model("qwen3", tmp_path / "qwen3"))
     bad = _corrupt_norm(good, str(tmp_path / "qwen3_bad"))
     tokens, lengths, _ = verify.make_batch(good, load_spec(good).vocab_size, 4, 64)
-    hf, stats = verify.hf_logprobs(good, tokens, lengths)  # the reference: the checkpoint's true model
+    hf, stats = hf_reference.hf_logprobs(good, tokens, lengths)  # the reference: the checkpoint's true model
     tol = verify.precision_tolerance(verify.BF16_UNIT, stats.scale)
     got = {}
     for name, d in (("good", good), ("bad", bad)):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megarl import verify
+from megarl.hf_reference import hf_logprobs
 from tests.helpers.bounds import verify_bound
 from tests.helpers.tiny_models import make_peft_adapter, make_tiny_model
 
@@ -47,5 +48,5 @@ def test_verify_lora_matches_peft(models, case, layout, capsys):
     assert diff <= tol, out
     # the adapter matters: the adapted logprobs are far from the base's (the comparison above is not vacuous)
     tokens, lengths, _ = verify.make_batch(base, 301, 3, 40)
-    moved = (verify.hf_logprobs(base, tokens, lora=adapter) - verify.hf_logprobs(base, tokens)).abs().max().item()
+    moved = (hf_logprobs(base, tokens, lora=adapter) - hf_logprobs(base, tokens)).abs().max().item()
     assert moved > 1e-2, moved

@@ -83,16 +83,17 @@ def _swap_gate_up(src: str) -> None:
 
 
 def test_a_wrong_mapping_misses_the_derived_bound_by_orders_of_magnitude(tmp_path):
-    from megarl import verify
+    from megarl import hf_reference, verify
     from megarl.bridge.hf_config import load_spec
+    from megarl.numerics import fp32_bound
 
     good = _make("Qwen2.5-0.5B", tmp_path / "good")
     bad = _make("Qwen2.5-0.5B", tmp_path / "bad")
     _swap_gate_up(bad)
     spec = load_spec(good)
     tokens, lengths, _ = verify.make_batch(good, spec.vocab_size, 3, 48)
-    hf, stats = verify.hf_logprobs(good, tokens, lengths)
-    tol = verify.fp32_bound(spec, tokens.shape[1], int(verify.real_mask(lengths, hf.shape[1]).sum()), stats.rms)
+    hf, stats = hf_reference.hf_logprobs(good, tokens, lengths)
+    tol = fp32_bound(spec, tokens.shape[1], int(hf_reference.real_mask(lengths, hf.shape[1]).sum()), stats.rms)
     got = run_ranks("megarl.verify:_rank_body", 2, {"hf_dir": bad, "tokens": tokens, "tp": 2}, timeout=600)
     diff, _ = verify.compare(hf, next(r["megatron"] for r in got if r["megatron"] is not None), lengths)
     print(f"wrong mapping: max diff {diff:.2e}, derived tolerance {tol:.2e}, ratio {diff / tol:.0f}x")

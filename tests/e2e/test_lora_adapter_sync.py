@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
-from megarl.verify import hf_logprobs, make_batch
+from megarl.hf_reference import hf_logprobs
+from megarl.verify import make_batch
 from tests.helpers.tiny_models import VOCAB, make_peft_adapter, make_tiny_model
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")  # fused qkv and gate/up partly adapted

@@ -52,7 +52,7 @@ def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None
     import torch
 
     from megarl.bridge.hf_config import load_spec
-    from megarl.verify import fp32_bound
+    from megarl.numerics import fp32_bound
 
     logits = logits.float()
     if mask is None:
@@ -99,7 +99,7 @@ def score_bound(hf_dir: Union[str, Path], scores, seq_len: int) -> float:
     import torch
 
     from megarl.bridge.hf_config import load_spec
-    from megarl.verify import fp32_bound
+    from megarl.numerics import fp32_bound
 
     scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
     rms = float(scores.pow(2).mean().sqrt())
@@ -111,22 +111,23 @@ def verify_bound(hf_dir: Union[str, Path], seq_len: int, batch: int, lora: Optio
     """The logprob bound (score=True: the reward model's score bound) on the batch `megarl verify --seq-len seq_len
     --batch batch` builds for hf_dir (with a PEFT adapter on the reference when lora is given), computed here from
     HF's own outputs."""
-    from megarl import verify
+    from megarl import hf_reference
     from megarl.bridge.hf_config import load_spec
+    from megarl.numerics import fp32_bound
+    from megarl.verify import make_batch
 
-    tokens, lengths, _ = verify.make_batch(str(hf_dir), load_spec(str(hf_dir)).vocab_size, batch, seq_len)
+    tokens, lengths, _ = make_batch(str(hf_dir), load_spec(str(hf_dir)).vocab_size, batch, seq_len)
     if score:
-        return score_bound(hf_dir, verify.hf_scores(str(hf_dir), tokens, lengths), seq_len)
-    _, stats = verify.hf_logprobs(str(hf_dir), tokens, lengths, lora=lora)
-    n = int(verify.real_mask(lengths, seq_len - 1).sum())
-    return verify.fp32_bound(load_spec(str(hf_dir)), seq_len, n, stats.rms)
+        return score_bound(hf_dir, hf_reference.hf_scores(str(hf_dir), tokens, lengths), seq_len)
+    _, stats = hf_reference.hf_logprobs(str(hf_dir), tokens, lengths, lora=lora)
+    n = int(hf_reference.real_mask(lengths, seq_len - 1).sum())
+    return fp32_bound(load_spec(str(hf_dir)), seq_len, n, stats.rms)
 
 
 def relative_error(hf_dir: Union[str, Path], seq_len: int, n_values: int) -> float:
     """The relative rounding error of the model's outputs (and, transposed, of its gradients) over n_values values."""
     from megarl.bridge.hf_config import load_spec
-    from megarl.numerics import FP32_UNIT, fp32_logit_error_factor, tail_factor
-    from megarl.verify import layer_widths
+    from megarl.numerics import FP32_UNIT, fp32_logit_error_factor, layer_widths, tail_factor
 
     spec = load_spec(str(hf_dir))
     factor = fp32_logit_error_factor(spec.hidden_size, layer_widths(spec, seq_len), spec.num_layers)
