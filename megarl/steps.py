@@ -234,7 +234,7 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     the trainer ranks and the engine hosts form (megarl.sync.remote)."""
     bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
     if cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter":  # the engine keeps its base; adapters only
-        from megarl.rollout.engine import resolve_dtype
+        from megarl.rollout.engine_args import resolve_dtype
         from megarl.runtime import compute_device
         from megarl.sync.adapters import AdapterSync
         from megarl.sync.delivery import plan_sync

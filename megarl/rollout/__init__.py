@@ -12,11 +12,12 @@ Where engines run (rollout.placement = "colocated", the default)
 Placed separately (rollout.placement = "separate"; Ray actors always are): each replica runs in a host process of its
 own (a Ray actor, megarl.rollout.ray_engine, or an engine process on cores of its own).
 
-The rest: request-level control of an engine (requests), the engine interface (protocol), CPU threads of an engine
-(threads), and when each step's batch is generated with which weights (schedule).
+The rest: vLLM's arguments from the config, the model and the machine (engine_args; the CPU's kernels: cpu_engine),
+request-level control of an engine (requests), the engine interface (protocol), CPU threads of an engine (threads),
+and when each step's batch is generated with which weights (schedule).
 """
-from megarl.rollout.engine import (EngineStartError, PromptTooLongError, VLLMEngine, apply_prompt_overflow,
-                                   engine_kwargs, kv_cache_bytes_needed, sampling_kwargs)
+from megarl.rollout.engine import PromptTooLongError, VLLMEngine, apply_prompt_overflow
+from megarl.rollout.engine_args import EngineStartError, engine_kwargs, kv_cache_bytes_needed, sampling_kwargs
 
 __all__ = ["VLLMEngine", "EngineStartError", "PromptTooLongError", "apply_prompt_overflow", "engine_kwargs",
            "sampling_kwargs", "kv_cache_bytes_needed"]

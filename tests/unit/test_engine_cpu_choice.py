@@ -10,7 +10,8 @@ from megarl.config import load_unchecked
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, cpu_engine_issues,
                                        engine_hf_overrides, host_cpu, parse_cpu_flags)
-from megarl.rollout.engine import EngineStartError, engine_kwargs, explain_start_failure, kv_bytes_per_token
+from megarl.rollout.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
+                                        kv_bytes_per_token)
 from megarl.rollout.start_errors import WORKER_ERRORS_ENV, VLLM_WORKER_LOGGER, record_worker_start_failures
 
 AMX = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
@@ -93,12 +94,14 @@ def test_cpu_flags_from_cpuinfo_and_the_host():
 
 def test_engine_kwargs_carry_the_choice_and_the_overrides():
     cfg = RolloutConfig(prompt_length=100, response_length=28, max_num_batched_tokens=64)
-    kw = engine_kwargs(cfg, "/m", 0, on_gpu=False, cpu_choice=cpu_engine_choice(DSV3, "float32", AMX),
-                       hf_overrides={"head_dim": 32})
+    # GLM as transformers holds it: no head_dim, so the engine is given HF's derived 128 // 4
+    kw = engine_kwargs(cfg, ModelFacts("/m", transformers_config=GLM), 0, on_gpu=False, worker_extension="ext",
+                       cpu_choice=cpu_engine_choice(DSV3, "float32", AMX))
     assert kw["attention_backend"] == "CPU_MLA" and kw["hf_overrides"] == {"head_dim": 32}
     assert kw["enable_prefix_caching"] is False
     assert kw["enable_chunked_prefill"] is True and kw["max_num_batched_tokens"] == 64  # vLLM's platform decides
-    plain = engine_kwargs(cfg, "/m", 0, on_gpu=False, cpu_choice=cpu_engine_choice(GLM, "float32", AMX))
+    plain = engine_kwargs(cfg, ModelFacts("/m"), 0, on_gpu=False, worker_extension="ext",
+                          cpu_choice=cpu_engine_choice(GLM, "float32", AMX))
     assert "attention_backend" not in plain and "hf_overrides" not in plain and plain["enable_prefix_caching"]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from megarl.config.schema import RolloutConfig
 from megarl.lora.targets import LoraSettings
-from megarl.rollout.engine import engine_kwargs
+from megarl.rollout.engine_args import ModelFacts, engine_kwargs
 from megarl.lora.vllm import lora_engine_settings, vllm_max_lora_rank, vllm_target_modules
 from megarl.sync.adapters import adapter_bytes, read_adapter_file, write_adapter_file
 from megarl.validate import load_config
@@ -32,10 +32,11 @@ def test_engine_kwargs_start_lora_support_for_one_adapter():
                                 ["q_proj", "v_proj", "q_proj"])
     assert lora["projections"] == ["q_proj", "v_proj"] and lora["max_lora_rank"] == 16
     assert lora["peft_config"]["r"] == 12 and lora["peft_config"]["lora_alpha"] == 24.0
-    kw = engine_kwargs(RolloutConfig(kv_cache_memory_bytes=1 << 28), "m", 0, False, lora, ["qkv_proj"])
+    cfg = RolloutConfig(kv_cache_memory_bytes=1 << 28)
+    kw = engine_kwargs(cfg, ModelFacts("m", packed_modules=LLAMA_PACKED), 0, False, worker_extension="ext", lora=lora)
     assert (kw["enable_lora"], kw["max_loras"], kw["max_cpu_loras"], kw["max_lora_rank"]) == (True, 1, 1, 16)
-    assert kw["lora_target_modules"] == ["qkv_proj"]
-    assert "enable_lora" not in engine_kwargs(RolloutConfig(kv_cache_memory_bytes=1 << 28), "m", 0, False)
+    assert kw["lora_target_modules"] == ["qkv_proj"]  # q_proj and v_proj are parts of vLLM's packed qkv_proj
+    assert "enable_lora" not in engine_kwargs(cfg, ModelFacts("m"), 0, False, worker_extension="ext")
 
 
 def test_adapter_file_round_trip_and_bytes(tmp_path):

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from megarl.config.schema import RolloutConfig, ValKwargs
-from megarl.rollout.engine import (EngineStartError, PromptTooLongError, apply_prompt_overflow, engine_kwargs,
-                                   explain_start_failure, kv_cache_bytes_needed, sampling_kwargs)
+from megarl.rollout.engine import PromptTooLongError, apply_prompt_overflow
+from megarl.rollout.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
+                                        kv_cache_bytes_needed, sampling_kwargs)
 from megarl.sync.weights import (checksums_match, combine_rank_checksums, engine_name, fold_checksums,
                                  iter_buckets, tensor_checksum)
 from megarl.types import RolloutBatch
@@ -42,13 +43,14 @@ def test_sampling_kwargs_greedy_baseline_overrides_sampling_and_n():
 
 def test_engine_kwargs_cpu_and_gpu():
     cfg = RolloutConfig(prompt_length=100, response_length=28, max_num_seqs=8)
-    cpu = engine_kwargs(cfg, "/m", seed=3, on_gpu=False)
+    cpu = engine_kwargs(cfg, ModelFacts("/m"), seed=3, on_gpu=False, worker_extension="ext")
     assert cpu["dtype"] == "float32" and cpu["kv_cache_memory_bytes"] == 256 << 20 and cpu["max_model_len"] == 128
     assert "gpu_memory_utilization" not in cpu and cpu["seed"] == 3 and cpu["enforce_eager"]
-    gpu = engine_kwargs(cfg, "/m", seed=3, on_gpu=True)
+    gpu = engine_kwargs(cfg, ModelFacts("/m"), seed=3, on_gpu=True, worker_extension="ext")
     assert gpu["dtype"] == "bfloat16" and gpu["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in gpu
     with pytest.raises(EngineStartError, match="kv_cache_memory_bytes"):
-        engine_kwargs(cfg.model_copy(update={"kv_cache_memory_bytes": None}), "/m", 0, on_gpu=False)
+        engine_kwargs(cfg.model_copy(update={"kv_cache_memory_bytes": None}), ModelFacts("/m"), 0, on_gpu=False,
+                      worker_extension="ext")
 
 
 def test_kv_cache_sizing_and_message():
