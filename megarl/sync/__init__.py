@@ -8,6 +8,8 @@
   or through a shared-memory bucket file that megarl's vLLM worker extension loads with vLLM's own weight loaders.
 * Engines in processes of their own (remote): the same plan's pieces over a transfer group of the trainer ranks and
   the engine hosts (gloo on CPU, NCCL on GPU), never through one rank or Ray's object store.
+* The wire (wire): the bucket and adapter files in shared memory that the trainer side writes and the worker
+  extension reads; both sides import it, neither imports the other.
 * Checks (weights): checksums of what each worker holds against what the trainer sent, bucketing of tensor streams.
 
 What the sync needs from an engine is megarl.sync.seam, nothing more.

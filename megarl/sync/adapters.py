@@ -7,14 +7,15 @@ base weights it started with and generates through vLLM's LoRA support.
 How. Every trainer rank holds its TP/PP/EP shards of the adapters; `megarl.lora.layers.gather_adapters` (the same
 LoRA<->PEFT naming the PEFT export uses: `Target.peft_key`, each TP shard placed by the bridge mapping) assembles
 the whole PEFT-named tensors on each engine owner. The owner writes them into one shared-memory file
-(`write_adapter_file`: name, dtype, shape, offset per tensor) and calls the engine's `load_adapter`: each vLLM worker
-maps the file and builds a LoRAModel with vLLM's own `LoRAModel.from_lora_tensors` (vLLM slices the whole A and B for
-its TP rank when it activates the adapter), registers it under a new integer id and drops the previous adapter
+(megarl.sync.wire.write_adapter_file: name, dtype, shape, offset per tensor) and calls the engine's `load_adapter`:
+each vLLM worker maps the file and builds a LoRAModel with vLLM's own `LoRAModel.from_lora_tensors` (vLLM slices the
+whole A and B for its TP rank when it activates the adapter), registers it under a new integer id and drops the
+previous adapter
 (megarl.sync.worker_ext.MegarlWorkerExtension.megarl_add_adapter). Every later generate request carries the
 LoRARequest of that id. No base weight moves, and nothing but the file name and small metadata crosses vLLM's RPC.
 
 Bytes per sync: the adapters once per engine replica, sum over adapted projections of rank * (in + out) elements in
-the engine dtype (`adapter_bytes`), where the merged sync moves the whole model.
+the engine dtype (megarl.sync.wire.adapter_bytes), where the merged sync moves the whole model.
 """
 from __future__ import annotations
 
@@ -28,44 +29,9 @@ import torch
 
 from megarl.lora.targets import LoraSettings
 from megarl.lora.vllm import lora_engine_settings
+from megarl.sync.wire import shm_dir, write_adapter_file
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64
-def adapter_bytes(tensors: dict, dtype: torch.dtype) -> int:
-    """Bytes of `tensors` ({PEFT key: tensor}) in `dtype`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() for t in tensors.values()) * size
-
-
-def write_adapter_file(tensors: dict, path: str, dtype: torch.dtype) -> dict:
-    """Write the adapters into one shared-memory file; returns its meta {"path", "size", "bytes", "tensors": [[name,
-    dtype, shape, offset]]} (what `read_adapter_file` and megarl_add_adapter read). Tensors are cast to `dtype` (the
-    engine's)."""
-    entries, offset = [], 0
-    size = torch.empty((), dtype=dtype).element_size()
-    for name in sorted(tensors):
-        t = tensors[name]
-        entries.append([name, str(dtype).replace("torch.", ""), list(t.shape), offset])
-        offset += -(-t.numel() * size // _ALIGN) * _ALIGN
-    total = max(offset, _ALIGN)
-    buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    for (name, _, shape, off) in entries:
-        t = tensors[name]
-        n = t.numel() * size
-        buf[off: off + n].view(dtype).view(tuple(shape)).copy_(t.detach().to(dtype))
-    return {"path": path, "size": total, "bytes": adapter_bytes(tensors, dtype), "tensors": entries}
-
-
-def read_adapter_file(meta: dict) -> dict:
-    """{PEFT key: tensor} of a file written by `write_adapter_file` (copies: the file is removed after the load)."""
-    from megarl.sync.worker_ext import region
-
-    if not os.path.isfile(meta["path"]) or os.path.getsize(meta["path"]) != int(meta["size"]):
-        raise FileNotFoundError(f"adapter file {meta['path']} of {meta['size']} bytes is missing (the trainer rank "
-                                "owning this engine did not write it)")
-    buf = torch.from_file(meta["path"], shared=False, size=int(meta["size"]), dtype=torch.uint8)
-    return {name: region(buf, dtype, shape, int(offset)).clone() for name, dtype, shape, offset in meta["tensors"]}
 
 
 class AdapterSync:
@@ -98,8 +64,6 @@ class AdapterSync:
         gather_s = time.perf_counter() - tg
         out = {}
         if engine is not None and tensors is not None:
-            from megarl.sync.delivery import shm_dir
-
             path = os.path.join(shm_dir(), f"megarl-adapter-{os.getpid()}-{secrets.token_hex(4)}")
             try:
                 meta = write_adapter_file(tensors, path, self.dtype)

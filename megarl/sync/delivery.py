@@ -27,10 +27,8 @@ import contextlib
 import logging
 import os
 import secrets
-import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -42,17 +40,12 @@ from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_sh
 from megarl.sync.placement import region_viewer, write_placed
 from megarl.sync.pull import PullSources
 from megarl.sync.weights import add_checksums, tensor_checksum
-from megarl.sync.worker_ext import half_threads_during_sync, region
+from megarl.sync.wire import ALIGN, BucketFile, half_threads_during_sync, layout_bucket, region, shm_dir
 
 if TYPE_CHECKING:  # the engines' placement over the trainer ranks, passed in by the caller
     from megarl.rollout.replicas import EngineTopology
 
-_ALIGN = 64
 log = logging.getLogger(__name__)
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class SlotFiles:
@@ -116,37 +109,6 @@ class BackgroundLoad:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-
-
-@dataclass
-class BucketFile:
-    """One receiving rank's file of one bucket: {hf_name: (offset, dtype, shape)} regions plus the metadata its
-    worker reads."""
-
-    path: str
-    size: int
-    regions: dict
-    meta: dict
-
-
-def layout_bucket(moves: Sequence[Move], dst: int, path: str, shapes: dict, dtypes: dict, needs: dict) -> BucketFile:
-    """The file of rank `dst` for one bucket: one full-shape region per tensor (sparse: only `dst`'s boxes are
-    written), in the order the tensors appear in the bucket."""
-    regions, boxes, offset = {}, {}, 0
-    for mv in moves:
-        if mv.dst != dst:
-            continue
-        if mv.hf not in regions:
-            dt = getattr(torch, dtypes[mv.hf])
-            regions[mv.hf] = (offset, dtypes[mv.hf], tuple(shapes[mv.hf]))
-            nbytes = box_numel(full_box(shapes[mv.hf])) * torch.empty((), dtype=dt).element_size()
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-            boxes[mv.hf] = []
-        boxes[mv.hf].append([list(b) for b in mv.box])
-    tensors = [[name, dt, list(shape), off, [list(b) for b in needs[name]], boxes[name]]
-               for name, (off, dt, shape) in regions.items()]
-    return BucketFile(path, max(offset, _ALIGN), regions, {"path": path, "size": max(offset, _ALIGN),
-                                                            "tensors": tensors})
 
 
 class WeightSync:
@@ -413,7 +375,7 @@ class WeightSync:
             if (dst, slot) not in self._slot_size:
                 self._slot_size[(dst, slot)] = max(
                     (layout_bucket(self._file_moves(i), dst, "", self.shapes, self.dtypes, self.needs.get(dst, {})).size
-                     for i in range(slot, len(self.buckets), 2)), default=_ALIGN)
+                     for i in range(slot, len(self.buckets), 2)), default=ALIGN)
             f = layout_bucket(self._file_moves(b), dst, self._path(slot, dst), self.shapes, self.dtypes,
                               self.needs.get(dst, {}))
             f.size = self._slot_size[(dst, slot)]

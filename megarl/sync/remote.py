@@ -35,10 +35,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.sync.delivery import gather_owners, layout_bucket, local_holdings, piece_of, shm_dir
+from megarl.sync.delivery import gather_owners, local_holdings, piece_of
 from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
                                 relative_slices, traffic, trainer_holdings)
-from megarl.sync.worker_ext import region
+from megarl.sync.wire import layout_bucket, region, shm_dir
 
 DEFAULT_TIMEOUT_S = 1800.0
 

@@ -5,11 +5,10 @@ the worker's own shard of each tensor into a shared-memory bucket file, and the 
 `collective_rpc("megarl_load", args=(metas,))`; each worker maps its file and hands the tensors to vLLM's own
 weight loaders. Nothing but file names and small metadata crosses vLLM's RPC (no pickled generators, no tensors).
 
-Bucket file layout (written by megarl.sync.delivery): every tensor of the bucket has a region shaped like the
-FULL HF tensor at `offset`, of which only the box this worker reads is written (the file is sparse: the rest takes
-no memory). vLLM's loaders slice full HF tensors by their rank, so they read exactly the written box and the
-loaders of every architecture work unchanged. A tensor whose box arrives in several buckets (larger than a bucket)
-is assembled in worker memory first.
+The bucket files and their metadata are megarl.sync.wire's: each tensor's region is shaped like the FULL HF tensor,
+of which only this worker's box is written, so vLLM's own loaders (which slice full HF tensors by their rank) read
+exactly that box for every architecture. A tensor whose box arrives in several buckets (larger than a bucket) is
+assembled in worker memory first.
 
 Where no layer transforms its weights after loading (`direct_update_blockers`), an update runs each parameter's own
 vLLM weight loader on the live parameters: one copy from the bucket file into place. On CPU such a worker can also
@@ -35,21 +34,7 @@ from megarl.sync.shards import EngineModule, box_numel, relative_slices
 from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
                                  module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
                                  tied_parameters)
-
-
-@contextlib.contextmanager
-def half_threads_during_sync():
-    """Halve this process's torch threads (at least one) for the duration. Both sides of a weight sync run at once on
-    the same cores (the trainer writes bucket b+1 while the engine loads bucket b), and two copies that each start
-    every core's OpenMP thread oversubscribe them (threads spin-wait at their barriers). Measured on 2 cores (418 MiB,
-    in-place load, memcpy floor 0.043 s): 0.195 s with both sides at 2 threads, 0.142-0.160 s with the writer at 1,
-    0.137 s with both at 1. torch._C's setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op."""
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(max(1, threads // 2))
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(threads)
+from megarl.sync.wire import half_threads_during_sync, open_bucket, read_adapter_file, region
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -304,25 +289,6 @@ def describe_modules(model: torch.nn.Module) -> dict:
 _KEPT_SLOTS = 8  # slot files a worker keeps mapped (two per writer: the trainer's sync, a whole-tensor feed, ...)
 
 
-def _open_bucket(path: str, size: int) -> torch.Tensor:
-    if not os.path.isfile(path) or os.path.getsize(path) != size:
-        raise FileNotFoundError(f"weight bucket file {path} of {size} bytes is missing (the trainer rank hosting this "
-                                "worker did not write it)")
-    buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-    os.unlink(path)  # the mapping stays valid; nothing is left in shared memory once the tensors are released
-    return buf
-
-
-def region(buf: torch.Tensor, dtype: str, shape, offset: int) -> torch.Tensor:
-    """The full-shape view of one tensor's region in a bucket buffer."""
-    dt = getattr(torch, dtype)
-    n = 1
-    for d in shape:
-        n *= int(d)
-    nbytes = n * torch.empty((), dtype=dt).element_size()
-    return buf[offset: offset + nbytes].view(dt).view(tuple(shape))
-
-
 def _copy_out_buffered(buf: torch.Tensor) -> None:
     """vLLM's layerwise reload buffers the tensors of a layer until all of them arrived; those still buffered from
     slot `buf` are copied out, since the writer fills the slot again with a later bucket."""
@@ -564,11 +530,11 @@ class MegarlWorkerExtension:
             kept[meta["slot"]] = buf
             return buf
         if "slot" not in meta:
-            return _open_bucket(meta["path"], int(meta["size"]))
+            return open_bucket(meta["path"], int(meta["size"]))
         maps = self.__dict__.setdefault("_megarl_slots", {})
         path, buf = maps.pop(meta["slot"], (None, None))
         if path != meta["path"] or buf.numel() < int(meta["size"]):
-            buf = _open_bucket(meta["path"], int(meta["size"]))
+            buf = open_bucket(meta["path"], int(meta["size"]))
         maps[meta["slot"]] = (meta["path"], buf)  # most recently used last
         while len(maps) > _KEPT_SLOTS:
             maps.pop(next(iter(maps)))
@@ -723,13 +689,11 @@ class MegarlWorkerExtension:
 
     # -- LoRA adapters (actor.lora.sync: adapter; megarl.sync.adapters) ------------------------------------------------
     def megarl_add_adapter(self, meta: dict, lora_id: int, peft_config: dict) -> dict:
-        """Register the whole PEFT-named adapters of file `meta` (megarl.sync.adapters.write_adapter_file) as LoRA
+        """Register the whole PEFT-named adapters of file `meta` (megarl.sync.wire.write_adapter_file) as LoRA
         `lora_id` with vLLM's own LoRAModel.from_lora_tensors, activate it and drop every other adapter. vLLM slices
         each A/B for this worker's TP rank when it activates the adapter. A tensor whose module this engine has no LoRA
         layer for is an error (vLLM would ignore it silently). Returns counts."""
         from vllm.lora.peft_helper import PEFTHelper
-
-        from megarl.sync.adapters import read_adapter_file
 
         manager = getattr(self.model_runner, "lora_manager", None)
         if manager is None:

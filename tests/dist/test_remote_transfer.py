@@ -29,7 +29,7 @@ class AssemblingEngine:
         self.loads = self.loaded = 0
 
     def load_bucket(self, metas):
-        from megarl.sync.worker_ext import _open_bucket, region
+        from megarl.sync.wire import open_bucket, region
 
         self.loads += 1
         if self.fail_at and (self.version + 1, self.loads) == self.fail_at:
@@ -37,7 +37,7 @@ class AssemblingEngine:
         for w, meta in enumerate(metas):
             if not meta:
                 continue
-            buf = _open_bucket(meta["path"], int(meta["size"]))
+            buf = open_bucket(meta["path"], int(meta["size"]))
             for name, dtype, shape, offset, _need, boxes in meta["tensors"]:
                 full = region(buf, dtype, shape, int(offset))
                 into = self.got[w].setdefault(name, torch.full(tuple(shape), float("nan"), dtype=full.dtype))
