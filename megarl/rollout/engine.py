@@ -36,7 +36,8 @@ from megarl.rollout.engine_args import (EngineStartError, check_kv_cache_fits, c
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.start_errors import collecting_worker_errors
-from megarl.sync.worker_ext import PLAIN_CPU_WEIGHTS_ENV, WORKER_EXTENSION, keep_cpu_weights_plain
+from megarl.rollout.vllm_patches import PLAIN_CPU_WEIGHTS_ENV, keep_cpu_weights_plain
+from megarl.sync.worker_ext import WORKER_EXTENSION
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
