@@ -258,7 +258,7 @@ def check_dynamic_batches_with_experts(cfg: MegarlConfig) -> list[Issue]:
 
 def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
     """actor.router_replay.mode and rollout.return_routed_experts: what routing replay and the engine's routes need
-    (megarl.megatron.router_replay; megarl.sync.worker_ext.RouteRecorder)."""
+    (megarl.megatron.router_replay; megarl.sync.routes.RouteRecorder)."""
     mode, key, rkey = cfg.actor.router_replay.mode, "actor.router_replay.mode", "rollout.return_routed_experts"
     issues = []
     spec, source = model_spec(cfg) or (None, None)
