@@ -13,10 +13,10 @@ How
   mapping import, export and weight sync use) turns it into HF tensors.
 - An HF tensor whose bytes are one contiguous run of raw checkpoint chunks (embeddings, heads, norms, gate/up halves
   of dim-0 splits, in the output dtype) is copied file to file by the writer (sendfile), never read here.
-- Each other megatron tensor is read alone (experts one expert at a time: only the bytes of the chunks overlapping
-  that expert's slice are read, straight from the shard files into place), converted (views where the HF layout
-  allows), and handed to a background writer that appends it to the open safetensors shard while the next tensor is
-  read.
+- Each other megatron tensor is read alone (dcp_reader.DistCheckpoint; experts one expert at a time: only the bytes of
+  the chunks overlapping that expert's slice are read, straight from the shard files into place), converted (views
+  where the HF layout allows), and handed to a background writer that appends it to the open safetensors shard while
+  the next tensor is read.
   At most half the largest tensor's bytes wait in the writer, so peak memory stays under about two copies of the
   largest tensor (one expert's weight for MoE layers), never the model.
 - Before anything is read, the checkpoint is checked: meta.json complete, every shard file the metadata names present
@@ -33,14 +33,10 @@ Critic checkpoints export as a value model: `<Family>ForSequenceClassification` 
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
-import os
-import pickle
 import re
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,20 +48,22 @@ import torch
 from megarl.bridge.hf_config import (ArchSpec, BridgeError, load_spec, name_sample, problem_report,
                                       spec_from_dict)
 from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, Mapping, canonical_name
+from megarl.checkpoint.dcp_reader import CheckpointError, DistCheckpoint
 from megarl.checkpoint.locate import LAYOUT_VERSION, checkpoints_dir, complete_checkpoints, is_complete, read_meta
 
 log = logging.getLogger("megarl")
 
-_LORA = ".lora.lora_"
+LORA_MARK = ".lora.lora_"  # in the name of every LoRA adapter tensor a LoRA actor saves (megarl.lora.layers)
 _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 _EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.weight$")
 # a LoRA actor's expert adapters: one tensor per layer, projection and A/B with a leading expert dimension
 _LORA_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts)\.experts\.(linear_fc[12])\.(lora\.lora_[AB]\.\w+)$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class MergeError(ValueError):
-    """A checkpoint that cannot be merged (incomplete, corrupted, or not matching the HF config); names what."""
+class MergeError(CheckpointError):
+    """A checkpoint that cannot be merged (incomplete, or not matching the HF config), or merge arguments that cannot
+    be followed; names what."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -125,378 +123,6 @@ def find_hf_source(step: Path, model: str, hf_config: Optional[str | Path] = Non
 def tokenizer_source(step: Path) -> Optional[Path]:
     path = (_resolved_config(step).get("model") or {}).get("tokenizer_path")
     return Path(path) if path and Path(path).is_dir() else None
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reading a torch_dist checkpoint on one process
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-class _SlicePlanner:
-    """What FileSystemReader.read_data needs of a LoadPlanner, for one destination buffer."""
-
-    def __init__(self, target: torch.Tensor):
-        self.target = target
-        self.covered = 0
-
-    def resolve_tensor(self, item):
-        from torch.distributed._shard._utils import narrow_tensor_by_index
-
-        return narrow_tensor_by_index(self.target, item.dest_offsets, item.lengths)
-
-    def commit_tensor(self, item, tensor) -> None:
-        self.covered += math.prod(item.lengths)
-
-    def load_bytes(self, item, value) -> None:  # pragma: no cover - tensors only
-        raise MergeError(f"{item.storage_index.fqn}: expected a tensor, found bytes")
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One saved chunk of a tensor: its box in the global tensor and where its raw bytes lie (None: not raw)."""
-
-    offsets: tuple
-    sizes: tuple
-    path: str  # relative file name
-    data_offset: Optional[int]  # byte offset of the chunk's row-major data in the file
-
-
-def _raw_data_offset(f, offset: int, length: int, chunk: tuple, dtype: torch.dtype) -> Optional[int]:
-    """Where the row-major bytes of a chunk saved by torch.save (as torch_dist does) start in the file, or None when
-    the record is anything else (another byte order, a view into a bigger storage, not contiguous, not a zip archive
-    of the expected form): those chunks are read through torch.distributed.checkpoint instead.
-
-    The record is a zip archive (stored, not compressed): its central directory, at the end, gives each member's place;
-    data.pkl describes the tensor and data/<key> holds its storage. Parsed here with a few small reads (a checkpoint
-    has a record per chunk, and torch.load would read each through Python file callbacks)."""
-    fd = f.fileno()
-    members = _zip_members(fd, offset, length)
-    if members is None:
-        return None
-    pkl, data, order = ([m for name, m in members.items() if re.search(pattern, name)]
-                        for pattern in (r"(^|/)data\.pkl$", r"(^|/)data/[^/]+$", r"(^|/)byteorder$"))
-    if len(pkl) != 1 or len(data) != 1 or (order and _member_bytes(fd, offset, order[0]) != b"little"):
-        return None
-    header = _tensor_header(_member_bytes(fd, offset, pkl[0]) or b"")
-    if header is None:
-        return None
-    saved_dtype, storage_numel, storage_offset, size, stride = header
-    numel = math.prod(chunk)
-    contiguous = all(s == math.prod(size[d + 1:]) for d, s in enumerate(stride) if size[d] != 1)
-    if not (size == tuple(chunk) and saved_dtype == dtype and contiguous and storage_offset == 0
-            and storage_numel == numel and data[0][2] == numel * dtype.itemsize):
-        return None
-    start = _member_start(fd, offset, data[0])
-    return None if start is None else offset + start
-
-
-def _zip_members(fd: int, offset: int, length: int) -> Optional[dict]:
-    """{name: (name, local header offset, size)} of the stored (uncompressed) members of the zip archive at
-    [offset, offset + length) of the file, from its central directory; None if it is not such an archive (or has a
-    member over 4 GiB). Not zipfile: it needs a file object for the record's window, and torch's window
-    (`_create_file_view`) seeks wrongly from the end, which is where zipfile starts."""
-    tail_len = min(length, 1 << 16)
-    tail = os.pread(fd, tail_len, offset + length - tail_len)
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0 or len(tail) < end + 22:
-        return None
-    count, cd_size, cd_at = struct.unpack_from("<HII", tail, end + 10)
-    loc = tail.rfind(b"PK\x06\x07", 0, end)
-    if loc >= 0:  # zip64 (torch writes it always): the 64-bit end record, found through its locator
-        (z64_at,) = struct.unpack_from("<Q", tail, loc + 8)
-        z64 = os.pread(fd, 56, offset + z64_at)
-        if len(z64) < 56 or z64[:4] != b"PK\x06\x06":
-            return None
-        count, cd_size, cd_at = struct.unpack_from("<QQQ", z64, 32)
-    cd = os.pread(fd, cd_size, offset + cd_at)
-    if len(cd) != cd_size:
-        return None
-    members, at = {}, 0
-    for _ in range(count):
-        if cd[at:at + 4] != b"PK\x01\x02" or len(cd) < at + 46:
-            return None
-        method, csize, usize, nlen, elen, clen = struct.unpack_from("<H8xIIHHH", cd, at + 10)
-        (local,) = struct.unpack_from("<I", cd, at + 42)
-        name = cd[at + 46: at + 46 + nlen].decode("utf-8", "replace")
-        if 0xFFFFFFFF in (usize, csize, local):  # a member over 4 GiB (zip64 extra field): left to torch's reader
-            return None
-        if method != 0 or csize != usize:  # compressed: not raw bytes
-            return None
-        members[name] = (name, local, csize)
-        at += 46 + nlen + elen + clen
-    return members
-
-
-def _member_start(fd: int, offset: int, member: tuple) -> Optional[int]:
-    """Offset, within the archive, of a member's data: after its local header (whose extra field, used by torch for
-    alignment, may differ from the central directory's); None if the header is not there."""
-    local = os.pread(fd, 30, offset + member[1])
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
-        return None
-    nlen, elen = struct.unpack_from("<HH", local, 26)
-    return member[1] + 30 + nlen + elen
-
-
-def _member_bytes(fd: int, offset: int, member: tuple) -> Optional[bytes]:
-    start = _member_start(fd, offset, member)
-    return None if start is None else os.pread(fd, member[2], offset + start)
-
-
-_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
-                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                   "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-                   "BoolStorage": torch.bool}
-
-
-class _TensorHeaderUnpickler(pickle.Unpickler):
-    """Reads the data.pkl of torch.save(tensor) with only the names the pickle of a plain tensor uses, resolved to
-    stubs: nothing is imported or called."""
-
-    def find_class(self, module, name):
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, storage_offset, size, stride, *rest: (storage, storage_offset, size, stride)
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid):  # ("storage", storage type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
-            raise pickle.UnpicklingError(f"storage {pid!r}")
-        return pid[1], int(pid[4])
-
-
-def _tensor_header(pkl: bytes) -> Optional[tuple]:
-    """(dtype, storage numel, storage offset, size, stride) from the data.pkl of torch.save(tensor), or None when it
-    holds anything else."""
-    try:
-        result = _TensorHeaderUnpickler(io.BytesIO(pkl)).load()
-        (dtype, storage_numel), storage_offset, size, stride = result
-        return dtype, storage_numel, int(storage_offset), tuple(size), tuple(stride)
-    except Exception:  # noqa: BLE001 - not a plain tensor record: the caller falls back to torch's reader
-        return None
-
-
-def _box_range(shape: tuple, start: tuple, size: tuple) -> Optional[tuple]:
-    """(first element, count) of box [start, start + size) of a row-major array of `shape` when the box is one
-    contiguous run of elements, else None."""
-    d = 0
-    while d < len(shape) and size[d] == 1:  # leading dims of extent 1
-        d += 1
-    if any(size[k] != shape[k] for k in range(d + 1, len(shape))):  # after the first wider dim: whole dims only
-        return None
-    first, stride = 0, 1
-    for k in reversed(range(len(shape))):
-        first += start[k] * stride
-        stride *= shape[k]
-    return first, math.prod(size)
-
-
-def _pread_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill the contiguous tensor `out` with the file's bytes at `offset` (one kernel copy, no intermediate)."""
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(f"short read at byte {offset + done}")
-        done += n
-
-
-def _pread_rows_into(fd: int, out: torch.Tensor, offset: int) -> None:
-    """Fill `out`, a view whose last dim is contiguous (a column block of a bigger tensor), with the file's
-    row-major bytes at `offset`: rows of 64 KiB and more in one scatter read per 1024 rows, no intermediate buffer;
-    shorter rows are read in one piece and then placed (one memory copy costs less than a Python object per row)."""
-    rows = out.view(-1, out.shape[-1]) if out.stride(-1) == 1 else None
-    if rows is None or rows.shape[1] * rows.element_size() < _ROW_READ_BYTES:  # read, then place
-        part = torch.empty(out.shape, dtype=out.dtype)
-        _pread_into(fd, part, offset)
-        out.copy_(part)
-        return
-    flat = rows.view(torch.uint8) if rows.element_size() == 1 else rows.view(_SAME_SIZE_INT[rows.element_size()])
-    arrays = flat.numpy()
-    row_bytes = rows.shape[1] * rows.element_size()
-    for start in range(0, rows.shape[0], 1024):  # IOV_MAX
-        views = [memoryview(a) for a in arrays[start:start + 1024]]
-        want = len(views) * row_bytes
-        if os.preadv(fd, views, offset + start * row_bytes) != want:  # a short read: rare, redo it row by row
-            for i in range(start, start + len(views)):
-                _pread_into(fd, rows[i], offset + i * row_bytes)
-
-
-_SAME_SIZE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_ROW_READ_BYTES = 64 << 10
-
-
-class DistCheckpoint:
-    """The tensors of one dist_checkpointing (torch_dist) directory: names, global shapes, dtypes, slice reads.
-
-    Chunks are read straight from the shard files: their byte ranges come from the metadata and each chunk's
-    torch.save header, and the requested slice of each chunk is read into its place in the result (row by row, in
-    one scatter read, when TP splits a later dimension), so every byte is read once, with no intermediate copy.
-    Chunks stored any other way go through torch.distributed.checkpoint's reader."""
-
-    def __init__(self, directory: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.dir = Path(directory)
-        if not self.dir.is_dir():
-            raise MergeError(f"{self.dir}: missing (the checkpoint has no such model directory)")
-        if not (self.dir / ".metadata").is_file():
-            raise MergeError(f"{self.dir}/.metadata: missing (not a torch_dist checkpoint, or a partial copy)")
-        self.reader = FileSystemReader(str(self.dir))
-        try:
-            self.metadata = self.reader.read_metadata()
-        except Exception as exc:
-            raise MergeError(f"{self.dir}/.metadata: unreadable ({type(exc).__name__}: {exc}); the checkpoint is "
-                             "corrupted or truncated") from exc
-        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
-        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
-                        if isinstance(v, TensorStorageMetadata)}
-        self._files: dict = {}  # relative path -> open file
-        self._chunks: dict = {}  # key -> [_Chunk]
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-    def _file(self, rel: str):
-        if rel not in self._files:
-            self._files[rel] = open(self.dir / rel, "rb")
-        return self._files[rel]
-
-    def check_files(self, keys: Optional[set] = None) -> None:
-        """Every file the metadata names (for `keys`, default all) exists and holds the byte ranges it lists."""
-        need: dict = {}
-        for index, info in self.metadata.storage_data.items():
-            if keys is not None and index.fqn not in keys:
-                continue
-            end, names = need.get(info.relative_path, (0, set()))
-            names.add(index.fqn)
-            need[info.relative_path] = (max(end, info.offset + info.length), names)
-        problems = []
-        for rel, (end, names) in sorted(need.items()):
-            path = self.dir / rel
-            example = sorted(names)[:3]
-            if not path.is_file():
-                problems.append(f"{path}: missing; it holds chunks of {len(names)} tensors, e.g. {example}")
-            elif path.stat().st_size < end:
-                problems.append(f"{path}: truncated ({path.stat().st_size} bytes, the metadata lists data up to byte "
-                                f"{end}); it holds chunks of {len(names)} tensors, e.g. {example}")
-        if problems:
-            raise MergeError(f"checkpoint {self.dir} is incomplete or corrupted ({len(problems)} files):\n  "
-                             + "\n  ".join(problems))
-
-    def shape(self, key: str) -> tuple:
-        return tuple(self.tensors[key].size)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.tensors[key].properties.dtype
-
-    def chunks(self, key: str) -> list:
-        """The saved chunks of `key` with the location of their raw bytes (located once, on first use)."""
-        if key not in self._chunks:
-            from torch.distributed.checkpoint.metadata import MetadataIndex
-
-            md = self.tensors[key]
-            out = []
-            for c in md.chunks:
-                info = self.metadata.storage_data[MetadataIndex(key, c.offsets)]
-                data = None
-                if not info.transform_descriptors:
-                    data = _raw_data_offset(self._file(info.relative_path), info.offset, info.length,
-                                            tuple(c.sizes), md.properties.dtype)
-                out.append(_Chunk(tuple(c.offsets), tuple(c.sizes), info.relative_path, data))
-            self._chunks[key] = out
-        return self._chunks[key]
-
-    def read(self, key: str, index: tuple = ()) -> torch.Tensor:
-        """The global tensor `key`, or only `key[i0, i1, ...]` (leading dimensions: a stacked layer, an expert):
-        reads only the chunks overlapping that slice, and of each only the overlapping bytes."""
-        md = self.tensors[key]
-        shape = tuple(md.size)
-        k = len(index)
-        offsets, sizes = tuple(index) + (0,) * (len(shape) - k), (1,) * k + shape[k:]
-        target = torch.empty(sizes, dtype=md.properties.dtype)
-        try:
-            chunks = self.chunks(key)
-            if any(c.data_offset is None for c in chunks):
-                return self._read_with_torch(key, index, target).reshape(shape[k:])
-            covered = 0
-            for c in chunks:
-                lo = [max(o, co) for o, co in zip(offsets, c.offsets)]
-                hi = [min(o + s, co + cs) for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)]
-                if any(h <= lo_ for lo_, h in zip(lo, hi)):
-                    continue
-                box = tuple(h - lo_ for lo_, h in zip(lo, hi))
-                src = _box_range(c.sizes, tuple(lo_ - co for lo_, co in zip(lo, c.offsets)), box)
-                if src is None:  # not reached for slices of leading dims; kept exact for any other box
-                    return self._read_with_torch(key, index, target).reshape(shape[k:])
-                dst = target
-                for d, (lo_, n) in enumerate(zip(lo, box)):
-                    dst = dst.narrow(d, lo_ - offsets[d], n)
-                fd = self._file(c.path).fileno()
-                byte = c.data_offset + src[0] * target.element_size()
-                if dst.is_contiguous():
-                    _pread_into(fd, dst, byte)
-                else:  # TP split of a later dimension: each of the chunk's rows is read into its row of the result
-                    _pread_rows_into(fd, dst, byte)
-                covered += src[1]
-        except MergeError:
-            raise
-        except Exception as exc:
-            files = sorted({info.relative_path for i, info in self.metadata.storage_data.items() if i.fqn == key})
-            raise MergeError(f"{key}: cannot be read from {self.dir} files {files} ({type(exc).__name__}: {exc}); "
-                             "the checkpoint is corrupted") from exc
-        _check_covered(key, index, covered, target)
-        return target.reshape(shape[k:])
-
-    def file_ranges(self, key: str, first: int, count: int) -> Optional[list]:
-        """Where elements [first, first + count) of the row-major global tensor `key` lie in the shard files:
-        [(fd, byte offset, nbytes)] in order, or None unless every chunk they touch is stored raw as one contiguous
-        run of the global tensor (a row block: dim-0 splits)."""
-        shape = self.shape(key)
-        size = self.dtype(key).itemsize
-        runs = []
-        for c in self.chunks(key):
-            run = _box_range(shape, c.offsets, c.sizes)
-            if run is None or c.data_offset is None:
-                return None
-            runs.append((run[0], run[1], c))
-        out, at, end = [], first, first + count
-        for start, n, c in sorted(runs, key=lambda r: r[0]):
-            if start + n <= at or start >= end:
-                continue
-            if start > at:
-                return None  # a gap: not covered
-            stop = min(end, start + n)
-            out.append((self._file(c.path).fileno(), c.data_offset + (at - start) * size, (stop - at) * size))
-            at = stop
-        return out if at == end else None
-
-    def _read_with_torch(self, key: str, index: tuple, target: torch.Tensor) -> torch.Tensor:
-        """The slice through torch.distributed.checkpoint's reader (loads whole chunks; any storage format)."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-        md = self.tensors[key]
-        offsets = tuple(index) + (0,) * (target.dim() - len(index))
-        items = create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets),
-                                                                                target.shape)])
-        planner = _SlicePlanner(target)
-        self.reader.read_data(LoadPlan(items), planner).wait()
-        _check_covered(key, index, planner.covered, target)
-        return target
-
-
-def _check_covered(key: str, index: tuple, covered: int, target: torch.Tensor) -> None:
-    if covered != target.numel():
-        raise MergeError(f"{key}{list(index) if index else ''}: the checkpoint's chunks cover "
-                         f"{covered} of {target.numel()} elements (a rank's shards are missing)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -586,7 +212,7 @@ def plan_merge(ckpt: DistCheckpoint, spec: ArchSpec, head: str = LM_HEAD,
         dt = ckpt.dtype(src.key)
         dtypes[dt] = dtypes.get(dt, 0) + math.prod(got) * torch.tensor([], dtype=dt).element_size()
     tied_copy = {"output_layer.weight"} if spec.tie_word_embeddings and head == LM_HEAD else set()
-    lora = {n: s for n, s in sources.items() if _LORA in n}  # adapters of a LoRA actor (megarl.lora)
+    lora = {n: s for n, s in sources.items() if LORA_MARK in n}  # adapters of a LoRA actor (megarl.lora)
     extra = sorted(n for n in sources if n not in used and n not in tied_copy and n not in lora)
     if extra:
         problems.append(f"{len(extra)} checkpoint tensors have no place in a {spec.architecture} with this config: "
@@ -691,7 +317,7 @@ def lora_adapters(ckpt: DistCheckpoint, plan: MergePlan, step: Path) -> tuple:
     settings = lora_settings(step)
     out = {}
     for name, src in sorted(plan.lora.items()):
-        module, rest = name.split(_LORA)
+        module, rest = name.split(LORA_MARK)
         which, proj = rest.split(".", 1)
         entry = plan.mapping.by_megatron.get(module + ".weight")
         hf = [h for h in (entry.hf if entry else ()) if ALIASES.get(h.split(".")[-2], h.split(".")[-2]) == proj]
@@ -776,9 +402,9 @@ def merge(ckpt_path: str | Path, out: str | Path, *, model: str = "actor", hf_co
                                "architectures": [spec.architecture.replace("ForSequenceClassification",
                                                                            "ForCausalLM")]})
     ckpt = DistCheckpoint(step / model)
-    if dtype is not None and dtype not in _DTYPES:
-        raise MergeError(f"--dtype {dtype}: choose from {sorted(_DTYPES)}")
-    plan = plan_merge(ckpt, spec, head, _DTYPES.get(dtype) if dtype else None)
+    if dtype is not None and dtype not in OUTPUT_DTYPES:
+        raise MergeError(f"--dtype {dtype}: choose from {sorted(OUTPUT_DTYPES)}")
+    plan = plan_merge(ckpt, spec, head, OUTPUT_DTYPES.get(dtype) if dtype else None)
     ckpt.check_files({s.key for s in plan.sources.values()})
     deltas = None
     if lora not in ("merged", "adapter"):
@@ -868,7 +494,7 @@ def megatron_outputs_rank(model_dir: str, hf_dir: str, tokens, critic: bool):
     ckpt = DistCheckpoint(model_dir)
     rows = ckpt.shape("embedding.word_embeddings.weight")[0]
     model = build_gpt_model(spec, value_head=critic, dtype=torch.float32, vocab_pad_multiple=rows)
-    if any(_LORA in k for k in ckpt.tensors):  # a LoRA actor: the merged weights are compared with base + adapters
+    if any(LORA_MARK in k for k in ckpt.tensors):  # a LoRA actor: the merged weights are compared with base + adapters
         from megarl.lora.layers import apply_lora
 
         apply_lora(model, spec, lora_settings(Path(model_dir).parent))
@@ -908,7 +534,7 @@ def _logits_rms(hf_dir, tokens: torch.Tensor) -> float:
 def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, seq: int = 32, seed: int = 0) -> float:
     """Compare transformers on the merged directory with the checkpoint's megatron model, both computing in float32
     from the same weights. Returns the max abs difference of logprobs (values for the critic); raises MergeError above
-    `tol`: by default the float32 bound derived from the model (megarl.verify.fp32_bound), 2e-2 when --dtype rounded
+    `tol`: by default the float32 bound derived from the model (megarl.numerics.fp32_bound), 2e-2 when --dtype rounded
     the weights to another dtype than the checkpoint's."""
     from megarl.launch_local import run_ranks
 
@@ -924,7 +550,7 @@ def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, s
     if tol is None and report.dtype != report.checkpoint_dtype:
         tol = 2e-2
     elif tol is None:
-        from megarl.verify import fp32_bound
+        from megarl.numerics import fp32_bound
 
         rms = float(got.pow(2).mean().sqrt()) if critic else _logits_rms(report.out, tokens)
         tol = fp32_bound(spec, seq, got.numel(), rms, score=critic)
@@ -946,7 +572,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hf-config", default=None, help="HF model directory the run started from (default: the run's "
                    "model.path)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="output dtype (default: the checkpoint's)")
+    p.add_argument("--dtype", default=None, choices=sorted(OUTPUT_DTYPES), help="output dtype (default: the checkpoint's)")
     p.add_argument("--verify", action="store_true", help="compare transformers logprobs with the checkpoint's "
                    "megatron model")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -971,7 +597,7 @@ def run(args) -> int:
             diff = verify_merge(report)
             print(f"verify: max |{'value' if report.model == 'critic' else 'logprob'} diff| transformers vs megatron "
                   f"= {diff:.2e}", file=sys.stderr)
-    except (MergeError, BridgeError) as exc:
+    except (CheckpointError, BridgeError) as exc:
         print(f"megarl merge: {exc}", file=sys.stderr)
         return 1
     return 0

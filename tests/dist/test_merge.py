@@ -99,7 +99,6 @@ def _masked_max(a, b, batch):
 
 def _check_merged(root, saved, name):
     """Merge actor and critic; transformers' logprobs / values equal the saving megatron model's."""
-    from megarl.checkpoint.merge import hf_outputs
     from tests.helpers.tiny_models import read_checkpoint
 
     hf_dir, batch, run_dir, last = saved
@@ -112,7 +111,7 @@ def _check_merged(root, saved, name):
     merged, source = read_checkpoint(actor.out), read_checkpoint(hf_dir)
     assert sorted(merged) == sorted(index["weight_map"]) == sorted(source)  # the same names as the HF architecture
     assert any(not torch.equal(merged[n], source[n]) for n in source)  # the trained weights, not the source
-    got = hf_outputs(actor.out, tokens, critic=False)
+    got = hf_logprobs(actor.out, tokens)
     diff = max(_masked_max(got, r["logprobs"], batch) for r in last)
     tol = logprob_bound(actor.out, tokens, tokens[:, 1:] != 0)  # the merged (trained) model's own logits
     print(f"[merge {name}] actor: max |logprob diff| transformers vs megatron = {diff:.2e} (bound {tol:.2e})")
@@ -160,33 +159,34 @@ def ckpt_copy(moe_saved, tmp_path):
 
 
 def test_missing_shard_file_is_refused_naming_it(ckpt_copy, tmp_path):
-    from megarl.checkpoint.merge import MergeError
+    from megarl.checkpoint.dcp_reader import CheckpointError
 
     run_dir, step = ckpt_copy
     victim = sorted((step / "actor").glob("*.distcp"))[-1]
     victim.unlink()
-    with pytest.raises(MergeError, match=f"{victim.name}: missing"):
+    with pytest.raises(CheckpointError, match=f"{victim.name}: missing"):
         _merge(run_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
 
 
 def test_truncated_shard_file_is_refused_naming_it(ckpt_copy, tmp_path):
-    from megarl.checkpoint.merge import MergeError
+    from megarl.checkpoint.dcp_reader import CheckpointError
 
     run_dir, step = ckpt_copy
     victim = sorted((step / "actor").glob("*.distcp"))[0]
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
-    with pytest.raises(MergeError, match=f"{victim.name}: truncated"):
+    with pytest.raises(CheckpointError, match=f"{victim.name}: truncated"):
         _merge(run_dir, tmp_path / "out")
 
 
 def test_partial_checkpoint_is_refused(ckpt_copy, tmp_path):
+    from megarl.checkpoint.dcp_reader import CheckpointError
     from megarl.checkpoint.merge import MergeError
 
     run_dir, step = ckpt_copy
     (step / "actor" / ".metadata").unlink()
-    with pytest.raises(MergeError, match=r"\.metadata: missing"):
+    with pytest.raises(CheckpointError, match=r"\.metadata: missing"):
         _merge(step, tmp_path / "out")
     partial = step.parent / "step_2.tmp"
     partial.mkdir()
@@ -201,15 +201,42 @@ def test_partial_checkpoint_is_refused(ckpt_copy, tmp_path):
 def test_direct_chunk_reads_equal_torch_dcp_reads(moe_saved, tmp_path, monkeypatch):
     """The merger reads chunk bytes straight from the shard files; torch.distributed.checkpoint's own reader (the
     fallback for chunks not stored as plain torch.save records) must give byte-identical output files."""
-    from megarl.checkpoint import merge as merge_mod
+    from megarl.checkpoint import dcp_reader
 
     root, (hf_dir, batch, run_dir, last) = moe_saved
     direct = _merge(run_dir, tmp_path / "direct", model="critic")
-    monkeypatch.setattr(merge_mod, "_raw_data_offset", lambda *a, **k: None)
+    monkeypatch.setattr(dcp_reader, "raw_data_offset", lambda *a, **k: None)
     via_torch = _merge(run_dir, tmp_path / "torch", model="critic")
     names = sorted(p.name for p in direct.out.iterdir())
     assert names == sorted(p.name for p in via_torch.out.iterdir()) and len(names) > 3
     assert all((direct.out / n).read_bytes() == (via_torch.out / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize("path", ["raw records", "torch's reader"])
+def test_slice_reads_equal_torch_dcp_loads(moe_saved, monkeypatch, path):
+    """Every tensor, and each expert of a layer's expert tensor alone, read by the merger's reader (from the chunks'
+    raw bytes, or through torch's reader) equals that part of the whole tensor torch.distributed.checkpoint.load
+    gives."""
+    import torch.distributed.checkpoint as dcp
+
+    from megarl.checkpoint import dcp_reader
+
+    if path == "torch's reader":
+        monkeypatch.setattr(dcp_reader, "raw_data_offset", lambda *a, **k: None)
+    root, (hf_dir, batch, run_dir, last) = moe_saved
+    model_dir = run_dir / "checkpoints" / "step_1" / "actor"
+    ckpt = dcp_reader.DistCheckpoint(model_dir)
+    keys = sorted(k for k in ckpt.tensors if not k.startswith("optimizer") and "_extra_state" not in k)
+    whole = {k: torch.full(ckpt.shape(k), float("nan"), dtype=ckpt.dtype(k)) for k in keys}
+    dcp.load(whole, checkpoint_id=str(model_dir), no_dist=True)
+    experts = [k for k in keys if ".mlp.experts.experts." in k]
+    assert experts and any(c.sizes[1] < ckpt.shape(k)[1] for k in experts for c in ckpt.tensors[k].chunks)  # TP too
+    for key in keys:
+        assert torch.equal(ckpt.read(key), whole[key]), key
+    for key in experts:
+        for e in range(ckpt.shape(key)[0]):
+            assert torch.equal(ckpt.read(key, (e,)), whole[key][e]), (key, e)
+    ckpt.close()
 
 
 def test_nonempty_out_needs_force(moe_saved, tmp_path):

@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from megarl.checkpoint.merge import _raw_data_offset
+from megarl.checkpoint.chunk_records import raw_data_offset
 
 
 def _record_in_file(tmp_path, tensor, lead: bytes = b"x" * 1000, trail: bytes = b"y" * 77):
@@ -24,7 +24,7 @@ def _record_in_file(tmp_path, tensor, lead: bytes = b"x" * 1000, trail: bytes = 
 def test_offset_of_a_plain_tensor_holds_its_bytes(tmp_path, dtype, shape):
     t = (torch.arange(int(torch.tensor(shape).prod())) * 3 + 1).to(dtype).reshape(shape)
     f, offset, length = _record_in_file(tmp_path, t)
-    at = _raw_data_offset(f, offset, length, shape, dtype)
+    at = raw_data_offset(f, offset, length, shape, dtype)
     assert at is not None
     f.seek(at)
     raw = f.read(t.numel() * t.element_size())
@@ -44,11 +44,11 @@ def _base():
 ])
 def test_anything_else_is_left_to_torchs_reader(tmp_path, what, tensor, chunk, dtype):
     f, offset, length = _record_in_file(tmp_path, tensor)
-    assert _raw_data_offset(f, offset, length, chunk, dtype) is None, what
+    assert raw_data_offset(f, offset, length, chunk, dtype) is None, what
 
 
 def test_bytes_that_are_not_a_record_are_left_to_torchs_reader(tmp_path):
     path = tmp_path / "junk"
     path.write_bytes(b"PK\x05\x06" + b"\xff" * 300)
     with open(path, "rb") as f:
-        assert _raw_data_offset(f, 0, 304, (4,), torch.float32) is None
+        assert raw_data_offset(f, 0, 304, (4,), torch.float32) is None
