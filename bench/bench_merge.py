@@ -5,7 +5,7 @@
 
 1. Two local ranks build a randomly initialised model from an ArchSpec and save it with megatron dist_checkpointing
    (weights only) as a megarl `step_0` checkpoint; config.json is written next to it (no HF weights needed).
-2. `megarl merge` runs in a fresh process (python -m megarl.checkpoint.merge); its wall time and peak RSS
+2. `megarl merge` runs in a fresh process (python -m megarl.checkpoint.merge_cli); its wall time and peak RSS
    (getrusage of the child) are measured, and merge() alone in a fresh process that imported its modules first;
    --repeats times, alternating with the copy. A second fresh process that only imports the same modules gives the RSS
    baseline (python + torch + megatron), so `peak RSS - baseline` is what the merge itself held.
@@ -127,7 +127,7 @@ def main() -> None:
     merge_s = merge_work_s = copy_s = copy_work_s = float("inf")
     merge_rss = 0
     for _ in range(args.repeats):  # merge and copy alternate; the best of each is kept (load from elsewhere varies)
-        seconds, rss, err = _child(["-m", "megarl.checkpoint.merge", "--ckpt", str(step), "--out", str(out),
+        seconds, rss, err = _child(["-m", "megarl.checkpoint.merge_cli", "--ckpt", str(step), "--out", str(out),
                                     "--max-shard-size", args.max_shard_size, "--force", "--no-progress"])
         merge_s, merge_rss = min(merge_s, seconds), max(merge_rss, rss)
         # the merge's own time, without the interpreter and import start-up (the same for a 1 MB or a 1 TB model)

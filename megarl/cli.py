@@ -124,14 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "models: scores) with HF transformers (see `megarl verify --help`)")
     sub.add_parser("doctor", add_help=False, help="versions, devices and short probes of this machine (megatron vs "
                    "HF, one update vs torch, the engine's first tokens); exit 1 on a failure")
-    from megarl.checkpoint import merge as _merge
+    from megarl.checkpoint import merge_cli as _merge_cli
 
     mg = sub.add_parser("merge", help="megarl checkpoint (any TP/PP/EP layout) -> Hugging Face model directory",
                         description="Merge a megarl checkpoint saved at any TP/PP/EP layout into a Hugging Face model "
                         "directory (config, tokenizer, sharded safetensors + index), streaming tensor by tensor on one "
                         "process without GPUs. The critic is written as a *ForSequenceClassification value model "
                         "(num_labels=1, head `score.weight`).")
-    _merge.add_arguments(mg)
+    _merge_cli.add_arguments(mg)
     from megarl.checkpoint import hf_import as _import
 
     im = sub.add_parser("import", help="Hugging Face model -> megarl distributed checkpoint at a TP/PP/EP layout",
@@ -168,9 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     args = parser.parse_args(argv)  # an unknown command prints usage and exits 2
     if args.command == "merge":
-        from megarl.checkpoint import merge
+        from megarl.checkpoint import merge_cli
 
-        return merge.run(args)
+        return merge_cli.run(args)
     if args.command == "import":
         from megarl.checkpoint import hf_import
 

@@ -29,7 +29,8 @@ def logits_scale(logits: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def logits_rms(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """RMS of the logits over the real positions (mask [B, S-1]) and the vocabulary (what their rounding scales with)."""
+    """RMS of the logits over the real positions (mask [B, S-1]) and the vocabulary (what their rounding scales
+    with)."""
     return float(logits.float()[mask].pow(2).mean().sqrt())
 
 

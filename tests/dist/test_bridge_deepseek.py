@@ -67,9 +67,8 @@ def test_vllm_after_sync_matches_megarl(tiny, arch, extra, capsys):
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_train_save_merge_loads_in_transformers(tmp_path, arch):
     """One PPO step at EP2, saved by megarl's Checkpointer, merged to HF: transformers' logprobs equal megatron's."""
-    from megarl.checkpoint.merge import hf_outputs
     from tests.dist.test_merge import _masked_max, _merge, _train_and_save
-    from tests.helpers.tiny_models import read_checkpoint
+    from tests.helpers.tiny_models import hf_logprobs, read_checkpoint
 
     hf_dir, batch, run_dir, last = _train_and_save(tmp_path, arch, 2, tp=1, pp=1, ep=2, critic=False)
     merged = _merge(run_dir, tmp_path / "merged")
@@ -78,8 +77,7 @@ def test_train_save_merge_loads_in_transformers(tmp_path, arch):
     assert any(not torch.equal(got[n], source[n]) for n in source)  # trained
     bias = [n for n in source if n.endswith("e_score_correction_bias")]
     assert bias and all(torch.equal(got[n], source[n]) for n in bias)  # the router bias is not trained by the loss
-    diff = max(_masked_max(hf_outputs(merged.out, batch["input_ids"], critic=False), r["logprobs"], batch)
-               for r in last)
+    diff = max(_masked_max(hf_logprobs(merged.out, batch["input_ids"]), r["logprobs"], batch) for r in last)
     tol = logprob_bound(merged.out, batch["input_ids"], batch["input_ids"][:, 1:] != 0)
     print(f"[merge {arch} ep2] transformers vs megatron {diff:.2e} (bound {tol:.2e})")
     assert diff < tol, (diff, tol)

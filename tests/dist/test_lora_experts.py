@@ -94,7 +94,7 @@ def test_expert_adapters_at_ep2_equal_the_merged_model(tmp_path):
     assert diff <= tol, (diff, tol)
 
     # the EP2 checkpoint merges back: the same adapters (PEFT keys, experts included) and bitwise the merged weights
-    from megarl.checkpoint.merge import main
+    from megarl.checkpoint.merge_cli import main
     from megarl.lora.peft_io import read_adapter
 
     assert main(["--ckpt", str(run_dir), "--out", str(tmp_path / "adapter"), "--lora", "adapter", "--no-progress"]) == 0

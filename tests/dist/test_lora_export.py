@@ -83,7 +83,7 @@ def test_merge_writes_a_peft_adapter_directory(saved, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from megarl.checkpoint.merge import main
+    from megarl.checkpoint.merge_cli import main
 
     hf_dir, batch, run_dir, trained = saved
     out = tmp_path / "adapter"
@@ -106,7 +106,7 @@ def test_merge_writes_a_peft_adapter_directory(saved, tmp_path):
 
 
 def test_merge_writes_merged_weights(saved, tmp_path):
-    from megarl.checkpoint.merge import main
+    from megarl.checkpoint.merge_cli import main
 
     hf_dir, _, run_dir, trained = saved
     out = tmp_path / "merged"
