@@ -168,7 +168,7 @@ def main() -> int:
         nbytes = nparams * 4  # what a sync moves: every fp32 parameter once (the head is tied to the embedding)
 
         # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
-        from megarl.megatron.parallel import free_port
+        from megarl.distributed import free_port
         from megarl.rollout.process import EngineProcess
 
         g = torch.Generator().manual_seed(1)

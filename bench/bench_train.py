@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from megarl.megatron.model import te_available
-    from megarl.megatron.parallel import Layout, init_distributed, init_model_parallel
+    from megarl.distributed import init_distributed
+    from megarl.megatron.parallel import Layout, init_model_parallel
 
     init_distributed()
     init_model_parallel(Layout(), seed=0)

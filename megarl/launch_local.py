@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megarl import lifecycle
-from megarl.megatron.parallel import free_port
+from megarl.distributed import free_port
 
 _LAUNCHER_PID = "MEGARL_LAUNCHER_PID"
 
@@ -135,6 +135,7 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
 def _rank_main(target: str, work: str) -> None:
     import torch.distributed
 
+    from megarl import distributed
     from megarl.megatron import parallel
 
     if os.environ.get(_LAUNCHER_PID):  # a SIGKILLed launcher must not leave its ranks running
@@ -144,8 +145,8 @@ def _rank_main(target: str, work: str) -> None:
     kwargs = pickle.loads((Path(work) / "kwargs.pkl").read_bytes())
     if os.environ.get("MEGARL_HANG_DUMP_S"):  # print every thread's stack if a rank hangs this long, then exit
         faulthandler.dump_traceback_later(float(os.environ["MEGARL_HANG_DUMP_S"]), exit=True)
-    parallel.init_distributed()
-    rank = parallel.rank()
+    distributed.init_distributed()
+    rank = distributed.rank()
     try:
         result = fn(**kwargs)
         (Path(work) / f"result{rank}.pkl").write_bytes(pickle.dumps(result))

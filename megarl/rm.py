@@ -187,7 +187,7 @@ def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None, init: str | 
     from megarl.megatron.train_step import global_count, train_mini_batch
     from megarl.reward.model import RewardModelWorker
     from megarl.checkpoint.hf_writer import write_hf_model
-    from megarl.runtime import dp_row_range
+    from megarl.distributed import dp_row_range
 
     r = cfg.rm
     init = init or rm_init_path(cfg, rt)
@@ -278,7 +278,8 @@ def rm_entry(cfg_dict: dict) -> str:
     """`megarl rm`: prepare inputs (synthetic pairs, a tiny model), train the reward model, write it."""
     from megarl.config import write_resolved
     from megarl.prepare import prepare
-    from megarl.runtime import barrier, start
+    from megarl.distributed import barrier
+    from megarl.runtime import start
 
     cfg = MegarlConfig.model_validate(cfg_dict)
     rt = start(cfg)

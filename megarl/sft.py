@@ -102,7 +102,7 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     from megarl.megatron.losses import make_sft_loss_fn
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
     from megarl.megatron.workers import PolicyWorker
-    from megarl.runtime import dp_row_range
+    from megarl.distributed import dp_row_range
 
     s, d = cfg.sft, cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path,
@@ -149,7 +149,8 @@ def sft_entry(cfg_dict: dict) -> str:
     """`megarl sft`: prepare inputs, fine-tune, write the HF model; returns its path."""
     from megarl.config import write_resolved
     from megarl.prepare import prepare
-    from megarl.runtime import barrier, start
+    from megarl.distributed import barrier
+    from megarl.runtime import start
 
     cfg = MegarlConfig.model_validate(cfg_dict)
     rt = start(cfg)

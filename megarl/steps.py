@@ -18,7 +18,8 @@ from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
 from megarl.rollout.replicas import broadcast_rollout, combine
-from megarl.runtime import Runtime, broadcast_object, compute_device
+from megarl.distributed import broadcast_object, compute_device
+from megarl.runtime import Runtime
 from megarl.types import RolloutBatch
 
 
@@ -235,7 +236,7 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
     if cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter":  # the engine keeps its base; adapters only
         from megarl.rollout.engine_args import resolve_dtype
-        from megarl.runtime import compute_device
+        from megarl.distributed import compute_device
         from megarl.sync.adapters import AdapterSync
         from megarl.sync.delivery import plan_sync
 

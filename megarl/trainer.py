@@ -20,7 +20,8 @@ from megarl.metrics import MetricsLogger, write_rollouts
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
 from megarl.rollout.threads import keep_trainer_on
-from megarl.runtime import Runtime, barrier, compute_device, start, stop
+from megarl.distributed import barrier, compute_device
+from megarl.runtime import Runtime, start, stop
 
 log = logging.getLogger("megarl")
 

@@ -250,7 +250,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
             engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
         except EngineProcessError as exc:  # one line: the cause, the fix where known, the engine's log
             failed[0] = str(exc)
-    from megarl.runtime import broadcast_object
+    from megarl.distributed import broadcast_object
 
     failed = broadcast_object(failed, src=0)  # no rank waits on a sync into an engine that is not there
     if failed[0] is not None:
@@ -374,8 +374,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "WORLD_SIZE" in os.environ:  # under torchrun: use the ranks we were given
         import torch.distributed as dist
 
-        from megarl.megatron.parallel import init_distributed
-        from megarl.runtime import all_gather_objects, broadcast_object
+        from megarl.distributed import init_distributed
+        from megarl.distributed import all_gather_objects, broadcast_object
 
         init_distributed()
         # the results and the verdict are host objects: over gloo beside an NCCL default group

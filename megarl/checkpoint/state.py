@@ -199,7 +199,7 @@ class StopRequest:
         """Collective: True on every rank when any rank received a stop signal."""
         import torch.distributed as dist
 
-        from megarl.runtime import all_reduce, compute_device
+        from megarl.distributed import all_reduce, compute_device
 
         flag = torch.tensor([1.0 if self.requested else 0.0], device=compute_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -355,7 +355,7 @@ class Checkpointer:
     # -- resume ------------------------------------------------------------------------------------------------------
     def resume(self) -> int:
         """Collective: load checkpoint.resume (auto / a path / disable). Returns the step resumed from (0: fresh)."""
-        from megarl.runtime import broadcast_object
+        from megarl.distributed import broadcast_object
 
         found = None
         if self.rt.is_rank0:  # one rank looks, so every rank resumes from the same checkpoint

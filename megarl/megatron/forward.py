@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megarl import algo, runtime
+from megarl import algo, distributed
 from megarl.megatron import router_replay
 from megarl.megatron.vocab_parallel import logprobs_from_logits, scaled_local_logits, tp_reductions
 
@@ -71,7 +71,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     if spec is not None and spec.sliding_window and s > spec.sliding_window:
         raise ValueError(f"sequence length {s} exceeds the model's sliding_window={spec.sliding_window}; megarl's "
                          "megatron attention is full causal and would differ from the HF model beyond the window")
-    device = runtime.compute_device()
+    device = distributed.compute_device()
     seq_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     count = -(-n // micro_batch_size)
     if len(chunks) > 1:
@@ -96,7 +96,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
         if rows is not None:
             router_replay.micro_batch(rows, mb.shape[1])
         pos, mask = causal_inputs(mb)
-        out = runtime.call_model(m, mb, pos, mask)
+        out = distributed.call_model(m, mb, pos, mask)
         return out, partial(_collect, mb)
 
     def _collect(mb, output):

@@ -1,46 +1,15 @@
-"""Process groups and megatron-core parallel state, on CPU (gloo) or GPU (NCCL).
-
-`init_distributed()` works under torchrun (reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT) and as a plain
-single process (it becomes a world of one on a free local port). `init_model_parallel()` then sets up megatron's
-TP/PP/CP/EP groups and the model-parallel RNG.
+"""megatron-core's parallel state over the process groups of megarl.distributed: `init_model_parallel()` sets up
+megatron's TP/PP/CP/EP groups and the model-parallel RNG after `init_distributed()`.
 """
 from __future__ import annotations
 
-import os
-import socket
-from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import destroy_process_groups
 from megarl.layout import Layout  # noqa: F401 - the layout type lives beside the config; re-exported for callers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def device() -> torch.device:
-    """The device this rank computes on: its CUDA device under NCCL, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:
-    """Initialise torch.distributed once: NCCL when CUDA is available, gloo otherwise."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:  # a plain `python`/`megarl` run: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_minutes))
 
 
 def init_model_parallel(layout: Layout, seed: int = 1234) -> None:
@@ -84,38 +53,12 @@ def uneven_stages() -> dict:
             if (v := getattr(_LAYOUT, k)) is not None}
 
 
-_object_group: Optional[tuple] = None  # (gloo group over the world, the default group it was made beside)
-
-
-def object_group():
-    """The group pickled objects and host tensors travel over: None (the default group) when that is gloo; beside an
-    NCCL default group, one gloo group over the world (NCCL takes only device tensors). Made at the first call after
-    init_distributed, a collective: every rank calls it at the same point."""
-    global _object_group
-    if dist.get_backend() == "gloo":
-        return None
-    if _object_group is None or _object_group[1] is not dist.group.WORLD:
-        _object_group = (dist.new_group(backend="gloo"), dist.group.WORLD)
-    return _object_group[0]
-
-
 def destroy() -> None:
     from megatron.core import parallel_state as ps
 
-    global _object_group
-    _object_group = None
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    destroy_process_groups()
 
 
 def schedule_args(chunks: list, items: list) -> dict:

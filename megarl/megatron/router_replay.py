@@ -223,9 +223,9 @@ def gather_recorded() -> torch.Tensor:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megarl import runtime
+    from megarl import distributed
 
-    out = STATE.recorded.to(device=runtime.compute_device(), dtype=torch.int32)
+    out = STATE.recorded.to(device=distributed.compute_device(), dtype=torch.int32)
     groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
     if ps.get_tensor_model_parallel_world_size() > 1:
         groups.append(ps.get_tensor_model_parallel_group())
@@ -241,10 +241,10 @@ def reduce_counts(counts: ReplayCounts) -> ReplayCounts:
     TP ranks count the same tokens, which leaves the shares unchanged)."""
     import torch.distributed as dist
 
-    from megarl import runtime
+    from megarl import distributed
 
     t = torch.tensor([counts.needed, counts.with_route, counts.agree, counts.replayed], dtype=torch.float64,
-                     device=runtime.compute_device())
+                     device=distributed.compute_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     v = [int(x) for x in t.tolist()]

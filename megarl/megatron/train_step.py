@@ -10,7 +10,7 @@ it multiplied by num_microbatches * dp_size, which cancels megatron's two averag
 A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded); the
 loss function receives it together with the model output ([b, S, V/TP] logits, or [b, S, 1] values for a critic).
 Micro-batches arrive on the CPU; the forward step moves each to the runtime's compute device just before the model, and
-every tensor a collective sees is on that device too (megarl.runtime checks both).
+every tensor a collective sees is on that device too (megarl.distributed checks both).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megarl import runtime
+from megarl import distributed
 from megarl.config.schema import OptimConfig
 from megarl.megatron import router_replay
 
@@ -82,8 +82,8 @@ def _dp_group():
 def global_count(local: torch.Tensor) -> torch.Tensor:
     """Sum of a local count over data-parallel ranks (the denominator every micro-batch divides by), on the compute
     device."""
-    total = local.detach().to(device=runtime.compute_device(), dtype=torch.float64, copy=True)
-    runtime.all_reduce(total, group=_dp_group())
+    total = local.detach().to(device=distributed.compute_device(), dtype=torch.float64, copy=True)
+    distributed.all_reduce(total, group=_dp_group())
     return total
 
 
@@ -140,11 +140,11 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     `scale` (see the module docstring) and its metrics as float tensors."""
     from megarl.megatron.forward import causal_inputs
 
-    mb = runtime.to_device(next(data_iterator))
+    mb = distributed.to_device(next(data_iterator))
     if router_replay.STATE.action != "off":  # the routers replay this micro-batch's rows (row_index: global ids)
         router_replay.micro_batch(mb["row_index"].cpu(), mb["input_ids"].shape[1])
     pos, mask = causal_inputs(mb["input_ids"])
-    output = runtime.call_model(model, mb["input_ids"], pos, mask)
+    output = distributed.call_model(model, mb["input_ids"], pos, mask)
     return output, partial(_scaled_loss, loss_fn, scale, mb)
 
 
@@ -161,16 +161,16 @@ def _reduce_metrics(results: list[dict], n_micro: int) -> dict:
     # every pipeline stage must agree on the keys: the last stage (the only one with results) sends them
     last, pp_group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        keys = runtime.broadcast_strings(keys, src=last, group=pp_group)
-    values = torch.zeros(len(keys), dtype=torch.float64, device=runtime.compute_device())
+        keys = distributed.broadcast_strings(keys, src=last, group=pp_group)
+    values = torch.zeros(len(keys), dtype=torch.float64, device=distributed.compute_device())
     if results:
         # one stack on the device: no per-metric transfer
         totals = torch.stack([sum(r[k].double().to(values.device) for r in results) for k in keys])
         scale = torch.tensor([1.0 if k.endswith("loss") else 1.0 / n_micro for k in keys], dtype=torch.float64)
         values = totals * scale.to(values.device)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        runtime.broadcast(values, src=last, group=pp_group)
-    runtime.all_reduce(values, group=ps.get_data_parallel_group())
+        distributed.broadcast(values, src=last, group=pp_group)
+    distributed.all_reduce(values, group=ps.get_data_parallel_group())
     dp = ps.get_data_parallel_world_size()
     host = values.tolist()  # the step's one synchronisation for metrics
     return {k: host[i] if k.endswith("loss") else host[i] / dp for i, k in enumerate(keys)}

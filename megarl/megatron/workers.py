@@ -1,7 +1,7 @@
 """The models of an RL run as batch-level operations: actor / reference (policy) and critic.
 
 Each worker holds this rank's shard of one megatron model. Methods take the whole step's batch (every rank holds it,
-see megarl.runtime) and return whole-batch results on every rank; internally each DP rank computes its rows.
+see megarl.distributed) and return whole-batch results on every rank; internally each DP rank computes its rows.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_sq
 from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
 from megarl.megatron.model import build_and_load
 from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
-from megarl.runtime import Runtime, dp_row_range, gather_model_output
+from megarl.distributed import DataParallelRank, dp_row_range, gather_model_output
 
 
 def recompute_overrides(recompute: str) -> dict:
@@ -51,7 +51,7 @@ def build_options(cfg: MegarlConfig) -> dict:
             **recompute_overrides(m.recompute)}
 
 
-def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width) -> torch.Tensor:
+def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, fn, width) -> torch.Tensor:
     """fn's per-row output [rows, *width] on this rank's DP rows, gathered to [N, *width] on every rank."""
     rows = dp_row_range(ids.shape[0], rt)
     router_replay.STATE.pass_rows = torch.arange(rows.start, rows.stop)  # the rows' ids, for routing replay
@@ -59,7 +59,7 @@ def _forward_rows(rt: Runtime, ids: torch.Tensor, fn, width) -> torch.Tensor:
     return gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
 
 
-def _forward_only(cfg: MegarlConfig, rt: Runtime, batch: dict, forward, micro: int, width: int,
+def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward, micro: int, width: int,
                   trailing: tuple = ()) -> torch.Tensor:
     """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
     of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz.
@@ -145,7 +145,7 @@ class _Worker:
                                                          recorded=action == "record"))
         return out
 
-    def _update(self, batch: dict, rt: Runtime, mini_batch_size: int, micro_batch_size: int, epochs: int,
+    def _update(self, batch: dict, rt: DataParallelRank, mini_batch_size: int, micro_batch_size: int, epochs: int,
                 shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
         """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or packed up to
         `max_tokens` real tokens each (dynamic batch size)."""
@@ -233,7 +233,7 @@ class PolicyWorker(_Worker):
             raise ValueError("reference() is the LoRA actor's base; without actor.lora build a frozen PolicyWorker")
         return ReferenceView(self)
 
-    def log_probs(self, batch: dict, rt: Runtime, sum_pi_squared: bool = False):
+    def log_probs(self, batch: dict, rt: DataParallelRank, sum_pi_squared: bool = False):
         """Logprobs [N, T] of every token given its prefix, at the rollout temperature. sum_pi_squared: also
         sum_v pi(v)^2 [N, T] at each position (optimal_token_baseline), returned as a pair."""
         micro = self.log_prob_micro_batch_size or (
@@ -251,7 +251,7 @@ class PolicyWorker(_Worker):
         return self._replaying(batch, name, actor, lambda: _forward_only(
             self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro, ids.shape[1] - 1))
 
-    def update(self, batch: dict, rt: Runtime, step: int, on_policy: bool = False) -> dict:
+    def update(self, batch: dict, rt: DataParallelRank, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
 
         on_policy: the batch gets exactly one optimizer step (see steps.old_log_probs_from_update), so it needs no
@@ -291,7 +291,7 @@ class ReferenceView:
         """Nothing of its own: its passes' router_replay/ref_* metrics are the actor's (reported with its update)."""
         return {}
 
-    def log_probs(self, batch: dict, rt: Runtime) -> torch.Tensor:
+    def log_probs(self, batch: dict, rt: DataParallelRank) -> torch.Tensor:
         from megarl.lora.layers import adapters_disabled
 
         a = self.actor
@@ -308,14 +308,14 @@ class CriticWorker(_Worker):
         super().__init__(hf_dir, cfg, True, cfg.critic.optim, cfg.trainer.total_steps)
         self.cfg = cfg
 
-    def values(self, batch: dict, rt: Runtime) -> torch.Tensor:
+    def values(self, batch: dict, rt: DataParallelRank) -> torch.Tensor:
         """V(prefix up to t) aligned with logprob positions: [N, T]."""
         micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
         s = batch["input_ids"].shape[1]
         return _forward_only(self.cfg, rt, batch,
                              lambda x, mb: _cut(token_values(self.chunks, x, mb), x.shape[1] - 1), micro, s - 1)
 
-    def update(self, batch: dict, rt: Runtime, step: int) -> dict:
+    def update(self, batch: dict, rt: DataParallelRank, step: int) -> dict:
         c, n = self.cfg.critic, self.cfg.rollout.n
         metrics = self._update(batch, rt, self.cfg.actor.ppo_mini_batch_size * n, c.ppo_micro_batch_size_per_gpu,
                                c.ppo_epochs, None, c.loss_agg_mode,

@@ -148,7 +148,7 @@ class RewardModelWorker:
         """Scores [N] float32 (CPU) of right-padded input_ids [N, S] with `lengths` [N], on every rank (collective:
         each DP rank computes its rows, N padded up to a multiple of DP)."""
         from megarl.megatron.forward import token_values
-        from megarl.runtime import dp_row_range, gather_model_output
+        from megarl.distributed import dp_row_range, gather_model_output
 
         n = input_ids.shape[0]
         extra = -n % rt.dp_size

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import all_gather_objects
 from megarl.bridge.mapping import Mapping
 from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_shape, bucket_moves, engine_needs,
                                 full_box, intersect, plan_moves, relative_slices, traffic, trainer_holdings)
@@ -154,7 +155,6 @@ class WeightSync:
         """Once, before the first sync (a collective): every engine worker that takes its weights in place moves them
         into a shared-memory file and reports where each tensor lands; its host maps the file and from then on
         writes its pieces there (megarl.sync.placement). Workers and tensors that cannot keep the bucket files."""
-        from megarl.runtime import all_gather_objects
 
         mine = {}
         replica = self.topology.replica_of(self.rank)
@@ -427,7 +427,6 @@ class WeightSync:
 
     # -- metrics ------------------------------------------------------------------------------------------------------
     def _metrics(self, stats: dict, seconds: float) -> dict:
-        from megarl.runtime import all_gather_objects
 
         # four numbers per rank: host objects over gloo (an NCCL group takes device tensors only)
         mine = [float(stats[k]) for k in ("sent", "received", "loaded", "placed")]
@@ -480,7 +479,6 @@ def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes:
 def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: dict, engine: Any,
                           topology: EngineTopology, bucket_bytes: int) -> WeightSync:
     """plan_sync from this rank's holdings as `local_holdings` returns them (a collective)."""
-    from megarl.runtime import all_gather_objects
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     owners, all_dtypes = gather_owners(local, tp_info, dtypes)
@@ -500,7 +498,6 @@ def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: 
 def gather_owners(local: dict, tp_info: dict, dtypes: dict) -> tuple:
     """Every rank's {megatron name: (tp rank, tp size)} and dtypes, merged: ({name: [(rank, tp rank, tp size)]},
     {name: dtype})."""
-    from megarl.runtime import all_gather_objects
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = {name: (rank,) + tp_info[name] for name in local}

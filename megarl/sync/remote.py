@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megarl.distributed import all_gather_objects
 from megarl.sync.delivery import gather_owners, local_holdings, piece_of
 from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
                                 relative_slices, traffic, trainer_holdings)
@@ -302,7 +303,6 @@ class RemoteSync:
         return nbytes
 
     def _metrics(self, sent: int, send_s: float, results: list, seconds: float) -> dict:
-        from megarl.runtime import all_gather_objects
 
         every = all_gather_objects((sent, send_s, results))
         measured = {"sent": {rank: s for rank, (s, _, _) in enumerate(every)}, "received": {}, "loaded": {}}
@@ -344,7 +344,6 @@ def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: fl
     """Plan the sync into engines hosted elsewhere and form the transfer group (a collective of the trainer ranks,
     once per run). `engine`: this rank's engine handle if it holds one (its hosts join the group), else None."""
     from megarl.bridge.importer import model_mapping
-    from megarl.runtime import all_gather_objects
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

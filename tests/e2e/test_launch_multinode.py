@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.megatron.parallel import free_port
+from megarl.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "launch" / "torchrun.sh"

@@ -2,12 +2,12 @@
 tensor). A CPU machine cannot run NCCL, so these tests declare the runtime's device to be 'meta', a device no tensor
 reaches by accident, and put recorders in place of the model and of torch.distributed's collectives: a micro-batch or
 a collective buffer left on the CPU shows up as a 'cpu' tensor in the recording (and megarl's own guard,
-runtime.check_device, rejects it before that)."""
+distributed.check_device, rejects it before that)."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from megarl import runtime
+from megarl import distributed
 from megarl.megatron import train_step
 
 
@@ -32,9 +32,9 @@ def recorded(monkeypatch):
     monkeypatch.setattr(dist, "broadcast", recorder("broadcast"))
     monkeypatch.setattr(dist, "all_gather", recorder("all_gather"))
     monkeypatch.setattr(train_step, "_dp_group", lambda: None)
-    runtime.declare_device("meta")
+    distributed.declare_device("meta")
     yield calls, monkeypatch, recorder
-    runtime.declare_device(None)
+    distributed.declare_device(None)
 
 
 def _layout(monkeypatch, pp: int, dp: int):
@@ -79,11 +79,11 @@ def test_forward_step_gives_the_model_and_the_loss_tensors_on_the_runtime_device
 
 def test_the_guard_rejects_a_cpu_tensor_for_the_model_and_for_collectives(recorded):
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(runtime.DeviceMismatch, match=r"model input: a \(1, 4\) torch.int64 tensor is on cpu, the "
+    with pytest.raises(distributed.DeviceMismatch, match=r"model input: a \(1, 4\) torch.int64 tensor is on cpu, the "
                                                        r"runtime computes on meta"):
-        runtime.call_model(_RecordingModel(), ids, ids, ids)
-    with pytest.raises(runtime.DeviceMismatch, match="all_reduce"):
-        runtime.all_reduce(torch.zeros(2))
+        distributed.call_model(_RecordingModel(), ids, ids, ids)
+    with pytest.raises(distributed.DeviceMismatch, match="all_reduce"):
+        distributed.all_reduce(torch.zeros(2))
     calls, _, _ = recorded
     assert calls == []
 
@@ -111,18 +111,16 @@ def test_gathered_output_travels_on_the_runtime_device(recorded):
     _layout(monkeypatch, pp=2, dp=2)
     monkeypatch.setattr(dist, "all_gather", recorder("all_gather", stop=True))
     with pytest.raises(_Reached):
-        runtime.gather_model_output(None, (3, 5))
+        distributed.gather_model_output(None, (3, 5))
     assert calls == [("broadcast", {"meta"}), ("all_gather", {"meta"})]
 
 
 def test_compute_device_is_the_one_decision():
-    from megarl.megatron import parallel
-
-    assert runtime.compute_device() == parallel.device()
-    runtime.declare_device("meta")
+    assert distributed.compute_device() == distributed.device()
+    distributed.declare_device("meta")
     try:
-        assert runtime.compute_device() == torch.device("meta")
-        assert runtime.to_device(_micro_batch())["input_ids"].device.type == "meta"
+        assert distributed.compute_device() == torch.device("meta")
+        assert distributed.to_device(_micro_batch())["input_ids"].device.type == "meta"
     finally:
-        runtime.declare_device(None)
-    assert runtime.compute_device() == parallel.device()
+        distributed.declare_device(None)
+    assert distributed.compute_device() == distributed.device()

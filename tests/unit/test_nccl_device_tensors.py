@@ -1,5 +1,5 @@
 """Under NCCL (two or more GPUs) a collective on the default group takes device tensors only, and pickled objects go
-over the gloo group beside it (megarl.megatron.parallel.object_group). A CPU machine cannot run NCCL, so these tests
+over the gloo group beside it (megarl.distributed.object_group). A CPU machine cannot run NCCL, so these tests
 stand in a world of two ranks under NCCL: the runtime's device is declared 'meta' (no tensor reaches it by accident)
 and a checker takes the place of torch.distributed's collectives. It raises on a tensor off that device passed with
 the device group and on an object collective anywhere but the gloo group, then records the call. The call sites run
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megarl import runtime
+from megarl import distributed, runtime
 from megarl.megatron import parallel
 
 GLOO = SimpleNamespace(name="the gloo object group")
@@ -37,14 +37,14 @@ def nccl(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: state["rank"])
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo" if group is GLOO else "nccl")
-    monkeypatch.setattr(parallel, "object_group", lambda: GLOO)
+    monkeypatch.setattr(distributed, "object_group", lambda: GLOO)
 
     def tensors(name, group_at, src_at=None):
         def collective(*args, **kwargs):
             group = _group(args, kwargs, group_at)
             flat = [t for a in args for t in (a if isinstance(a, list) else [a]) if isinstance(t, torch.Tensor)]
             if group is not GLOO:
-                host = [t for t in flat if t.device != runtime.compute_device()]
+                host = [t for t in flat if t.device != distributed.compute_device()]
                 if host:
                     raise HostDataOnDeviceGroup(f"{name}: a {tuple(host[0].shape)} tensor on {host[0].device} "
                                                 f"with the NCCL group")
@@ -71,9 +71,9 @@ def nccl(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", tensors("all_reduce", 2))
     monkeypatch.setattr(dist, "all_gather_object", objects("all_gather_object", 2, gather_fill))
     monkeypatch.setattr(dist, "broadcast_object_list", objects("broadcast_object_list", 2, lambda *a: None))
-    runtime.declare_device("meta")
+    distributed.declare_device("meta")
     yield state, calls
-    runtime.declare_device(None)
+    distributed.declare_device(None)
 
 
 def test_the_checker_rejects_host_tensors_and_objects_on_the_nccl_group(nccl):
@@ -151,7 +151,7 @@ def test_verify_under_torchrun_gathers_results_and_the_verdict_over_gloo(nccl, t
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv(TF32_ENV, "0")  # main sets it; restored after the test
-    monkeypatch.setattr(parallel, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(distributed, "init_distributed", lambda *a, **k: None)
     mine = {"megatron": torch.zeros(2, 3), "tf32": False}
     monkeypatch.setattr(verify, "megatron_logprobs", lambda **kwargs: mine)
     judged = []
@@ -166,11 +166,11 @@ def test_the_object_group_is_gloo_beside_nccl_and_none_under_gloo(tmp_path, monk
         pytest.skip("this process already holds a torch.distributed world")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        assert parallel.object_group() is None  # under gloo the default group carries objects itself
+        assert distributed.object_group() is None  # under gloo the default group carries objects itself
         real = dist.get_backend
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else real(group))
-        group = parallel.object_group()
-        assert group is not None and real(group) == "gloo" and parallel.object_group() is group
+        group = distributed.object_group()
+        assert group is not None and real(group) == "gloo" and distributed.object_group() is group
     finally:
         parallel.destroy()
-    assert parallel._object_group is None
+    assert distributed._object_group is None
