@@ -70,7 +70,7 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
     from megarl.bridge.sharding import LocalParam
     from megarl.sync.delivery import plan_sync_of_holdings
     from megarl.rollout.process import EngineProcess
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
     from safetensors.torch import load_file
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -34,7 +34,7 @@ def measure(hf_dir: str, repeats: int, bucket_mb: int) -> dict:
     from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess
     from megarl.sync.remote import plan_remote_sync
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
 
     init_model_parallel(Layout(), seed=0)
     model, spec = build_and_load(hf_dir)

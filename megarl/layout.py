@@ -1,6 +1,7 @@
 """The trainer's Megatron parallel layout, computed once: model-parallel size (TP*PP*CP), data-parallel size, expert
-tensor/data-parallel sizes. Pure (no torch.distributed): config checks, resolve, runtime, plan, verify and import use
-it, before or without any process group."""
+tensor/data-parallel sizes; and where colocated engine replicas run over the trainer's ranks (EngineTopology). Pure
+(no torch.distributed): config checks, resolve, runtime, plan, verify, import and the weight sync use them, before or
+without any process group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,3 +97,35 @@ def stage_layer_counts(num_layers: int, pp: int, first: Optional[int] = None, la
 def layer_stages(counts: list) -> list:
     """The pipeline stage of every global layer, from stage_layer_counts."""
     return [stage for stage, n in enumerate(counts) for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class EngineTopology:
+    """Where engine replicas run over the trainer's ranks (colocated)."""
+
+    world: int
+    engine_tp: int
+    replicas: int
+
+    def __post_init__(self):
+        if self.replicas * self.engine_tp > self.world:
+            raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
+                             f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
+
+    def replica_of(self, rank: int) -> Optional[int]:
+        return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
+
+    def owner(self, replica: int) -> int:
+        return replica * self.engine_tp
+
+    def owns(self, rank: int) -> bool:
+        return rank in [self.owner(r) for r in range(self.replicas)]
+
+    def members(self, replica: int) -> list:
+        return list(range(replica * self.engine_tp, (replica + 1) * self.engine_tp))
+
+    def prompt_slice(self, replica: int, num_prompts: int) -> slice:
+        """Replica r's contiguous share of a step's prompts (balanced; the first replicas take the remainder)."""
+        base, extra = divmod(num_prompts, self.replicas)
+        start = replica * base + min(replica, extra)
+        return slice(start, start + base + (replica < extra))

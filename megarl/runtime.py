@@ -23,7 +23,7 @@ from megarl.console import setup_logging
 from megarl.distributed import init_distributed, object_group
 from megarl.megatron import parallel
 from megarl.megatron.parallel import Layout, init_model_parallel
-from megarl.rollout.replicas import EngineTopology
+from megarl.layout import EngineTopology
 
 log = logging.getLogger("megarl")
 

@@ -239,7 +239,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
     from megarl.config.schema import RolloutConfig
     from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess, EngineProcessError
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
 
     engine, failed = None, [None]
     if dist.get_rank() == 0:

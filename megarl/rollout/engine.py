@@ -37,7 +37,7 @@ from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.start_errors import collecting_worker_errors
 from megarl.rollout.vllm_patches import PLAIN_CPU_WEIGHTS_ENV, keep_cpu_weights_plain
-from megarl.sync.worker_ext import WORKER_EXTENSION
+from megarl.rollout.worker_ext import WORKER_EXTENSION
 from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class VLLMEngine:
                                    **fields)
 
     def _take_routes(self, engine_ids: Sequence[str], send: bool = True) -> Optional[list]:
-        """Each sample's routes from engine rank 0 (megarl.sync.worker_ext.RouteRecorder), freed there; send=False
+        """Each sample's routes from engine rank 0 (megarl.rollout.worker_ext.RouteRecorder), freed there; send=False
         only frees them (None)."""
         per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids), send))
         return next(r for r in per_rank if r is not None) if send else None

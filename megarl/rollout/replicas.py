@@ -4,11 +4,10 @@ Replica r (of rollout.data_parallel_size) spans trainer ranks [r*T, (r+1)*T) wit
 its first rank owns the engine process. A step's prompts are split into contiguous shares, one per replica, and
 each sample's sampling seed is a function of its global prompt index, so the samples do not depend on how many
 replicas there are. Each owner then broadcasts its share as a few tensors (token ids, lengths, logprobs, codes),
-never as a pickled object.
+never as a pickled object. Which ranks a replica spans is megarl.layout.EngineTopology.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,38 +21,6 @@ _SUMMED = ("rollout/num_prompts", "rollout/num_samples", "rollout/prompts_trunca
            "rollout/response_tokens", "rollout/num_aborted") + TOOL_COUNT_KEYS
 _SLOWEST = ("rollout/generate_seconds",)
 METRIC_KEYS = _SUMMED + _SLOWEST
-
-
-@dataclass(frozen=True)
-class EngineTopology:
-    """Where engine replicas run over the trainer's ranks (colocated)."""
-
-    world: int
-    engine_tp: int
-    replicas: int
-
-    def __post_init__(self):
-        if self.replicas * self.engine_tp > self.world:
-            raise ValueError(f"{self.replicas} engine replicas x engine TP {self.engine_tp} need "
-                             f"{self.replicas * self.engine_tp} ranks; the trainer has {self.world}")
-
-    def replica_of(self, rank: int) -> Optional[int]:
-        return rank // self.engine_tp if rank < self.replicas * self.engine_tp else None
-
-    def owner(self, replica: int) -> int:
-        return replica * self.engine_tp
-
-    def owns(self, rank: int) -> bool:
-        return rank in [self.owner(r) for r in range(self.replicas)]
-
-    def members(self, replica: int) -> list:
-        return list(range(replica * self.engine_tp, (replica + 1) * self.engine_tp))
-
-    def prompt_slice(self, replica: int, num_prompts: int) -> slice:
-        """Replica r's contiguous share of a step's prompts (balanced; the first replicas take the remainder)."""
-        base, extra = divmod(num_prompts, self.replicas)
-        start = replica * base + min(replica, extra)
-        return slice(start, start + base + (replica < extra))
 
 
 def replica_cores(cores: list, index: int, count: int, workers: int) -> list:

@@ -3,7 +3,7 @@
 * The plan (shards, plan): pure and printable. Who holds which box of every HF tensor (from the bridge's one mapping
   per architecture and the trainer layout) and which box each engine worker's loader reads (from what the live worker
   reports, or predicted from the shapes for `megarl plan`); moves and buckets follow.
-* Colocated engines (delivery, placement, worker_ext): every engine worker receives only its own shard, from the
+* Colocated engines (delivery, placement; the engine side: megarl.rollout.worker_ext): every engine worker receives only its own shard, from the
   trainer ranks that hold it (p2p), written straight into its parameters where the worker shares them (placed writes)
   or through a shared-memory bucket file that megarl's vLLM worker extension loads with vLLM's own weight loaders.
 * Engines in processes of their own (remote): the same plan's pieces over a transfer group of the trainer ranks and

@@ -29,12 +29,13 @@ import os
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
+from megarl.layout import EngineTopology
 from megarl.bridge.mapping import Mapping
 from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_shape, bucket_moves, engine_needs,
                                 full_box, intersect, plan_moves, relative_slices, traffic, trainer_holdings)
@@ -42,9 +43,6 @@ from megarl.sync.placement import region_viewer, write_placed
 from megarl.sync.pull import PullSources
 from megarl.sync.weights import add_checksums, tensor_checksum
 from megarl.sync.wire import ALIGN, BucketFile, half_threads_during_sync, layout_bucket, region, shm_dir
-
-if TYPE_CHECKING:  # the engines' placement over the trainer ranks, passed in by the caller
-    from megarl.rollout.replicas import EngineTopology
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
     from megarl.sync.delivery import plan_sync
-    from megarl.sync.standin import StandInEngine, expected_parameters
+    from megarl.rollout.standin import StandInEngine, expected_parameters
     from tests.helpers.tiny_models import sample_tokens
 
     # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
@@ -71,14 +71,14 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
 @pytest.mark.slow  # starts a vLLM engine (about a minute on 2 cores); run it after upgrading vLLM
 def test_recorded_layout_is_current(tmp_path):
     """The committed layout (what the GPU tests use, where vLLM cannot run) is what this vLLM's worker reports."""
-    from megarl.sync.standin import record_worker_layout
+    from megarl.rollout.standin import record_worker_layout
 
     committed = json.loads(FIXTURE.read_text())
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     fresh = json.loads(json.dumps(record_worker_layout(str(hf_dir))))
     assert fresh["config"] == committed["config"], "tiny llama config changed: re-record the fixture"
     for key in ("vllm", "layout", "regions", "params", "placed", "refused"):
-        assert fresh[key] == committed[key], f"{key} differs: re-record with `python -m megarl.sync.standin`"
+        assert fresh[key] == committed[key], f"{key} differs: re-record with `python -m megarl.rollout.standin`"
 
 
 def test_pulled_writes_equal_the_actor_after_update_and_sleep_wake(tmp_path):
@@ -102,7 +102,7 @@ def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import make_trainable
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
     from tests.dist import test_sync_after_update as after
 
     init_model_parallel(Layout(), seed=0)

@@ -35,7 +35,7 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,), vpp=None):
                                virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep), seed=0)
     model, spec = build_and_load(hf_dir)
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=1)
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
 
     topology = EngineTopology(dist.get_world_size(), engine_tp, 1)
     # as in training: every engine already holds the actor's weights from a first sync when the step comes

@@ -47,7 +47,7 @@ def sleep_order_and_failed_sync(hf_dir):
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.sync.delivery import plan_sync
     from megarl.rollout.process import EngineProcess, EngineProcessError
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
     from megarl.runtime import Runtime
 
     init_model_parallel(Layout(), seed=0)

@@ -116,7 +116,7 @@ def _rollout():
 
 
 def _runtime(rank):
-    from megarl.rollout.replicas import EngineTopology
+    from megarl.layout import EngineTopology
 
     return runtime.Runtime(rank=rank, world_size=2, dp_rank=rank, dp_size=2, run_dir=Path("."),
                            engines=EngineTopology(2, 1, 1))

