@@ -48,7 +48,7 @@ def measure(record: dict, device: str, repeats: int, bucket_mb: int) -> dict:
 
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.layout import EngineTopology
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import build_sync
     from megarl.rollout.standin import StandInEngine, memcpy_bytes
 
     init_model_parallel(Layout(), seed=0)
@@ -61,7 +61,7 @@ def measure(record: dict, device: str, repeats: int, bucket_mb: int) -> dict:
             torch.cuda.synchronize()
 
     try:
-        sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), bucket_mb << 20)
+        sync = build_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), bucket_mb << 20)
         first = sync.run(engine)
         nbytes = int(first["weight_sync/placed_bytes"])
         times, writes = [], []

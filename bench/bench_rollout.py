@@ -68,7 +68,8 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.bridge.sharding import LocalParam
-    from megarl.sync.delivery import plan_sync_of_holdings
+    from megarl.sync.delivery import plan_sync
+    from megarl.sync.holdings import gather_holdings
     from megarl.rollout.process import EngineProcess
     from megarl.layout import EngineTopology
     from safetensors.torch import load_file
@@ -88,8 +89,8 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
         local[entry.megatron] = LocalParam(entry.megatron, entry.megatron, param, False, 0, 1, None)
         tp_info[entry.megatron], dtypes[entry.megatron] = (0, 1), str(param.dtype).replace("torch.", "")
     engine = EngineProcess(cfg, path, cores=cores) if rank == 0 else None
-    sync = plan_sync_of_holdings(mapping, local, tp_info, dtypes, engine, EngineTopology(world, world, 1),
-                                 cfg.update_weights_bucket_megabytes << 20)
+    sync = plan_sync(gather_holdings(mapping, local, tp_info, dtypes), engine, EngineTopology(world, world, 1),
+                     cfg.update_weights_bucket_megabytes << 20)
     # the floor's source and destination: rank 0 only
     src = list(hf.values()) if rank == 0 else []
     dst = [torch.empty_like(v) for v in src]

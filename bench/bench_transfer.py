@@ -31,9 +31,8 @@ def measure(hf_dir: str, repeats: int, bucket_mb: int) -> dict:
     from megarl.config.schema import RolloutConfig
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import SyncFactory
     from megarl.rollout.process import EngineProcess
-    from megarl.sync.remote import plan_remote_sync
     from megarl.layout import EngineTopology
 
     init_model_parallel(Layout(), seed=0)
@@ -43,8 +42,9 @@ def measure(hf_dir: str, repeats: int, bucket_mb: int) -> dict:
         cfg = RolloutConfig(prompt_length=16, response_length=16, dtype="float32", kv_cache_memory_bytes=64 << 20,
                             max_num_seqs=4, load_format="dummy")
         engine = EngineProcess(cfg, hf_dir, seed=0)
-    colocated = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), bucket_mb << 20)
-    separate = plan_remote_sync(model, spec, engine, bucket_mb << 20)
+    factory = SyncFactory(model, spec)  # both transports over one mapping and holdings
+    colocated = factory.colocated(engine, EngineTopology(dist.get_world_size(), 1, 1), bucket_mb << 20)
+    separate = factory.remote(engine, bucket_mb << 20)
     best = {"colocated": float("inf"), "separate": float("inf")}
     last = {}
     for _ in range(repeats):

@@ -229,29 +229,19 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
 
 
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
-    """The live weight sync, planned once (a collective): every engine owner reports its workers' layouts, every
-    rank its parameters. Colocated engines: per-rank delivery through shared memory (megarl.sync.delivery);
-    engines in processes of their own (Ray actors, rollout.placement=separate): the same plan over a transfer group
-    the trainer ranks and the engine hosts form (megarl.sync.remote)."""
-    bucket_bytes = cfg.rollout.update_weights_bucket_megabytes << 20
-    if cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter":  # the engine keeps its base; adapters only
+    """The live weight sync, planned once (a collective): the transport the recipe picks, over the mapping and
+    holdings built once (megarl.sync.factory)."""
+    from megarl.sync.factory import ADAPTER, build_sync, transport_of
+
+    transport = transport_of(cfg)
+    dtype = None
+    if transport == ADAPTER:  # the adapters travel in the engine's dtype
         from megarl.rollout.engine_args import resolve_dtype
-        from megarl.distributed import compute_device
-        from megarl.sync.adapters import AdapterSync
-        from megarl.sync.delivery import plan_sync
 
-        # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
-        base = plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes) \
-            if cfg.rollout.load_format == "dummy" else None
         dtype = getattr(torch, resolve_dtype(cfg.rollout, compute_device().type == "cuda"))
-        return AdapterSync(actor.chunks, rt.engines, dtype, base=base)
-    if cfg.engine_placement == "separate":
-        from megarl.sync.remote import plan_remote_sync
-
-        return plan_remote_sync(actor.chunks, actor.spec, engine, bucket_bytes)
-    from megarl.sync.delivery import plan_sync
-
-    return plan_sync(actor.chunks, actor.spec, engine, rt.engines, bucket_bytes)
+    # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
+    return build_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20,
+                      transport, engine_dtype=dtype, base_weights=cfg.rollout.load_format == "dummy")
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False,

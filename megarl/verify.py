@@ -237,7 +237,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import SyncFactory
     from megarl.rollout.process import EngineProcess, EngineProcessError
     from megarl.layout import EngineTopology
 
@@ -257,11 +257,9 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
         return {"engine_error": failed[0]} if dist.get_rank() == 0 else {}
     try:
         topology = EngineTopology(dist.get_world_size(), engine_tp, 1)
-        full = plan_sync(model, spec, engine, topology, 64 << 20)
-        if lora is not None:
-            from megarl.sync.adapters import AdapterSync
-
-            full = AdapterSync(model, topology, getattr(torch, dtype), base=full)
+        factory = SyncFactory(model, spec)
+        full = factory.colocated(engine, topology, 64 << 20) if lora is None else \
+            factory.adapters(engine, topology, 64 << 20, getattr(torch, dtype), base_weights=True)
         sync = full.run(engine, verify=True)
         if engine is None:
             return {}

@@ -37,8 +37,9 @@ import torch.distributed as dist
 from megarl.distributed import all_gather_objects
 from megarl.layout import EngineTopology
 from megarl.bridge.mapping import Mapping
+from megarl.sync.holdings import Holdings
 from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_shape, bucket_moves, engine_needs,
-                                full_box, intersect, plan_moves, relative_slices, traffic, trainer_holdings)
+                                full_box, intersect, plan_moves, relative_slices, traffic)
 from megarl.sync.placement import region_viewer, write_placed
 from megarl.sync.pull import PullSources
 from megarl.sync.weights import add_checksums, tensor_checksum
@@ -113,19 +114,17 @@ class BackgroundLoad:
 class WeightSync:
     """The live weight sync of one trainer (every rank builds one, with the same arguments).
 
-    model: this rank's megatron model chunks; mapping: the bridge mapping of the model; owners: {megatron name:
-    [(rank, tp rank, tp size)]} over all ranks; dtypes: {megatron name: dtype name}; layouts: {hosting rank: what its
-    engine worker reported (megarl_layout)}."""
+    holdings: the mapping and every rank's parameters (megarl.sync.holdings, built once per run); layouts: {hosting
+    rank: what its engine worker reported (megarl_layout)}."""
 
-    def __init__(self, mapping: Mapping, local: dict, owners: dict, dtypes: dict, layouts: dict,
-                 topology: EngineTopology, bucket_bytes: int, rank: int, token: str, group=None):
-        self.mapping, self.local, self.topology, self.rank, self.group = mapping, local, topology, rank, group
-        self.shapes = SyncTable.of(mapping).shapes
-        self.dtypes = {h: dtypes[e.megatron] for e in mapping.entries if e.megatron in dtypes for h in e.hf}
-        self.needs = {host: worker_needs(mapping, lay) for host, lay in layouts.items()}
-        holdings = trainer_holdings(mapping, owners)
-        sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in self.dtypes.items()}
-        self.moves = plan_moves(SyncTable.of(mapping).order, self.needs, holdings, sizes)
+    def __init__(self, holdings: Holdings, layouts: dict, topology: EngineTopology, bucket_bytes: int, rank: int,
+                 token: str, group=None):
+        self.holdings, self.topology, self.rank, self.group = holdings, topology, rank, group
+        self.mapping = holdings.mapping
+        self.shapes = SyncTable.of(self.mapping).shapes
+        self.dtypes = holdings.hf_dtypes
+        self.needs = {host: worker_needs(self.mapping, lay) for host, lay in layouts.items()}
+        self.moves = plan_moves(SyncTable.of(self.mapping).order, self.needs, holdings.boxes, holdings.element_sizes)
         self.buckets = bucket_moves(self.moves, bucket_bytes)
         self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
         self.token = token  # the same on every rank: it names the bucket files a host writes and its worker reads
@@ -143,7 +142,7 @@ class WeightSync:
         self._bucket = 0
         self._pulls: list = []  # this rank's pieces for its pulling worker in the bucket being delivered
         self._sources = [PullSources(), PullSources()]  # by bucket parity: a bucket's sources live until b+2
-        self.device = next((lp.param.device for lp in local.values()), torch.device("cpu"))
+        self.device = holdings.device
         self.not_placed: dict = {}  # {host: why its worker (or which of its tensors) takes the bucket files}
         self._arena_views: Optional[Callable] = None
         self._index_file_hosts()
@@ -327,7 +326,7 @@ class WeightSync:
         stats["exchange_s"] += time.perf_counter() - t0
 
     def _piece(self, mv: Move, chunks: dict) -> torch.Tensor:
-        return piece_of(self.mapping, self.local, mv, chunks)
+        return self.holdings.piece(mv, chunks)
 
     def _write(self, buf: Optional[torch.Tensor], f: Optional[BucketFile], mv: Move, piece: torch.Tensor,
                stats: dict) -> None:
@@ -341,7 +340,7 @@ class WeightSync:
     def _place_own(self, mv: Move, blocks: dict, stats: dict) -> None:
         """A piece of this rank's own parameter, placed from the row blocks it lies in (views: no conversion copy)."""
         if mv.hf not in blocks:
-            blocks.update(hf_blocks_of(self.mapping, self.local, mv))
+            blocks.update(self.holdings.hf_blocks(mv))
         (first, _), rest = mv.holding[0], tuple(mv.holding[1:])
         for start, stop, view in blocks[mv.hf]:
             block = ((first + start, first + stop),) + rest
@@ -443,43 +442,11 @@ class WeightSync:
         return out
 
 
-def piece_of(mapping: Mapping, local: dict, mv: Move, chunks: dict) -> torch.Tensor:
-    """The piece `mv` of this rank's own parameter (`local`: local_holdings' first value), cut from its HF chunks;
-    `chunks` caches the chunks of the tensors already converted."""
-    if mv.hf not in chunks:
-        chunks.update(mapping.shard_to_hf(*_own_shard(mapping, local, mv.hf)))
-    return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
-
-
-def hf_blocks_of(mapping: Mapping, local: dict, mv: Move) -> dict:
-    """{hf name: [(first row, end row, view)]}: the row blocks of the HF chunks of `mv`'s parameter, as views of it
-    (Mapping.shard_to_hf_blocks)."""
-    return dict(mapping.shard_to_hf_blocks(*_own_shard(mapping, local, mv.hf)))
-
-
-def _own_shard(mapping: Mapping, local: dict, hf: str) -> tuple:
-    """(entry, shard, tp rank, tp size) of this rank's parameter holding HF tensor `hf`, as the mapping splits it."""
-    entry = mapping.by_hf[hf]
-    lp = local[entry.megatron]
-    split = entry.tp_dim is not None and lp.tp_size > 1
-    return entry, lp.value(), lp.tp_rank if split else 0, lp.tp_size if split else 1
-
-
-def plan_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:
-    """Plan the live sync of a model (a collective, once per run): every engine owner reports its workers' layouts,
-    every rank its parameters. `engine`: this rank's engine handle if it owns a replica, else None."""
-    from megarl.bridge.importer import model_mapping
-
-    mapping = model_mapping(chunks, spec)
-    return plan_sync_of_holdings(mapping, *local_holdings(chunks, mapping), engine, topology, bucket_bytes)
-
-
-def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: dict, engine: Any,
-                          topology: EngineTopology, bucket_bytes: int) -> WeightSync:
-    """plan_sync from this rank's holdings as `local_holdings` returns them (a collective)."""
-
+def plan_sync(holdings: Holdings, engine: Any, topology: EngineTopology, bucket_bytes: int) -> WeightSync:
+    """Plan the live sync of a model from the trainer's holdings (a collective, once per run; megarl.sync.factory):
+    every engine owner reports its workers' layouts. `engine`: this rank's engine handle if it owns a replica, else
+    None."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
     mine = {}
     if engine is not None:
         first = topology.owner(topology.replica_of(rank))
@@ -488,41 +455,9 @@ def plan_sync_of_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: 
     for part, token in all_gather_objects((mine, secrets.token_hex(4))):
         layouts.update(part)
         tokens.append(token)
-    sync = WeightSync(mapping, local, owners, all_dtypes, layouts, topology, bucket_bytes, rank, tokens[0])
+    sync = WeightSync(holdings, layouts, topology, bucket_bytes, rank, tokens[0])
     sync.place(engine)
     return sync
-
-
-def gather_owners(local: dict, tp_info: dict, dtypes: dict) -> tuple:
-    """Every rank's {megatron name: (tp rank, tp size)} and dtypes, merged: ({name: [(rank, tp rank, tp size)]},
-    {name: dtype})."""
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = {name: (rank,) + tp_info[name] for name in local}
-    every = all_gather_objects((mine, dtypes))
-    owners: dict = {}
-    all_dtypes: dict = {}
-    for per_rank, dts in every:
-        for name, owner in per_rank.items():
-            owners.setdefault(name, []).append(owner)
-        all_dtypes.update(dts)
-    return owners, all_dtypes
-
-
-def local_holdings(model, mapping: Mapping) -> tuple:
-    """This rank's parameters by megatron name, their (tp rank, tp size) as the mapping splits them, and dtypes."""
-    from megarl.bridge.sharding import local_params
-
-    local, tp_info, dtypes = {}, {}, {}
-    for lp in local_params(model):
-        entry = mapping.entry(lp.name)
-        if entry.megatron in local:
-            continue
-        split = entry.tp_dim is not None and lp.tp_size > 1
-        local[entry.megatron] = lp
-        tp_info[entry.megatron] = (lp.tp_rank if split else 0, lp.tp_size if split else 1)
-        dtypes[entry.megatron] = str(lp.param.dtype).replace("torch.", "")
-    return local, tp_info, dtypes
 
 
 def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mapping, prefix: str,

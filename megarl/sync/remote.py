@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
-from megarl.sync.delivery import gather_owners, local_holdings, piece_of
+from megarl.sync.holdings import Holdings
 from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
-                                relative_slices, traffic, trainer_holdings)
+                                relative_slices, traffic)
 from megarl.sync.wire import layout_bucket, region, shm_dir
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -264,9 +264,9 @@ class RemoteSync:
     plan). `run(engine)` is WeightSync.run's counterpart: the same call on every rank, the engine handle on the ranks
     that hold one."""
 
-    def __init__(self, mapping, local: dict, dtypes: dict, moves: list, buckets: list, hosts: EngineHosts, group,
-                 rank: int, store=None):
-        self.mapping, self.local, self.dtypes = mapping, local, dtypes
+    def __init__(self, holdings: Holdings, moves: list, buckets: list, hosts: EngineHosts, group, rank: int,
+                 store=None):
+        self.holdings = holdings
         self.moves, self.buckets, self.hosts = moves, buckets, hosts
         self.group, self.rank, self._store = group, rank, store  # rank 0 serves the store the group met on
         self.host_rank = hosts.host_of()
@@ -294,7 +294,7 @@ class RemoteSync:
         works, pieces, nbytes = [], [], 0
         for mv in moves:
             if mv.src == self.rank:
-                piece = piece_of(self.mapping, self.local, mv, chunks).contiguous()
+                piece = self.holdings.piece(mv, chunks).contiguous()
                 pieces.append(piece)  # alive until its send completes
                 works.append(self.group.send([piece], self.host_rank[mv.dst], b))
                 nbytes += mv.nbytes
@@ -334,22 +334,19 @@ class RemoteSync:
         return out
 
 
-def transfer_backend(local: dict) -> str:
+def transfer_backend(holdings: Holdings) -> str:
     """NCCL where the trainer's parameters are on a GPU, gloo otherwise."""
-    lp = next(iter(local.values()), None)
-    return "nccl" if lp is not None and lp.param.device.type == "cuda" else "gloo"
+    return "nccl" if holdings.device.type == "cuda" else "gloo"
 
 
-def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteSync:
-    """Plan the sync into engines hosted elsewhere and form the transfer group (a collective of the trainer ranks,
-    once per run). `engine`: this rank's engine handle if it holds one (its hosts join the group), else None."""
-    from megarl.bridge.importer import model_mapping
-
+def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteSync:
+    """Plan the sync into engines hosted elsewhere from the trainer's holdings and form the transfer group (a
+    collective of the trainer ranks, once per run; megarl.sync.factory). `engine`: this rank's engine handle if it
+    holds one (its hosts join the group), else None."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mapping = model_mapping(chunks, spec)
-    local, tp_info, dtypes = local_holdings(chunks, mapping)
-    owners, all_dtypes = gather_owners(local, tp_info, dtypes)
+    mapping = holdings.mapping
     store, meeting = None, None
     if rank == 0:
         store, addr, port = serve_store(timeout_s)
@@ -366,11 +363,9 @@ def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: fl
         for receiver, worker in zip(hosts.receivers(h), lay):
             modules = {k: EngineModule.from_dict(v) for k, v in worker["modules"].items()}
             needs[receiver] = engine_needs(mapping, modules, worker.get("packed"))
-    hf_dtypes = {h: all_dtypes[e.megatron] for e in mapping.entries if e.megatron in all_dtypes for h in e.hf}
-    sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in hf_dtypes.items()}
-    moves = plan_moves(SyncTable.of(mapping).order, needs, trainer_holdings(mapping, owners), sizes)
+    moves = plan_moves(SyncTable.of(mapping).order, needs, holdings.boxes, holdings.element_sizes)
     buckets = bucket_moves(moves, bucket_bytes)
-    backend = transfer_backend(local)
+    backend = transfer_backend(holdings)
     tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)
     mine = hosts.owned_by(rank)
     joining = engine.start_join_transfer(tspec, hosts.rank(mine[0])) if mine else None
@@ -378,9 +373,9 @@ def plan_remote_sync(chunks, spec, engine: Any, bucket_bytes: int, timeout_s: fl
     if joining is not None:
         joining.result()
         device = "cuda" if backend == "nccl" else "cpu"
-        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), hf_dtypes,
-                                               needs, device) for h in mine])
-    return RemoteSync(mapping, local, hf_dtypes, moves, buckets, hosts, group, rank, store)
+        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(),
+                                               holdings.hf_dtypes, needs, device) for h in mine])
+    return RemoteSync(holdings, moves, buckets, hosts, group, rank, store)
 
 
 def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,

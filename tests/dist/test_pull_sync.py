@@ -30,8 +30,9 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
     from megarl.layout import EngineTopology
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import build_sync
     from megarl.rollout.standin import StandInEngine, expected_parameters
+    from tests.helpers.sync_builds import counting_sync_builds
     from tests.helpers.tiny_models import sample_tokens
 
     # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
@@ -40,9 +41,10 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, record["dtype"]))
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=2)
     engine = StandInEngine(record, device=device)
-    out = {"mismatch": [], "moved": None, "placed_bytes": []}
+    out = {"mismatch": [], "moved": None, "placed_bytes": [], "builds": {"mappings": 0, "holdings": 0}}
     try:
-        sync = plan_sync(trainable.chunks, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 10)
+        with counting_sync_builds(out["builds"]):  # the plan and each sync below, not the training and exports between
+            sync = build_sync(trainable.chunks, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 10)
         assert sync.pull_hosts == {0}, sync.not_placed
         for step in range(2):
             tokens, _ = sample_tokens(2, 16, vocab_size=spec.vocab_size, seed=step, min_len=16)
@@ -52,7 +54,8 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
             train_mini_batch(trainable, micro, make_policy_loss_fn(PolicyLossSettings(vocab_size=spec.vocab_size),
                                                                     loss_denominator([m["response_mask"] for m in micro],
                                                                                      "token-mean")))
-            metrics = sync.run(engine)
+            with counting_sync_builds(out["builds"]):
+                metrics = sync.run(engine)
             out["placed_bytes"].append(metrics["weight_sync/placed_bytes"])
             hf = {k: v.float() for k, v in export_to_dict(trainable.chunks, spec).items()}
             want, covered = expected_parameters(record, hf)
@@ -89,6 +92,8 @@ def test_pulled_writes_equal_the_actor_after_update_and_sleep_wake(tmp_path):
     assert out["mismatch"] == [0, 0], out
     assert out["moved"], "the stand-in's wake did not move its storages"
     assert out["placed_bytes"][0] == out["placed_bytes"][1] > 0
+    # the mapping and the trainer's holdings are built once, by the plan; both syncs reuse them
+    assert out["builds"] == {"mappings": 1, "holdings": 1}, out["builds"]
 
 
 def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:

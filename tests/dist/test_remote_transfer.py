@@ -129,8 +129,9 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
     from megarl.bridge.mapping import Mapping
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.sync.remote import plan_remote_sync
+    from megarl.sync.factory import REMOTE, build_sync
     from megarl.sync.shards import predict_engine_modules
+    from tests.helpers.sync_builds import counting_sync_builds
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
     model, spec = build_and_load(hf_dir)
@@ -138,18 +139,21 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
     layouts = [{"modules": {k: v.to_dict() for k, v in predict_engine_modules(mapping, engine_tp, 1, w).items()}}
                for w in range(engine_tp)]
     handle = HostHandle(layouts, fail_at) if dist.get_rank() in host_ranks else None
-    sync = plan_remote_sync(model, spec, handle, 16 << 10)  # small buckets: tensors straddle them and are cut
+    builds = {"mappings": 0, "holdings": 0}
+    with counting_sync_builds(builds):  # small buckets: tensors straddle them and are cut
+        sync = build_sync(model, spec, handle, None, 16 << 10, REMOTE)
     out, got = {}, None
     for _ in range(2):  # the second sync reuses the group and the plan
         t0 = time.perf_counter()
         try:
-            out = sync.run(handle)
+            with counting_sync_builds(builds):
+                out = sync.run(handle)
         except Exception as exc:  # noqa: BLE001 - the test checks who saw what, and how fast
             return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
     if handle is not None:
         got = handle.got
         handle.shutdown()
-    return {"metrics": out, "got": got}
+    return {"metrics": out, "got": got, "builds": builds}
 
 
 @pytest.mark.parametrize("tp,engine_tp,host_ranks", [(1, 2, [0]), (2, 1, [0, 1])],
@@ -175,6 +179,8 @@ def test_each_worker_receives_its_shard_from_the_ranks_holding_it(tmp_path, tp, 
             for name, box in needs.items():
                 sl = tuple(slice(lo, hi) for lo, hi in box)
                 assert torch.equal(got[name][sl], reference[name][sl]), (w, name)
+    for r in results:  # every rank built the mapping and its holdings once, for the plan; both syncs reused them
+        assert r["builds"] == {"mappings": 1, "holdings": 1}, r["builds"]
     m = results[0]["metrics"]
     for kind in ("sent", "received", "loaded"):  # what moved is what the plan says
         assert m[f"weight_sync/{kind}_bytes_max"] == m[f"weight_sync/plan_{kind}_bytes_max"] > 0, m

@@ -63,7 +63,7 @@ def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import build_sync
     from megarl.rollout.process import EngineProcess
 
     engine = None
@@ -72,7 +72,7 @@ def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
                             load_format="dummy", tensor_model_parallel_size=engine_tp, max_num_seqs=8,
                             cpu_prepack_weights=prepack)
         engine = EngineProcess(cfg, hf_dir, seed=0)
-    delivery = plan_sync(trainable.chunks, spec, engine, topology, 64 << 10)  # small buckets: tensors straddle them
+    delivery = build_sync(trainable.chunks, spec, engine, topology, 64 << 10)  # small buckets: tensors straddle them
     delivery.run(engine, verify=True)
     return prepack, engine, delivery
 

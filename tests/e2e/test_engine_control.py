@@ -45,7 +45,7 @@ def sleep_order_and_failed_sync(hf_dir):
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import build_sync
     from megarl.rollout.process import EngineProcess, EngineProcessError
     from megarl.layout import EngineTopology
     from megarl.runtime import Runtime
@@ -57,7 +57,7 @@ def sleep_order_and_failed_sync(hf_dir):
     engine = EngineProcess(cfg, hf_dir)
     out = {}
     try:
-        sync = plan_sync(model, spec, engine, EngineTopology(1, 1, 1), 16 << 10)
+        sync = build_sync(model, spec, engine, EngineTopology(1, 1, 1), 16 << 10)
         rt = Runtime(rank=0, world_size=1, dp_rank=0, dp_size=1, run_dir=Path("."))
         steps.engine_sleep(engine)
         steps.sync_weights(None, engine, sync, None, rt)

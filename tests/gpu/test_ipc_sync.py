@@ -27,7 +27,7 @@ def sync_with_profile(hf_dir: str, record: dict) -> dict:
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.layout import EngineTopology
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.factory import build_sync
     from megarl.rollout.standin import StandInEngine, memcpy_bytes
 
     # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
@@ -36,7 +36,7 @@ def sync_with_profile(hf_dir: str, record: dict) -> dict:
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, record["dtype"]))
     engine = StandInEngine(record, device="cuda")
     try:
-        sync = plan_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 20)
+        sync = build_sync(model, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 20)
         sync.run(engine)  # handles opened, buffers allocated
         engine.profile_loads(True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

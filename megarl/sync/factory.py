@@ -1,0 +1,87 @@
+"""The weight sync of a run, built in one place: the bridge mapping and the trainer's holdings (megarl.sync.holdings)
+once, handed to the transport the recipe picks.
+
+    sync = build_sync(actor.chunks, spec, engine, topology, bucket_bytes, transport_of(cfg))   # every rank
+    metrics = sync.run(engine)                                                                 # every update
+
+Transports:
+* colocated (megarl.sync.delivery): engines on the trainer's ranks; each worker's pieces reach it through bucket files,
+  writes into its parameters (megarl.sync.placement) or its own pulls from the host's memory (megarl.sync.pull), as
+  each worker reports at plan time.
+* remote (megarl.sync.remote): engines in processes of their own (Ray actors, rollout.placement=separate).
+* adapter (megarl.sync.adapters): only the LoRA adapters after each update; an engine started with dummy weights
+  first gets the base once through the colocated transport.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megarl.layout import EngineTopology
+from megarl.sync.holdings import Holdings, model_holdings
+
+COLOCATED, REMOTE, ADAPTER = "colocated", "remote", "adapter"
+
+
+def transport_of(cfg) -> str:
+    """The transport a recipe (a MegarlConfig) picks: adapters alone with actor.lora.sync=adapter, remote with the
+    engines placed apart from the trainer, colocated otherwise."""
+    if cfg.actor.lora.enabled and cfg.actor.lora.sync == "adapter":  # the engine keeps its base; adapters only
+        return ADAPTER
+    return REMOTE if cfg.engine_placement == "separate" else COLOCATED
+
+
+class SyncFactory:
+    """Builds the transports of one model over one Holdings, made on first need (a collective) and kept: a second
+    transport of the same model (a benchmark comparing them, the adapter sync's base) plans from the same one."""
+
+    def __init__(self, chunks, spec):
+        self.chunks, self.spec = chunks, spec
+        self._holdings: Optional[Holdings] = None
+
+    @property
+    def holdings(self) -> Holdings:
+        if self._holdings is None:
+            self._holdings = model_holdings(self.chunks, self.spec)
+        return self._holdings
+
+    def colocated(self, engine: Any, topology: EngineTopology, bucket_bytes: int):
+        from megarl.sync.delivery import plan_sync
+
+        return plan_sync(self.holdings, engine, topology, bucket_bytes)
+
+    def remote(self, engine: Any, bucket_bytes: int, **kwargs):
+        """kwargs: plan_remote_sync's (timeout_s)."""
+        from megarl.sync.remote import plan_remote_sync
+
+        return plan_remote_sync(self.holdings, engine, bucket_bytes, **kwargs)
+
+    def adapters(self, engine: Any, topology: EngineTopology, bucket_bytes: int, engine_dtype: torch.dtype,
+                 base_weights: bool = False):
+        """base_weights: the engine started with dummy weights and gets the base once, through the colocated
+        transport, before the first adapter (the holdings are built only then)."""
+        from megarl.sync.adapters import AdapterSync
+
+        base = self.colocated(engine, topology, bucket_bytes) if base_weights else None
+        return AdapterSync(self.chunks, topology, engine_dtype, base=base)
+
+    def build(self, transport: str, engine: Any, topology: EngineTopology, bucket_bytes: int,
+              engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False):
+        if transport == ADAPTER:
+            if engine_dtype is None:
+                raise ValueError("the adapter sync needs the engine's dtype (the adapters are sent in it)")
+            return self.adapters(engine, topology, bucket_bytes, engine_dtype, base_weights)
+        if transport == REMOTE:
+            return self.remote(engine, bucket_bytes)
+        if transport == COLOCATED:
+            return self.colocated(engine, topology, bucket_bytes)
+        raise ValueError(f"weight sync transport {transport!r}: expected one of {COLOCATED}, {REMOTE}, {ADAPTER}")
+
+
+def build_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int, transport: str = COLOCATED,
+               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False):
+    """The live weight sync of a model, planned once (a collective of every trainer rank): `engine` is this rank's
+    engine handle if it owns a replica (or hosts, for remote), else None. Returns the transport; its `run(engine)`
+    delivers the current weights."""
+    return SyncFactory(chunks, spec).build(transport, engine, topology, bucket_bytes, engine_dtype, base_weights)

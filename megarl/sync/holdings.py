@@ -1,0 +1,109 @@
+"""The trainer's side of the sync plan: what every rank holds of the model, as the bridge mapping names and splits it.
+
+    holdings = model_holdings(chunks, spec)        # a collective, once per run (megarl.sync.factory builds it)
+    holdings.boxes                                  # {hf name: [(rank, box)]}: where plan_moves takes each piece from
+    holdings.piece(move, chunks)                    # this rank's piece of a move, cut from its own parameter
+
+Every transport that moves the trainer's own shards (the colocated delivery, megarl.sync.delivery; engines hosted
+elsewhere, megarl.sync.remote) plans from the same holdings and cuts its pieces with the same calls, so the mapping
+and the walk over the model's parameters happen once per run, whichever transport runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from megarl.bridge.mapping import Mapping
+from megarl.distributed import all_gather_objects
+from megarl.sync.shards import Move, relative_slices, trainer_holdings
+
+
+@dataclass
+class Holdings:
+    """mapping: the model's bridge mapping; local: this rank's {megatron name: LocalParam}; owners: every rank's
+    {megatron name: [(rank, tp rank, tp size)]}; dtypes: {megatron name: dtype name} over every rank."""
+
+    mapping: Mapping
+    local: dict
+    owners: dict
+    dtypes: dict
+
+    @cached_property
+    def hf_dtypes(self) -> dict:
+        """{hf name: dtype name} of every tensor some rank holds."""
+        return {h: self.dtypes[e.megatron] for e in self.mapping.entries if e.megatron in self.dtypes for h in e.hf}
+
+    @cached_property
+    def element_sizes(self) -> dict:
+        """{hf name: bytes per element}."""
+        return {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in self.hf_dtypes.items()}
+
+    @cached_property
+    def boxes(self) -> dict:
+        """{hf name: [(rank, box)]}: the HF chunks each trainer rank holds (megarl.sync.shards.trainer_holdings)."""
+        return trainer_holdings(self.mapping, self.owners)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (the CPU where it holds none)."""
+        return next((lp.param.device for lp in self.local.values()), torch.device("cpu"))
+
+    def piece(self, mv: Move, chunks: dict) -> torch.Tensor:
+        """The piece `mv` of this rank's own parameter, cut from its HF chunks; `chunks` caches the chunks of the
+        tensors already converted (one per bucket)."""
+        if mv.hf not in chunks:
+            chunks.update(self.mapping.shard_to_hf(*self._own_shard(mv.hf)))
+        return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
+
+    def hf_blocks(self, mv: Move) -> dict:
+        """{hf name: [(first row, end row, view)]}: the row blocks of the HF chunks of `mv`'s parameter, as views of
+        it (Mapping.shard_to_hf_blocks)."""
+        return dict(self.mapping.shard_to_hf_blocks(*self._own_shard(mv.hf)))
+
+    def _own_shard(self, hf: str) -> tuple:
+        """(entry, shard, tp rank, tp size) of this rank's parameter holding HF tensor `hf`, as the mapping splits
+        it."""
+        entry = self.mapping.by_hf[hf]
+        lp = self.local[entry.megatron]
+        split = entry.tp_dim is not None and lp.tp_size > 1
+        return entry, lp.value(), lp.tp_rank if split else 0, lp.tp_size if split else 1
+
+
+def model_holdings(chunks, spec) -> Holdings:
+    """The mapping of a model built by megarl.megatron.model and every rank's holdings of it (a collective)."""
+    from megarl.bridge.importer import model_mapping
+
+    mapping = model_mapping(chunks, spec)
+    return gather_holdings(mapping, *local_holdings(chunks, mapping))
+
+
+def gather_holdings(mapping: Mapping, local: dict, tp_info: dict, dtypes: dict) -> Holdings:
+    """Holdings from this rank's parameters as `local_holdings` returns them, every rank's gathered (a collective)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = {name: (rank,) + tp_info[name] for name in local}
+    owners: dict = {}
+    all_dtypes: dict = {}
+    for per_rank, dts in all_gather_objects((mine, dtypes)):
+        for name, owner in per_rank.items():
+            owners.setdefault(name, []).append(owner)
+        all_dtypes.update(dts)
+    return Holdings(mapping, local, owners, all_dtypes)
+
+
+def local_holdings(model, mapping: Mapping) -> tuple:
+    """This rank's parameters by megatron name, their (tp rank, tp size) as the mapping splits them, and dtypes."""
+    from megarl.bridge.sharding import local_params
+
+    local, tp_info, dtypes = {}, {}, {}
+    for lp in local_params(model):
+        entry = mapping.entry(lp.name)
+        if entry.megatron in local:
+            continue
+        split = entry.tp_dim is not None and lp.tp_size > 1
+        local[entry.megatron] = lp
+        tp_info[entry.megatron] = (lp.tp_rank if split else 0, lp.tp_size if split else 1)
+        dtypes[entry.megatron] = str(lp.param.dtype).replace("torch.", "")
+    return local, tp_info, dtypes
