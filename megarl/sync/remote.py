@@ -358,7 +358,7 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int,
     if not per_host:
         raise RuntimeError("no engine host to deliver weights to (no trainer rank holds an engine handle)")
     hosts = EngineHosts(world, tuple(r for r, _ in per_host), tuple(len(lay) for _, lay in per_host))
-    needs, packed = {}, {}
+    needs: dict = {}
     for h, (_, lay) in enumerate(per_host):
         for receiver, worker in zip(hosts.receivers(h), lay):
             modules = {k: EngineModule.from_dict(v) for k, v in worker["modules"].items()}
