@@ -84,7 +84,8 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
         n = {"train": syn.num_train, "val": syn.num_val, "sft": syn.num_sft}[split]
         path.parent.mkdir(parents=True, exist_ok=True)
         if syn.task == "multiply_tool":
-            rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split)
+            rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split,
+                                         direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
         else:
             rows = make_arithmetic_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                            answer_format=syn.answer_format, split=split)

@@ -26,6 +26,10 @@ class SyntheticDataConfig(_Section):
                                    "that fills sft.train_files; None: SFT reads the training prompts' targets.")
     max_operand: int = Field(20, ge=1, le=999, description="Largest operand (arithmetic: at most 60, the tokenizer has "
                              "one token per number up to 2 * max_operand; multiply_tool: at least 32).")
+    direct_answer_share: float = Field(0.0, ge=0, lt=1, description="multiply_tool: share of the SFT demonstrations "
+                                       "that answer at once without calling the calculator (sft.parquet only); SFT "
+                                       "then imitates a policy that calls the tool only sometimes, and RL learns to "
+                                       "call it.")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
                                                                 "targets (arithmetic).")
     output_dir: Optional[str] = Field(None, description="Where the files are written; None: <run_dir>/data.")

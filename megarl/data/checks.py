@@ -23,6 +23,10 @@ def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
     if syn.task == "arithmetic" and syn.max_operand > 60:
         return [Issue(key, syn.max_operand, "the arithmetic task's tokenizer has one token per number up to "
                       "2 * max_operand, kept under 128 numbers", "use at most 60", keys=(key, "data.synthetic.task"))]
+    if syn.task != "multiply_tool" and syn.direct_answer_share:
+        share = "data.synthetic.direct_answer_share"
+        return [Issue(share, syn.direct_answer_share, "only the multiply_tool task has tool-free demonstrations",
+                      "remove it or set data.synthetic.task: multiply_tool", keys=(share, "data.synthetic.task"))]
     if syn.task == "multiply_tool" and syn.max_operand < 32:
         return [Issue(key, syn.max_operand, "multiply_tool draws operands from [32, max_operand]", "use at least 32",
                       keys=(key, "data.synthetic.task"))]

@@ -42,19 +42,27 @@ def tool_call_text(a: int, b: int) -> str:
 
 
 def make_multiply_dataset(n: int, seed: int, min_operand: int = 32, max_operand: int = 99,
-                          split: str = "train") -> list[dict[str, Any]]:
+                          split: str = "train", direct_answer_share: float = 0.0) -> list[dict[str, Any]]:
     """n rows of "What is a * b ?" with a, b uniform in [min_operand, max_operand] (the default 32..99 gives
     four-digit products, so every digit the model copies sits at a fixed distance from its source). `response` is the
     demonstration after the prompt as messages (call, tool response, answer): SFT trains the assistant turns and
-    takes the tool turn as context."""
+    takes the tool turn as context. A `direct_answer_share` of the demonstrations answer at once, without the tool
+    (a demonstrator who knows the product): a model that cannot multiply imitates a policy that calls the tool only
+    that often, which RL then has to correct."""
     if not 0 <= min_operand <= max_operand:
         raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand}, {max_operand}")
+    if not 0 <= direct_answer_share < 1:
+        raise ValueError(f"need 0 <= direct_answer_share < 1, got {direct_answer_share}")
     rng = random.Random(f"megarl-multiply-tool:{seed}")
+    # its own stream, so the operands of a seed stay the same whatever the share
+    direct_rng = random.Random(f"megarl-multiply-tool-direct:{seed}")
     rows = []
     for i in range(n):
         a, b = rng.randint(min_operand, max_operand), rng.randint(min_operand, max_operand)
         response = [{"role": "assistant", "content": tool_call_text(a, b)}, {"role": "tool", "content": str(a * b)},
                     {"role": "assistant", "content": f"#### {a * b}"}]
+        if direct_answer_share and direct_rng.random() < direct_answer_share:
+            response = response[-1:]
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"What is {a} * {b} ?"}],
                      "response": response, "ground_truth": str(a * b),
                      "extra_info": {"index": i, "split": split, "a": a, "b": b}})

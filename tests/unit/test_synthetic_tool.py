@@ -86,3 +86,31 @@ def test_plain_sft_target_trains_the_response_and_eos(tok):
     assert mask == [0] * p + [1] * (len(ids) - p)
     m = sft_batch([(ids, mask)], pad_id=0)["response_mask"][0]
     assert m.nonzero().flatten().tolist() == list(range(p - 1, len(ids) - 1))  # position t predicts token t+1
+
+
+def test_direct_answer_share_keeps_the_questions_and_drops_the_tool():
+    """The share changes only whether a demonstration calls the tool: the same questions, the same answers; about the
+    share of rows (binomial: 1000 rows at 0.5 have sd 15.8, so 5 sd is 79) answer at once."""
+    base = make_multiply_dataset(1000, seed=7)
+    mixed = make_multiply_dataset(1000, seed=7, direct_answer_share=0.5)
+    assert [r["prompt"] for r in base] == [r["prompt"] for r in mixed]
+    assert [r["ground_truth"] for r in base] == [r["ground_truth"] for r in mixed]
+    direct = [r for r in mixed if len(r["response"]) == 1]
+    assert 500 - 79 <= len(direct) <= 500 + 79
+    for r in direct:
+        assert r["response"] == [{"role": "assistant", "content": f"#### {r['ground_truth']}"}]
+    assert all(r["response"] == b["response"] for r, b in zip(mixed, base) if len(r["response"]) == 3)
+    with pytest.raises(ValueError, match="direct_answer_share"):
+        make_multiply_dataset(1, seed=0, direct_answer_share=1.0)
+
+
+def test_direct_answer_share_is_refused_on_the_arithmetic_task():
+    from megarl.config.schema import MegarlConfig
+    from megarl.data.checks import check_synthetic
+
+    cfg = MegarlConfig.model_validate({"data": {"synthetic": {"task": "arithmetic", "direct_answer_share": 0.3}}})
+    [issue] = check_synthetic(cfg)
+    assert issue.key == "data.synthetic.direct_answer_share" and "multiply_tool" in issue.fix
+    cfg = MegarlConfig.model_validate({"data": {"synthetic": {"task": "multiply_tool", "max_operand": 99,
+                                                              "direct_answer_share": 0.3}}})
+    assert check_synthetic(cfg) == []
