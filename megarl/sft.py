@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 
@@ -93,6 +94,12 @@ def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[
     return {"input_ids": ids, "response_mask": mask}
 
 
+def reached_target(losses: Sequence[float], target: Optional[float], window: int) -> bool:
+    """sft.target_loss: whether the mean of the last `window` step losses is at or below `target` (never with fewer
+    than `window` steps, nor without a target)."""
+    return target is not None and len(losses) >= window and sum(losses[-window:]) / window <= target
+
+
 def run_sft(cfg: MegarlConfig, rt) -> Path:
     """Train cfg.model.path on cfg.sft.train_files and write the result to sft_output_dir(cfg)."""
     from transformers import AutoTokenizer
@@ -120,7 +127,9 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     logger = MetricsLogger(Path(cfg.trainer.run_dir) / "sft", enabled=rt.is_rank0, tensorboard=cfg.logging.tensorboard,
                            console=cfg.logging.console, total_steps=total, summary=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log.info("sft: %d examples, %d steps of %d sequences", len(examples), total, s.batch_size)
+    log.info("sft: %d examples, %s%d steps of %d sequences", len(examples), "at most " if s.target_loss else "",
+             total, s.batch_size)
+    losses: list[float] = []
     for step in range(1, total + 1):
         batch = sft_batch(loader.next_batch(s.batch_size), pad)
         mine = {k: v[dp_row_range(s.batch_size, rt)] for k, v in batch.items()}
@@ -128,9 +137,22 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
         denominator = loss_denominator([m["response_mask"] for m in micro_batches], "token-mean")
         metrics = train_mini_batch(worker.trainable, micro_batches,
                                    make_sft_loss_fn(worker.spec.vocab_size, denominator))
-        if step % max(1, total // 20) == 0 or step in (1, total):
+        losses.append(metrics["sft_loss"])
+        done = _agreed(reached_target(losses, s.target_loss, s.target_loss_window))
+        if step % max(1, total // 20) == 0 or step in (1, total) or done:
             logger.log(step, {"sft/loss": metrics["sft_loss"], "sft/grad_norm": metrics["grad_norm"],
                               "sft/lr": metrics["lr"]})
+        if done:
+            log.info("sft: mean loss of the last %d steps %.3f <= sft.target_loss %g at step %d of at most %d",
+                     s.target_loss_window, sum(losses[-s.target_loss_window:]) / s.target_loss_window,
+                     s.target_loss, step, total)
+            break
+    else:
+        if s.target_loss is not None:
+            window = min(len(losses), s.target_loss_window)
+            log.warning("sft: stopped at the step cap (%d) with a mean loss of %.3f over the last %d steps, above "
+                        "sft.target_loss %g: RL starts from a less formed model; raise sft.total_steps (or the "
+                        "learning rate) to reach it", total, sum(losses[-window:]) / window, window, s.target_loss)
     logger.close()
     out = sft_output_dir(cfg)
     buckets = worker.export(cfg.rollout.update_weights_bucket_megabytes << 20)
@@ -143,6 +165,15 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
             pass
     torch.distributed.barrier()
     return out
+
+
+def _agreed(flag: bool) -> bool:
+    """True on every rank when it is on any: the ranks stop at the same step whatever their float sums."""
+    from megarl import distributed
+
+    value = torch.tensor([1.0 if flag else 0.0], device=distributed.compute_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def sft_entry(cfg_dict: dict) -> str:

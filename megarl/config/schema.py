@@ -684,6 +684,12 @@ class SFTConfig(_Section):
     train_files: list[str] = Field(default_factory=list, description="Prompt/response files for `megarl sft`.")
     epochs: int = Field(1, ge=1, description="Passes over the SFT data.")
     total_steps: Optional[int] = Field(None, ge=1, description="Stop after this many steps; None: epochs.")
+    target_loss: Optional[float] = Field(None, gt=0, description="Stop earlier, once the mean SFT loss of the last "
+                                         "target_loss_window steps is at or below this (total_steps or epochs stay "
+                                         "the cap; the console warns if it is not reached). A warm start defined by "
+                                         "how well it fits, not by a step count that leaves one seed or CPU on a loss "
+                                         "plateau and takes another far past it. None: every step runs.")
+    target_loss_window: int = Field(20, ge=1, description="Steps whose mean loss sft.target_loss is compared with.")
     batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     max_length: int = Field(1024, ge=1, description="Maximum prompt+response tokens.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4),
