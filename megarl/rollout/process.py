@@ -1,4 +1,5 @@
-"""Run a VLLMEngine in a child process of the trainer's rank 0, behind the same methods.
+"""Run a VLLMEngine (or the transformers engine, rollout.name=hf) in a child process of the trainer's rank 0, behind
+the same methods.
 
 Why: vLLM's in-process engine initialises torch.distributed. Inside a trainer rank the default process group already
 spans the trainer's world, and vLLM would build its groups on it, a collective the other ranks never join (a hang).
@@ -58,9 +59,12 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
-        from megarl.rollout.engine import VLLMEngine
+        if config.name == "hf":
+            from megarl.rollout.hf_engine import HFEngine as Engine
+        else:
+            from megarl.rollout.engine import VLLMEngine as Engine
 
-        engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
+        engine = Engine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
                             abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send((0, "error", start_failure_line(exc, _output_file())))
@@ -159,7 +163,7 @@ def start_failure_line(exc: BaseException, log_file: Optional[str]) -> str:
 
 
 class EngineProcess:
-    """A VLLMEngine living in a child process; the same methods as VLLMEngine."""
+    """A VLLMEngine (or, with rollout.name=hf, an HFEngine) living in a child process; the same methods."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
