@@ -149,6 +149,25 @@ class ArchSpec:
         return self.num_attention_heads // self.num_key_value_heads
 
 
+def kv_cache_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, mla_latent: Optional[int],
+                             dtype_bytes: int, engine_tp: int = 1) -> int:
+    """Bytes of KV cache one token takes on one engine TP rank, across all layers (what vLLM allocates per token).
+
+    Standard attention: 2 (K and V) * layers * max(1, kv_heads // engine_tp) * head_dim * dtype_bytes (KV heads
+    split over TP, replicated when TP exceeds them). Multi-latent attention (mla_latent = kv_lora_rank +
+    qk_rope_head_dim): layers * mla_latent * dtype_bytes, the compressed latent, whole on every TP rank."""
+    if mla_latent is not None:
+        return num_layers * mla_latent * dtype_bytes
+    return 2 * num_layers * max(1, kv_heads // engine_tp) * head_dim * dtype_bytes
+
+
+def spec_kv_cache_bytes_per_token(spec: ArchSpec, dtype_bytes: int, engine_tp: int = 1) -> int:
+    """kv_cache_bytes_per_token of an ArchSpec."""
+    return kv_cache_bytes_per_token(spec.num_layers, spec.num_key_value_heads, spec.head_dim,
+                                    spec.mla.kv_cache_elements_per_token() if spec.mla is not None else None,
+                                    dtype_bytes, engine_tp)
+
+
 def _field(cfg: dict, name: str, path: str, default: Any = ..., kinds=(int,)) -> Any:
     if name not in cfg or cfg[name] is None:
         if default is ...:

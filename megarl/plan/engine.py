@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.bridge.hf_config import ArchSpec
+from megarl.bridge.hf_config import ArchSpec, spec_kv_cache_bytes_per_token
 from megarl.plan.model import GIB, Cluster, Placement, Weights
 
 
@@ -34,9 +34,8 @@ class EngineMemory:
 
 
 def kv_bytes_per_token(spec: ArchSpec, engine_tp: int, ebytes: int) -> int:
-    if spec.mla is not None:  # vLLM's MLA backends cache the compressed latent, whole on every TP rank (no K/V heads)
-        return spec.num_layers * spec.mla.kv_cache_elements_per_token() * ebytes
-    return 2 * spec.num_layers * max(1, spec.num_key_value_heads // engine_tp) * spec.head_dim * ebytes
+    """One engine TP rank's KV bytes per token: the bridge's one formula, shared with the engine's own check."""
+    return spec_kv_cache_bytes_per_token(spec, ebytes, engine_tp)
 
 
 def engine_memory(r, cluster: Cluster, pl: Placement, weights: Weights) -> EngineMemory:

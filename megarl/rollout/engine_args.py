@@ -22,8 +22,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
+from megarl.bridge.hf_config import kv_cache_bytes_per_token
 from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
-                                       engine_hf_overrides, is_mla, mla_latent_size)
+                                       engine_hf_overrides, head_size, is_mla, mla_latent_size)
 from megarl.rollout.start_errors import one_line
 from megarl.sync.weights import describe_bytes
 
@@ -237,13 +238,10 @@ def _cpu_choice_kwargs(choice: CpuEngineChoice) -> dict[str, Any]:
 def kv_bytes_per_token(hf_config: Mapping[str, Any], dtype: str) -> int:
     """KV cache bytes one token takes across all layers: K and V per KV head, or with multi-latent attention one
     compressed latent (kv_lora_rank + qk_rope_head_dim) per layer, as vLLM's MLA cache holds it."""
-    layers = int(hf_config["num_hidden_layers"])
-    if is_mla(hf_config):
-        return layers * mla_latent_size(hf_config) * _DTYPE_BYTES[dtype]
     heads = int(hf_config["num_attention_heads"])
-    kv_heads = int(hf_config.get("num_key_value_heads") or heads)
-    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    return kv_cache_bytes_per_token(int(hf_config["num_hidden_layers"]),
+                                    int(hf_config.get("num_key_value_heads") or heads), head_size(hf_config),
+                                    mla_latent_size(hf_config) if is_mla(hf_config) else None, _DTYPE_BYTES[dtype])
 
 
 def kv_cache_bytes_needed(hf_config: Mapping[str, Any], dtype: str, max_model_len: int,
