@@ -112,8 +112,9 @@ def sequence_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of whole rows holding at most `max_tokens` real tokens each (a longer row goes alone).
 
-    Rows are packed longest first into the first micro-batch with room (first-fit decreasing: deterministic), and
-    each micro-batch is cut to its own longest row, so padding is not computed."""
+    Rows go longest first into the first micro-batch with room (first-fit decreasing: deterministic); each
+    micro-batch's tensors are cut to its longest row, and the forward runs it packed (rows end to end, no padding
+    computed: megarl.megatron.packing)."""
     lengths = sequence_lengths(batch).tolist()
     out = []
     for rows in token_budget_groups(lengths, max_tokens):
@@ -145,11 +146,11 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
                             width: int, on_rows=None) -> Optional[torch.Tensor]:
     """A forward-only pass in token-budget micro-batches (rollout.log_prob_use_dynamic_bsz).
 
-    forward(tokens [g, s], micro_batch_size) -> [g, <= s, ...] per-position outputs (None off the last pipeline stage);
-    tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of rows holding at
-    most max_tokens tokens runs as one micro-batch cut to its longest row; the rows come back in their order as
-    [N, width, ...], zero past each group's cut (positions no loss reads). on_rows(idx [g]): called with each group's
-    row indices (into `tokens`) before its forward."""
+    forward(tokens [g, s], micro_batch_size, lengths [g]) -> [g, <= s, ...] per-position outputs (None off the last
+    pipeline stage); tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of
+    rows holding at most max_tokens tokens runs as one (packed) micro-batch cut to its longest row; the rows come
+    back in their order as [N, width, ...], zero past each group's cut (positions no loss reads). on_rows(idx [g]):
+    called with each group's row indices (into `tokens`) before its forward."""
     groups = token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
     out = None
     for rows in groups:
@@ -157,7 +158,7 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
         idx = torch.tensor(sorted(rows))
         if on_rows is not None:
             on_rows(idx)
-        part = forward(tokens[idx, :cut], len(rows))
+        part = forward(tokens[idx, :cut], len(rows), lengths[idx].clamp(1, cut))
         if part is None:
             continue
         if out is None:

@@ -112,9 +112,16 @@ def to_device(batch: dict) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor):
-    check_device("model input", (input_ids, position_ids, attention_mask))
-    return model(input_ids, position_ids, attention_mask)
+def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+               packed_seq_params=None):
+    """model(input_ids, position_ids, attention_mask) after checking the inputs' device; packed_seq_params: megatron's
+    PackedSeqParams of a packed micro-batch (its cu_seqlens checked too)."""
+    inputs = [t for t in (input_ids, position_ids, attention_mask) if t is not None]
+    if packed_seq_params is None:
+        check_device("model input", inputs)
+        return model(input_ids, position_ids, attention_mask)
+    check_device("model input", inputs + [packed_seq_params.cu_seqlens_q])
+    return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
 
 
 def all_reduce(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:

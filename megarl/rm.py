@@ -88,11 +88,13 @@ def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 
 
 def make_bt_loss_fn(denominator: torch.Tensor):
-    """loss_fn(micro_batch, values [b, S, 1]) -> (Bradley-Terry loss share, metrics) for train_mini_batch."""
+    """loss_fn(micro_batch, values [1, P, 1] of its pack) -> (Bradley-Terry loss share, metrics) for
+    train_mini_batch."""
+    from megarl.megatron.packing import row_values
     from megarl.reward.model import bt_loss, last_token_scores
 
     def loss_fn(mb: dict, out: torch.Tensor):
-        scores = last_token_scores(out[:, : mb["input_ids"].shape[1]], mb["lengths"])
+        scores = last_token_scores(row_values(out, mb["pack"]), mb["lengths"])
         loss, metrics = bt_loss(scores[0::2], scores[1::2], denominator)
         return loss, {"bt_loss": loss.detach(), **metrics}
 

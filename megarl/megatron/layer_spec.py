@@ -63,7 +63,9 @@ class SDPAttention(_module_base()):
     and ng are this TP rank's query heads and KV groups (GQA: np a multiple of ng; K/V are never repeated).
     attention_mask: None or megarl's causal mask (causal by the kernel), or a boolean mask broadcastable to
     [b, np, sq, sk] with True = masked (padding masks included); a masked position gets the most negative finite
-    score, as megatron's own masking does, so a fully masked row yields a uniform average instead of NaN."""
+    score, as megatron's own masking does, so a fully masked row yields a uniform average instead of NaN.
+    Packed sequences (packed_seq_params, THD: query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]) attend
+    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -88,8 +90,10 @@ class SDPAttention(_module_base()):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("megarl's SDPA core attention takes no packed sequences and no attention bias")
+        if attention_bias is not None:
+            raise ValueError("megarl's SDPA core attention takes no attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, nq, hn = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn], hn stays contiguous
         causal = self.causal if attn_mask_type is None else attn_mask_type.name in ("causal", "padding_causal")
@@ -111,6 +115,25 @@ class SDPAttention(_module_base()):
         else:
             out = self._sdpa(q, k, v, mask, causal, 0.0)
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)  # [sq, b, np * hn]
+
+    def _packed(self, query, key, value, packed_seq_params):
+        """THD: query [t, np, hn], key/value [t, ng, hn] hold the pack's segments end to end (megarl.megatron.packing);
+        each segment attends causally to itself only, segments of one length in one SDPA call. -> [t, np * hn]."""
+        from megarl.megatron.packing import by_segment, segment_lengths
+
+        dropout = self.dropout if self.training else 0.0
+
+        def attend(q, k, v):  # [g, L, heads, hn] -> [g, L, np, hn]
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            if dropout:
+                from megatron.core import tensor_parallel
+
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    return self._sdpa(q, k, v, None, self.causal, dropout).transpose(1, 2)
+            return self._sdpa(q, k, v, None, self.causal, 0.0).transpose(1, 2)
+
+        out = by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
+        return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, mask, causal, dropout):
         gqa = q.shape[1] != k.shape[1]

@@ -1,13 +1,14 @@
 """Loss functions on megatron outputs for train_step.train_mini_batch: policy (actor), value (critic) and SFT.
 
 Each binds settings and the mini-batch's global denominator to a pure loss from megarl.algo and returns
-loss_fn(micro_batch, model_output) -> (loss, metrics). Tensors of a micro-batch (T = S - 1, aligned with logprobs:
-position t scores token t+1):
+loss_fn(micro_batch, model_output) -> (loss, metrics). The model ran on the micro-batch's pack (mb["pack"],
+megarl.megatron.packing): its output [1, P, ...] comes back per row as [b, T] before any loss sees it. Tensors of a
+micro-batch (T = S - 1, aligned with logprobs: position t scores token t+1):
     input_ids [b, S], response_mask [b, T], old_log_probs [b, T], advantages [b, T],
     optional ref_log_probs [b, T] (use_kl_loss), optional rollout_is_weights [b, T] (rollout correction),
     values [b, T] and returns [b, T] (critic).
-The critic's value at position t is V(tokens[:t+1]), the state before token t+1 is generated, so its output [b, S, 1]
-is cut to [b, T] like the logprobs.
+The critic's value at position t is V(tokens[:t+1]), the state before token t+1 is generated, so its values [b, S]
+are cut to [b, T] like the logprobs.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from megarl import algo
-from megarl.megatron.vocab_parallel import logprobs_from_logits, vocab_parallel_entropy
+from megarl.megatron.packing import row_entropy, row_logprobs, row_values
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class PolicyLossSettings:
 
 def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None,
                         on_policy_log_probs: Optional[list] = None):
-    """loss_fn(micro_batch, logits [b, S, V/TP]) -> (loss, metrics) for train_mini_batch.
+    """loss_fn(micro_batch, logits [1, P, V/TP] of its pack) -> (loss, metrics) for train_mini_batch.
 
     `denominator` is the global token or sequence count of the mini-batch (see train_step.loss_denominator), so the
     micro-batch losses add up to the mini-batch loss. pg_loss/kl_loss/entropy_loss metrics are such shares.
@@ -64,9 +65,8 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
     policy_loss = algo.POLICY_LOSSES[s.policy_loss]
 
     def loss_fn(mb: dict, logits: torch.Tensor):
-        ids, mask = mb["input_ids"], mb["response_mask"]
-        logits = logits[:, : ids.shape[1] - 1]
-        log_prob = logprobs_from_logits(logits, ids[:, 1:], s.vocab_size, s.temperature)
+        mask, pack = mb["response_mask"], mb["pack"]
+        log_prob = row_logprobs(logits, pack, s.vocab_size, s.temperature)
         if on_policy_log_probs is None:
             old_log_prob = mb["old_log_probs"]
         else:
@@ -85,8 +85,7 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
         metrics = {"pg_loss": pg_loss.detach(), **pg_metrics,
                    "log_ratio_abs_max": log_ratio.masked_fill(~mask.bool(), 0.0).max()}
         with torch.set_grad_enabled(s.entropy_coeff != 0 and torch.is_grad_enabled()):
-            entropy = vocab_parallel_entropy(logits if s.entropy_coeff else logits.detach(), s.vocab_size,
-                                             s.temperature)
+            entropy = row_entropy(logits if s.entropy_coeff else logits.detach(), pack, s.vocab_size, s.temperature)
             entropy_loss = algo.agg_loss(entropy, mask, **agg)
         if s.entropy_coeff:
             loss = loss - s.entropy_coeff * entropy_loss
@@ -103,10 +102,10 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
 
 def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, denominator: torch.Tensor,
                        max_response_length: Optional[int] = None):
-    """loss_fn(micro_batch, values_out [b, S, 1]) -> (clipped value loss, metrics) for the critic."""
+    """loss_fn(micro_batch, values_out [1, P, 1] of its pack) -> (clipped value loss, metrics) for the critic."""
 
     def loss_fn(mb: dict, out: torch.Tensor):
-        vpreds = out[:, : mb["input_ids"].shape[1] - 1, 0].float()
+        vpreds = row_values(out, mb["pack"])[:, : mb["input_ids"].shape[1] - 1]
         loss, metrics = algo.value_loss(vpreds=vpreds, returns=mb["returns"], values=mb["values"],
                                         response_mask=mb["response_mask"], cliprange_value=cliprange_value,
                                         loss_agg_mode=loss_agg_mode, denominator=denominator,
@@ -120,8 +119,8 @@ def make_sft_loss_fn(vocab_size: int, denominator: torch.Tensor):
     """loss_fn(micro_batch, logits) -> (token-mean NLL of the response tokens, metrics) for supervised fine-tuning."""
 
     def loss_fn(mb: dict, logits: torch.Tensor):
-        ids, mask = mb["input_ids"], mb["response_mask"]
-        log_prob = logprobs_from_logits(logits[:, : ids.shape[1] - 1], ids[:, 1:], vocab_size)
+        mask = mb["response_mask"]
+        log_prob = row_logprobs(logits, mb["pack"], vocab_size)
         nll = algo.agg_loss(-log_prob, mask, "token-mean", denominator=denominator)
         return nll, {"sft_loss": nll.detach()}
 

@@ -4,7 +4,8 @@ megatron-core 0.16.1 builds MLA's core attention with `k_channels` / `v_channels
 values v_head_dim), which only TEDotProductAttention accepts; the local `DotProductAttention` also sizes its output
 from `kv_channels`. Its math needs neither: scores and context are computed from the tensors' own sizes. This
 subclass takes the two arguments and sizes the output [sq, b, heads_per_partition * v_channels]; everything else
-(causal mask, fp32 softmax, the given softmax_scale with YaRN's mscale) is megatron's.
+(causal mask, fp32 softmax, the given softmax_scale with YaRN's mscale) is megatron's. Packed sequences (THD,
+megarl.megatron.packing) run megatron's math per segment, segments of one length as one batch.
 """
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ class MLADotProductAttention(DotProductAttention):
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         if v_channels is not None:
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """query/key [sq, b, np, hk], value [sq, b, np, hv] -> [sq, b, np * hv]; packed (THD): query/key [t, np, hk],
+        value [t, np, hv] -> [t, np * hv], each segment causal within itself."""
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        import torch
+
+        from megarl.megatron.packing import by_segment, segment_lengths
+
+        def attend(q, k, v):  # [g, L, np, h] -> [g, L, np * hv]
+            n = q.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1).view(1, 1, n, n)
+            out = super(MLADotProductAttention, self).forward(
+                *(x.transpose(0, 1).contiguous() for x in (q, k, v)), causal, attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias)
+            return out.transpose(0, 1)
+
+        return by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
 
 
 def use_local_mla_core_attention(block_spec) -> None:

@@ -13,9 +13,9 @@ importance ratios drift. Routing replay makes a forward use a given routing inst
 Routes are kept per sample in one layout whatever the parallel layout: `routes [N, S, L, k]` (int, -1 = no route)
 indexed by row, token position and decoder layer (0-based, as vLLM's routed experts), beside `need [N, S]` (bool, the
 positions whose hidden states reach a loss: every real token but the last). Each megatron router (one per MoE layer on
-this pipeline stage) takes its layer's slice of the current micro-batch, in the router's own token order: megatron's
-router sees [s, b] tokens flattened sequence-major, and under sequence parallelism only this TP rank's contiguous
-sequence chunk. A token without a route (-1 in any slot) falls back to the router's own choice and is counted.
+this pipeline stage) takes its layer's slice of the current micro-batch, in the router's own token order: micro-batches
+are packed (megarl.megatron.packing), so the router sees the pack's tokens in packed order (rows end to end), and
+under sequence parallelism only this TP rank's contiguous chunk of the pack. A token without a route (-1 in any slot) falls back to the router's own choice and is counted.
 
 Replay keeps the router's gate math: the replayed experts' scores are gathered from the router's scores (as
 megatron-core's RouterReplay does), so gradients still reach the router weights through the probabilities. It needs
@@ -80,36 +80,34 @@ class ReplayState:
     pass_rows: Optional[torch.Tensor] = None  # global row ids of the tokens a forward-only call gets [n]
     counts: ReplayCounts = field(default_factory=ReplayCounts)
     # the current micro-batch's slices (set by `micro_batch`)
-    _mb_routes: Optional[torch.Tensor] = None  # [b, s, L, k]
-    _mb_need: Optional[torch.Tensor] = None    # [b, s]
-    _mb_rows: Optional[torch.Tensor] = None
+    _mb_routes: Optional[torch.Tensor] = None  # [1, P, L, k] in packed order
+    _mb_need: Optional[torch.Tensor] = None    # [1, P]
+    _mb_rows: Optional[tuple] = None           # (global row [P], column [P]) of each packed token, row -1: none
 
 
 STATE = ReplayState()
 
 
-def micro_batch(rows: torch.Tensor, seq_len: int) -> None:
-    """Point the routers at the micro-batch of global rows `rows` [b] (-1: a padding row) with `seq_len` tokens
-    (sequence padding past the routes' width has no route). Called by megarl's forward steps right before the model."""
+def micro_batch(rows: torch.Tensor, positions: torch.Tensor) -> None:
+    """Point the routers at a packed micro-batch (megarl.megatron.packing): token p of the pack is the token at column
+    positions[p] of global row rows[p] (rows [P], positions [P]; rows -1: the pack's end padding, or a padding row).
+    Positions past the routes' width have no route. Called by megarl's forward steps right before the model."""
     st = STATE
     if st.action == "off":
         return
-    rows = rows.long()
-    st._mb_rows = rows
-    n_rows = rows.clamp(min=0)
-    width = st.need.shape[1] if st.need is not None else seq_len
-    need = torch.zeros(len(rows), seq_len, dtype=torch.bool)
-    w = min(width, seq_len)
+    rows, positions = rows.long().cpu(), positions.long().cpu()
+    width = st.need.shape[1] if st.need is not None else int(positions.max()) + 1
+    ok = (rows >= 0) & (positions < width)
+    r, c = rows.clamp(min=0), positions.clamp(max=width - 1)
+    st._mb_rows = torch.where(ok, rows, torch.full_like(rows, -1)), c
+    need = torch.zeros(len(rows), dtype=torch.bool)
     if st.need is not None:
-        need[:, :w] = st.need[n_rows, :w]
-    need[rows < 0] = False
-    st._mb_need = need
+        need = st.need[r, c] & ok
+    st._mb_need = need.unsqueeze(0)  # [1, P]: the pack's batch dimension of 1
     if st.routes is not None:
-        r = st.routes
-        out = torch.full((len(rows), seq_len, *r.shape[2:]), -1, dtype=torch.long)
-        out[:, :w] = r[n_rows, :w].long()
-        out[rows < 0] = -1
-        st._mb_routes = out
+        out = st.routes[r, c].long()
+        out[~ok] = -1
+        st._mb_routes = out.unsqueeze(0)  # [1, P, L, k]
     else:
         st._mb_routes = None
 
@@ -143,14 +141,11 @@ class LayerReplay:
         num_tokens = scores.shape[0]
         need, start, s_local = self._token_view(st._mb_need, num_tokens, scores.device)
         counts = ReplayCounts(needed=int(need.sum()))
-        if st.action == "record":
-            b = st._mb_need.shape[0]
-            mine = indices.detach().reshape(s_local, b, topk).transpose(0, 1).to(torch.int16).cpu()  # [b, s_local, k]
-            rows = st._mb_rows
+        if st.action == "record":  # this router's pack tokens start .. start + s_local, back to (row, column)
+            rows, cols = (x[start:start + s_local] for x in st._mb_rows)
+            mine = indices.detach().reshape(s_local, topk).to(torch.int16).cpu()
             ok = rows >= 0
-            width = st.recorded.shape[1]
-            w = max(0, min(s_local, width - start))
-            st.recorded[rows[ok], start:start + w, self.layer] = mine[ok, :w]
+            st.recorded[rows[ok], cols[ok], self.layer] = mine[ok]
             st.counts.add(counts)
             return probs, indices
         if st._mb_routes is None:

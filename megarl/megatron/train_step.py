@@ -7,8 +7,10 @@ gradient exactly that of the loss over the whole mini-batch (all micro-batches, 
 computes its loss with the *global* denominator (tokens or sequences of the mini-batch across DP ranks) and returns
 it multiplied by num_microbatches * dp_size, which cancels megatron's two averages.
 
-A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded); the
-loss function receives it together with the model output ([b, S, V/TP] logits, or [b, S, 1] values for a critic).
+A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded; real
+lengths from `response_mask` or `lengths`, see megarl.megatron.packing.row_lengths). It runs packed: the loss function
+receives it with its pack under "pack", and the model output of the pack ([1, P, V/TP] logits, or [1, P, 1] values for
+a critic); megarl.megatron.packing's row_logprobs / row_entropy / row_values give [b, ...] per row.
 Micro-batches arrive on the CPU; the forward step moves each to the runtime's compute device just before the model, and
 every tensor a collective sees is on that device too (megarl.distributed checks both).
 """
@@ -111,20 +113,21 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
 
     from megarl.megatron.parallel import schedule_args
 
+    from megarl.megatron.forward import pack_multiple, schedule_shapes
+    from megarl.megatron.packing import pack_size, row_lengths
+
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
-    shapes = {tuple(mb["input_ids"].shape) for mb in micro_batches}
-    mbs, seq_len = max(shapes, key=lambda bs: bs[0] * bs[1])
-    if len(shapes) > 1:  # token-budget micro-batches: the pipeline must send each activation's shape first
-        trainable.chunks[0].config.variable_seq_lengths = True
+    multiple = pack_multiple(trainable.chunks[0].config)
+    sizes = [pack_size(row_lengths(mb).tolist(), multiple) for mb in micro_batches]
 
     for chunk in trainable.chunks:
         chunk.zero_grad_buffer()
     trainable.optimizer.zero_grad()
     results = get_forward_backward_func()(
         forward_step_func=partial(forward_step, loss_fn, scale), **schedule_args(trainable.chunks, micro_batches),
-        num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+        num_microbatches=n_micro, forward_only=False, **schedule_shapes(trainable.chunks, sizes))
     update_ok, grad_norm, _ = trainable.optimizer.step()
     trainable.scheduler.step(increment=1)
     trainable.steps += 1
@@ -137,15 +140,19 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
 
 def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     """Megatron's forward-step contract for one training micro-batch: (output, loss_func) with the loss scaled by
-    `scale` (see the module docstring) and its metrics as float tensors."""
-    from megarl.megatron.forward import causal_inputs
+    `scale` (see the module docstring) and its metrics as float tensors. The micro-batch runs packed; the loss
+    function finds the pack as mb["pack"] (megarl.megatron.packing)."""
+    from megarl.megatron.forward import pack_multiple, packed_forward
+    from megarl.megatron.packing import pack_rows, row_lengths
 
-    mb = distributed.to_device(next(data_iterator))
-    if router_replay.STATE.action != "off":  # the routers replay this micro-batch's rows (row_index: global ids)
-        router_replay.micro_batch(mb["row_index"].cpu(), mb["input_ids"].shape[1])
-    pos, mask = causal_inputs(mb["input_ids"])
-    output = distributed.call_model(model, mb["input_ids"], pos, mask)
-    return output, partial(_scaled_loss, loss_fn, scale, mb)
+    host = next(data_iterator)
+    lengths = row_lengths(host)  # the pack's layout comes from the host copy: no read-back from the device
+    mb = distributed.to_device(host)
+    pack = pack_rows(mb["input_ids"], lengths, pack_multiple(getattr(model, "config", None)))
+    # routing replay reads the rows' global ids (row_index)
+    rows = mb["row_index"].cpu() if router_replay.STATE.action != "off" else None
+    output = packed_forward(model, pack, rows)
+    return output, partial(_scaled_loss, loss_fn, scale, {**mb, "pack": pack})
 
 
 def _scaled_loss(loss_fn: LossFn, scale: float, mb: dict, output: torch.Tensor):

@@ -51,23 +51,27 @@ def build_options(cfg: MegarlConfig) -> dict:
             **recompute_overrides(m.recompute)}
 
 
-def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, fn, width) -> torch.Tensor:
-    """fn's per-row output [rows, *width] on this rank's DP rows, gathered to [N, *width] on every rank."""
+def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, lengths: Optional[torch.Tensor], fn,
+                  width) -> torch.Tensor:
+    """fn(ids [n, S], lengths [n] or None)'s per-row output [n, *width] on this rank's DP rows, gathered to
+    [N, *width] on every rank."""
     rows = dp_row_range(ids.shape[0], rt)
     router_replay.STATE.pass_rows = torch.arange(rows.start, rows.stop)  # the rows' ids, for routing replay
-    local = fn(ids[rows])
+    local = fn(ids[rows], None if lengths is None else lengths[rows])
     return gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
 
 
 def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward, micro: int, width: int,
                   trailing: tuple = ()) -> torch.Tensor:
     """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
-    of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz.
-    forward(tokens [g, s], micro_batch_size) -> [g, <= s, *trailing]."""
+    of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz;
+    each runs packed, each row up to its last response token (megarl.batching.sequence_lengths).
+    forward(tokens [g, s], micro_batch_size, lengths [g] or None) -> [g, <= s, *trailing]."""
     r, ids = cfg.rollout, batch["input_ids"]
-    if r.log_prob_use_dynamic_bsz and "response_mask" in batch:
+    all_lengths = sequence_lengths(batch).clamp(1, ids.shape[1]) if "response_mask" in batch else None
+    if r.log_prob_use_dynamic_bsz and all_lengths is not None:
         rows = dp_row_range(ids.shape[0], rt)
-        lengths = sequence_lengths(batch)[rows]
+        lengths = all_lengths[rows]
 
         def on_rows(idx):  # the global ids of each token-budget group, for routing replay
             router_replay.STATE.pass_rows = idx + rows.start
@@ -75,7 +79,8 @@ def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward,
         local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width,
                                         on_rows=on_rows)
         return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
-    return _forward_rows(rt, ids, lambda x: forward(x, _micro(x.shape[0], micro)), (width, *trailing))
+    return _forward_rows(rt, ids, all_lengths, lambda x, lens: forward(x, _micro(x.shape[0], micro), lens),
+                         (width, *trailing))
 
 
 def _average(metrics: list[dict]) -> dict:
@@ -147,8 +152,8 @@ class _Worker:
 
     def _update(self, batch: dict, rt: DataParallelRank, mini_batch_size: int, micro_batch_size: int, epochs: int,
                 shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
-        """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or packed up to
-        `max_tokens` real tokens each (dynamic batch size)."""
+        """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or of up to `max_tokens`
+        real tokens each (dynamic batch size); every micro-batch runs packed (train_step.forward_step)."""
         n = batch["input_ids"].shape[0]
         out = []
         for epoch in range(epochs):
@@ -245,11 +250,12 @@ class PolicyWorker(_Worker):
         name = "old_log_prob" if actor else "ref"
         if sum_pi_squared:  # beside each logprob, as a trailing pair
             both = self._replaying(batch, name, actor, lambda: _forward_only(
-                self.cfg, rt, batch, lambda x, mb: token_logprobs_and_sum_pi_squared(self.chunks, x, mb, t), micro,
+                self.cfg, rt, batch, lambda x, mb, lens: token_logprobs_and_sum_pi_squared(self.chunks, x, mb, t, lengths=lens), micro,
                 ids.shape[1] - 1, trailing=(2,)))
             return both[..., 0].contiguous(), both[..., 1].contiguous()
         return self._replaying(batch, name, actor, lambda: _forward_only(
-            self.cfg, rt, batch, lambda x, mb: token_logprobs(self.chunks, x, mb, t), micro, ids.shape[1] - 1))
+            self.cfg, rt, batch, lambda x, mb, lens: token_logprobs(self.chunks, x, mb, t, lengths=lens), micro,
+            ids.shape[1] - 1))
 
     def update(self, batch: dict, rt: DataParallelRank, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
@@ -300,7 +306,8 @@ class ReferenceView:
         ids = batch["input_ids"]
         with adapters_disabled(a.chunks):  # the same forward as a reference model's: token budgets, routing replay
             return a._replaying(batch, "ref", False, lambda: _forward_only(
-                a.cfg, rt, batch, lambda x, mb: token_logprobs(a.chunks, x, mb, t), micro, ids.shape[1] - 1))
+                a.cfg, rt, batch, lambda x, mb, lens: token_logprobs(a.chunks, x, mb, t, lengths=lens), micro,
+                ids.shape[1] - 1))
 
 
 class CriticWorker(_Worker):
@@ -313,7 +320,8 @@ class CriticWorker(_Worker):
         micro = self.cfg.rollout.log_prob_micro_batch_size_per_gpu
         s = batch["input_ids"].shape[1]
         return _forward_only(self.cfg, rt, batch,
-                             lambda x, mb: _cut(token_values(self.chunks, x, mb), x.shape[1] - 1), micro, s - 1)
+                             lambda x, mb, lens: _cut(token_values(self.chunks, x, mb, lengths=lens), x.shape[1] - 1),
+                             micro, s - 1)
 
     def update(self, batch: dict, rt: DataParallelRank, step: int) -> dict:
         c, n = self.cfg.critic, self.cfg.rollout.n

@@ -158,7 +158,7 @@ class RewardModelWorker:
         rows = dp_row_range(input_ids.shape[0], rt)
         mine = input_ids[rows]
         micro = max(1, min(self.micro_batch_size, mine.shape[0]))
-        values = token_values(self.chunks, mine, micro)
+        values = token_values(self.chunks, mine, micro, lengths=lengths[rows])
         local = None if values is None else last_token_scores(values, lengths[rows])[:, None]
         return gather_model_output(local, (rows.stop - rows.start, 1))[:n, 0]
 

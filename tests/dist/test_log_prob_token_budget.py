@@ -23,10 +23,12 @@ def forwards_rank(hf_dir: str, tokens, lengths):
     model.eval(), critic.eval()
     width = tokens.shape[1] - 1
     fixed = token_logprobs(model, tokens, micro_batch_size=2)
-    budget = forward_by_token_budget(lambda x, mb: token_logprobs(model, x, mb), tokens, lengths, BUDGET, width)
+    budget = forward_by_token_budget(lambda x, mb, lens: token_logprobs(model, x, mb, lengths=lens), tokens, lengths,
+                                     BUDGET, width)
     values_fixed = token_values(critic, tokens, micro_batch_size=2)[:, :width]
-    values_budget = forward_by_token_budget(lambda x, mb: token_values(critic, x, mb)[:, :x.shape[1] - 1], tokens,
-                                            lengths, BUDGET, width)
+    values_budget = forward_by_token_budget(
+        lambda x, mb, lens: token_values(critic, x, mb, lengths=lens)[:, :x.shape[1] - 1], tokens, lengths, BUDGET,
+        width)
     groups = token_budget_groups(lengths.tolist(), BUDGET)
     return fixed, budget, values_fixed, values_budget, groups
 

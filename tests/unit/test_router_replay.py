@@ -42,20 +42,41 @@ def test_metrics_shares():
         "router_replay/old_log_prob_replayed_share": 0.0}
 
 
-def test_micro_batch_slices_routes_by_global_row_and_pads():
+def test_micro_batch_takes_routes_in_packed_order():
     routes = torch.arange(3 * 4 * 2 * 1).view(3, 4, 2, 1).to(torch.int16)
     need = torch.ones(3, 4, dtype=torch.bool)
+    need[:, 3] = False
     rr.begin("replay", 3, 4, routes=routes, need=need, num_layers=2, topk=1)
     try:
-        rr.micro_batch(torch.tensor([2, -1]), 6)  # row 2, then a padding row; 2 padded positions
+        # a pack of row 2 (4 tokens), row 0 (2 tokens), then 2 tokens of end padding
+        rr.micro_batch(torch.tensor([2, 2, 2, 2, 0, 0, -1, -1]), torch.tensor([0, 1, 2, 3, 0, 1, 0, 1]))
         st = rr.STATE
-        assert st._mb_routes.shape == (2, 6, 2, 1)
+        assert st._mb_routes.shape == (1, 8, 2, 1)
         assert st._mb_routes[0, :4].flatten().tolist() == routes[2].flatten().tolist()
-        assert (st._mb_routes[0, 4:] == -1).all() and (st._mb_routes[1] == -1).all()
-        assert st._mb_need.tolist() == [[True] * 4 + [False] * 2, [False] * 6]
+        assert st._mb_routes[0, 4:6].flatten().tolist() == routes[0, :2].flatten().tolist()
+        assert (st._mb_routes[0, 6:] == -1).all()
+        assert st._mb_need.tolist() == [[True, True, True, False, True, True, False, False]]
     finally:
         rr.end()
     assert rr.STATE.action == "off"
+
+
+def test_record_writes_packed_tokens_back_to_their_rows():
+    rr.begin("record", 2, 3, need=torch.ones(2, 3, dtype=torch.bool), num_layers=1, topk=1)
+    try:
+        rr.micro_batch(torch.tensor([1, 1, 1, 0, 0, -1]), torch.tensor([0, 1, 2, 0, 1, 0]))
+        layer = rr.LayerReplay(0, sequence_parallel=False)
+        scores = torch.zeros(6, 4)
+        chosen = torch.tensor([3, 2, 1, 0, 3, 2])
+        scores[torch.arange(6), chosen] = 1.0
+
+        def topk(s, k, num_groups=None, group_topk=None):
+            return torch.topk(s, k)
+
+        layer.get_replay_topk(scores, 1, default_compute_topk=topk)
+        assert rr.STATE.recorded[..., 0, 0].tolist() == [[0, 3, -1], [3, 2, 1]]
+    finally:
+        rr.end()
 
 
 def _cfg(mode, **extra):
@@ -149,7 +170,7 @@ def test_token_budget_forward_reports_each_groups_rows():
     seen = []
     tokens = torch.arange(4 * 6).view(4, 6)
     lengths = torch.tensor([6, 2, 5, 3])
-    out = forward_by_token_budget(lambda x, mb: x.float(), tokens, lengths, 8, 6, on_rows=lambda idx: seen.append(
+    out = forward_by_token_budget(lambda x, mb, lens: x.float(), tokens, lengths, 8, 6, on_rows=lambda idx: seen.append(
         idx.tolist()))
     rows = sorted(r for group in seen for r in group)
     assert rows == [0, 1, 2, 3] and len(seen) > 1  # every row once, in several groups

@@ -1,0 +1,191 @@
+"""Packed micro-batches: the rows of a micro-batch laid end to end as one sequence (megatron's THD format).
+
+Callers keep right-padded rows `tokens [b, S]`; only the model sees the pack. A pack of rows with real lengths
+l_0 .. l_{b-1} holds P = sum(l_i) tokens, rounded up to `multiple` (sequence parallelism splits the pack over TP
+ranks) with pad id 0 at the end of the pack only; that padding is its own segment, so no row attends to it.
+Positions restart at 0 on every row and attention never crosses a segment boundary (cu_seqlens), so every real
+token's output is the one the padded batch computes there.
+
+    ids, positions    [1, P]      the pack (batch dimension 1, as megatron's THD path wants)
+    cu_seqlens        [k + 1]     int32 segment boundaries: the b rows, then the end padding when there is any
+    index             [b, S]      packed position of row r, column c; -1 at c >= l_r (no token computed there)
+
+Outputs come back per row with `unpack` (zeros where nothing was computed); logprobs use `packed_labels` (the next
+token of the same row) and `logprob_index` (columns 0 .. l_r - 2: the last real token predicts nothing in its row).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# the host copy of the segment lengths rides on megatron's PackedSeqParams: attention cuts segments without reading
+# cu_seqlens back from the device in every layer
+SEGMENTS_ATTR = "megarl_segments"
+
+
+@dataclass(frozen=True)
+class Pack:
+    ids: torch.Tensor        # [1, P] long
+    positions: torch.Tensor  # [1, P] long
+    cu_seqlens: torch.Tensor  # [k + 1] int32
+    index: torch.Tensor      # [b, S] long
+    lengths: tuple           # (l_0, ..., l_{b-1}) real tokens per row
+    segments: tuple          # segment lengths: the rows', then the end padding's (if any)
+
+    @property
+    def size(self) -> int:
+        """P: tokens computed, end padding included."""
+        return int(self.ids.shape[1])
+
+    @property
+    def real(self) -> int:
+        return sum(self.lengths)
+
+
+def row_lengths(mb: dict) -> torch.Tensor:
+    """Real tokens per row [b] of a micro-batch: up to the last response token (response_mask [b, S-1]: its last True
+    + 2), the reward model's `lengths` [b], or every column of input_ids [b, S]; at least 1, at most S."""
+    ids = mb["input_ids"]
+    s = ids.shape[1]
+    if "response_mask" in mb:
+        mask = mb["response_mask"]
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        lengths = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).amax(dim=1) + 2
+    elif "lengths" in mb:
+        lengths = mb["lengths"]
+    else:
+        lengths = torch.full((ids.shape[0],), s, dtype=torch.long)
+    return lengths.long().clamp(1, s).cpu()
+
+
+def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, multiple: int = 1) -> Pack:
+    """The pack of `tokens` [b, S] (right-padded) with real lengths `lengths` [b] (host values; None: all S), its
+    size rounded up to a multiple of `multiple`. The layout is computed on the host from the lengths; tokens are
+    gathered on their own device (no read-back from it)."""
+    b, s = tokens.shape
+    lens = [s] * b if lengths is None else [max(1, min(s, int(x))) for x in lengths.tolist()]
+    real = sum(lens)
+    pad = -real % max(1, multiple)
+    segments = tuple(lens) + ((pad,) if pad else ())
+    starts = [0]
+    for n in segments:
+        starts.append(starts[-1] + n)
+    cols = torch.arange(s).unsqueeze(0)
+    index = torch.where(cols < torch.tensor(lens).unsqueeze(1), torch.tensor(starts[:b]).unsqueeze(1) + cols,
+                        torch.full((b, s), -1))
+    # the flat source of each packed token in tokens (row r * S + column c); -1 for the end padding
+    src = torch.cat([r * s + torch.arange(n) for r, n in enumerate(lens)] + [torch.full((pad,), -1)])
+    positions = torch.cat([torch.arange(n) for n in segments])
+    device = tokens.device
+    src = src.to(device)
+    ids = torch.where(src >= 0, tokens.reshape(-1)[src.clamp(min=0)], torch.zeros((), dtype=tokens.dtype,
+                                                                                  device=device))
+    return Pack(ids=ids.unsqueeze(0), positions=positions.to(device).unsqueeze(0),
+                cu_seqlens=torch.tensor(starts, dtype=torch.int32).to(device), index=index.to(device),
+                lengths=tuple(lens), segments=segments)
+
+
+def packed_labels(pack: Pack) -> torch.Tensor:
+    """[1, P]: the token after each packed position within its row (0 at a row's last token and in the padding)."""
+    ends = torch.zeros(pack.size, dtype=torch.bool)
+    ends[torch.tensor(pack.segments).cumsum(0) - 1] = True  # each segment's last token: nothing after it in its row
+    nxt = torch.cat([pack.ids[:, 1:], pack.ids[:, :1]], dim=1)
+    return torch.where(ends.to(nxt.device).unsqueeze(0), torch.zeros((), dtype=nxt.dtype, device=nxt.device), nxt)
+
+
+def logprob_index(pack: Pack) -> torch.Tensor:
+    """[b, S-1]: the packed position whose output scores row r's token c + 1 (columns 0 .. l_r - 2), else -1."""
+    s = pack.index.shape[1]
+    cols = torch.arange(s - 1).unsqueeze(0)
+    keep = (cols < torch.tensor(pack.lengths).unsqueeze(1) - 1).to(pack.index.device)
+    return torch.where(keep, pack.index[:, : s - 1], torch.full((), -1, device=pack.index.device))
+
+
+def unpack(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-row view of a packed output: x [1, P, ...], index [b, W] -> [b, W, ...], 0 where index is -1.
+    Differentiable (a gather)."""
+    flat = x[0]
+    idx = index.to(flat.device)
+    valid = idx >= 0
+    out = flat[idx.clamp(min=0)]
+    mask = valid.view(*valid.shape, *([1] * (out.dim() - 2)))
+    return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def seq_params(pack: Pack):
+    """megatron's PackedSeqParams (qkv_format "thd") of the pack, on its device, with the host segment lengths."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    longest = max(pack.segments)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    setattr(params, SEGMENTS_ATTR, pack.segments)
+    return params
+
+
+def segment_lengths(params) -> list[int]:
+    """The segment lengths of a PackedSeqParams (megarl's host copy, else read from cu_seqlens)."""
+    segments = getattr(params, SEGMENTS_ATTR, None)
+    if segments is not None:
+        return list(segments)
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def by_segment(segments: list[int], fn, *tensors: torch.Tensor) -> torch.Tensor:
+    """fn applied to every segment of packed tensors, segments of one length batched together.
+
+    tensors: [P, ...] each (packed); fn(*[g, L, ...]) -> [g, L, ...] for g segments of length L. Returns the results
+    in packed order, [P, ...]. Work is proportional to what fn costs per segment (sum of L^2 for attention), never
+    to the pack's length squared."""
+    device = tensors[0].device
+    starts, groups = 0, {}
+    for n in segments:
+        groups.setdefault(n, []).append(starts)
+        starts += n
+    order, outs = [], []
+    for n, firsts in groups.items():
+        idx = torch.tensor(firsts, device=device).unsqueeze(1) + torch.arange(n, device=device)  # [g, L]
+        outs.append(fn(*(t[idx] for t in tensors)).flatten(0, 1))
+        order.append(idx.flatten())
+    if len(outs) == 1:
+        return outs[0]
+    out, order = torch.cat(outs), torch.cat(order)
+    return out[torch.argsort(order)]
+
+
+def pack_size(lengths, multiple: int = 1) -> int:
+    """P of pack_rows for real lengths `lengths` (ints, already within 1 .. S)."""
+    real = sum(int(x) for x in lengths)
+    return real + (-real % max(1, multiple))
+
+
+def token_rows(pack: Pack, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row [P], column [P]) of every packed token on the host: rows [b] gives each row's id (global ids for routing
+    replay; -1 for a row that is padding), the end padding gets -1."""
+    ids = torch.cat([torch.full((n,), int(r), dtype=torch.long) for n, r in zip(pack.lengths, rows.tolist())]
+                    + [torch.full((n,), -1, dtype=torch.long) for n in pack.segments[len(pack.lengths):]])
+    return ids, pack.positions[0].cpu()
+
+
+def row_logprobs(logits: torch.Tensor, pack: Pack, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """logits [1, P, V/TP] of a pack -> [b, S-1] float32: logprob of row r's token c + 1 at column c (0 past the
+    row's last real token). Vocab-parallel (megarl.megatron.vocab_parallel)."""
+    from megarl.megatron.vocab_parallel import logprobs_from_logits
+
+    lp = logprobs_from_logits(logits, packed_labels(pack), vocab_size, temperature)  # [1, P]
+    return unpack(lp, logprob_index(pack))
+
+
+def row_entropy(logits: torch.Tensor, pack: Pack, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """logits [1, P, V/TP] -> [b, S-1]: entropy of the next-token distribution at each logprob column."""
+    from megarl.megatron.vocab_parallel import vocab_parallel_entropy
+
+    return unpack(vocab_parallel_entropy(logits, vocab_size, temperature), logprob_index(pack))
+
+
+def row_values(out: torch.Tensor, pack: Pack) -> torch.Tensor:
+    """A value head's output [1, P, 1] -> [b, S] float32 (0 past each row's length)."""
+    return unpack(out[..., 0].float(), pack.index)
