@@ -231,17 +231,19 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
 def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
     """The live weight sync, planned once (a collective): the transport the recipe picks, over the mapping and
     holdings built once (megarl.sync.factory)."""
-    from megarl.sync.factory import ADAPTER, build_sync, transport_of
+    from megarl.sync.factory import ADAPTER, REMOTE, build_sync, transport_of
 
     transport = transport_of(cfg)
     dtype = None
-    if transport == ADAPTER:  # the adapters travel in the engine's dtype
+    if transport in (ADAPTER, REMOTE):  # adapters, and weights over the network, travel in the engine's dtype
         from megarl.rollout.engine_args import resolve_dtype
 
         dtype = getattr(torch, resolve_dtype(cfg.rollout, compute_device().type == "cuda"))
+    delta = cfg.rollout.delta_full_every if cfg.rollout.delta_updates else 0
     # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
     return build_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20,
-                      transport, engine_dtype=dtype, base_weights=cfg.rollout.load_format == "dummy")
+                      transport, engine_dtype=dtype, base_weights=cfg.rollout.load_format == "dummy",
+                      delta_full_every=delta)
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False,

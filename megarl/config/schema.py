@@ -366,6 +366,13 @@ class RolloutConfig(_Section):
                                       "re-packs each layer). false: plain weights, computed with torch's linear; the "
                                       "trainer ranks write each update straight into the engine's parameters (the "
                                       "fast sync; decoding small batches is slower).")
+    delta_updates: bool = Field(True, description="Engines reached over the network (rollout.placement=separate, "
+                                "rollout.mode=ray): each update sends only the elements whose bits changed since the "
+                                "last one (indices and values, or a piece whole where that is fewer bytes), in the "
+                                "engine's dtype; in bfloat16 most elements of a step round to what the engine holds. "
+                                "Colocated engines are written in place and ignore this.")
+    delta_full_every: int = Field(10, ge=1, description="With rollout.delta_updates: every this many updates one is "
+                                  "sent whole (the first is always; so is the one after an engine restart).")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")

@@ -52,7 +52,7 @@ class SyncFactory:
         return plan_sync(self.holdings, engine, topology, bucket_bytes)
 
     def remote(self, engine: Any, bucket_bytes: int, **kwargs):
-        """kwargs: plan_remote_sync's (timeout_s)."""
+        """kwargs: plan_remote_sync's (timeout_s, engine_dtype, delta_full_every)."""
         from megarl.sync.remote import plan_remote_sync
 
         return plan_remote_sync(self.holdings, engine, bucket_bytes, **kwargs)
@@ -67,21 +67,24 @@ class SyncFactory:
         return AdapterSync(self.chunks, topology, engine_dtype, base=base)
 
     def build(self, transport: str, engine: Any, topology: EngineTopology, bucket_bytes: int,
-              engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False):
+              engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False, delta_full_every: int = 0):
         if transport == ADAPTER:
             if engine_dtype is None:
                 raise ValueError("the adapter sync needs the engine's dtype (the adapters are sent in it)")
             return self.adapters(engine, topology, bucket_bytes, engine_dtype, base_weights)
         if transport == REMOTE:
-            return self.remote(engine, bucket_bytes)
+            name = str(engine_dtype).replace("torch.", "") if engine_dtype is not None else None
+            return self.remote(engine, bucket_bytes, engine_dtype=name, delta_full_every=delta_full_every)
         if transport == COLOCATED:
             return self.colocated(engine, topology, bucket_bytes)
         raise ValueError(f"weight sync transport {transport!r}: expected one of {COLOCATED}, {REMOTE}, {ADAPTER}")
 
 
 def build_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int, transport: str = COLOCATED,
-               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False):
+               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False, delta_full_every: int = 0):
     """The live weight sync of a model, planned once (a collective of every trainer rank): `engine` is this rank's
     engine handle if it owns a replica (or hosts, for remote), else None. Returns the transport; its `run(engine)`
-    delivers the current weights."""
-    return SyncFactory(chunks, spec).build(transport, engine, topology, bucket_bytes, engine_dtype, base_weights)
+    delivers the current weights. Remote only: floating-point pieces travel in `engine_dtype`, and
+    `delta_full_every` > 0 sends only changed elements between full updates (megarl.sync.delta)."""
+    return SyncFactory(chunks, spec).build(transport, engine, topology, bucket_bytes, engine_dtype, base_weights,
+                                           delta_full_every)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
+from megarl.sync.delta import DENSE, apply_sparse, encode, index_dtype
 from megarl.sync.holdings import Holdings
 from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
                                 relative_slices, traffic)
@@ -111,6 +112,7 @@ class ReceivePlan:
     dtypes: dict  # {hf_name: dtype name}
     needs: dict  # {receiver id: {hf_name: box}}
     device: str = "cpu"  # where pieces arrive first (NCCL: the GPU); on CPU straight into the files when contiguous
+    delta: bool = False  # each bucket opens with a header per sender; pieces arrive whole or as changes (sync.delta)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class _Posted:
     works: list
     copies: list = field(default_factory=list)
     nbytes: int = 0
+    changes: list = field(default_factory=list)  # delta: (mirror, indices, values) to apply once received
 
 
 class WeightReceiver:
@@ -131,6 +134,7 @@ class WeightReceiver:
         self.engine = engine
         self.group = None
         self.plan: Optional[ReceivePlan] = None
+        self.mirror: dict = {}  # delta: {(bucket, move index): what the workers last received of the piece}
 
     def join(self, spec: TransferSpec, rank: int) -> None:
         self.group = join_group(spec, rank)
@@ -183,9 +187,11 @@ class WeightReceiver:
                 f = layout_bucket(moves, w, self._path(sync, b, w), plan.shapes, plan.dtypes, plan.needs[w])
                 posted.files[w] = f
                 posted.buffers[w] = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
+        if plan.delta:
+            self._post_delta(b, posted)
+            return posted
         for mv in moves:
-            offset, dtype, shape = posted.files[mv.dst].regions[mv.hf]
-            target = region(posted.buffers[mv.dst], dtype, shape, offset)[relative_slices(mv.box, full_box(shape))]
+            target = self._target(posted, mv)
             into = target
             if plan.device != "cpu" or not target.is_contiguous():
                 into = torch.empty(box_shape(mv.box), dtype=target.dtype, device=plan.device)
@@ -194,10 +200,47 @@ class WeightReceiver:
             posted.nbytes += mv.nbytes
         return posted
 
+    def _target(self, posted: _Posted, mv) -> torch.Tensor:
+        """Where piece `mv` goes in its worker's bucket file."""
+        offset, dtype, shape = posted.files[mv.dst].regions[mv.hf]
+        return region(posted.buffers[mv.dst], dtype, shape, offset)[relative_slices(mv.box, full_box(shape))]
+
+    def _post_delta(self, b: int, posted: _Posted) -> None:
+        """Bucket b of a delta-capable sync: each sender's header first (one entry per piece it sends this host, in
+        bucket order: DENSE or the count of changed elements), then the pieces or their changes, received into the
+        mirror; _finish writes the mirror into the files."""
+        plan = self.plan
+        moves = list(enumerate(plan.buckets[b]))
+        senders = sorted({mv.src for _, mv in moves})
+        headers = {src: torch.empty(sum(1 for _, mv in moves if mv.src == src), dtype=torch.int64) for src in senders}
+        for work in [self.group.recv([headers[src]], src, b) for src in senders]:
+            work.wait()
+        for src in senders:
+            for entry, (j, mv) in zip(headers[src].tolist(), [(j, mv) for j, mv in moves if mv.src == src]):
+                dtype = getattr(torch, plan.dtypes[mv.hf])
+                mirror = self.mirror.get((b, j))
+                if entry == DENSE:
+                    if mirror is None:
+                        mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype, device=plan.device)
+                    posted.works.append(self.group.recv([mirror], src, b))
+                    posted.nbytes += mirror.numel() * mirror.element_size()
+                elif mirror is None:
+                    raise RuntimeError(f"delta weight update of {mv.hf} (bucket {b}) without a full update before it "
+                                       f"on this engine host: the trainer must send a full update after a restart")
+                elif entry > 0:
+                    idx = torch.empty(entry, dtype=index_dtype(mirror.numel()), device=plan.device)
+                    values = torch.empty(entry, dtype=dtype, device=plan.device)
+                    posted.works += [self.group.recv([idx], src, b), self.group.recv([values], src, b)]
+                    posted.changes.append((mirror, idx, values))
+                    posted.nbytes += idx.numel() * idx.element_size() + values.numel() * values.element_size()
+                posted.copies.append((self._target(posted, mv), mirror))
+
     def _finish(self, posted: _Posted, stats: dict) -> dict:
         t0 = time.perf_counter()
         for work in posted.works:
             work.wait()
+        for mirror, idx, values in posted.changes:
+            apply_sparse(mirror, idx, values)
         for target, piece in posted.copies:
             target.copy_(piece)
         posted.buffers.clear()  # the workers map the files themselves
@@ -265,42 +308,104 @@ class RemoteSync:
     that hold one."""
 
     def __init__(self, holdings: Holdings, moves: list, buckets: list, hosts: EngineHosts, group, rank: int,
-                 store=None):
+                 store=None, wire_dtypes: Optional[dict] = None, delta_full_every: int = 0):
         self.holdings = holdings
         self.moves, self.buckets, self.hosts = moves, buckets, hosts
         self.group, self.rank, self._store = group, rank, store  # rank 0 serves the store the group met on
         self.host_rank = hosts.host_of()
         self.plan_sent, self.plan_received, self.plan_loaded = host_traffic(moves, hosts)
         self.syncs = 0
+        self.wire_dtypes = wire_dtypes or holdings.hf_dtypes  # {hf name: dtype name} the pieces travel in
+        # delta updates (megarl.sync.delta): 0 = off; else a full update first and every `delta_full_every` updates
+        self.delta_full_every = delta_full_every
+        self.last: dict = {}  # delta: {(bucket, index in bucket): the piece as last sent}
+        self.full_next = True  # the next update is a full one (the first; after an engine restart: force_full)
+        self.since_full = 0
+
+    def force_full(self) -> None:
+        """Make the next update a full one (an engine restarted and lost what it had received)."""
+        self.full_next = True
 
     def run(self, engine: Any, verify: bool = False) -> dict:
         self.syncs += 1
         t0 = time.perf_counter()
+        full = self._full_update()
         pending = engine.start_receive_weights(self.syncs, verify) if self.hosts.owned_by(self.rank) else None
-        sent = 0
+        sent = changed = 0
         try:
             for b, moves in enumerate(self.buckets):
-                sent += self._send_bucket(b, moves)
+                if self.delta_full_every:
+                    bucket_sent, bucket_changed = self._send_bucket_delta(b, moves, full)
+                    sent, changed = sent + bucket_sent, changed + bucket_changed
+                else:
+                    sent += self._send_bucket(b, moves)
         except BaseException:
+            self.full_next = True  # what the hosts hold is unknown now
             if pending is not None:
                 pending.result()  # the host's own error says more than a broken connection
             raise
         send_s = time.perf_counter() - t0
         results = pending.result() if pending is not None else []
-        return self._metrics(sent, send_s, results, time.perf_counter() - t0)
+        metrics = self._metrics(sent, send_s, results, time.perf_counter() - t0)
+        if self.delta_full_every:
+            metrics["weight_sync/full_update"] = float(full)
+            metrics["weight_sync/changed_elements"] = float(sum(all_gather_objects(changed)))
+        return metrics
+
+    def _full_update(self) -> bool:
+        if not self.delta_full_every:
+            return True
+        full = self.full_next or self.since_full + 1 >= self.delta_full_every
+        self.full_next, self.since_full = False, 0 if full else self.since_full + 1
+        return full
+
+    def _piece(self, mv, chunks: dict) -> torch.Tensor:
+        """This rank's piece `mv` in its wire dtype, contiguous."""
+        piece = self.holdings.piece(mv, chunks)
+        return piece.to(getattr(torch, self.wire_dtypes[mv.hf])).contiguous()
 
     def _send_bucket(self, b: int, moves: Sequence) -> int:
         chunks: dict = {}
         works, pieces, nbytes = [], [], 0
         for mv in moves:
             if mv.src == self.rank:
-                piece = self.holdings.piece(mv, chunks).contiguous()
+                piece = self._piece(mv, chunks)
                 pieces.append(piece)  # alive until its send completes
                 works.append(self.group.send([piece], self.host_rank[mv.dst], b))
-                nbytes += mv.nbytes
+                nbytes += piece.numel() * piece.element_size()
         for work in works:
             work.wait()
         return nbytes
+
+    def _send_bucket_delta(self, b: int, moves: Sequence, full: bool) -> tuple:
+        """Per host: a header (one entry per piece this rank sends it, in bucket order), then each piece whole or its
+        changes since the last update (megarl.sync.delta). Returns (bytes sent, elements changed)."""
+        chunks: dict = {}
+        works, keep, nbytes, changed = [], [], 0, 0
+        mine = [(j, mv) for j, mv in enumerate(moves) if mv.src == self.rank]
+        for host in sorted({self.host_rank[mv.dst] for _, mv in mine}):
+            header, payloads = [], []
+            for j, mv in mine:
+                if self.host_rank[mv.dst] != host:
+                    continue
+                piece = self._piece(mv, chunks)
+                entry, tensors = encode(piece, None if full else self.last.get((b, j)))
+                if entry != DENSE:
+                    changed += entry
+                elif not full:
+                    changed += piece.numel()
+                # a copy: a piece can be a view of the parameter, which the next optimizer step changes in place
+                self.last[(b, j)] = piece.clone()
+                header.append(entry)
+                payloads += tensors
+            header_t = torch.tensor(header, dtype=torch.int64)
+            keep += [header_t, *payloads]  # alive until their sends complete
+            works.append(self.group.send([header_t], host, b))
+            works += [self.group.send([t], host, b) for t in payloads]
+            nbytes += sum(t.numel() * t.element_size() for t in payloads)
+        for work in works:
+            work.wait()
+        return nbytes, changed
 
     def _metrics(self, sent: int, send_s: float, results: list, seconds: float) -> dict:
 
@@ -339,11 +444,23 @@ def transfer_backend(holdings: Holdings) -> str:
     return "nccl" if holdings.device.type == "cuda" else "gloo"
 
 
-def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteSync:
+def wire_dtypes(holdings: Holdings, engine_dtype: Optional[str]) -> dict:
+    """{hf name: dtype name} the pieces travel in: the engine's dtype for floating-point tensors (the engine casts to
+    it anyway; sent in it, a float32 trainer sends half the bytes to a bfloat16 engine, and a delta update sees the
+    elements that change in the engine), the trainer's own otherwise or without an engine dtype."""
+    out = {}
+    for name, dtype in holdings.hf_dtypes.items():
+        floating = getattr(torch, dtype).is_floating_point
+        out[name] = engine_dtype if engine_dtype and floating else dtype
+    return out
+
+
+def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     engine_dtype: Optional[str] = None, delta_full_every: int = 0) -> RemoteSync:
     """Plan the sync into engines hosted elsewhere from the trainer's holdings and form the transfer group (a
     collective of the trainer ranks, once per run; megarl.sync.factory). `engine`: this rank's engine handle if it
-    holds one (its hosts join the group), else None."""
+    holds one (its hosts join the group), else None. `engine_dtype` (a dtype name): what floating-point pieces travel
+    in. `delta_full_every` > 0: delta updates (megarl.sync.delta), a full one every that many."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     mapping = holdings.mapping
@@ -363,7 +480,9 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int,
         for receiver, worker in zip(hosts.receivers(h), lay):
             modules = {k: EngineModule.from_dict(v) for k, v in worker["modules"].items()}
             needs[receiver] = engine_needs(mapping, modules, worker.get("packed"))
-    moves = plan_moves(SyncTable.of(mapping).order, needs, holdings.boxes, holdings.element_sizes)
+    dtypes = wire_dtypes(holdings, engine_dtype)
+    sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in dtypes.items()}
+    moves = plan_moves(SyncTable.of(mapping).order, needs, holdings.boxes, sizes)
     buckets = bucket_moves(moves, bucket_bytes)
     backend = transfer_backend(holdings)
     tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)
@@ -373,15 +492,15 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int,
     if joining is not None:
         joining.result()
         device = "cuda" if backend == "nccl" else "cpu"
-        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(),
-                                               holdings.hf_dtypes, needs, device) for h in mine])
-    return RemoteSync(holdings, moves, buckets, hosts, group, rank, store)
+        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), dtypes, needs,
+                                               device, delta=delta_full_every > 0) for h in mine])
+    return RemoteSync(holdings, moves, buckets, hosts, group, rank, store, dtypes, delta_full_every)
 
 
 def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,
-                 device: str) -> ReceivePlan:
+                 device: str, delta: bool = False) -> ReceivePlan:
     """The part of the sync plan one host receives: its workers' moves of every bucket, and their tensors' layout."""
     parts = [[mv for mv in bucket if mv.dst in receivers] for bucket in buckets]
     names = {mv.hf for part in parts for mv in part}
     return ReceivePlan(token, receivers, parts, {n: tuple(shapes[n]) for n in names}, {n: dtypes[n] for n in names},
-                       {w: needs[w] for w in receivers}, device)
+                       {w: needs[w] for w in receivers}, device, delta)

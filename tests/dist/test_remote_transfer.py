@@ -204,3 +204,81 @@ def test_a_host_failing_midway_stops_every_rank_at_once(tmp_path):
     assert all("error" in r for r in results), results
     assert "worker 0 failed to load bucket 2" in results[0]["error"], results[0]
     assert max(r["seconds"] for r in results) < 60, results
+
+
+def _perturb(model, update: int) -> None:
+    """Move about 1% of every parameter's elements by 0.01, the same elements on every rank holding the same shapes
+    (data-parallel copies stay equal), as an optimizer step in bfloat16 changes few of what the engine holds."""
+    gen = torch.Generator().manual_seed(1000 + update)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p[torch.rand(p.shape, generator=gen) < 0.01] += 0.01
+
+
+def deliver_delta(hf_dir, tp, engine_tp, host_ranks, wire_dtype, full_every, updates):
+    """Syncs after updates that change ~1% of the weights, delta updates on: what every host's workers hold after each
+    one (as the checkpoint's dtype would reach the engine: cast to the wire dtype), the reference export of the same
+    weights, and each sync's metrics."""
+    import torch.distributed as dist
+
+    from megarl.bridge.exporter import export_to_dict
+    from megarl.bridge.mapping import Mapping
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+    from megarl.sync.factory import REMOTE, build_sync
+    from megarl.sync.shards import predict_engine_modules
+
+    init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
+    model, spec = build_and_load(hf_dir)
+    mapping = Mapping(spec)
+    layouts = [{"modules": {k: v.to_dict() for k, v in predict_engine_modules(mapping, engine_tp, 1, w).items()}}
+               for w in range(engine_tp)]
+    handle = HostHandle(layouts) if dist.get_rank() in host_ranks else None
+    sync = build_sync(model, spec, handle, None, 16 << 10, REMOTE, engine_dtype=getattr(torch, wire_dtype),
+                      delta_full_every=full_every)
+    rounds = []
+    for u in range(updates):
+        if u:
+            _perturb(model, u)
+        metrics = sync.run(handle)
+        reference = {k: v.to(getattr(torch, wire_dtype)) for k, v in export_to_dict(model, spec).items()}
+        rounds.append({"metrics": metrics, "got": handle.got if handle is not None else None,
+                       "reference": reference if handle is not None else None})
+    if handle is not None:
+        handle.shutdown()
+    return rounds
+
+
+@pytest.mark.parametrize("tp,engine_tp,wire_dtype", [(1, 2, "float32"), (2, 1, "bfloat16")],
+                         ids=["dp2-to-engine-tp2-fp32", "tp2-to-engine-tp1-bf16"])
+def test_delta_updates_leave_the_engine_exactly_as_full_updates_would(tmp_path, tp, engine_tp, wire_dtype):
+    """Delta updates (megarl.sync.delta) after changes to ~1% of the weights: after every update each worker holds
+    exactly its shard of the current weights in the wire dtype, bit for bit; updates 1 and 4 are full (the first, then
+    every 3), 2 and 3 send the changed elements only: at most 1% x (index + value bytes) / value bytes of the full
+    update's bytes plus the pieces sent whole because they are small (bounded at 10% here)."""
+    from megarl.bridge.hf_config import load_spec
+    from megarl.bridge.mapping import Mapping
+    from megarl.sync.shards import engine_needs, predict_engine_modules
+
+    hf_dir = make_tiny_model("llama", tmp_path / "llama")
+    rounds_per_rank = run_ranks(f"{__name__}:deliver_delta", 2, {
+        "hf_dir": str(hf_dir), "tp": tp, "engine_tp": engine_tp, "host_ranks": [0], "wire_dtype": wire_dtype,
+        "full_every": 3, "updates": 4}, timeout=300)
+    mapping = Mapping(load_spec(str(hf_dir)))
+    rounds = rounds_per_rank[0]
+    assert [r["metrics"]["weight_sync/full_update"] for r in rounds] == [1.0, 0.0, 0.0, 1.0]
+    for u, r in enumerate(rounds):
+        for w, got in enumerate(r["got"]):
+            needs = engine_needs(mapping, predict_engine_modules(mapping, engine_tp, 1, w))
+            assert sorted(got) == sorted(needs)
+            for name, box in needs.items():
+                sl = tuple(slice(lo, hi) for lo, hi in box)
+                assert got[name].dtype == getattr(torch, wire_dtype)
+                assert torch.equal(got[name][sl], r["reference"][name][sl]), (u, w, name)
+        m = r["metrics"]
+        full_bytes = m["weight_sync/plan_sent_bytes_max"]
+        if m["weight_sync/full_update"]:
+            assert m["weight_sync/sent_bytes_max"] == full_bytes
+        else:
+            assert 0 < m["weight_sync/changed_elements"]
+            assert 0 < m["weight_sync/sent_bytes_max"] < 0.1 * full_bytes, m
