@@ -12,6 +12,7 @@ to (after an engine restart, whose mirror is gone).
 
     kind, payload = encode(piece, last)     # sender: DENSE (piece) or SPARSE (indices, values)
     apply_sparse(mirror, indices, values)   # receiver
+    checksum(piece) == checksum(mirror)     # both sides after every delta update
 """
 from __future__ import annotations
 
@@ -70,3 +71,11 @@ def wire_bytes(entry: int, piece_numel: int, element_size: int) -> int:
     if entry == DENSE:
         return piece_numel * element_size
     return entry * (torch.empty((), dtype=index_dtype(piece_numel)).element_size() + element_size)
+
+
+def checksum(t: torch.Tensor) -> int:
+    """An order-sensitive checksum of a contiguous tensor's bits: sum of bits x (position mod 65521 + 1), int64 with
+    wrap-around (the same on both sides of a sync)."""
+    b = bits(t).to(torch.int64)
+    weights = torch.arange(b.numel(), dtype=torch.int64, device=b.device) % 65521 + 1
+    return int((b * weights).sum())

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
-from megarl.sync.delta import DENSE, apply_sparse, encode, index_dtype
+from megarl.sync.delta import DENSE, apply_sparse, checksum, encode, index_dtype
 from megarl.sync.holdings import Holdings
 from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
                                 relative_slices, traffic)
@@ -125,6 +125,11 @@ class _Posted:
     changes: list = field(default_factory=list)  # delta: (mirror, indices, values) to apply once received
 
 
+def piece_key(b: int, mv) -> tuple:
+    """A piece's name on both sides of a sync (bucket, tensor, receiver, box)."""
+    return b, mv.hf, mv.dst, tuple(tuple(side) for side in mv.box)
+
+
 class WeightReceiver:
     """Receives the weights of one engine replica from the trainer ranks and loads them through the engine's worker
     extension (begin_update / load_bucket / end_update; a failure aborts the update and the engine keeps its
@@ -161,9 +166,12 @@ class WeightReceiver:
             self._break_group()
             raise
         metrics = self.engine.end_update()
+        sums = ({piece_key(b, mv): checksum(self.mirror[(b, j)]) for b in todo
+                 for j, mv in enumerate(self.plan.buckets[b])} if self.plan.delta else {})
         # loaded: what the workers report they loaded (their shards), counted apart from what arrived
         return {"metrics": metrics, "received": stats["received"], "loaded": int(metrics["weight_sync/engine_bytes"]),
-                "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0}
+                "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0,
+                "sums": sums}
 
     def _break_group(self) -> None:
         """Close this end of the transfer group after a failed sync, so that trainer ranks waiting to send to this
@@ -349,8 +357,24 @@ class RemoteSync:
         metrics = self._metrics(sent, send_s, results, time.perf_counter() - t0)
         if self.delta_full_every:
             metrics["weight_sync/full_update"] = float(full)
-            metrics["weight_sync/changed_elements"] = float(sum(all_gather_objects(changed)))
+            metrics.update(self._check_delta(changed, results))
         return metrics
+
+    def _check_delta(self, changed: int, results: list) -> dict:
+        """Every piece's checksum as the trainer last sent it against the host's copy that its workers loaded (a
+        collective): a delta update must leave the engine exactly as a full one would."""
+        sent = {piece_key(b, mv): checksum(self.last[(b, j)]) for b, moves in enumerate(self.buckets)
+                for j, mv in enumerate(moves) if mv.src == self.rank}
+        every = all_gather_objects((changed, sent, [r["sums"] for r in results]))
+        expected = {k: v for _, mine, _ in every for k, v in mine.items()}
+        held = {k: v for _, _, hosts in every for sums in hosts for k, v in sums.items()}
+        wrong = sorted({k[1] for k, v in expected.items() if held.get(k) != v})
+        if wrong:
+            raise RuntimeError(f"delta weight update {self.syncs}: the engine's copy of {len(wrong)} tensors differs "
+                               f"from what the trainer sent (e.g. {wrong[:3]}); set rollout.delta_updates=false and "
+                               f"resume from the last checkpoint")
+        return {"weight_sync/changed_elements": float(sum(c for c, _, _ in every)),
+                "weight_sync/checked_pieces": float(len(expected))}
 
     def _full_update(self) -> bool:
         if not self.delta_full_every:

@@ -276,6 +276,7 @@ def test_delta_updates_leave_the_engine_exactly_as_full_updates_would(tmp_path, 
                 assert got[name].dtype == getattr(torch, wire_dtype)
                 assert torch.equal(got[name][sl], r["reference"][name][sl]), (u, w, name)
         m = r["metrics"]
+        assert m["weight_sync/checked_pieces"] > 0  # the trainer's and the host's checksums of every piece agreed
         full_bytes = m["weight_sync/plan_sent_bytes_max"]
         if m["weight_sync/full_update"]:
             assert m["weight_sync/sent_bytes_max"] == full_bytes

@@ -1,7 +1,7 @@
 """megarl.sync.delta: the changed elements of a piece, by bits, sent as (indices, values) when that is fewer bytes."""
 import torch
 
-from megarl.sync.delta import DENSE, apply_sparse, changed_indices, encode, wire_bytes
+from megarl.sync.delta import DENSE, apply_sparse, changed_indices, checksum, encode, wire_bytes
 
 
 def test_changes_are_found_by_bits_and_applied_exactly():
@@ -26,3 +26,12 @@ def test_a_piece_goes_whole_without_a_last_copy_or_when_most_of_it_changed():
     entry, tensors = encode(piece, last)
     assert entry == DENSE and tensors[0] is piece
     assert encode(piece, piece.clone()) == (0, [])
+
+
+def test_the_checksum_sees_bits_and_order():
+    t = torch.tensor([1.0, 2.0, 3.0, -0.0], dtype=torch.float32)
+    assert checksum(t) == checksum(t.clone())
+    assert checksum(t) != checksum(t.flip(0))  # the same elements elsewhere
+    z = t.clone()
+    z[3] = 0.0
+    assert checksum(t) != checksum(z)
