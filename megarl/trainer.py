@@ -88,7 +88,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
     replica = rt.engines.replica_of(rt.rank)
     return EngineProcess(rollout, model_path, seed=seed, cores=cores,
-                         name="megarl-vllm-engine" + (f"-{replica}" if replica else ""),
+                         name=f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else ""),
                          lora=engine_lora(cfg, model_path))
 
 

@@ -231,7 +231,7 @@ def cpu_engine_refusals(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> lis
     """The refusals of a recipe whose engine runs on this CPU (the engine start's own choice,
     megarl.rollout.engine_args.cpu_choice): empty where the engine runs on a GPU or the model's config is not known
     yet."""
-    if resolved_device(cfg.trainer.device) != "cpu":
+    if resolved_device(cfg.trainer.device) != "cpu" or cfg.rollout.name == "hf":  # hf: transformers' own kernels
         return []
     hf, source = _config_source(cfg)
     if hf is None:
