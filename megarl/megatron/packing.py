@@ -139,21 +139,25 @@ def by_segment(segments: list[int], fn, *tensors: torch.Tensor) -> torch.Tensor:
 
     tensors: [P, ...] each (packed); fn(*[g, L, ...]) -> [g, L, ...] for g segments of length L. Returns the results
     in packed order, [P, ...]. Work is proportional to what fn costs per segment (sum of L^2 for attention), never
-    to the pack's length squared."""
-    device = tensors[0].device
-    starts, groups = 0, {}
+    to the pack's length squared. A length held by one segment takes a view of it (no copy)."""
+    starts, groups = [], {}
     for n in segments:
-        groups.setdefault(n, []).append(starts)
-        starts += n
-    order, outs = [], []
-    for n, firsts in groups.items():
-        idx = torch.tensor(firsts, device=device).unsqueeze(1) + torch.arange(n, device=device)  # [g, L]
-        outs.append(fn(*(t[idx] for t in tensors)).flatten(0, 1))
-        order.append(idx.flatten())
-    if len(outs) == 1:
-        return outs[0]
-    out, order = torch.cat(outs), torch.cat(order)
-    return out[torch.argsort(order)]
+        at = starts[-1] + segments[len(starts) - 1] if starts else 0
+        starts.append(at)
+        groups.setdefault(n, []).append(len(starts) - 1)
+    device = tensors[0].device
+    pieces: list = [None] * len(segments)
+    for n, members in groups.items():
+        if len(members) == 1:
+            i = members[0]
+            inputs = [t[starts[i]:starts[i] + n].unsqueeze(0) for t in tensors]
+        else:
+            idx = torch.tensor([starts[i] for i in members], device=device).unsqueeze(1) + torch.arange(n, device=device)
+            inputs = [t[idx] for t in tensors]  # [g, L, ...]
+        out = fn(*inputs)
+        for j, i in enumerate(members):
+            pieces[i] = out[j]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def pack_size(lengths, multiple: int = 1) -> int:
