@@ -145,10 +145,20 @@ def main() -> int:
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--sync-only", action="store_true", help="only the weight sync section")
     only.add_argument("--rollout-only", action="store_true", help="only the rollout sections (2 and 3)")
+    only.add_argument("--delta", action="store_true", help="instead: delta vs full updates into an engine placed apart "
+                      "(bench/bench_delta.py; its own options follow --delta)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of both contenders in "
                     "the rollout sections (the sync section moves float32); bfloat16 needs a CPU with bf16 "
                     "instructions (AVX-512 BF16 or AMX) to be fast")
-    args = ap.parse_args()
+    args, rest = ap.parse_known_args()
+    if args.delta:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_delta import main as delta_main
+
+        delta_main(rest)
+        return 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
 
     from megarl.config.schema import RolloutConfig
     from megarl.rollout import VLLMEngine

@@ -1,0 +1,92 @@
+"""Delta vs full weight updates into an engine placed apart from the trainer (rollout.placement=separate), in one run.
+
+`megarl train recipes/grpo_separate_tiny_cpu.yaml` runs twice back to back for the same steps, from the same SFT
+model: once with rollout.delta_updates=true (the recipe's), once with false (every update whole). Per update it reads
+from metrics.jsonl what the engine host received (`weight_sync/received_bytes_max`), the update's wall time
+(`weight_sync/seconds`), whether it was a full one, and for delta updates how many pieces the trainer's and the host's
+checksums agreed on (a mismatch stops the run). Printed: bytes and seconds per update for both, and delta / full.
+
+In bfloat16 (the recipe's engine dtype) most elements of an update round to what the engine holds; in float32 nearly
+every element changes, so delta updates send pieces whole (`--dtype float32` shows it).
+
+    .venv/bin/python bench/bench_delta.py                    # 20 steps each, bfloat16 engine
+    .venv/bin/python bench/bench_delta.py --dtype float32
+    .venv/bin/python bench/bench_rollout.py --delta          # the same
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import mean
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "grpo_separate_tiny_cpu.yaml"
+
+
+def run(work: Path, name: str, steps: int, dtype: str, delta: bool, lr: float | None) -> list[dict]:
+    """One `megarl train` of the recipe (the tiny model and its SFT warm start made once, in work/base); its metrics
+    rows."""
+    run_dir = work / name
+    args = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.test_freq=0",
+            "trainer.val_before_train=false", f"rollout.dtype={dtype}", f"rollout.delta_updates={str(delta).lower()}",
+            *([f"actor.optim.lr={lr}"] if lr else []),
+            f"model.path={work / 'base' / 'init_model'}", f"sft.output_dir={work / 'base' / 'sft_model'}",
+            f"data.synthetic.output_dir={work / 'base' / 'data'}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    print(f"== {name}: megarl train {RECIPE.name} {' '.join(args[1:7])}", flush=True)
+    subprocess.run([sys.executable, "-m", "megarl", "train", str(RECIPE), *args], cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def updates(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "weight_sync/received_bytes_max" in r]
+
+
+def summary(rows: list[dict]) -> dict:
+    ups = updates(rows)
+    later = ups[1:] or ups  # the first update is whole in both modes
+    return {"updates": len(ups), "bytes": mean(r["weight_sync/received_bytes_max"] for r in later),
+            "seconds": mean(r["weight_sync/seconds"] for r in later),
+            "full": sum(int(r.get("weight_sync/full_update", 1)) for r in ups),
+            "changed": [r["weight_sync/changed_elements"] for r in ups if r.get("weight_sync/full_update") == 0],
+            "checked": [int(r.get("weight_sync/checked_pieces", 0)) for r in ups]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the engine's dtype")
+    ap.add_argument("--lr", type=float, default=None, help="the actor's learning rate (default: the recipe's 5e-4, "
+                    "far above an LLM's ~1e-6, so that a tiny model learns in 150 steps; at 1e-6 the share of bf16 "
+                    "elements an update changes is an LLM's)")
+    ap.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary directory); the SFT "
+                    "model in WORK/base is made once and reused")
+    args = ap.parse_args(argv)
+    tag = f"-lr{args.lr:g}" if args.lr else ""
+    with tempfile.TemporaryDirectory(prefix="megarl-bench-delta-") as tmp:
+        work = Path(args.work_dir or tmp)
+        delta = summary(run(work, f"delta-{args.dtype}{tag}", args.steps, args.dtype, True, args.lr))
+        full = summary(run(work, f"full-{args.dtype}{tag}", args.steps, args.dtype, False, args.lr))
+    elements = full["bytes"] / (2 if args.dtype == "bfloat16" else 4)
+    print(f"\n{args.steps} steps each, {args.dtype} engine, actor lr {args.lr or 'of the recipe'}; updates after the "
+          f"first (whole in both modes):")
+    print(f"{'':8}{'updates':>8}{'full ones':>10}{'bytes/update':>14}{'s/update':>10}")
+    for name, s in (("delta", delta), ("full", full)):
+        print(f"{name:8}{s['updates']:>8}{s['full']:>10}{s['bytes']:>14,.0f}{s['seconds']:>10.4f}")
+    print(f"delta / full: bytes {delta['bytes'] / full['bytes']:.3f}, time {delta['seconds'] / full['seconds']:.3f}")
+    if delta["changed"]:
+        share = [c / elements for c in delta["changed"]]
+        print(f"elements changed per delta update: {min(share):.1%} to {max(share):.1%} of the model")
+    checked = delta["checked"]
+    print(f"checksums: {sum(1 for c in checked if c)} of {len(checked)} updates checked "
+          f"({min(checked)}-{max(checked)} pieces each), all equal (a mismatch stops the run)")
+
+
+if __name__ == "__main__":
+    main()
