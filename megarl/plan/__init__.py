@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megarl.plan.engine import engine_memory, kv_cache_reason
+from megarl.plan.host import host_phases, r2_gather_bytes
 from megarl.plan.memory import in_flight_layers, memory_per_role
-from megarl.plan.model import Cluster, PlanError, gpu_count_reason, model_weights, place, read_model_config
+from megarl.plan.model import GIB, Cluster, PlanError, gpu_count_reason, model_weights, place, read_model_config
 from megarl.plan.phases import (engine_gpu_reason, memory_reason, offload_per_stage, peak_phase, peak_terms,
                                 sync_cost)
 from megarl.plan.text import Steps, render
@@ -21,6 +22,7 @@ from megarl.plan.text import Steps, render
 __all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "run"]
 
 DEFAULT_GPU_MEM_GIB = 80.0
+DEFAULT_HOST_MEM_GIB = 2048.0  # per node: an 8-GPU H100 node's 2 TiB
 DEFAULT_LINK_GBPS = 50.0  # GB/s: one 400 Gb/s NIC per GPU
 
 
@@ -35,29 +37,56 @@ class PlanReport:
     sync_bytes_per_engine_rank: int
     sync_seconds_lower_bound: float
     offloaded_bytes: int = 0  # trainer states in host memory during rollout on the most loaded GPU
+    phases: Optional[dict] = None  # phase -> bytes on the most loaded GPU
+    host_peak_bytes: int = 0  # the busiest node's host memory in its busiest phase
+    host_phases: Optional[dict] = None  # phase -> named line -> bytes on that node
 
 
 def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
-                link_gbps: float = DEFAULT_LINK_GBPS) -> PlanReport:
-    """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each."""
+                link_gbps: float = DEFAULT_LINK_GBPS, host_mem_gib: float = DEFAULT_HOST_MEM_GIB,
+                weights_fn=model_weights) -> PlanReport:
+    """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each (and
+    host_mem_gib of host memory per node). weights_fn(hf, placement): who holds which bytes (the sync plan; the
+    layout search passes a faster count of the same mapping, megarl.plan.counts)."""
     cluster = Cluster(nodes, gpus_per_node, gpu_mem_gib, link_gbps)
-    hf = read_model_config(cfg)
+    steps = plan_steps(cfg, cluster, read_model_config(cfg), host_mem_gib, weights_fn)
+    sync, peak, host = steps.sync, steps.peak, steps.host
+    return PlanReport(render(cfg, steps), not steps.reasons, peak.bytes, peak.bytes, steps.reasons, steps.terms,
+                      steps.engine.weights if sync.adapter_bytes is None else sync.adapter_bytes, sync.seconds,
+                      steps.offloaded[peak.stage], peak.phases, max(sum(v.values()) for v in host.values()), host)
+
+
+def plan_steps(cfg, cluster: Cluster, hf: dict, host_mem_gib: float = DEFAULT_HOST_MEM_GIB,
+               weights_fn=model_weights) -> Steps:
+    """Every step of the plan (no text): the search calls this once per layout."""
     pl = place(cfg, cluster)
-    weights = model_weights(hf, pl)
+    weights = weights_fn(hf, pl)
     roles = memory_per_role(cfg, pl, weights)
-    engine = engine_memory(cfg.rollout, cluster, pl, weights)
+    engine = engine_memory(cfg.rollout, cluster, pl, weights, cfg.routes_from_engine)
     sync = sync_cost(cfg.rollout, cluster, pl, weights, roles.lora)
     offloaded = offload_per_stage(cfg, roles.models, pl.pp)
-    peak = peak_phase(roles, engine, sync, pl, offloaded)
-    terms = peak_terms(roles.models, peak, engine, sync, offloaded[peak.stage],
-                       cfg.parallelism.use_distributed_optimizer)
+    distributed = cfg.parallelism.use_distributed_optimizer
+    peak = peak_phase(roles, engine, sync, pl, offloaded, distributed, r2_gather_bytes(cfg, weights.spec))
+    terms = peak_terms(peak)
+    host = host_phases(cfg, weights.spec, pl, cluster, roles.models, peak.stage, max(offloaded), engine.weights,
+                       sync.adapter_bytes)
+    host_totals = {k: sum(v.values()) for k, v in host.items()}
     reasons = [x for x in (memory_reason(cfg, roles.models, peak, terms, engine, pl, cluster),
+                           host_reason(host, host_totals, host_mem_gib),
                            gpu_count_reason(pl, cluster), kv_cache_reason(engine, cfg.rollout, cluster),
                            engine_gpu_reason(cfg.rollout, engine, pl, cluster)) if x]
-    steps = Steps(cluster, pl, weights, roles, engine, sync, offloaded, peak, terms, reasons)
-    return PlanReport(render(cfg, steps), not reasons, peak.bytes, peak.bytes, reasons, terms,
-                      engine.weights if sync.adapter_bytes is None else sync.adapter_bytes, sync.seconds,
-                      offloaded[peak.stage])
+    return Steps(cluster, pl, weights, roles, engine, sync, offloaded, peak, terms, reasons, host, host_mem_gib)
+
+
+def host_reason(host: dict, totals: dict, host_mem_gib: float) -> Optional[str]:
+    phase = max(totals, key=totals.get)
+    if totals[phase] <= host_mem_gib * GIB:
+        return None
+    top = sorted(((v, k) for k, v in host[phase].items()), reverse=True)[:3]
+    return (f"host memory: the {phase} phase needs {totals[phase] / GIB:.1f} GiB on a node but a node has "
+            f"{host_mem_gib:g} GiB (--host-mem); largest lines: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for v, k in top)
+            + ". Fix: less offload (actor/critic/ref.offload), a smaller rollout.update_weights_bucket_megabytes, or "
+            "more nodes")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -74,6 +103,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     ap.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
     ap.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB, help="GiB per GPU (default 80)")
+    ap.add_argument("--host-mem", type=float, default=DEFAULT_HOST_MEM_GIB, help="GiB of host memory per node "
+                    "(default 2048)")
+    ap.add_argument("--search", action="store_true", help="search the layouts (TP, PP, VPP, EP, expert TP, "
+                    "micro-batch, recompute, offload, distributed optimizer, engine TP/EP, replicas, placement) that "
+                    "validate accepts and fit, ranked by planned step time")
+    ap.add_argument("--top", type=int, default=3, help="--search: how many layouts to print (default 3)")
+    ap.add_argument("--margin", type=float, default=0.05, help="--search: share of each GPU left free (default 0.05)")
+    ap.add_argument("--write", metavar="RECIPE_OUT", help="--search: write the best layout into a copy of the recipe")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="link bandwidth for the weight-sync "
                     "bound, GB/s (default 50: one 400 Gb/s NIC)")
 
@@ -88,10 +125,35 @@ def run(args: argparse.Namespace) -> int:
         if probe.engine_placement == "colocated":  # the trainer takes the whole cluster; else engines add GPUs
             overrides += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
         cfg = load_config(args.recipe, overrides)
-        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps)
+        if getattr(args, "search", False):
+            return run_search(args, cfg, overrides)
+        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem)
     except (ConfigError, PlanError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 1
     print(f"# {args.recipe}")
     print(report.text)
     return 0 if report.fits else 1
+
+
+def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:
+    from megarl.plan.search import render as render_search
+    from megarl.plan.search import search, write_recipe
+
+    res = search(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem, args.top,
+                 args.margin)
+    line = (f"megarl plan --search: {args.nodes} node(s) x {args.gpus_per_node} GPU(s) of {args.gpu_mem:g} GiB, "
+            f"margin {args.margin:.0%}")
+    print(f"# {args.recipe}")
+    print(render_search(res, line, Cluster(args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps).gpu_bytes))
+    if args.write and res.best:
+        given = dict(o.split("=", 1) for o in overrides if "=" in o)
+        write_recipe(args.recipe, {**_typed(given), **res.best[0].settings}, args.write)
+        print(f"wrote {args.write}: the recipe with layout #1")
+    return 0 if res.best else 1
+
+
+def _typed(values: dict) -> dict:
+    import yaml
+
+    return {k: yaml.safe_load(v) for k, v in values.items()}

@@ -1,7 +1,8 @@
 """The engine step: what a vLLM engine worker holds on its GPU.
 
 It takes gpu_memory_utilization * GPU memory: its weight shard (from the sync plan), an activation estimate for
-max_num_batched_tokens, and the rest is the KV cache (it must hold at least one max_model_len sequence): per token
+max_num_batched_tokens (with routed experts returned, vLLM's capture buffer, megarl.plan.terms), and the rest is
+the KV cache (it must hold at least one max_model_len sequence): per token
 2 * layers * KV heads per rank * head_dim, or with MLA (DeepSeek-V3) layers * (kv_lora_rank + qk_rope_head_dim), the
 compressed latent, whole on every engine TP rank. Colocated with enable_sleep_mode and free_cache_engine it releases
 everything between a rollout and the next weight sync; without it, it keeps its share. Engines placed separately hold
@@ -14,6 +15,7 @@ from typing import Optional
 
 from megarl.bridge.hf_config import ArchSpec, spec_kv_cache_bytes_per_token
 from megarl.plan.model import GIB, Cluster, Placement, Weights
+from megarl.plan.terms import engine_route_capture_bytes
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,16 @@ def kv_bytes_per_token(spec: ArchSpec, engine_tp: int, ebytes: int) -> int:
     return spec_kv_cache_bytes_per_token(spec, ebytes, engine_tp)
 
 
-def engine_memory(r, cluster: Cluster, pl: Placement, weights: Weights) -> EngineMemory:
-    """r: the recipe's rollout section."""
+def engine_memory(r, cluster: Cluster, pl: Placement, weights: Weights, routes: bool = False) -> EngineMemory:
+    """r: the recipe's rollout section; routes: the engine returns routed experts (cfg.routes_from_engine)."""
     spec, etp, ebytes = weights.spec, pl.engine_tp, pl.ebytes
     reserve = int(r.gpu_memory_utilization * cluster.gpu_bytes)
     shard = int(max(weights.loaded.values()) * pl.engine_ratio)
     ffn = (spec.moe_topk * spec.moe_ffn_hidden_size) if spec.is_moe else spec.ffn_hidden_size
     act = r.max_num_batched_tokens * ebytes * (4 * spec.hidden_size + 2 * ffn // etp) + \
         r.max_num_seqs * spec.vocab_size // etp * 4
+    if routes and spec.is_moe:  # vLLM's routed-experts capture buffer, allocated before the KV cache
+        act += engine_route_capture_bytes(r.max_num_batched_tokens, spec.num_layers, spec.moe_topk)
     return EngineMemory(reserve, shard, act, kv_bytes_per_token(spec, etp, ebytes), reserve - shard - act,
                         r.resolved_max_model_len, r.enable_sleep_mode and r.free_cache_engine and not pl.separate)
 

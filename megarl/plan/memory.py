@@ -4,9 +4,9 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
 * Trainable model (actor; critic with a 1-wide value head instead of the LM head):
     parameters      P * 2 (bf16) or 4 (fp32)
     gradients       P * 4 (megarl reduces gradients in fp32: grad_reduce_in_fp32)
-    optimizer       Adam: fp32 master copy + exp_avg + exp_avg_sq = 12 B/param in bf16 (8 in fp32, no master copy);
-                    with the distributed optimizer divided by the data-parallel size (dense parameters) or the
-                    expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
+    optimizer       Adam: fp32 master copy (4 B/param in bf16, none in fp32) + exp_avg + exp_avg_sq (8 B/param),
+                    each a named line; with the distributed optimizer divided by the data-parallel size (dense
+                    parameters) or the expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
     activations     per token per layer, bf16, flash attention (no score matrix), SwiGLU, GQA, no dropout:
                     8h (norm inputs and residual stream, /TP with sequence parallel) + (4q + 4kv + 6f) / TP
                     with q = heads*head_dim, kv = kv_heads*head_dim, f = FFN size; MoE: f-term -> top_k * (2h + 6f_moe)
@@ -14,9 +14,11 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
                     layer's input (2h, /TP with SP) plus one layer's full activations being recomputed.
                     1F1B pipeline: stage s holds min(PP - s, micro-batches) micro-batches in flight; interleaved
                     1F1B (virtual pipeline stages) more, in chunks of layers/(PP*VPP) (see in_flight_layers). The
-                    last stage adds the logits, tokens * vocab / TP * 8 B (fp32 logits and their gradient).
+                    last stage adds the logits of the log-prob / entropy pass and their backward
+                    (megarl.plan.terms.update_logits_bytes, on the padded vocabulary).
 * LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
-* Reference: parameters only, plus the logits of one forward micro-batch.
+* Reference: parameters only; the old/ref log-prob forwards add the logits of one forward micro-batch on the last stage
+  (megarl.plan.terms.forward_logits_bytes).
 * Reward model (reward.reward_model.enable): parameters only (frozen, at the trainer's layout), counted from its
   config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
   attention and MLP over TP, experts over EP, a 1-wide head.
@@ -29,7 +31,9 @@ from pathlib import Path
 from typing import Optional
 
 from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, spec_from_dict
+from megarl.bridge.mapping import padded_vocab_size
 from megarl.plan.model import Placement, PlanError, Weights, read_json
+from megarl.plan.terms import forward_logits_bytes, update_logits_bytes
 from megarl.sync.plan import DTYPE_BYTES
 
 
@@ -44,6 +48,8 @@ class ModelMemory:
     optim_distributed: list[int] = field(default_factory=list)
     optim_replicated: list[int] = field(default_factory=list)
     activations: list[int] = field(default_factory=list)
+    master: list[int] = field(default_factory=list)  # the fp32 master copy's part of optim (as held)
+    trains: bool = False  # has gradients and optimizer states (a LoRA actor's are its adapters')
 
     def state(self, s: int) -> int:
         return self.params[s] + (self.grads[s] if self.grads else 0) + (self.optim[s] if self.optim else 0)
@@ -120,8 +126,9 @@ def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_p
 
 
 def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, tokens: int, micro_batches: int,
-                      logits: bool) -> list[int]:
-    """Activation bytes per pipeline stage at the peak of a training step (logits: the LM head's, last stage)."""
+                      logits: bool, entropy_bonus: bool = False) -> list[int]:
+    """Activation bytes per pipeline stage at the peak of a training step (logits: the LM head's log-prob / entropy
+    pass and its backward on the last stage, megarl.plan.terms.update_logits_bytes)."""
     stored = activation_bytes_per_token_layer(spec, pl.tp, sp, recompute)
     full_layer = activation_bytes_per_token_layer(spec, pl.tp, sp, "none")
     stage_layers = pl.layout.stage_layers(spec.num_layers)  # uneven stages: each stage's own layer count
@@ -135,12 +142,19 @@ def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, t
             per_layer = tokens * stored
             extra = 0
         last = logits and s == pl.pp - 1
-        out.append(int(layers_in_flight * per_layer) + extra + (tokens * spec.vocab_size // pl.tp * 8 if last else 0))
+        head = update_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, pl.tp), pl.tp, pl.pbytes,
+                                   entropy_bonus) if last else 0
+        out.append(int(layers_in_flight * per_layer) + extra + head)
     return out
 
 
 def optimizer_bytes_per_param(pbytes: int) -> int:
-    return 12 if pbytes == 2 else 8
+    return master_bytes_per_param(pbytes) + 8
+
+
+def master_bytes_per_param(pbytes: int) -> int:
+    """The fp32 master copy of a parameter held in 16 bits (none when the parameters are fp32 already)."""
+    return 4 if pbytes == 2 else 0
 
 
 def trainable(name: str, dense: list[int], expert: list[int], pl: Placement, distributed: bool,
@@ -151,10 +165,13 @@ def trainable(name: str, dense: list[int], expert: list[int], pl: Placement, dis
     n_exp = [b // pl.pbytes for b in expert]
     opt_rep = [(a + b) * opt_bpp for a, b in zip(n_dense, n_exp)]
     opt_dist = [a * opt_bpp // pl.dp + b * opt_bpp // pl.edp for a, b in zip(n_dense, n_exp)]
+    m_bpp = master_bytes_per_param(pl.pbytes)
+    master = ([a * m_bpp // pl.dp + b * m_bpp // pl.edp for a, b in zip(n_dense, n_exp)] if distributed else
+              [(a + b) * m_bpp for a, b in zip(n_dense, n_exp)])
     return ModelMemory(name, [a + b for a, b in zip(dense, expert)],
                        grads=[(a + b) * 4 for a, b in zip(n_dense, n_exp)],  # fp32 gradients
                        optim=opt_dist if distributed else opt_rep, optim_distributed=opt_dist,
-                       optim_replicated=opt_rep, activations=activations)
+                       optim_replicated=opt_rep, activations=activations, master=master, trains=True)
 
 
 def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> tuple[ModelMemory, LoraPlan]:
@@ -172,7 +189,9 @@ def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> 
                         grads=[n * 4 for n in n_lora],
                         optim=[n * opt_bpp // (pl.dp if p.use_distributed_optimizer else 1) for n in n_lora],
                         optim_distributed=[n * opt_bpp // pl.dp for n in n_lora],
-                        optim_replicated=[n * opt_bpp for n in n_lora], activations=activations)
+                        optim_replicated=[n * opt_bpp for n in n_lora], activations=activations,
+                        master=[n * master_bytes_per_param(pl.pbytes) // (pl.dp if p.use_distributed_optimizer
+                                                                          else 1) for n in n_lora], trains=True)
     total = adapter_numel(targets, lora.rank)
     adapter = total * DTYPE_BYTES[pl.engine_dtype] if lora.sync == "adapter" else None
     return actor, LoraPlan(sorted({t.projection for t in targets.targets}), total, max(n_lora), adapter)
@@ -211,13 +230,13 @@ def reward_model_stage_bytes(m: ArchSpec, tp: int, pp: int, ep: int, pbytes: int
     return [n * pbytes for n in per_stage]
 
 
-def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int) -> int:
-    """fp32 logits of the larger old/ref logprob forward micro-batch."""
+def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int) -> int:
+    """Logits of the larger old/ref log-prob forward micro-batch (megarl.plan.terms.forward_logits_bytes)."""
     r = cfg.rollout
     ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0
     micro = max(r.log_prob_micro_batch_size_per_gpu, ref_micro)
     tokens = max(r.log_prob_max_token_len_per_gpu, seq_len) if r.log_prob_use_dynamic_bsz else micro * seq_len
-    return tokens * spec.vocab_size // tp * 8
+    return forward_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, tp), tp, pbytes)
 
 
 def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
@@ -227,7 +246,8 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
 
     def activations(micro: int, logits: bool) -> list[int]:
         tokens, mbs = b.micro(micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
-        return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute, tokens, mbs, logits)
+        return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute, tokens, mbs, logits,
+                                 logits and a.entropy_coeff != 0)
 
     lora = None
     if a.lora.enabled:
@@ -245,4 +265,4 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
         rm = reward_model_spec(cfg, spec)
         models.append(ModelMemory("reward model", reward_model_stage_bytes(rm, pl.tp, pl.pp, pl.ep, pl.pbytes)))
     tokens, mbs = b.micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
-    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len), tokens, mbs)
+    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes), tokens, mbs)

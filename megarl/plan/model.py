@@ -114,12 +114,17 @@ def read_json(path, key: str) -> dict:
 
 
 def read_model_config(cfg) -> dict:
-    """The policy's config.json: model.config_path, else model.path's."""
+    """The policy's config.json: model.config_path, else model.path's, else the tiny model model.create_tiny makes."""
     for key, candidate in (("model.config_path", cfg.model.config_path),
                            ("model.path", cfg.model.path and str(Path(cfg.model.path) / CONFIG_FILE))):
         if candidate and Path(candidate).is_file():
             data = read_json(candidate, key)
             return data.get("text_config", data)
+    if cfg.model.create_tiny is not None:  # the tiny model the run will create: its config from the same recipe
+        from megarl.bridge.checks import _tiny_vocab
+        from megarl.bridge.tiny import tiny_hf_config
+
+        return tiny_hf_config(cfg.model.create_tiny, len(_tiny_vocab(cfg))).to_dict()
     raise PlanError("the planner needs the model's config.json: set model.config_path (a config.json) or a model.path "
                     "that exists on this machine")
 
@@ -136,6 +141,7 @@ def place(cfg, cluster: Cluster) -> Placement:
     separate = cfg.engine_placement == "separate"
     world = cfg.world_size if separate else cluster.gpus
     layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                     num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
                     num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage)
     if not layout.fits(world):

@@ -1,19 +1,23 @@
-"""The sync, the time and the phases: bytes and time per weight sync, the offload around rollout, and the busiest
-phase of the most loaded GPU.
+"""The sync, the time and the phases: bytes and time per weight sync, the offload around rollout, and every phase's
+memory, line by line, on each pipeline stage's most loaded GPU and on its node's host.
 
 Weight sync: each engine worker loads its own shard; the GPU hosting it receives from other GPUs only the pieces of
 that shard it does not hold itself. At a link bandwidth B the sync takes at least max(received) / B. Engines placed
-separately receive their whole shard from the trainer GPUs. Sync buffers: two buckets
-(rollout.update_weights_bucket_megabytes), the one being gathered and the one being loaded.
-Reserve: CUDA context, NCCL and allocator fragmentation, a fixed RESERVE_GIB.
+separately receive their whole shard from the trainer GPUs. Buckets (megarl.plan.terms): one send bucket on a sending
+GPU, two receive slots on a GPU hosting an engine worker.
 Offload (actor.offload, critic.offload, ref.offload): the selected states (parameters, gradients, optimizer) are in
-pinned host memory from the weight sync to the next forward, so the rollout phase holds only the rest, and a colocated
-engine's KV cache can grow by what was freed. Its cost is a round trip of those bytes over the host link, estimated at
-HOST_LINK_GBPS.
-Phases (the peak is their maximum): rollout (states [- offloaded] + engine), logprob forwards (states + forward logits
-[+ engine if it does not sleep]), training (states + activations [+ engine]), weight sync (states + engine weights +
-buffers). "States" are the parameters, gradients and optimizer states of actor, critic and reference, always resident.
-The trainer GPUs of separately placed engines have no engine term.
+pinned host memory from the weight sync to the next forward, so the generate phase holds only the rest, and a
+colocated engine's KV cache can grow by what was freed. Its cost is a round trip of those bytes over the host link,
+estimated at HOST_LINK_GBPS.
+Phases, as the trainer runs them (the peak is their maximum), device lines of a stage's most loaded GPU:
+  generate           states - offloaded + engine (gpu_memory_utilization, when it is hosted here)
+  old/ref log-probs  states + forward logits (last stage) [+ R2's int32 route gather] [+ engine if it does not sleep]
+  update             states + activations (with the update's logits on the last stage) [+ engine]
+  weight sync        states + engine weights (woken) or the whole engine share + send bucket + receive slots
+  checkpoint save    states [+ engine]
+each + the CUDA context + the allocator's reserve over the trainer's bytes. "States" are the parameters, gradients,
+fp32 master copies and Adam moments of actor and critic, and the parameters of reference and reward model, always
+resident. The trainer GPUs of separately placed engines have no engine line. Host lines per node: megarl.plan.host.
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ from typing import Optional
 from megarl.plan.engine import EngineMemory
 from megarl.plan.memory import LoraPlan, ModelMemory, Roles
 from megarl.plan.model import GIB, Cluster, Placement, Weights
+from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, receive_bucket_bytes,
+                               send_bucket_bytes)
 
-RESERVE_GIB = 2.0  # CUDA context, NCCL buffers, allocator fragmentation
 HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
 
@@ -34,27 +39,31 @@ class SyncCost:
 
     received: int  # from other GPUs
     sent: float
-    buffers: int  # bucket buffers on the GPU
+    buffers: int  # bucket buffers on the busiest GPU: send bucket + receive slots
     adapter_bytes: Optional[int]  # actor.lora.sync=adapter: the adapters one replica receives, instead of weights
     seconds: float  # lower bound at the link bandwidth
+    send_bucket: int = 0  # on a sending GPU
+    receive_slots: int = 0  # on a GPU hosting an engine worker
 
 
 @dataclass(frozen=True)
 class Peak:
-    """The most loaded GPU: its pipeline stage, its busiest phase and every phase's bytes there."""
+    """The most loaded GPU: its pipeline stage, its busiest phase and every phase's bytes there, line by line."""
 
     stage: int
     phase: str
     bytes: int
     phases: dict[str, int]
-    train_activations: int
-    forward_logits: int
+    lines: dict[str, dict[str, int]]  # phase -> named line -> bytes, on this stage's GPU
     engine_here: bool  # a colocated engine worker shares this GPU
-    engine_in_phase: bool  # and holds its whole share in the busiest phase
 
+    @property
+    def train_activations(self) -> int:
+        return self.lines["update"].get("activations (update, with its logits)", 0)
 
-def reserve_bytes() -> int:
-    return int(RESERVE_GIB * GIB)
+    @property
+    def forward_logits(self) -> int:
+        return self.lines["old/ref log-probs"].get("logits (old/ref log-probs, fp32)", 0)
 
 
 def host_round_trip_seconds(nbytes: int) -> float:
@@ -64,14 +73,16 @@ def host_round_trip_seconds(nbytes: int) -> float:
 def sync_cost(r, cluster: Cluster, pl: Placement, weights: Weights, lora: Optional[LoraPlan]) -> SyncCost:
     """r: the recipe's rollout section."""
     adapter = lora.adapter_sync_bytes if lora else None
-    buffers = 2 * (r.update_weights_bucket_megabytes << 20)
+    bucket = r.update_weights_bucket_megabytes << 20
+    sent = max(weights.sent.values(), default=0) * pl.engine_ratio
+    shard = int(max(weights.loaded.values(), default=0) * pl.engine_ratio)
+    send, recv = send_bucket_bytes(bucket, int(sent)), 0 if pl.separate else receive_bucket_bytes(bucket, shard)
     if adapter is not None and r.load_format != "dummy":
-        buffers = 0  # the adapters travel in a host shared-memory file; no bucket is ever filled on the GPU
+        send = recv = 0  # the adapters travel in a host shared-memory file; no bucket is ever filled on the GPU
     received = int(max(weights.received.values(), default=0) * pl.engine_ratio)
     if adapter is not None:  # each engine owner gathers the whole adapters, nothing else
         received = adapter
-    sent = max(weights.sent.values(), default=0) * pl.engine_ratio
-    return SyncCost(received, sent, buffers, adapter, received / (cluster.link_gbps * 1e9))
+    return SyncCost(received, sent, send + recv, adapter, received / (cluster.link_gbps * 1e9), send, recv)
 
 
 def offloaded_bytes(cfg, m: ModelMemory, s: int) -> int:
@@ -88,62 +99,71 @@ def offload_per_stage(cfg, models: list[ModelMemory], pp: int) -> list[int]:
     return [sum(offloaded_bytes(cfg, m, s) for m in models) for s in range(pp)]
 
 
+def state_lines(models: list[ModelMemory], s: int, distributed: bool) -> dict[str, int]:
+    """Every model's resident states on stage s, one line each (the optimizer as fp32 master copy and Adam moments)."""
+    out, dist = {}, " (distributed)" if distributed else ""
+    for m in models:
+        out[f"{m.name} parameters"] = m.params[s]
+        if m.trains:
+            out[f"{m.name} gradients (fp32)"] = m.grads[s]
+            if m.master and m.master[s]:
+                out[f"{m.name} fp32 master copy{dist}"] = m.master[s]
+            out[f"{m.name} Adam moments{dist}"] = m.optim[s] - (m.master[s] if m.master else 0)
+    return out
+
+
+def with_overhead(lines: dict[str, int], engine_lines: tuple = ()) -> dict[str, int]:
+    """The phase's lines plus the CUDA context and the allocator's reserve over the trainer's own bytes."""
+    trainer = sum(v for k, v in lines.items() if k not in engine_lines)
+    return {**lines, "CUDA context, cuBLAS, NCCL": cuda_context_bytes(),
+            "allocator reserve (fragmentation)": allocator_reserve_bytes(trainer)}
+
+
 def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, s: int, last: bool,
-                 engine_here: bool) -> dict[str, int]:
-    """Bytes of each phase on stage s's most loaded GPU, as the trainer runs them: rollout -> the engine sleeps
-    (KV cache and weights freed) -> logprob forwards -> training -> it wakes its weights -> sync -> it wakes its KV
-    cache."""
-    states = sum(m.state(s) for m in roles.models)
-    busy = e.reserve if engine_here else 0
-    idle = 0 if e.sleeps or not engine_here else e.reserve
-    reserve = reserve_bytes()
-    return {
-        "rollout": states - offloaded + busy + reserve,
-        "logprob forward": states + (roles.forward_logits if last else 0) + idle + reserve,
-        "train": states + max(m.activations[s] for m in roles.models if m.activations) + idle + reserve,
-        # a sleeping engine wakes its weights (not its KV cache) to receive the sync
-        "weight sync": states + (idle or (e.weights if engine_here else 0)) + sync.buffers + reserve,
-    }
+                 engine_here: bool, distributed: bool = True, r2_gather: int = 0) -> dict[str, dict[str, int]]:
+    """Named device lines of each phase on stage s's most loaded GPU, as the trainer runs them: generate -> the
+    engine sleeps (KV cache and weights freed) -> old/ref log-probs -> update -> it wakes its weights -> weight sync
+    -> it wakes its KV cache; checkpoint saves come between steps."""
+    states = state_lines(roles.models, s, distributed)
+    eng = "engine (gpu_memory_utilization)"
+    idle = {} if e.sleeps or not engine_here else {eng: e.reserve}
+    gen = dict(states)
+    if offloaded:
+        gen["offloaded to host (generate)"] = -offloaded
+    if engine_here:
+        gen[eng] = e.reserve
+    fwd = {**states, **({"logits (old/ref log-probs, fp32)": roles.forward_logits} if last else {}),
+           **({"R2 route gather (int32)": r2_gather} if r2_gather else {}), **idle}
+    upd = {**states, "activations (update, with its logits)": max(m.activations[s] for m in roles.models
+                                                                   if m.activations), **idle}
+    woken = idle or ({"engine weights (woken for the sync)": e.weights} if engine_here else {})
+    syn = {**states, **woken, "sync send bucket": sync.send_bucket}
+    if engine_here and sync.receive_slots:
+        syn["sync receive slots (2 buckets)"] = sync.receive_slots
+    ckpt = {**states, **idle}
+    engine_lines = (eng, "engine weights (woken for the sync)")
+    return {name: with_overhead(lines, engine_lines) for name, lines in
+            (("generate", gen), ("old/ref log-probs", fwd), ("update", upd), ("weight sync", syn),
+             ("checkpoint save", ckpt))}
 
 
-def peak_phase(roles: Roles, e: EngineMemory, sync: SyncCost, pl: Placement, offloaded: list[int]) -> Peak:
+def peak_phase(roles: Roles, e: EngineMemory, sync: SyncCost, pl: Placement, offloaded: list[int],
+               distributed: bool = True, r2_gather: int = 0) -> Peak:
     best: Optional[Peak] = None
     for s in range(pl.pp):
         # colocated replicas cover the first replicas * engine TP ranks (by default all of them; stage 0 first)
         here = not pl.separate and (pl.generating == pl.world or s == 0)
-        phases = stage_phases(roles, e, sync, offloaded[s], s, s == pl.pp - 1, here)
+        lines = stage_phases(roles, e, sync, offloaded[s], s, s == pl.pp - 1, here, distributed, r2_gather)
+        phases = {k: sum(v.values()) for k, v in lines.items()}
         phase = max(phases, key=phases.get)
         if best is None or phases[phase] > best.bytes:
-            best = Peak(s, phase, phases[phase], phases,
-                        max(m.activations[s] for m in roles.models if m.activations),
-                        roles.forward_logits if s == pl.pp - 1 else 0, here,
-                        here and (phase == "rollout" or not e.sleeps))
+            best = Peak(s, phase, phases[phase], phases, lines, here)
     return best
 
 
-def peak_terms(models: list[ModelMemory], peak: Peak, e: EngineMemory, sync: SyncCost, offloaded: int,
-               distributed: bool) -> dict[str, float]:
-    """The most loaded GPU's bytes in its busiest phase, term by term (GiB)."""
-    s, terms = peak.stage, {}
-    for m in models:
-        terms[f"{m.name} parameters"] = m.params[s] / GIB
-        if m.grads:
-            terms[f"{m.name} gradients (fp32)"] = m.grads[s] / GIB
-            terms[f"{m.name} optimizer" + (" (distributed)" if distributed else "")] = m.optim[s] / GIB
-    if peak.phase == "train":
-        terms["activations (train)"] = peak.train_activations / GIB
-    if peak.phase == "logprob forward":
-        terms["logits (logprob forward)"] = peak.forward_logits / GIB
-    if peak.engine_in_phase:
-        terms["engine (gpu_memory_utilization)"] = e.reserve / GIB
-    elif peak.phase == "weight sync" and peak.engine_here:
-        terms["engine weights"] = e.weights / GIB
-    if peak.phase == "weight sync":
-        terms["sync buffers"] = sync.buffers / GIB
-    if peak.phase == "rollout" and offloaded:
-        terms["offloaded to host (rollout)"] = -offloaded / GIB
-    terms["reserve (CUDA context, NCCL, fragmentation)"] = reserve_bytes() / GIB
-    return terms
+def peak_terms(peak: Peak) -> dict[str, float]:
+    """The most loaded GPU's bytes in its busiest phase, line by line (GiB)."""
+    return {k: v / GIB for k, v in peak.lines[peak.phase].items()}
 
 
 def memory_reason(cfg, models: list[ModelMemory], peak: Peak, terms: dict[str, float], e: EngineMemory,
@@ -157,9 +177,9 @@ def memory_reason(cfg, models: list[ModelMemory], peak: Peak, terms: dict[str, f
     if not p.use_distributed_optimizer and models[0].optim_replicated[s] > models[0].optim_distributed[s]:
         saved = sum(m.optim_replicated[s] - m.optim_distributed[s] for m in models if m.optim)
         hint.append(f"parallelism.use_distributed_optimizer=true saves {saved / GIB:.1f} GiB")
-    if peak.phase == "train" and cfg.model.recompute != "full":
+    if peak.phase == "update" and cfg.model.recompute != "full":
         hint.append("model.recompute=full or a smaller micro-batch shrinks the activations")
-    if peak.engine_in_phase and not e.sleeps and not pl.separate:
+    if peak.engine_here and peak.phase != "generate" and not e.sleeps and not pl.separate:
         hint.append("rollout.enable_sleep_mode=true frees the engine's share outside rollouts")
     hint.append("more nodes, or larger TP/PP/EP, shrink the per-GPU states")
     return (f"memory: the {peak.phase} phase needs {peak.bytes / GIB:.1f} GiB on a GPU of pipeline stage {s} "
@@ -168,7 +188,7 @@ def memory_reason(cfg, models: list[ModelMemory], peak: Peak, terms: dict[str, f
 
 
 def engine_gpu_reason(r, e: EngineMemory, pl: Placement, cluster: Cluster) -> Optional[str]:
-    if not pl.separate or e.reserve + reserve_bytes() <= cluster.gpu_bytes:
+    if not pl.separate or e.reserve <= cluster.gpu_bytes:
         return None
-    return (f"engine GPU: gpu_memory_utilization {r.gpu_memory_utilization} plus the reserve exceeds "
-            f"{cluster.gpu_mem_gib:g} GiB")
+    return (f"engine GPU: gpu_memory_utilization {r.gpu_memory_utilization} of {cluster.gpu_mem_gib:g} GiB exceeds "
+            "the GPU")

@@ -23,10 +23,12 @@ class Steps:
     peak: Peak
     terms: dict[str, float]
     reasons: list[str]
+    host: dict  # phase -> named line -> bytes on the busiest node
+    host_mem_gib: float
 
 
 def render(cfg, st: Steps) -> str:
-    return "\n".join(_summary(cfg, st) + _states(st.roles.models, cfg.model.recompute) + _peak(st)
+    return "\n".join(_summary(cfg, st) + _states(st.roles.models, cfg.model.recompute) + _peak(st) + _host(st)
                      + _sync(cfg.rollout, st) + _offload(cfg.rollout, st) + _verdict(st))
 
 
@@ -98,6 +100,16 @@ def _peak(st: Steps) -> list[str]:
     return lines
 
 
+def _host(st: Steps) -> list[str]:
+    totals = {k: sum(v.values()) for k, v in st.host.items()}
+    phase = max(totals, key=totals.get)
+    lines = ["", f"host memory of the busiest node, peak in the {phase} phase:"]
+    lines += [f"  {k:46s} {v / GIB:8.2f} GiB" for k, v in st.host[phase].items()]
+    lines.append(f"  {'total':46s} {totals[phase] / GIB:8.2f} GiB of {st.host_mem_gib:g}")
+    lines.append("  phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in totals.items()) + " GiB")
+    return lines
+
+
 def _sync(r, st: Steps) -> list[str]:
     sync, link, dtype = st.sync, st.cluster.link_gbps, st.place.engine_dtype
     if sync.adapter_bytes is None:
@@ -105,7 +117,9 @@ def _sync(r, st: Steps) -> list[str]:
                  f"{st.engine.weights / GIB:.2f} GiB; a GPU receives at most {sync.received / GIB:.2f} GiB from other "
                  f"GPUs (>= {sync.seconds:.2f} s at {link:g} GB/s) and sends at most {sync.sent / GIB:.2f} GiB; no "
                  "GPU gathers the model",
-                 f"sync buffers: 2 x {r.update_weights_bucket_megabytes} MiB buckets"]
+                 f"sync buckets ({r.update_weights_bucket_megabytes} MiB): {sync.send_bucket / 2**20:.0f} MiB to send "
+                 f"on the busiest sender, {sync.receive_slots / 2**20:.0f} MiB of receive slots on a GPU hosting an "
+                 "engine worker"]
     else:
         lines = [f"weight sync ({dtype}), per sync (actor.lora.sync=adapter): {sync.adapter_bytes:,} bytes of adapters "
                  f"({sync.adapter_bytes / 2**20:.2f} MiB) per engine replica, gathered on its owner GPU (>= "

@@ -1,0 +1,92 @@
+"""The memory terms of `megarl plan` that are not a model's states: each a pure function of sizes, in bytes.
+
+Logits of the log-prob / entropy passes (megarl.megatron.vocab_parallel): the LM head writes L = tokens * V_padded / TP
+logits per rank in the parameter dtype (p bytes); the log-prob and entropy maths run on a float32 copy.
+  forward only (old/ref log-probs):  L * (p + 4 + 4)
+      the logits, their fp32 copy (vocab_parallel_cross_entropy exponentiates it in place) and the entropy's fp32
+      working tensor (the softmax it reduces), alive together.
+  update (forward and backward):     L * (p + 4 + 4 + p) [+ L * 8 with actor.entropy_coeff != 0]
+      the logits and the fp32 softmax saved for the cross-entropy's backward, then in the backward the fp32 gradient
+      of the logits and its cast to the parameter dtype; an entropy bonus keeps its own fp32 copy and softmax for
+      its backward.
+Routing replay (actor.router_replay.mode R2/R3, or rollout.return_routed_experts): routes [N, S, layers, top_k] int16
+(N rows of the rollout batch, S = prompt + response tokens, every decoder layer).
+  host, every trainer process:        N * S * layers * k * 2 (the batch's routes, from the old-logprob pass on)
+  host, each replica's engine owner:  (N / replicas) * S * layers * k * 2 * 2 (megarl.sync.routes.RouteRecorder grows
+      each request's rows by doubling: up to twice the positions it holds)
+  device, each engine worker:         max_num_batched_tokens * layers * k * 4 (vLLM's capture buffer, int32)
+  device, R2 old-logprob pass:        N * S * layers * k * 4 (megarl.megatron.router_replay.gather_recorded's int32
+      all-reduce copy of the recorded routes)
+Weight-sync buckets (rollout.update_weights_bucket_megabytes = B): a sending GPU fills one bucket of the pieces it
+sends, min(B, bytes it sends); a GPU hosting an engine worker receives into two alternating slots, 2 * min(B, its
+worker's shard). On the host, each receiving rank keeps its two shared-memory slot files mapped for the whole run:
+2 * min(B, shard) per engine worker on the node.
+GPU overhead: the CUDA context, cuBLAS workspaces and NCCL communicators of each trainer process, CUDA_CONTEXT_GIB;
+and the caching allocator's reserved-but-unallocated memory, ALLOCATOR_SHARE of what the trainer allocates in the
+phase (a colocated engine's share is counted by gpu_memory_utilization, which holds its own context).
+Host: HOST_PROCESS_GIB per process (Python, torch, megatron-core, CUDA's host side); pinned offload buffers (the
+offloaded states; megarl.megatron.offload keeps the buffer once allocated); checkpoint save:
+torch.distributed.checkpoint stages each rank's saved shard (parameters, fp32 master copy, Adam moments of actor and
+critic) in host memory before it writes it.
+"""
+from __future__ import annotations
+
+from megarl.plan.model import GIB
+
+CUDA_CONTEXT_GIB = 1.0  # per trainer process: CUDA context ~0.5 GiB, cuBLAS workspaces and NCCL buffers the rest
+ALLOCATOR_SHARE = 0.05  # torch's caching allocator: reserved minus allocated at the peak, as a share of allocated
+HOST_PROCESS_GIB = 3.0  # per process: Python, torch, megatron-core or vLLM, CUDA's host-side state
+ROUTE_BYTES = 2  # int16 expert ids
+
+
+def logits_elements(tokens: int, padded_vocab: int, tp: int) -> int:
+    """L: one rank's logits of a micro-batch of `tokens` tokens, its vocab shard V_padded / TP."""
+    return tokens * (padded_vocab // tp)
+
+
+def forward_logits_bytes(tokens: int, padded_vocab: int, tp: int, pbytes: int) -> int:
+    """Old/ref log-prob pass (no gradient): L * (p + 4 + 4), see the module doc."""
+    return logits_elements(tokens, padded_vocab, tp) * (pbytes + 8)
+
+
+def update_logits_bytes(tokens: int, padded_vocab: int, tp: int, pbytes: int, entropy_bonus: bool) -> int:
+    """Update pass (forward and backward): L * (2p + 8) [+ 8 L with an entropy bonus], see the module doc."""
+    return logits_elements(tokens, padded_vocab, tp) * (2 * pbytes + 8 + (8 if entropy_bonus else 0))
+
+
+def route_bytes(rows: int, seq_len: int, layers: int, topk: int, elem: int = ROUTE_BYTES) -> int:
+    """routes [rows, seq_len, layers, topk] of `elem` bytes each."""
+    return rows * seq_len * layers * topk * elem
+
+
+def engine_route_recorder_bytes(rows: int, replicas: int, seq_len: int, layers: int, topk: int) -> int:
+    """One replica's engine owner process: its share of the requests' routes, int16, doubled for growth."""
+    return 2 * route_bytes(-(-rows // replicas), seq_len, layers, topk)
+
+
+def engine_route_capture_bytes(max_num_batched_tokens: int, layers: int, topk: int) -> int:
+    """vLLM's routed-experts capture buffer on each engine worker, int32."""
+    return max_num_batched_tokens * layers * topk * 4
+
+
+def send_bucket_bytes(bucket: int, sent: int) -> int:
+    """The one bucket a sending GPU fills: it never exceeds what the GPU sends."""
+    return min(bucket, sent)
+
+
+def receive_bucket_bytes(bucket: int, shard: int) -> int:
+    """The two alternating slots of a GPU hosting an engine worker (one filled while the other loads)."""
+    return 2 * min(bucket, shard)
+
+
+def cuda_context_bytes() -> int:
+    return int(CUDA_CONTEXT_GIB * GIB)
+
+
+def allocator_reserve_bytes(allocated: int) -> int:
+    """The caching allocator's slack over `allocated` bytes of live tensors."""
+    return int(ALLOCATOR_SHARE * max(0, allocated))
+
+
+def host_process_bytes(processes: int) -> int:
+    return int(HOST_PROCESS_GIB * GIB) * processes
