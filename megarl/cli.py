@@ -73,7 +73,16 @@ def _run_job(cfg, entry: str) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    return 1 if cfg is None else _run_job(cfg, "megarl.trainer:train_entry")
+    if cfg is None:
+        return 1
+    if not getattr(args, "no_plan_check", False):
+        from megarl.plan.preflight import device_memory_bytes, plan_check
+
+        refusal = plan_check(cfg, device_memory_bytes())  # GPU only: the planner's memory check of this layout
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 1
+    return _run_job(cfg, "megarl.trainer:train_entry")
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
@@ -113,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as trainer.total_steps=5")
         p.add_argument("-v", "--verbose", action="store_true", help="show vLLM's, Megatron's and every rank's "
                        "output on the terminal too (it always goes to RUN_DIR/logs/); same as logging.verbose=true")
+        if name == "train":
+            p.add_argument("--no-plan-check", action="store_true", help="on GPU, start even where `megarl plan` says "
+                           "the recipe does not fit the device's memory")
     pl = sub.add_parser("plan", help="per-GPU memory, weight-sync bytes and time of a recipe on a cluster; exit 1 "
                         "when it does not fit", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
                         "actor, critic, reference and engine per GPU, weight-sync bytes and a lower bound on its time, "
