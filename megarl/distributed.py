@@ -115,12 +115,10 @@ def to_device(batch: dict) -> dict:
 def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                packed_seq_params=None):
     """model(input_ids, position_ids, attention_mask) after checking the inputs' device; packed_seq_params: megatron's
-    PackedSeqParams of a packed micro-batch (its cu_seqlens checked too)."""
-    inputs = [t for t in (input_ids, position_ids, attention_mask) if t is not None]
+    PackedSeqParams of a packed micro-batch (its boundaries may stay on the host: megarl.megatron.packing)."""
+    check_device("model input", [t for t in (input_ids, position_ids, attention_mask) if t is not None])
     if packed_seq_params is None:
-        check_device("model input", inputs)
         return model(input_ids, position_ids, attention_mask)
-    check_device("model input", inputs + [packed_seq_params.cu_seqlens_q])
     return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
 
 

@@ -20,8 +20,8 @@ import torch
 
 from megarl import algo, distributed
 from megarl.megatron import router_replay
-from megarl.megatron.packing import (Pack, logprob_index, pack_rows, pack_size, packed_labels, row_logprobs,
-                                     row_values, seq_params, token_rows, unpack)
+from megarl.megatron.packing import (Pack, agreed_sizes, logprob_index, pack_rows, pack_size, packed_labels,
+                                     row_logprobs, row_values, seq_params, token_rows, unpack)
 from megarl.megatron.vocab_parallel import logprobs_from_logits, scaled_local_logits, tp_reductions
 
 
@@ -60,7 +60,8 @@ def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
     global ids, for routing replay."""
     if rows is not None and router_replay.STATE.action != "off":
         router_replay.micro_batch(*token_rows(pack, rows))
-    return distributed.call_model(model, pack.ids, pack.positions, None, seq_params(pack))
+    te = getattr(getattr(model, "module", model), "megarl_te", False)
+    return distributed.call_model(model, pack.ids, pack.positions, None, seq_params(pack, on_device=te))
 
 
 def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[torch.Tensor]:
@@ -109,12 +110,14 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     if replay.action != "off":  # routing replay: each micro-batch's global row ids
         if replay.pass_rows is None or len(replay.pass_rows) != n:
             raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
-    items = [(g, replay.pass_rows.long()[g] if replay.action != "off" else None) for g in groups]
+    sizes = agreed_sizes([pack_size(lengths[g], multiple) for g in groups])
+    items = [(g, replay.pass_rows.long()[g] if replay.action != "off" else None, size)
+             for g, size in zip(groups, sizes)]
     tokens = tokens.to(device)
 
     def step(data_iterator, m):
-        rows, global_rows = next(data_iterator)
-        pack = pack_rows(tokens[rows.to(device)], lengths[rows], multiple)
+        rows, global_rows, size = next(data_iterator)
+        pack = pack_rows(tokens[rows.to(device)], lengths[rows], multiple, size)
         return packed_forward(m, pack, global_rows), partial(_collect, pack)
 
     def _collect(pack, output):
@@ -123,7 +126,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     with torch.no_grad():
         results = get_forward_backward_func()(
             forward_step_func=step, **schedule_args(chunks, items), num_microbatches=len(items),
-            forward_only=True, **schedule_shapes(chunks, [pack_size(lengths[g].tolist(), multiple) for g in groups]))
+            forward_only=True, **schedule_shapes(chunks, sizes))
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat([r["out"] for r in results], dim=0)[:n]

@@ -243,7 +243,7 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
     """A GPTModel for this rank's pipeline stage (weights randomly initialised; see load_hf_weights / build_and_load).
 
     The model carries `megarl_spec` (the ArchSpec), `megarl_head` ("lm" or "value") for the bridge and forward, and
-    `megarl_fusions` ({fusion: (on, reason)}).
+    `megarl_fusions` ({fusion: (on, reason)}) and `megarl_te` (built on Transformer Engine's spec).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -298,6 +298,7 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
     model.megarl_spec = spec
     model.megarl_head = VALUE_HEAD if value_head else LM_HEAD
     model.megarl_fusions = fusion_state
+    model.megarl_te = bool(use_te)  # packed micro-batches hand TE their boundaries on the device, others on the host
     return model
 
 

@@ -7,7 +7,8 @@ Positions restart at 0 on every row and attention never crosses a segment bounda
 token's output is the one the padded batch computes there.
 
     ids, positions    [1, P]      the pack (batch dimension 1, as megatron's THD path wants)
-    cu_seqlens        [k + 1]     int32 segment boundaries: the b rows, then the end padding when there is any
+    cu_seqlens        [k + 1]     int32 segment boundaries: the b rows, then the end padding when there is any (on
+                                  the host: without TE only megatron's rope reads them, per layer)
     index             [b, S]      packed position of row r, column c; -1 at c >= l_r (no token computed there)
 
 Outputs come back per row with `unpack` (zeros where nothing was computed); logprobs use `packed_labels` (the next
@@ -60,14 +61,20 @@ def row_lengths(mb: dict) -> torch.Tensor:
     return lengths.long().clamp(1, s).cpu()
 
 
-def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, multiple: int = 1) -> Pack:
+def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, multiple: int = 1,
+              size: Optional[int] = None) -> Pack:
     """The pack of `tokens` [b, S] (right-padded) with real lengths `lengths` [b] (host values; None: all S), its
-    size rounded up to a multiple of `multiple`. The layout is computed on the host from the lengths; tokens are
-    gathered on their own device (no read-back from it)."""
+    size rounded up to a multiple of `multiple`, or exactly `size` (>= that: a size the expert-parallel ranks agreed
+    on). The layout is computed on the host from the lengths; tokens are gathered on their own device (no read-back
+    from it)."""
     b, s = tokens.shape
     lens = [s] * b if lengths is None else [max(1, min(s, int(x))) for x in lengths.tolist()]
     real = sum(lens)
     pad = -real % max(1, multiple)
+    if size is not None:
+        if size < real + pad:
+            raise ValueError(f"pack size {size} is below the {real + pad} tokens of its rows")
+        pad = size - real
     segments = tuple(lens) + ((pad,) if pad else ())
     starts = [0]
     for n in segments:
@@ -83,7 +90,7 @@ def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, mult
     ids = torch.where(src >= 0, tokens.reshape(-1)[src.clamp(min=0)], torch.zeros((), dtype=tokens.dtype,
                                                                                   device=device))
     return Pack(ids=ids.unsqueeze(0), positions=positions.to(device).unsqueeze(0),
-                cu_seqlens=torch.tensor(starts, dtype=torch.int32).to(device), index=index.to(device),
+                cu_seqlens=torch.tensor(starts, dtype=torch.int32), index=index.to(device),
                 lengths=tuple(lens), segments=segments)
 
 
@@ -114,13 +121,16 @@ def unpack(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def seq_params(pack: Pack):
-    """megatron's PackedSeqParams (qkv_format "thd") of the pack, on its device, with the host segment lengths."""
+def seq_params(pack: Pack, on_device: bool = False):
+    """megatron's PackedSeqParams (qkv_format "thd") of the pack with the host segment lengths. on_device: the
+    boundaries on the pack's device (TE's THD attention reads them there); otherwise on the host, where megatron's
+    unfused rope reads them in every layer without waiting for the device."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     longest = max(pack.segments)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=pack.cu_seqlens, cu_seqlens_kv=pack.cu_seqlens,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    cu = pack.cu_seqlens.to(pack.ids.device) if on_device else pack.cu_seqlens
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)
     setattr(params, SEGMENTS_ATTR, pack.segments)
     return params
 
@@ -161,9 +171,27 @@ def by_segment(segments: list[int], fn, *tensors: torch.Tensor) -> torch.Tensor:
 
 
 def pack_size(lengths, multiple: int = 1) -> int:
-    """P of pack_rows for real lengths `lengths` (ints, already within 1 .. S)."""
-    real = sum(int(x) for x in lengths)
+    """P of pack_rows for real lengths `lengths` (host ints or a host tensor, already within 1 .. S)."""
+    real = sum(int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
     return real + (-real % max(1, multiple))
+
+
+def agreed_sizes(sizes: list[int]) -> list[int]:
+    """Each micro-batch's pack size, the largest over the expert-parallel group (the same on every rank of it).
+
+    megatron's allgather token dispatcher gathers the tokens of every rank of the expert-parallel group into one
+    tensor of equal parts, so the i-th micro-batch must hold the same token count on each: the shorter packs get
+    more padding at their end (counted in their size). Every rank of the group has the same number of micro-batches
+    (fixed-size micro-batches over equal row shares). Without expert parallelism: `sizes` unchanged."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_expert_model_parallel_world_size() == 1 or not sizes:
+        return list(sizes)
+    from megarl import distributed
+
+    t = torch.tensor(sizes, dtype=torch.long, device=distributed.compute_device())
+    distributed.all_reduce(t, group=ps.get_expert_tensor_and_model_parallel_group(), op=torch.distributed.ReduceOp.MAX)
+    return [int(x) for x in t.tolist()]
 
 
 def token_rows(pack: Pack, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

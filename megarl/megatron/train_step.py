@@ -27,6 +27,7 @@ from megarl.config.schema import OptimConfig
 from megarl.megatron import router_replay
 
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict]]
+PACK_SIZE = "pack_size"  # a micro-batch's pack length as the expert-parallel ranks agreed on it (packing.agreed_sizes)
 
 
 @dataclass
@@ -114,13 +115,14 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     from megarl.megatron.parallel import schedule_args
 
     from megarl.megatron.forward import pack_multiple, schedule_shapes
-    from megarl.megatron.packing import pack_size, row_lengths
+    from megarl.megatron.packing import agreed_sizes, pack_size, row_lengths
 
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
     multiple = pack_multiple(trainable.chunks[0].config)
-    sizes = [pack_size(row_lengths(mb).tolist(), multiple) for mb in micro_batches]
+    sizes = agreed_sizes([pack_size(row_lengths(mb), multiple) for mb in micro_batches])
+    micro_batches = [{**mb, PACK_SIZE: size} for mb, size in zip(micro_batches, sizes)]
 
     for chunk in trainable.chunks:
         chunk.zero_grad_buffer()
@@ -148,7 +150,7 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     host = next(data_iterator)
     lengths = row_lengths(host)  # the pack's layout comes from the host copy: no read-back from the device
     mb = distributed.to_device(host)
-    pack = pack_rows(mb["input_ids"], lengths, pack_multiple(getattr(model, "config", None)))
+    pack = pack_rows(mb["input_ids"], lengths, pack_multiple(getattr(model, "config", None)), host.get(PACK_SIZE))
     # routing replay reads the rows' global ids (row_index)
     rows = mb["row_index"].cpu() if router_replay.STATE.action != "off" else None
     output = packed_forward(model, pack, rows)

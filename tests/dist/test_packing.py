@@ -4,8 +4,9 @@
   the pipeline passes packs of different lengths), equal HF transformers' on the padded rows within the derived
   float32 bound (tests/helpers/bounds.py, megarl.numerics: what `megarl verify` uses), for a dense model with QK norm
   (qwen3) at TP1, TP2 with sequence parallelism (the pack padded at its end to a multiple of TP), PP2 and PP2 x VPP2,
-  and an MoE (qwen3_moe) at EP2 and TP2 x EP2 (sequence parallel: token dispatch over a pack); nothing is computed
-  past a row's length (its outputs are 0).
+  and an MoE (qwen3_moe) at EP2 and TP2 x EP2 (sequence parallel: token dispatch over a pack), and at EP2 with each
+  rank's own rows (packs of different lengths, padded to the same token count for the expert dispatch); nothing is
+  computed past a row's length (its outputs are 0).
 - One PPO update with packed micro-batches equals the same update computed on the padded micro-batches (the model
   run on [b, S] with a causal mask, the loss on its padded logits), at TP1 and TP2: loss, grad norm and every
   parameter after the step within bounds derived below from the forward bound, the gradients' relative rounding
@@ -93,6 +94,33 @@ def test_packed_logprobs_equal_hf(tiny, name, tp, pp, ep, vpp, sp, micro, archs)
             assert (got[~mask] == 0).all()  # nothing past a row's last real token
             checked += 1
     assert checked >= len(archs)
+
+
+def own_rows_rank(hf_dir: str, tokens, lengths):
+    """EP2 over 2 ranks (DP2 for attention): each rank its own two rows, packs of 42 and 21 tokens."""
+    import torch.distributed as dist
+
+    from megarl.megatron.forward import token_logprobs
+    from megarl.megatron.model import build_and_load
+    from megarl.megatron.parallel import Layout, init_model_parallel
+
+    init_model_parallel(Layout(expert_model_parallel_size=2), seed=123)
+    model, _ = build_and_load(hf_dir, dtype=torch.float32)
+    model.eval()
+    rows = slice(2 * dist.get_rank(), 2 * dist.get_rank() + 2)
+    return rows, token_logprobs(model, tokens[rows], micro_batch_size=2, lengths=lengths[rows])
+
+
+def test_packs_of_different_lengths_on_expert_parallel_ranks(tiny):
+    """megatron's allgather token dispatcher gathers equal parts from every EP rank: the shorter pack is padded at
+    its end to the longer one's length (packing.agreed_sizes), and each rank's rows still equal HF's."""
+    models, tokens, lengths, mask, refs = tiny
+    ref, tol = refs["qwen3_moe"]
+    for rows, got in run_ranks(f"{__name__}:own_rows_rank", 2, {"hf_dir": models["qwen3_moe"], "tokens": tokens,
+                                                                 "lengths": lengths}, timeout=420):
+        diff = ((got - ref[rows]).abs() * mask[rows]).max().item()
+        print(f"[measured] ep2, own rows {rows}: packed vs HF {diff:.2e} (bound {tol:.2e})")
+        assert diff < tol, (rows, diff, tol)
 
 
 N, LR = 4, 1e-3

@@ -54,9 +54,8 @@ class _RecordingModel(torch.nn.Module):
         self.devices = []
 
     def forward(self, input_ids, position_ids, attention_mask, packed_seq_params=None):
+        # a packed micro-batch's boundaries stay on the host without TE (megarl.megatron.packing.seq_params)
         inputs = [input_ids, position_ids] + ([attention_mask] if attention_mask is not None else [])
-        if packed_seq_params is not None:  # a packed micro-batch: its boundaries go to the device too
-            inputs += [packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv]
         self.devices.append({t.device.type for t in inputs})
         return torch.zeros(*input_ids.shape, 16, device=input_ids.device)
 
