@@ -168,8 +168,10 @@ def knob_options(cfg, ep: int) -> list:
     dist = sorted({True, cfg.parallelism.use_distributed_optimizer}, reverse=True)
     out = []
     for b, rc, off, d in product(batch, recomputes, offloads, dist):
-        out.append({**b, "model.recompute": rc, A + "offload": _offload(off), "critic.offload": _offload(off),
-                    P + "use_distributed_optimizer": d})
+        k = {**b, "model.recompute": rc, A + "offload": _offload(off), P + "use_distributed_optimizer": d}
+        if cfg.critic_enabled:
+            k["critic.offload"] = _offload(off)
+        out.append(k)
     return out
 
 
