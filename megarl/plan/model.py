@@ -169,7 +169,8 @@ def _per_stage_max(values: dict[int, int], world: int, pp: int) -> list[int]:
 
 
 def model_weights(hf: dict, pl: Placement) -> Weights:
-    """The sync plan of this placement, and what it says each rank holds and each GPU moves."""
+    """The sync plan of this placement, and what it says each rank holds and each GPU moves (the holdings counted
+    from the mapping, megarl.plan.counts, where expert TP differs from TP: the sync plan splits experts over TP)."""
     try:
         sync = build_plan(hf, pl.tp, pl.pp, pl.ep, pl.world, pl.engine_tp, pl.engine_ep, pl.replicas, pl.dtype,
                           separate=pl.separate, first_stage=pl.layout.num_layers_in_first_pipeline_stage,
@@ -178,5 +179,11 @@ def model_weights(hf: dict, pl: Placement) -> Weights:
         raise PlanError(f"the weight-sync plan refuses this layout: {exc}") from None
     dense, expert = sync.held_bytes()
     both = {k: dense[k] + expert[k] for k in dense}
+    if pl.layout.expert_tensor != pl.tp:
+        # the sync plan splits experts over TP; at another expert TP the trainer holds them as the mapping counts
+        from megarl.plan.counts import counted_weights
+
+        counted = counted_weights(hf, pl)
+        return Weights(sync, counted.dense, counted.expert, counted.held, *sync.traffic())
     return Weights(sync, _per_stage_max(dense, pl.world, pl.pp), _per_stage_max(expert, pl.world, pl.pp),
                    _per_stage_max(both, pl.world, pl.pp), *sync.traffic())

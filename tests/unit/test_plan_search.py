@@ -25,8 +25,9 @@ def test_uneven_stage_splits_follow_megatrons_rule():
     assert stage_splits(61, 2) == [(30, None)]
 
 
-@pytest.mark.parametrize("model,tp,pp,etp", [("qwen2_5_7b_instruct", 2, 2, None), ("qwen3_30b_a3b", 2, 2, 1)])
-def test_counted_holdings_agree_with_the_sync_plan(model, tp, pp, etp):
+@pytest.mark.parametrize("model,tp,pp", [("qwen2_5_7b_instruct", 2, 2), ("qwen3_30b_a3b", 2, 2)])
+def test_counted_holdings_agree_with_the_sync_plan(model, tp, pp):
+    """At expert TP = TP (where the sync plan's holdings are exact)."""
     hf = json.loads((ROOT / "recipes" / "models" / model / "config.json").read_text())
     moe = "num_experts" in hf
     cfg = load_config(TINY, [f"model.config_path={ROOT / 'recipes' / 'models' / model / 'config.json'}",
@@ -90,3 +91,16 @@ def test_train_refuses_on_a_gpu_the_plan_says_is_too_small_and_can_be_told_to_st
     monkeypatch.setattr(cli, "_run_job", lambda cfg, entry: started.append(entry) or 0)
     assert cli.main(["train", str(TINY), "trainer.n_gpus_per_node=2"]) == 1 and not started
     assert cli.main(["train", str(TINY), "trainer.n_gpus_per_node=2", "--no-plan-check"]) == 0 and started
+
+
+def test_expert_tp_1_holds_whole_experts_in_the_plan():
+    """GLM-4.5-Air at TP2 EP8 ETP1: each rank holds its 16 experts per layer whole (the sync plan splits experts over
+    TP, so megarl.plan.model.model_weights counts them from the mapping there), and expert DP is 2."""
+    cfg = load_config(ROOT / "recipes" / "grpo_glm4_5_air.yaml")
+    pl = place(cfg, Cluster(8, 8, 80, 50))
+    assert pl.edp == 64 // (1 * 8 * 4)
+    hf = json.loads((ROOT / "recipes" / "models" / "glm4_5_air" / "config.json").read_text())
+    counted = counted_weights(hf, pl)
+    # 12 MoE layers on the last stage, 128 experts of 3 x 4096 x 1408 (moe_intermediate_size), 16 per rank, bf16
+    experts = 12 * 16 * 3 * hf["hidden_size"] * hf["moe_intermediate_size"] * 2
+    assert abs(counted.expert[-1] - experts) / experts < 0.01
