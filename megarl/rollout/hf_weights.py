@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -74,23 +74,12 @@ def tied_names(model: torch.nn.Module) -> dict:
     return out
 
 
-def storages(model: torch.nn.Module) -> list:
-    """The distinct storages of the model's parameters and buffers (untyped), in order of first use."""
-    seen, out = set(), []
-    for t in list(model.parameters()) + list(model.buffers()):
-        s = t.untyped_storage()
-        if s.data_ptr() not in seen and s.nbytes():
-            seen.add(s.data_ptr())
-            out.append(s)
-    return out
-
-
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes the parameters' storages hold now (0 for a storage released by `drop_storages`)."""
     seen, total = set(), 0
     for p in model.parameters():
         s = p.untyped_storage()
-        key = id(s._cdata) if hasattr(s, "_cdata") else s.data_ptr()
+        key = s._cdata  # the C storage's address: one per storage, whatever Python object wraps it
         if key not in seen:
             seen.add(key)
             total += s.nbytes()
@@ -150,19 +139,8 @@ class Arena:
             err = ctypes.get_errno()
             raise OSError(err, f"releasing the engine's weight arena: {os.strerror(err)}")
 
-    def snapshot(self, arena: torch.Tensor) -> torch.Tensor:
-        return arena.clone()
-
     def close(self) -> None:
         try:
             os.close(self.fd)
         except OSError:
             pass
-
-
-def first_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def cast_dtype(name: str) -> Optional[torch.dtype]:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
