@@ -81,9 +81,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=1, help="micro-batch size of the megatron forward")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (no tokenizer) and model init")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="megatron parameter dtype")
-    p.add_argument("--engine", choices=["megatron", "vllm"], default="megatron",
+    p.add_argument("--engine", choices=["megatron", "vllm", "hf"], default="megatron",
                    help="megatron: compare megarl's logprobs with HF transformers; vllm: also push megarl's weights "
-                   "into a vLLM engine started with random weights and compare vLLM's logprobs with megarl's")
+                   "into a vLLM engine started with random weights and compare vLLM's logprobs with megarl's; hf: "
+                   "the same with the transformers rollout engine (rollout.name=hf; engine TP1, merged weights)")
     p.add_argument("--engine-tp", type=int, default=1, help="with --engine vllm: the engine's tensor parallel size "
                    "(its workers are hosted by trainer ranks 0..engine_tp-1 and each receives only its shard)")
     p.add_argument("--engine-ep", type=int, default=1, help="with --engine vllm: the engine's expert parallel size "
@@ -221,19 +222,21 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect(),
               "device": "cuda" if torch.cuda.is_available() else "cpu"}
-    if engine == "vllm":
+    if engine in ("vllm", "hf"):
         result.update(_engine_logprobs(model, spec, hf_dir, tokens, lengths, dtype, engine_tp, engine_ep,
-                                       engine_lora))
+                                       engine_lora, name=engine))
     return result
 
 
 def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: torch.Tensor, dtype: str,
-                     engine_tp: int = 1, engine_ep: int = 1, lora: Optional[dict] = None) -> dict:
+                     engine_tp: int = 1, engine_ep: int = 1, lora: Optional[dict] = None,
+                     name: str = "vllm") -> dict:
     """Rank 0 starts a vLLM engine (TP engine_tp, EP engine_ep) with random (dummy) weights; every rank delivers
     megarl's weights into it through the trainer's weight sync (each engine worker receives its own shard from the
     ranks that hold it; checksums verified on every worker); rank 0 returns vLLM's logprobs of the batch.
     lora (megarl.lora.vllm.lora_engine_settings): the engine starts with vLLM's LoRA support and the adapter sync
-    runs as the trainer's does with dummy weights: the base through the ordinary sync, then the adapters alone."""
+    runs as the trainer's does with dummy weights: the base through the ordinary sync, then the adapters alone.
+    name: the engine (rollout.name: vllm, or hf for the transformers engine)."""
     import torch.distributed as dist
 
     from megarl.config.schema import RolloutConfig
@@ -243,11 +246,12 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
 
     engine, failed = None, [None]
     if dist.get_rank() == 0:
-        cfg = RolloutConfig(prompt_length=tokens.shape[1], response_length=1, load_format="dummy", dtype=dtype,
+        cfg = RolloutConfig(name=name, prompt_length=tokens.shape[1], response_length=1, load_format="dummy",
+                            dtype=dtype,
                             enable_prefix_caching=False, tensor_model_parallel_size=engine_tp,
                             expert_model_parallel_size=engine_ep)
         try:
-            engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora)
+            engine = EngineProcess(cfg, hf_dir, seed=0, lora=lora, name=f"megarl-{name}-engine")
         except EngineProcessError as exc:  # one line: the cause, the fix where known, the engine's log
             failed[0] = str(exc)
     from megarl.distributed import broadcast_object
@@ -297,7 +301,9 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
     """Print the table and the verdict; `fp32_tol` is the derived float32 tolerance (fp32_bound), used when no --tol
     was given."""
     out = out or sys.stdout
-    engine = f"vllm (TP{args.engine_tp} EP{args.engine_ep})" if args.engine == "vllm" else args.engine
+    engine = args.engine
+    if engine in ("vllm", "hf"):
+        engine = f"{engine} (TP{args.engine_tp} EP{args.engine_ep})"
     lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
     first, last = getattr(args, "first_stage_layers", None), getattr(args, "last_stage_layers", None)
     stages = "" if first is None and last is None else f" (stages first={first} last={last})"
@@ -346,9 +352,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
-        if spec.score_head and args.engine == "vllm":
-            raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine vllm compares the "
-                              "logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
+        if spec.score_head and args.engine in ("vllm", "hf"):
+            raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine {args.engine} compares "
+                              "the logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
+        if args.engine == "hf" and (args.engine_tp, args.engine_ep, args.lora_sync) != (1, 1, "merged"):
+            raise BridgeError(f"--engine hf with --engine-tp {args.engine_tp} --engine-ep {args.engine_ep} "
+                              f"--lora-sync {args.lora_sync}: the hf engine runs one worker with merged weights; "
+                              "leave them at 1, 1 and merged, or use --engine vllm")
         check_layout(spec, args.tp, args.pp, args.ep, first_stage=args.first_stage_layers,
                      last_stage=args.last_stage_layers)
         if args.lora:  # read only inside the ranks: refuse a missing or damaged adapter here, in one line
@@ -381,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return broadcast_object(_judge(args, gathered, tokens, lengths, source) if dist.get_rank() == 0 else None)
     from megarl.launch_local import RankFailure, run_ranks
 
-    world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine == "vllm" else 1)
+    world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine in ("vllm", "hf") else 1)
     try:
         results = run_ranks("megarl.verify:_rank_body", world, kwargs, timeout=args.timeout)
     except RankFailure as exc:
@@ -422,7 +432,8 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
         vllm[i, : len(row)] = torch.tensor(row)
     hf_diff, _ = compare(hf, got, lengths)
     sync = engine["sync"]
-    print(f"weight sync into vLLM (engine TP{args.engine_tp} EP{args.engine_ep}): "
+    label = "vLLM" if args.engine == "vllm" else "the hf engine"
+    print(f"weight sync into {label} (engine TP{args.engine_tp} EP{args.engine_ep}): "
           f"{sync['weight_sync/num_tensors']:.0f} tensors, {sync['weight_sync/bytes'] / 2**20:.1f} MiB in "
           f"{sync['weight_sync/seconds']:.2f} s, {sync['weight_sync/verified_tensors']:.0f} engine tensors' checksums "
           f"verified; "
@@ -431,7 +442,7 @@ def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, sou
         print(f"adapter sync into vLLM's LoRA support: {sync['weight_sync/num_tensors']:.0f} adapter tensors, "
               f"{sync['sync/bytes']:.0f} bytes in {sync['weight_sync/adapter_install_seconds']:.3f} s")
     max_diff, rows = compare(got, vllm, lengths)  # reference: megarl's own logprobs
-    return report(args, rows, max_diff, source, reference="megarl", other="vLLM",
+    return report(args, rows, max_diff, source, reference="megarl", other=label if args.engine == "vllm" else "hf",
                   mean_diff=mean_abs_diff(got, vllm, lengths), scale=stats.scale, tf32=tf32, fp32_tol=tol,
                   device=device)
 
