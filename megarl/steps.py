@@ -18,7 +18,7 @@ from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
 from megarl.reward.compute import RewardInput, compute_rewards
 from megarl.rollout.replicas import broadcast_rollout, combine
-from megarl.distributed import broadcast_object, compute_device
+from megarl.distributed import all_gather_objects, broadcast_object, compute_device
 from megarl.runtime import Runtime
 from megarl.types import RolloutBatch
 
@@ -360,18 +360,68 @@ def _correction_metrics(m: dict) -> dict:
     return out
 
 
+class _Started:
+    """A generation in flight (EngineGeneration.start): what to generate again if an engine is lost."""
+
+    def __init__(self, records, seed: int, handles: list, lost: Optional[str] = None):
+        self.records, self.seed, self.handles, self.lost = records, seed, handles, lost
+
+
+def _results_or_lost(handles: list) -> tuple:
+    """(this rank's results per replica, None), or ([], the cause) when this rank's replica was lost."""
+    from megarl.rollout.supervisor import EngineLost
+
+    out = []
+    for handle in handles:
+        try:
+            out.append(None if handle is None else handle.result())
+        except EngineLost as exc:
+            return [], str(exc)
+    return out, None
+
+
 class EngineGeneration:
     """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation)."""
 
     def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None):
         self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
         self.offload = offload  # the trainer's OffloadAroundRollout, or None
+        self.restarts = 0  # engine restarts of the run so far (any replica), rollout/engine_restarts
 
-    def start(self, records: Sequence[PromptRecord], seed: int) -> list:
-        return start_generate(self.engine, records, self.rt, seed=seed, multi_turn=self.cfg.rollout.multi_turn.enable)
+    def start(self, records: Sequence[PromptRecord], seed: int) -> "_Started":
+        from megarl.rollout.supervisor import EngineLost
 
-    def finish(self, handles: list) -> RolloutBatch:
-        return finish_generate(handles, self.rt)
+        try:
+            handles = start_generate(self.engine, records, self.rt, seed=seed,
+                                     multi_turn=self.cfg.rollout.multi_turn.enable)
+        except EngineLost as exc:  # multi-turn rollouts run in start; a lost engine is recovered in finish
+            return _Started(records, seed, [], str(exc))
+        return _Started(records, seed, handles)
+
+    def finish(self, started) -> RolloutBatch:
+        """Wait for a started generation (collective). With rollout.on_engine_failure=restart (sync mode) a lost
+        engine replica is restarted, given the actor's weights and asked for the same batch again (the same prompts
+        and seeds), until the batch is complete or the restarts run out (megarl.rollout.supervisor)."""
+        if not isinstance(started, _Started):  # continuations (async abort_resume): no restart there
+            return finish_generate(started, self.rt)
+        while True:
+            batches, lost = ([], started.lost) if started.lost is not None else _results_or_lost(started.handles)
+            causes = [c for c in all_gather_objects(lost) if c is not None]  # every rank learns of any loss
+            if not causes:
+                topo = self.rt.engines
+                return combine([broadcast_rollout(b, topo.owner(r), device=compute_device())
+                                for r, b in enumerate(batches)])
+            self.recover(lost)
+            started = self.start(started.records, started.seed)
+
+    def recover(self, lost_here: Optional[str]) -> None:
+        """Restart this rank's replica if it was the one lost, then plan the weight sync into the engines as they are
+        now and run it (every rank: both are collectives)."""
+        if lost_here is not None:
+            self.engine.restart(lost_here)
+        self.restarts += 1
+        self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt)
+        self.sync()
 
     def sync(self) -> dict:
         if self.offload is None or not self.offload.active:

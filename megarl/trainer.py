@@ -87,9 +87,18 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     from megarl.sync.adapters import engine_lora
 
     replica = rt.engines.replica_of(rt.rank)
-    return EngineProcess(rollout, model_path, seed=seed, cores=cores,
-                         name=f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else ""),
-                         lora=engine_lora(cfg, model_path))
+    name = f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else "")
+
+    def start():
+        return EngineProcess(rollout, model_path, seed=seed, cores=cores, name=name,
+                             lora=engine_lora(cfg, model_path), reply_timeout_s=cfg.rollout.engine_timeout_s)
+
+    from megarl.rollout.supervisor import EngineSupervisor, engine_failure_policy
+
+    if engine_failure_policy(cfg) != "restart":
+        return start()
+    return EngineSupervisor(start, cfg.rollout.max_engine_restarts, cfg.rollout.engine_restart_window_s,
+                            name=f"engine replica {replica}")
 
 
 def engine_cores(cfg: MegarlConfig, trainer_side: bool = False) -> list:
@@ -186,6 +195,8 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
             records, rollout, scores, reward_metrics = steps.sample_batch(
                 schedule, step, engine, loader, reward_fn, tokenizer, cfg, rt, timer, seed=rollout_seed(cfg, step),
                 per_sample=per_sample)
+            if generation.restarts:  # engines lost and replaced so far (rollout.on_engine_failure=restart)
+                reward_metrics["rollout/engine_restarts"] = float(generation.restarts)
             batch = build_train_batch(rollout, scores, pad_id)
             components = steps.reward_components(cfg, per_sample, len(rollout))
             if components is not None:

@@ -366,6 +366,20 @@ class RolloutConfig(_Section):
                                       "re-packs each layer). false: plain weights, computed with torch's linear; the "
                                       "trainer ranks write each update straight into the engine's parameters (the "
                                       "fast sync; decoding small batches is slower).")
+    on_engine_failure: Optional[Literal["restart", "fail"]] = Field(None, description="An engine replica that dies "
+                                                                    "or hangs: restart (a new engine on its cores or "
+                                                                    "GPUs gets the actor's weights and the step's batch "
+                                                                    "is generated again, same prompts and seeds) or "
+                                                                    "fail (the run stops; resume from the last "
+                                                                    "checkpoint). None: restart in trainer.mode=sync "
+                                                                    "with engine processes, fail otherwise.")
+    engine_timeout_s: Optional[float] = Field(None, gt=0, description="A call to an engine process with no reply "
+                                              "for this long counts as a hung engine (restarted or fatal as "
+                                              "on_engine_failure says); None: only a dead engine counts. Set it above "
+                                              "the longest rollout a step can take.")
+    max_engine_restarts: int = Field(3, ge=1, description="At most this many engine restarts within "
+                                     "engine_restart_window_s; one more loss stops the run.")
+    engine_restart_window_s: float = Field(3600.0, gt=0, description="The window of max_engine_restarts.")
     delta_updates: bool = Field(True, description="Engines reached over the network (rollout.placement=separate, "
                                 "rollout.mode=ray): each update sends only the elements whose bits changed since the "
                                 "last one (indices and values, or a piece whole where that is fewer bytes), in the "

@@ -244,3 +244,14 @@ def cpu_engine_issues(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list[
     """`cpu_engine_refusals` as validate's Issues."""
     return [Issue(r.key, r.value, r.rule, r.fix, keys=(r.key, "trainer.device"))
             for r in cpu_engine_refusals(cfg, cpu)]
+
+
+def check_engine_failure(cfg: MegarlConfig) -> list[Issue]:
+    """rollout.on_engine_failure=restart only where restarts keep the batch exact (megarl.rollout.supervisor)."""
+    from megarl.rollout.supervisor import restart_refusal
+
+    why = restart_refusal(cfg) if cfg.rollout.on_engine_failure == "restart" else None
+    if why is None:
+        return []
+    return [Issue("rollout.on_engine_failure", "restart", why, "set rollout.on_engine_failure=fail (or leave it "
+                  "unset: fail there by default)", keys=("rollout.on_engine_failure", "trainer.mode", "rollout.mode"))]

@@ -43,6 +43,11 @@ class EngineProcessError(RuntimeError):
     a failed call with the engine process's traceback."""
 
 
+class EngineDied(EngineProcessError):
+    """The engine process is gone (killed, crashed) or gave no reply within its reply timeout (hung): a restart can
+    replace it (megarl.rollout.supervisor), where a failed call's error cannot be cured that way."""
+
+
 class EngineStartFailed(EngineProcessError, lifecycle.Explained):
     """The engine process could not start; the message is one line (the cause, the fix where known, the engine's
     log)."""
@@ -167,10 +172,12 @@ class EngineProcess:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
-                 name: str = "megarl-vllm-engine", lora: Optional[dict] = None, cpu=None):
+                 name: str = "megarl-vllm-engine", lora: Optional[dict] = None, cpu=None,
+                 reply_timeout_s: Optional[float] = None):
         """cpu: the CPU the engine's kernels are chosen for (megarl.rollout.cpu_engine.CpuInfo; None: this
-        machine's)."""
+        machine's). reply_timeout_s: a call with no reply for that long means a hung engine (EngineDied)."""
         self.model_path = str(model_path)
+        self.reply_timeout_s = reply_timeout_s
         self._config = config
         self._calls = 0
         self._waiting: dict[int, str] = {}  # call id -> method, of the calls sent and not yet answered
@@ -201,11 +208,20 @@ class EngineProcess:
             self._proc.join(timeout=10)
             raise EngineStartFailed(payload)
 
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid
+
     def _recv(self):
+        timeout = self.reply_timeout_s
+        if timeout is not None and not self._conn.poll(timeout):
+            raise EngineDied(f"the engine process gave no reply for {timeout:.0f} s (rollout.engine_timeout_s): "
+                             f"hung or stopped")
         try:
             return self._conn.recv()
         except (EOFError, ConnectionResetError):  # the engine is gone (a reset when it died mid-reply)
-            raise EngineProcessError(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
+            self._proc.join(timeout=1)  # for its exit code
+            raise EngineDied(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
                                      f"{log_tail(self._proc.name.removeprefix('megarl-')) or 'see its log above for the reason'}") from None
 
     def _send(self, obj) -> None:

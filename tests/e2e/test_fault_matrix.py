@@ -165,7 +165,7 @@ def test_reward_function_that_raises(tmp):
 
 
 def test_kill_9_of_the_engine_child(tmp):
-    run = Run(tmp, "kill-engine", ["trainer.total_steps=50"])
+    run = Run(tmp, "kill-engine", ["trainer.total_steps=50", "rollout.on_engine_failure=fail"])
     run.wait_for_step(1)
     os.kill(run.engine_pid(), signal.SIGKILL)
     code, elapsed = run.finish(since=time.monotonic())

@@ -1,0 +1,73 @@
+"""rollout.on_engine_failure=restart (the default in sync mode): a lost engine costs a restart, not the run
+(megarl.rollout.supervisor). Each case runs the real CLI on the tiny recipe's small settings and checks that the run
+ends normally with every step's batch complete (the same number of samples as an undisturbed step), the engine vs
+actor logprob gap after the restart as small as before (the restarted engine got the actor's weights), the restart
+named on the console and counted in the metrics, and no process left behind. A loss past rollout.max_engine_restarts
+stops the run as before."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.e2e.test_fault_matrix import Run
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the run's processes through /proc")
+
+SAMPLES = 8 * 4  # data.train_batch_size x rollout.n of the small settings
+GAP = 1e-4  # the engine vs actor logprob gap bound the small loop's tests use (float32, same weights)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("restarts")
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_recovered(run, steps: int, restarts: int) -> None:
+    code, _ = run.finish(since=time.monotonic(), limit=300)
+    out = run.output()
+    assert code == 0, out[-3000:]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        assert r["rollout/num_samples"] == SAMPLES, r  # the step's batch is whole: no silent drop
+        assert r["rollout/logprob_abs_diff_mean"] < GAP, r  # restarted engines sample from the actor's weights
+    assert rows[-1]["rollout/engine_restarts"] == restarts
+    assert out.count("restarting it (restart") == restarts, out[-3000:]
+
+
+def test_engine_killed_during_generation_is_restarted_and_the_batch_generated_again(tmp):
+    # generation 2 is step 2's rollout: killed right after its requests reached the engine
+    run = Run(tmp, "kill-mid-rollout", ["trainer.total_steps=3"], env={"MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2"})
+    _assert_recovered(run, 3, 1)
+
+
+@pytest.mark.slow
+def test_engine_killed_while_idle_is_restarted(tmp):
+    run = Run(tmp, "kill-idle", ["trainer.total_steps=3"])
+    run.wait_for_step(1)
+    os.kill(run.engine_pid(), signal.SIGKILL)
+    _assert_recovered(run, 3, 1)
+
+
+@pytest.mark.slow
+def test_hung_engine_is_restarted_after_the_timeout(tmp):
+    run = Run(tmp, "stopped", ["trainer.total_steps=3", "rollout.engine_timeout_s=20"])
+    run.wait_for_step(1)
+    os.kill(run.engine_pid(), signal.SIGSTOP)  # alive, but answers nothing
+    _assert_recovered(run, 3, 1)
+
+
+@pytest.mark.slow
+def test_a_loss_past_the_bound_stops_the_run(tmp):
+    run = Run(tmp, "past-bound", ["trainer.total_steps=4", "rollout.max_engine_restarts=1"],
+              env={"MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2,4"})
+    code, _ = run.finish(since=time.monotonic(), limit=300)
+    out = run.output()
+    assert code != 0
+    assert "after 1 restarts within" in out and "rollout.max_engine_restarts=1" in out, out[-3000:]
