@@ -56,7 +56,9 @@ def update_then_sync_hf(hf_dir, tp, pp, ep):
     return out
 
 
-CASES = [("qwen2", 2, 1, 1), ("llama", 1, 2, 1), ("qwen3_moe", 1, 1, 2)]
+# trainer TP2 in the default suite; PP2 and EP2 (each a launch of its own) with `make test-slow`
+CASES = [("qwen2", 2, 1, 1), pytest.param("llama", 1, 2, 1, marks=pytest.mark.slow),
+         pytest.param("qwen3_moe", 1, 1, 2, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("arch,tp,pp,ep", CASES, ids=["tp2-dense", "pp2-dense", "ep2-qwen3-moe"])
