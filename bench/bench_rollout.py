@@ -141,7 +141,9 @@ def main() -> int:
     ap.add_argument("--gen-repeats", type=int, default=2, help="generation rounds timed (best is reported)")
     ap.add_argument("--engine-tp", default="1,2", help="engine TP sizes of the sync section (comma-separated)")
     ap.add_argument("--weights", default="prepacked,plain", help="CPU engine weights of the sync section: prepacked "
-                    "(rollout.cpu_prepack_weights=true), plain (false), or both")
+                    "(rollout.cpu_prepack_weights=true), plain (false), hf (the transformers engine, rollout.name=hf, "
+                    "engine TP1 only; `--weights plain,hf --engine-tp 1` compares it with vLLM's in-place sync), or "
+                    "several, comma-separated")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--sync-only", action="store_true", help="only the weight sync section")
     only.add_argument("--rollout-only", action="store_true", help="only the rollout sections (2 and 3)")
@@ -186,12 +188,16 @@ def main() -> int:
         prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)
         cores = available_cores()
 
-        sync_ratio = {}
+        sync_ratio, sync_seconds = {}, {}
         ctx = torch.multiprocessing.get_context("spawn")
         for tp in ([] if args.rollout_only else [int(t) for t in args.engine_tp.split(",")]):
-            for prepack in ({"prepacked": True, "plain": False}[w] for w in args.weights.split(",")):
-                label = f"engine TP{tp}, {'prepacked weights' if prepack else 'plain weights (in place)'}"
-                ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": prepack})
+            for prepack in ({"prepacked": True, "plain": False, "hf": None}[w] for w in args.weights.split(",")):
+                if prepack is None and tp > 1:
+                    continue  # the hf engine runs one worker
+                label = f"engine TP{tp}, " + ("hf engine (in place)" if prepack is None else
+                                              "prepacked weights" if prepack else "plain weights (in place)")
+                ecfg = cfg.model_copy(update={"tensor_model_parallel_size": tp, "cpu_prepack_weights": bool(prepack),
+                                              "name": "hf" if prepack is None else "vllm"})
                 out, port = ctx.SimpleQueue(), free_port()
                 procs = [ctx.Process(target=trainer_rank, args=(r, tp, port, str(path), ecfg, args.repeats, cores,
                                                                 prompts.tolist(), out)) for r in range(tp)]
@@ -206,6 +212,7 @@ def main() -> int:
                 s_, fl = m["weight_sync/seconds"], min(r[1] for r in runs)
                 paired = sorted(r[0]["weight_sync/seconds"] / r[1] for r in runs)
                 sync_ratio[label] = s_ / fl
+                sync_seconds[label] = s_
                 print(f"weight sync, {label}, {tp} trainer rank(s) each writing its engine worker's shard: "
                       f"{nbytes / 2**20:.0f} MiB in {int(m['weight_sync/num_buckets'])} buckets of <= {args.bucket_mb} "
                       f"MiB: {s_:.3f}s ({nbytes / s_ / 1e9:.2f} GB/s; rank 0 writing "
@@ -219,6 +226,11 @@ def main() -> int:
                       f"{os.getloadavg()[0]:.1f}", flush=True)
         if sync_ratio:
             print("sync/floor ratios: " + ", ".join(f"{k} {v:.1f}x" for k, v in sync_ratio.items()), flush=True)
+        hf_key, vllm_key = "engine TP1, hf engine (in place)", "engine TP1, plain weights (in place)"
+        if hf_key in sync_seconds and vllm_key in sync_seconds:
+            print(f"weight sync hf engine / vLLM (plain weights), same model, this run: "
+                  f"{sync_seconds[hf_key]:.3f}s / {sync_seconds[vllm_key]:.3f}s = "
+                  f"{sync_seconds[hf_key] / sync_seconds[vllm_key]:.2f}x", flush=True)
         if args.sync_only:
             return 0
 

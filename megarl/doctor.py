@@ -6,8 +6,9 @@ then short probes on this machine's own device, one line per check, and exits 1 
     megatron model; per-token logprobs compared with HF transformers in float32 (TF32 off), max difference <= 1e-5;
   - actor update vs torch: one PPO update through megarl's megatron path against the same update done with HF
     transformers, megarl.algo's loss, torch autograd and torch.optim.Adam (loss, gradient norm, logprobs after);
-  - the vLLM engine's first tokens (when vLLM imports): greedy tokens from megarl's engine process on the tiny model;
-    each must be HF's most likely token at its position (within 1e-3 nats, for ties).
+  - the rollout engine's first tokens: greedy tokens from megarl's engine process on the tiny model, each HF's most
+    likely token at its position (within 1e-3 nats, for ties); the vLLM engine where vLLM imports, else the
+    transformers engine (rollout.name=hf), the engine a recipe then runs with.
 On a CPU machine the probes run on the CPU (gloo, float32); on a GPU machine on the GPU (NCCL, Transformer Engine when
 it imports). Version mismatches are reported, not failures.
 """
@@ -180,17 +181,18 @@ def probe_rank(hf_dir: str, batch: dict) -> dict:
             "update_s": time.perf_counter() - t0, "device": str(next(model.parameters()).device)}
 
 
-def engine_probe(hf_dir: str, reference_dir: str) -> tuple[bool, str]:
-    """Greedy tokens from megarl's vLLM engine process; each must be HF's most likely token (within 1e-3 nats)."""
+def engine_probe(hf_dir: str, reference_dir: str, name: str = "vllm") -> tuple[bool, str]:
+    """Greedy tokens from megarl's engine process (name: rollout.name); each must be HF's most likely token (within
+    1e-3 nats)."""
     from transformers import AutoModelForCausalLM
 
     from megarl.config.schema import RolloutConfig
     from megarl.rollout.process import EngineProcess
 
     prompts = [[1, 5, 9, 13, 2], [3, 4, 6, 8]]
-    cfg = RolloutConfig(prompt_length=8, response_length=6, dtype="float32", enable_prefix_caching=False,
+    cfg = RolloutConfig(name=name, prompt_length=8, response_length=6, dtype="float32", enable_prefix_caching=False,
                         gpu_memory_utilization=0.3)
-    engine = EngineProcess(cfg, hf_dir, seed=0)
+    engine = EngineProcess(cfg, hf_dir, seed=0, name=f"megarl-{name}-engine")
     try:
         batch = engine.generate(prompts, greedy=True)
     finally:
@@ -249,19 +251,19 @@ def run_probes(skip_engine: bool = False, out=None) -> list[tuple[str, bool, str
             record("actor update vs torch", ok, f"loss diff {d_loss:.1e} (<= 1e-5), grad-norm rel diff {d_norm:.1e} "
                    f"(<= 1e-4), logprobs after the step {d_after:.1e} (<= {tol_after:.1e}, derived), "
                    f"{r['update_s']:.1f} s")
-        import importlib.util
+        from megarl.rollout.hf_checks import vllm_importable
 
+        # without vLLM, the engine recipes can still run: the transformers one (rollout.name=hf)
+        name, label = ("vllm", "vLLM engine") if vllm_importable() else ("hf", "hf engine (vLLM does not import)")
         if skip_engine:
-            print("skip  vLLM engine first tokens: --skip-engine", file=out)
-        elif importlib.util.find_spec("vllm") is None:
-            print("skip  vLLM engine first tokens: vLLM is not installed", file=out)
+            print(f"skip  {label} first tokens: --skip-engine", file=out)
         else:
             t0 = time.perf_counter()
             try:
-                ok, detail = engine_probe(hf_dir, hf_dir)
+                ok, detail = engine_probe(hf_dir, hf_dir, name)
             except Exception as exc:  # the probe reports any engine failure as a failed check
                 ok, detail = False, f"{type(exc).__name__}: {exc}"
-            record("vLLM engine first tokens", ok, f"{detail}, {time.perf_counter() - t0:.1f} s")
+            record(f"{label} first tokens", ok, f"{detail}, {time.perf_counter() - t0:.1f} s")
     return results
 
 

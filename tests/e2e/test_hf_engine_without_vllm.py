@@ -1,5 +1,5 @@
-"""A Python that cannot import vLLM (simulated: a sitecustomize on PYTHONPATH installs an import hook refusing every
-vllm module in each process megarl starts, ranks and engine processes included):
+"""A Python that cannot import vLLM (simulated: a sitecustomize on PYTHONPATH makes vllm unimportable in each process
+megarl starts, ranks and engine processes included):
 
 * `megarl train` with rollout.name=vllm fails at once, before any rank or engine process starts, with one line saying
   that rollout.name=vllm needs vLLM and that rollout.name=hf is the alternative;
@@ -20,16 +20,11 @@ from tests.helpers.bounds import verify_bound
 from tests.helpers.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
+# as on a machine without vLLM: `import vllm` raises ModuleNotFoundError and importlib finds no spec
 HOOK = '''
-import importlib.abc, sys
+import sys
 
-class _NoVLLM(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "vllm" or name.startswith("vllm."):
-            raise ModuleNotFoundError(f"No module named {name!r} (simulated)", name=name)
-        return None
-
-sys.meta_path.insert(0, _NoVLLM())
+sys.modules["vllm"] = None
 '''
 SMALL = ["data.synthetic.num_train=64", "data.synthetic.num_val=16", "sft.total_steps=2", "trainer.total_steps=2",
          "trainer.test_freq=0", "trainer.val_before_train=false", "logging.tensorboard=false"]
@@ -81,3 +76,10 @@ def test_verify_engine_hf_without_vllm(tmp_path):
     tol = verify_bound(hf_dir, 64, 4)  # verify's default batch: 4 sequences of up to 64 tokens
     print(f"[measured] verify --engine hf --tp 2: hf engine vs megarl {diff:.2e} (bound {tol:.2e})")
     assert diff < tol, (diff, tol)
+
+
+@pytest.mark.slow  # the doctor's megatron probes and an engine process
+def test_doctor_probes_the_hf_engine_without_vllm(tmp_path):
+    r = without_vllm(tmp_path, "doctor")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "PASS  hf engine (vLLM does not import) first tokens" in r.stdout, r.stdout
