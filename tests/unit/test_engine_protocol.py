@@ -23,7 +23,8 @@ def test_the_sync_seam_is_narrow():
                                                            "end_update", "abort_update"}
 
 
-@pytest.mark.parametrize("where", ["megarl.rollout.engine:VLLMEngine", "megarl.rollout.process:EngineProcess"])
+@pytest.mark.parametrize("where", ["megarl.rollout.engine:VLLMEngine", "megarl.rollout.process:EngineProcess",
+                                   "megarl.rollout.hf_engine:HFEngine"])
 def test_engine_implements_the_protocol(where):
     import importlib
 
