@@ -43,16 +43,20 @@ def pack_multiple(config) -> int:
     return config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
 
 
-def schedule_shapes(chunks: list, sizes: list[int]) -> dict:
-    """seq_length and micro_batch_size for megatron's schedule over packs of `sizes` tokens (batch dimension 1).
+def schedule_shapes(chunks: list, sizes: list[int]) -> tuple[list[int], dict]:
+    """(pack sizes to use, seq_length and micro_batch_size for megatron's schedule) over packs of `sizes` tokens
+    (batch dimension 1).
 
-    Pipeline stages exchange activations [P / TP (sequence parallel), 1, hidden]: packs of different lengths make
-    megatron send each shape first (variable_seq_lengths), the same on every stage, which all hold the same
-    micro-batches."""
-    variable = len(set(sizes)) > 1
+    Pipeline stages exchange activations [P / TP (sequence parallel), 1, hidden], and every stage holds the same
+    micro-batches, so every stage computes the same sizes. The 1F1B schedule takes packs of different lengths when
+    megatron sends each shape first (variable_seq_lengths); the interleaved one (virtual pipeline stages) pairs its
+    sends and receives by one fixed shape, so there every pack is padded at its end to the longest of the call."""
+    interleaved = len(chunks) > 1
+    if interleaved:
+        sizes = [max(sizes)] * len(sizes)
     for chunk in chunks:
-        chunk.config.variable_seq_lengths = variable
-    return {"seq_length": max(sizes), "micro_batch_size": 1}
+        chunk.config.variable_seq_lengths = len(set(sizes)) > 1
+    return sizes, {"seq_length": max(sizes), "micro_batch_size": 1}
 
 
 def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
@@ -110,7 +114,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     if replay.action != "off":  # routing replay: each micro-batch's global row ids
         if replay.pass_rows is None or len(replay.pass_rows) != n:
             raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
-    sizes = agreed_sizes([pack_size(lengths[g], multiple) for g in groups])
+    sizes, shapes = schedule_shapes(chunks, agreed_sizes([pack_size(lengths[g], multiple) for g in groups]))
     items = [(g, replay.pass_rows.long()[g] if replay.action != "off" else None, size)
              for g, size in zip(groups, sizes)]
     tokens = tokens.to(device)
@@ -126,7 +130,7 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     with torch.no_grad():
         results = get_forward_backward_func()(
             forward_step_func=step, **schedule_args(chunks, items), num_microbatches=len(items),
-            forward_only=True, **schedule_shapes(chunks, sizes))
+            forward_only=True, **shapes)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat([r["out"] for r in results], dim=0)[:n]

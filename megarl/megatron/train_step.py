@@ -121,7 +121,8 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
     multiple = pack_multiple(trainable.chunks[0].config)
-    sizes = agreed_sizes([pack_size(row_lengths(mb), multiple) for mb in micro_batches])
+    sizes, shapes = schedule_shapes(trainable.chunks,
+                                    agreed_sizes([pack_size(row_lengths(mb), multiple) for mb in micro_batches]))
     micro_batches = [{**mb, PACK_SIZE: size} for mb, size in zip(micro_batches, sizes)]
 
     for chunk in trainable.chunks:
@@ -129,7 +130,7 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     trainable.optimizer.zero_grad()
     results = get_forward_backward_func()(
         forward_step_func=partial(forward_step, loss_fn, scale), **schedule_args(trainable.chunks, micro_batches),
-        num_microbatches=n_micro, forward_only=False, **schedule_shapes(trainable.chunks, sizes))
+        num_microbatches=n_micro, forward_only=False, **shapes)
     update_ok, grad_norm, _ = trainable.optimizer.step()
     trainable.scheduler.step(increment=1)
     trainable.steps += 1
