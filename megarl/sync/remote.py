@@ -123,6 +123,7 @@ class _Posted:
     copies: list = field(default_factory=list)
     nbytes: int = 0
     changes: list = field(default_factory=list)  # delta: (mirror, indices, values) to apply once received
+    arrivals: list = field(default_factory=list)  # delta over NCCL: (host tensor, device buffer received into)
 
 
 def piece_key(b: int, mv) -> tuple:
@@ -216,37 +217,56 @@ class WeightReceiver:
     def _post_delta(self, b: int, posted: _Posted) -> None:
         """Bucket b of a delta-capable sync: each sender's header first (one entry per piece it sends this host, in
         bucket order: DENSE or the count of changed elements), then the pieces or their changes, received into the
-        mirror; _finish writes the mirror into the files."""
+        mirror (host memory); _finish writes the mirror into the files."""
         plan = self.plan
         moves = list(enumerate(plan.buckets[b]))
         senders = sorted({mv.src for _, mv in moves})
         headers = {src: torch.empty(sum(1 for _, mv in moves if mv.src == src), dtype=torch.int64) for src in senders}
-        for work in [self.group.recv([headers[src]], src, b) for src in senders]:
-            work.wait()
+        waiting = _Posted({}, {}, [])
+        for src in senders:
+            waiting.works.append(self._recv_into(headers[src], src, b, waiting))
+        self._finish_arrivals(waiting)
         for src in senders:
             for entry, (j, mv) in zip(headers[src].tolist(), [(j, mv) for j, mv in moves if mv.src == src]):
                 dtype = getattr(torch, plan.dtypes[mv.hf])
                 mirror = self.mirror.get((b, j))
                 if entry == DENSE:
                     if mirror is None:
-                        mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype, device=plan.device)
-                    posted.works.append(self.group.recv([mirror], src, b))
+                        mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype)
+                    posted.works.append(self._recv_into(mirror, src, b, posted))
                     posted.nbytes += mirror.numel() * mirror.element_size()
                 elif mirror is None:
                     raise RuntimeError(f"delta weight update of {mv.hf} (bucket {b}) without a full update before it "
                                        f"on this engine host: the trainer must send a full update after a restart")
                 elif entry > 0:
-                    idx = torch.empty(entry, dtype=index_dtype(mirror.numel()), device=plan.device)
-                    values = torch.empty(entry, dtype=dtype, device=plan.device)
-                    posted.works += [self.group.recv([idx], src, b), self.group.recv([values], src, b)]
+                    idx = torch.empty(entry, dtype=index_dtype(mirror.numel()))
+                    values = torch.empty(entry, dtype=dtype)
+                    posted.works += [self._recv_into(idx, src, b, posted), self._recv_into(values, src, b, posted)]
                     posted.changes.append((mirror, idx, values))
                     posted.nbytes += idx.numel() * idx.element_size() + values.numel() * values.element_size()
                 posted.copies.append((self._target(posted, mv), mirror))
 
-    def _finish(self, posted: _Posted, stats: dict) -> dict:
-        t0 = time.perf_counter()
+    def _recv_into(self, host: torch.Tensor, src: int, b: int, posted: _Posted):
+        """Receive into the host tensor `host`: directly over gloo; over NCCL into a device buffer copied to it once
+        the receive completed (_finish_arrivals)."""
+        if self.plan.device == "cpu":
+            return self.group.recv([host], src, b)
+        staging = torch.empty_like(host, device=self.plan.device)
+        posted.arrivals.append((host, staging))
+        return self.group.recv([staging], src, b)
+
+    @staticmethod
+    def _finish_arrivals(posted: _Posted) -> None:
         for work in posted.works:
             work.wait()
+        posted.works.clear()
+        for host, staging in posted.arrivals:
+            host.copy_(staging)
+        posted.arrivals.clear()
+
+    def _finish(self, posted: _Posted, stats: dict) -> dict:
+        t0 = time.perf_counter()
+        self._finish_arrivals(posted)
         for mirror, idx, values in posted.changes:
             apply_sparse(mirror, idx, values)
         for target, piece in posted.copies:
@@ -413,16 +433,18 @@ class RemoteSync:
                 if self.host_rank[mv.dst] != host:
                     continue
                 piece = self._piece(mv, chunks)
-                entry, tensors = encode(piece, None if full else self.last.get((b, j)))
+                # compared and kept in host memory (a copy: on CPU a piece can be a view of the parameter, which the
+                # next optimizer step changes in place)
+                kept = piece.to("cpu", copy=True)
+                entry, tensors = encode(kept, None if full else self.last.get((b, j)))
                 if entry != DENSE:
                     changed += entry
                 elif not full:
                     changed += piece.numel()
-                # a copy: a piece can be a view of the parameter, which the next optimizer step changes in place
-                self.last[(b, j)] = piece.clone()
+                self.last[(b, j)] = kept
                 header.append(entry)
-                payloads += tensors
-            header_t = torch.tensor(header, dtype=torch.int64)
+                payloads += [t.to(piece.device) for t in tensors]  # NCCL sends from the device
+            header_t = torch.tensor(header, dtype=torch.int64, device=self.holdings.device)
             keep += [header_t, *payloads]  # alive until their sends complete
             works.append(self.group.send([header_t], host, b))
             works += [self.group.send([t], host, b) for t in payloads]
