@@ -39,8 +39,14 @@ def run(work: Path, name: str, steps: int, dtype: str, delta: bool, lr: float | 
             f"data.synthetic.output_dir={work / 'base' / 'data'}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     print(f"== {name}: megarl train {RECIPE.name} {' '.join(args[1:7])}", flush=True)
-    subprocess.run([sys.executable, "-m", "megarl", "train", str(RECIPE), *args], cwd=ROOT, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    console = run_dir / "console.log"
+    with open(console, "w") as out:
+        code = subprocess.run([sys.executable, "-m", "megarl", "train", str(RECIPE), *args], cwd=ROOT, env=env,
+                              stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        sys.exit(f"{name}: megarl train exited {code}; the end of its console ({console}):\n"
+                 + "\n".join(console.read_text(errors="replace").splitlines()[-15:]))
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
