@@ -26,8 +26,8 @@ import sys
 
 sys.modules["vllm"] = None
 '''
-SMALL = ["data.synthetic.num_train=64", "data.synthetic.num_val=16", "sft.total_steps=2", "trainer.total_steps=2",
-         "trainer.test_freq=0", "trainer.val_before_train=false", "logging.tensorboard=false"]
+SMALL = ["data.synthetic.num_train=64", "data.synthetic.num_val=16", "sft.total_steps=2", "sft.optim.lr_warmup_steps=0",
+         "trainer.total_steps=2", "trainer.test_freq=0", "trainer.val_before_train=false", "logging.tensorboard=false"]
 
 
 def without_vllm(tmp_path: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
