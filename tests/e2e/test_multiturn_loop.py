@@ -69,3 +69,14 @@ def test_trainer_tp2_with_two_engine_replicas(tp1):
             assert a[key] == b[key], (key, a[key], b[key])
         assert abs(a["actor/pg_loss"] - b["actor/pg_loss"]) < 1e-4
     assert got[0]["rollout/num_prompts"] == 8.0  # both replicas' shares combined
+
+
+def test_first_step_on_policy_with_the_hf_engine(tmp_path):
+    # the transformers engine (rollout.name=hf) through the same agent loop: tool turns, on-policy first step, no drift
+    metrics = _run(tmp_path, "hf", ["rollout.name=hf"])
+    first = metrics[0]
+    assert first["tool/calls"] > 0 and first["tool/tool_turns"] > 0, first
+    assert first["rollout/logprob_abs_diff_max"] < 1e-4, first
+    assert first["actor/log_ratio_abs_max"] == 0.0 and first["actor/clip_frac"] == 0.0
+    for m in metrics:
+        assert m["tool/sanity_checked"] > 0 and m["tool/sanity_drift"] == 0, m
