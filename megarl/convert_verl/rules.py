@@ -22,7 +22,8 @@ _OFFLOAD = ("megarl trains with Megatron; its offload around rollout is the mega
             "`megarl plan`")
 # verl's Megatron offload keys -> megarl's (the reference has parameters only)
 _MEGATRON_OFFLOAD = {"param_offload": "params", "grad_offload": "grads", "optimizer_offload": "optimizer"}
-_NO_PADDING_SWITCH = "megarl masks padding out of every loss; there is no padded/unpadded switch"
+_NO_PADDING_SWITCH = ("megarl always removes padding: every micro-batch runs packed (rows end to end with their "
+                      "boundaries, no padding computed), which is what use_remove_padding=true asks; there is no switch")
 _FSDP = "an FSDP setting; megarl trains with Megatron (set parallelism.* instead)"
 _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
              "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
