@@ -262,3 +262,48 @@ def test_update_verified_sleep_frees_weights_and_wake_restores(model_dir, hf_mod
     assert torch.equal(eng.generate(PROMPTS, seed=5).response_ids, ref.response_ids)
     assert eng.events == ["update", "sleep", "wake_up(weights)", "update", "wake_up(kv_cache)", "sleep(1)",
                           "wake_up"]
+
+
+def test_placed_weights_sleep_releases_the_arena(model_dir, hf_model, tmp_path):
+    """With the sync's placed writes (the parameters in a shared-memory arena its host writes into), sleep level 2
+    gives the arena's pages back while both mappings stay valid; the next placed writes bring the same weights back."""
+    from megarl.bridge.hf_config import load_spec
+    from megarl.bridge.mapping import Mapping
+    from megarl.rollout.hf_engine import HFEngine
+    from megarl.sync.delivery import worker_needs
+    from megarl.sync.placement import region_viewer, write_placed
+    from megarl.sync.shards import full_box
+    from megarl.sync.wire import shm_dir
+
+    eng = HFEngine(config(load_format="dummy", enable_sleep_mode=True), model_dir, seed=0, device="cpu")
+    mapping = Mapping(load_spec(model_dir))
+    shapes = mapping.hf_shapes()
+    needs = {h: ("float32", list(shapes[h]), [list(b) for b in box])
+             for h, box in worker_needs(mapping, eng.layouts[0]).items()}
+    report = eng.place_weights([needs], f"{shm_dir()}/megarl-test-{tmp_path.name}")[0]
+    assert not report["refused"] and set(report["placed"]) == set(needs)
+    arena = torch.from_file(report["arena"], shared=True, size=report["size"], dtype=torch.uint8)  # the host's view
+    import os
+
+    os.unlink(report["arena"])
+    views, state = region_viewer([arena]), hf_model.state_dict()
+
+    def write_all():  # as the hosting trainer rank does at every sync
+        eng.begin_update()
+        for name, recs in report["placed"].items():
+            write_placed(views, [(tuple(tuple(b) for b in r[0]),) + tuple(r[1:]) for r in recs],
+                         full_box(state[name].shape), state[name])
+        eng.end_update()
+
+    write_all()
+    ref = eng.generate(PROMPTS, seed=5)
+    awake = eng.parameter_bytes()
+    eng.sleep()
+    asleep = eng.parameter_bytes()
+    print(f"[measured] hf engine arena resident: awake {awake} B, asleep {asleep} B")
+    assert awake >= sum(t.numel() * 4 for t in state.values()) // 2 and asleep < awake // 100
+    eng.wake_up(["weights"])
+    write_all()
+    eng.wake_up(["kv_cache"])
+    assert torch.equal(eng.generate(PROMPTS, seed=5).response_ids, ref.response_ids)
+    eng.shutdown()
