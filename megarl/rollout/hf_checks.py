@@ -28,7 +28,8 @@ def check_engine_available(cfg: MegarlConfig) -> list[Issue]:
 
 
 def check_hf_engine(cfg: MegarlConfig) -> list[Issue]:
-    """What rollout.name=hf refuses (megarl.rollout.hf_engine): one worker per replica at TP1, merged weights."""
+    """What rollout.name=hf refuses (megarl.rollout.hf_engine): one worker per replica at TP1, merged weights (engine
+    pipeline stages are refused for every engine by validate)."""
     r = cfg.rollout
     if r.name != "hf":
         return []
@@ -36,8 +37,6 @@ def check_hf_engine(cfg: MegarlConfig) -> list[Issue]:
     for key, value, rule, fix in (
             ("tensor_model_parallel_size", r.tensor_model_parallel_size, "the hf engine runs one worker (TP1)",
              "set it to 1 (replicas over the ranks: rollout.data_parallel_size)"),
-            ("pipeline_model_parallel_size", r.pipeline_model_parallel_size, "the hf engine has no pipeline stages",
-             "set it to 1"),
             ("expert_model_parallel_size", r.expert_model_parallel_size, "the hf engine holds every expert",
              "set it to 1"),
             ("quantization", r.quantization, "the hf engine computes in rollout.dtype, unquantized",
@@ -46,8 +45,7 @@ def check_hf_engine(cfg: MegarlConfig) -> list[Issue]:
              "set rollout.mode=colocated"),
             ("placement", cfg.engine_placement, "the hf engine receives its weights from its hosting rank only "
              "(no transfer group)", "set rollout.placement=colocated")):
-        bad = {"tensor_model_parallel_size": value != 1, "pipeline_model_parallel_size": value != 1,
-               "expert_model_parallel_size": value != 1, "quantization": value is not None,
+        bad = {"tensor_model_parallel_size": value != 1, "expert_model_parallel_size": value != 1, "quantization": value is not None,
                "mode": value != "colocated", "placement": value != "colocated"}[key]
         if bad:
             issues.append(Issue(f"rollout.{key}", value, f"with rollout.name=hf: {rule}", f"{HF_FIX} {fix}",
