@@ -1,14 +1,19 @@
 """The memory terms of `megarl plan` that are not a model's states: each a pure function of sizes, in bytes.
 
-Logits of the log-prob / entropy passes (megarl.megatron.vocab_parallel): the LM head writes L = tokens * V_padded / TP
-logits per rank in the parameter dtype (p bytes); the log-prob and entropy maths run on a float32 copy.
-  forward only (old/ref log-probs):  L * (p + 4 + 4)
-      the logits, their fp32 copy (vocab_parallel_cross_entropy exponentiates it in place) and the entropy's fp32
-      working tensor (the softmax it reduces), alive together.
-  update (forward and backward):     L * (p + 4 + 4 + p) [+ L * 8 with actor.entropy_coeff != 0]
-      the logits and the fp32 softmax saved for the cross-entropy's backward, then in the backward the fp32 gradient
-      of the logits and its cast to the parameter dtype; an entropy bonus keeps its own fp32 copy and softmax for
-      its backward.
+Logits of the log-prob / entropy passes (megarl.megatron.vocab_parallel, megarl.algo.entropy): the LM head writes
+L = tokens * V_padded / TP logits per rank in the parameter dtype (p bytes); the maths runs in float32, on a copy
+(c = 4 bytes) unless the logits are float32 already (c = 4 too: vocab_parallel_cross_entropy works in place, so the
+log-prob takes a clone).
+  forward only (old/ref log-probs):  L * (p + 4)
+      the logits and the float32 tensor vocab_parallel_cross_entropy exponentiates in place.
+  update (forward and backward):     L * (p + 4 + 12 + e) [+ L * 4 with actor.entropy_coeff != 0]
+      the logits, the float32 softmax the cross-entropy saves for its backward, and the entropy metric's
+      temporaries: its float32 copy (e = 4; e = 0 for float32 logits, used as they are), the shifted logits, their
+      exponentials and the product summed (12); an entropy bonus keeps one more float32 tensor in its graph. The
+      backward (the logits' float32 gradient and its cast) stays below this peak.
+  Measured on CPU with megarl's own functions at 1024 tokens x vocab 151,936 (peak resident bytes above a baseline):
+  bfloat16 6.09 / 21.98 / 25.98 bytes per logit (forward / update / with an entropy bonus), float32 8.10 / 19.86 /
+  23.87; these formulas give 6 / 22 / 26 and 8 / 20 / 24 (tests/dist/test_plan_logits_memory.py holds them to 5%).
 Routing replay (actor.router_replay.mode R2/R3, or rollout.return_routed_experts): routes [N, S, layers, top_k] int16
 (N rows of the rollout batch, S = prompt + response tokens, every decoder layer).
   host, every trainer process:        N * S * layers * k * 2 (the batch's routes, from the old-logprob pass on)
@@ -45,13 +50,15 @@ def logits_elements(tokens: int, padded_vocab: int, tp: int) -> int:
 
 
 def forward_logits_bytes(tokens: int, padded_vocab: int, tp: int, pbytes: int) -> int:
-    """Old/ref log-prob pass (no gradient): L * (p + 4 + 4), see the module doc."""
-    return logits_elements(tokens, padded_vocab, tp) * (pbytes + 8)
+    """Old/ref log-prob pass (no gradient): L * (p + 4), see the module doc."""
+    return logits_elements(tokens, padded_vocab, tp) * (pbytes + 4)
 
 
 def update_logits_bytes(tokens: int, padded_vocab: int, tp: int, pbytes: int, entropy_bonus: bool) -> int:
-    """Update pass (forward and backward): L * (2p + 8) [+ 8 L with an entropy bonus], see the module doc."""
-    return logits_elements(tokens, padded_vocab, tp) * (2 * pbytes + 8 + (8 if entropy_bonus else 0))
+    """Update pass (forward and backward): L * (p + 16 + e) [+ 4 L with an entropy bonus], e = 0 for float32
+    logits else 4; see the module doc."""
+    copy = 0 if pbytes == 4 else 4
+    return logits_elements(tokens, padded_vocab, tp) * (pbytes + 16 + copy + (4 if entropy_bonus else 0))
 
 
 def route_bytes(rows: int, seq_len: int, layers: int, topk: int, elem: int = ROUTE_BYTES) -> int:

@@ -32,11 +32,14 @@ def test_log_prob_logits_forward_and_update_against_hand_calculation():
     # Qwen2.5-3B-like: 4 x 4096 tokens, vocab 151936 (already a multiple of 128 x TP1), bf16
     tokens, vocab = 4 * 4096, 151936
     L = tokens * vocab
-    assert forward_logits_bytes(tokens, vocab, 1, 2) == L * (2 + 4 + 4)  # bf16 logits, fp32 copy, fp32 entropy work
-    assert update_logits_bytes(tokens, vocab, 1, 2, False) == L * (2 + 4 + 4 + 2)  # + fp32 grad and its bf16 cast
-    assert update_logits_bytes(tokens, vocab, 1, 2, True) == L * (2 + 4 + 4 + 2 + 8)  # entropy bonus keeps 2 fp32
-    assert update_logits_bytes(tokens, vocab, 8, 2, False) == tokens * (vocab // 8) * 12  # the TP rank's vocab shard
-    assert round(update_logits_bytes(tokens, vocab, 1, 2, False) / GIB, 2) == 27.82
+    assert forward_logits_bytes(tokens, vocab, 1, 2) == L * (2 + 4)  # bf16 logits, the fp32 tensor CE exponentiates
+    # + the fp32 softmax CE saves, and the entropy metric's fp32 copy, shifted logits, exponentials and product
+    assert update_logits_bytes(tokens, vocab, 1, 2, False) == L * (2 + 4 + 4 + 4 + 4 + 4)
+    assert update_logits_bytes(tokens, vocab, 1, 2, True) == L * (2 + 4 + 4 + 4 + 4 + 4 + 4)  # bonus: one more
+    assert update_logits_bytes(tokens, vocab, 1, 4, False) == L * (4 + 4 + 4 + 4 + 4)  # fp32: no copy to make
+    assert forward_logits_bytes(tokens, vocab, 1, 4) == L * (4 + 4)  # fp32: CE works on a clone
+    assert update_logits_bytes(tokens, vocab, 8, 2, False) == tokens * (vocab // 8) * 22  # the TP rank's shard
+    assert round(update_logits_bytes(tokens, vocab, 1, 2, False) / GIB, 2) == 51.0
 
 
 def test_routing_replay_buffers_against_hand_calculation():
