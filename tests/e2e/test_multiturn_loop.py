@@ -12,7 +12,9 @@ from megarl.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "multiturn_tool_tiny_cpu.yaml"
+# every demonstration calls the tool: these tests check the loop on responses that hold tool turns
 SMALL = ["data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.synthetic.num_sft=128",
+         "data.synthetic.direct_answer_share=0",
          "sft.total_steps=40", "sft.optim.lr=3e-3", "data.train_batch_size=8", "rollout.n=4",
          "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
          "rollout.log_prob_micro_batch_size_per_gpu=8", "trainer.total_steps=2", "trainer.test_freq=0",
