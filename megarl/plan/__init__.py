@@ -69,7 +69,7 @@ def plan_steps(cfg, cluster: Cluster, hf: dict, host_mem_gib: float = DEFAULT_HO
     peak = peak_phase(roles, engine, sync, pl, offloaded, distributed, r2_gather_bytes(cfg, weights.spec))
     terms = peak_terms(peak)
     host = host_phases(cfg, weights.spec, pl, cluster, roles.models, peak.stage, max(offloaded), engine.weights,
-                       sync.adapter_bytes)
+                       sync.adapter_bytes, sync.sent)
     host_totals = {k: sum(v.values()) for k, v in host.items()}
     reasons = [x for x in (memory_reason(cfg, roles.models, peak, terms, engine, pl, cluster),
                            host_reason(host, host_totals, host_mem_gib),

@@ -97,3 +97,16 @@ def allocator_reserve_bytes(allocated: int) -> int:
 
 def host_process_bytes(processes: int) -> int:
     return int(HOST_PROCESS_GIB * GIB) * processes
+
+
+def delta_kept_bytes(sent: int) -> int:
+    """Delta updates (rollout.delta_updates, engines placed apart): host memory a trainer GPU's process keeps, what it
+    last sent of each piece in the engine's dtype = the bytes it sends in a full update."""
+    return int(sent)
+
+
+def delta_update_bytes(full: int, element_bytes: int, changed_share: float, index_bytes: int = 4) -> int:
+    """Bytes of a delta update whose `full` bytes of elements of `element_bytes` each change by `changed_share`: per
+    changed element an index (int32) and a value, capped at the full bytes (a piece goes whole where that is fewer)."""
+    changed = full / element_bytes * changed_share
+    return int(min(full, changed * (index_bytes + element_bytes)))

@@ -117,3 +117,24 @@ def test_r3_routes_are_counted_on_host_and_device():
         -(-rows // replicas)) * seq * hf["num_hidden_layers"] * hf["num_experts_per_tok"]
     off = plan_recipe(load_config(ROOT / "recipes" / "gspo_qwen3_30b_a3b.yaml", base), 2, 8, 80)
     assert "rollout batch routes (int16)" not in off.host_phases["update"]
+
+
+def test_delta_update_terms_by_hand():
+    from megarl.plan.terms import delta_kept_bytes, delta_update_bytes
+
+    # 1 GiB of bf16 pieces sent: kept once; 2% changed = 0.02 * 2^29 elements x (4-byte index + 2-byte value)
+    assert delta_kept_bytes(2 ** 30) == 2 ** 30
+    assert delta_update_bytes(2 ** 30, 2, 0.02) == int(0.02 * 2 ** 29 * 6)
+    assert delta_update_bytes(2 ** 30, 2, 0.5) == 2 ** 30  # denser than 1/3 changed: whole pieces, never more
+
+
+def test_the_plan_counts_delta_updates_only_for_engines_placed_apart():
+    from megarl.plan import plan_recipe
+    from megarl.validate import load_config
+
+    apart = plan_recipe(load_config("recipes/grpo_qwen3_235b_a22b.yaml"), 12, 8, 141)
+    assert "delta updates (rollout.delta_updates" in apart.text
+    node = apart.host_phases["update"]
+    assert node["delta updates: last sent pieces"] > 0
+    colocated = plan_recipe(load_config("recipes/grpo_tiny_cpu.yaml"), 1, 2, 80)
+    assert "delta updates" not in colocated.text
