@@ -96,7 +96,8 @@ def test_train_refuses_on_a_gpu_the_plan_says_is_too_small_and_can_be_told_to_st
 def test_expert_tp_1_holds_whole_experts_in_the_plan():
     """GLM-4.5-Air at TP2 EP8 ETP1: each rank holds its 16 experts per layer whole (the sync plan splits experts over
     TP, so megarl.plan.model.model_weights counts them from the mapping there), and expert DP is 2."""
-    cfg = load_config(ROOT / "recipes" / "grpo_glm4_5_air.yaml")
+    # at expert TP 1 (the recipe runs 2): every rank holds its experts whole
+    cfg = load_config(ROOT / "recipes" / "grpo_glm4_5_air.yaml", ["parallelism.expert_tensor_parallel_size=1"])
     pl = place(cfg, Cluster(8, 8, 80, 50))
     assert pl.edp == 64 // (1 * 8 * 4)
     hf = json.loads((ROOT / "recipes" / "models" / "glm4_5_air" / "config.json").read_text())
