@@ -172,7 +172,7 @@ def _agreed(flag: bool) -> bool:
     from megarl import distributed
 
     value = torch.tensor([1.0 if flag else 0.0], device=distributed.compute_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
 
 

@@ -105,8 +105,11 @@ def delta_kept_bytes(sent: int) -> int:
     return int(sent)
 
 
-def delta_update_bytes(full: int, element_bytes: int, changed_share: float, index_bytes: int = 4) -> int:
+def delta_update_bytes(full: int, element_bytes: int, changed_share: float) -> int:
     """Bytes of a delta update whose `full` bytes of elements of `element_bytes` each change by `changed_share`: per
-    changed element an index (int32) and a value, capped at the full bytes (a piece goes whole where that is fewer)."""
+    changed element an index and a value (megarl.sync.delta's pair, int32 indices for pieces under 2^31 elements),
+    capped at the full bytes (a piece goes whole where that is fewer)."""
+    from megarl.sync.delta import pair_bytes
+
     changed = full / element_bytes * changed_share
-    return int(min(full, changed * (index_bytes + element_bytes)))
+    return int(min(full, changed * pair_bytes(1, element_bytes)))

@@ -109,17 +109,18 @@ class EngineSupervisor:
         self.restart_times = recent + [now]
         log.warning("%s lost (%s): restarting it (restart %d of at most %d within %.0f s)", self.name, cause,
                     len(self.restart_times), self.max_restarts, self.window_s)
-        self._version_base += self.engine_weight_version_or(0)
+        self._version_base += self._last_version()
         old, self.engine = self.engine, None
         if old.pid:
             lifecycle.kill_tree(old.pid)
         self.engine = self._start()
 
-    def engine_weight_version_or(self, default: int) -> int:
+    def _last_version(self) -> int:
+        """The lost engine's weight version, 0 where it cannot say any more (its process is gone)."""
         try:
             return int(self.engine.weight_version)
-        except Exception:  # noqa: BLE001 - a dead engine cannot say; the caller's count goes on from the default
-            return default
+        except Exception:  # noqa: BLE001 - a dead engine cannot answer
+            return 0
 
     @property
     def restarts(self) -> int:

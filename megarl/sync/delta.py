@@ -43,9 +43,14 @@ def changed_indices(piece: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(bits(piece) != bits(last)).reshape(-1).to(index_dtype(piece.numel()))
 
 
+def pair_bytes(numel: int, element_size: int) -> int:
+    """Bytes of one (index, value) pair of a piece of `numel` elements of `element_size` bytes."""
+    return torch.empty((), dtype=index_dtype(numel)).element_size() + element_size
+
+
 def sparse_bytes(count: int, piece: torch.Tensor) -> int:
     """Bytes of `count` (index, value) pairs of `piece`."""
-    return count * (torch.empty((), dtype=index_dtype(piece.numel())).element_size() + piece.element_size())
+    return count * pair_bytes(piece.numel(), piece.element_size())
 
 
 def encode(piece: torch.Tensor, last: Optional[torch.Tensor]) -> tuple:
@@ -64,13 +69,6 @@ def encode(piece: torch.Tensor, last: Optional[torch.Tensor]) -> tuple:
 def apply_sparse(mirror: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
     """Write values [k] at flat indices [k] of the contiguous `mirror`, in place."""
     mirror.view(-1)[indices.long()] = values
-
-
-def wire_bytes(entry: int, piece_numel: int, element_size: int) -> int:
-    """Bytes a header entry announces: the whole piece for DENSE, else `entry` (index, value) pairs."""
-    if entry == DENSE:
-        return piece_numel * element_size
-    return entry * (torch.empty((), dtype=index_dtype(piece_numel)).element_size() + element_size)
 
 
 def checksum(t: torch.Tensor) -> int:

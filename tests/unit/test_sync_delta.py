@@ -1,7 +1,7 @@
 """megarl.sync.delta: the changed elements of a piece, by bits, sent as (indices, values) when that is fewer bytes."""
 import torch
 
-from megarl.sync.delta import DENSE, apply_sparse, changed_indices, checksum, encode, wire_bytes
+from megarl.sync.delta import DENSE, apply_sparse, changed_indices, checksum, encode, sparse_bytes
 
 
 def test_changes_are_found_by_bits_and_applied_exactly():
@@ -15,7 +15,7 @@ def test_changes_are_found_by_bits_and_applied_exactly():
     mirror = last.clone()
     apply_sparse(mirror, *tensors)
     assert torch.equal(mirror.view(torch.int16), piece.view(torch.int16))
-    assert wire_bytes(entry, piece.numel(), 2) == 12
+    assert sparse_bytes(entry, piece) == 12
 
 
 def test_a_piece_goes_whole_without_a_last_copy_or_when_most_of_it_changed():
