@@ -7,25 +7,23 @@ actor's within the float32 bound derived from the model's widths, depth and logi
 engine's transformers forward and megatron's round differently, the same math). The bytes moved equal the plan's.
 """
 import pytest
-import torch
 
 from megarl.launch_local import run_ranks
-from tests.dist.test_sync_after_update import PROMPT_LEN, RESPONSE_LEN, sampled_bound, sync_and_sample
-from tests.helpers.tiny_models import make_tiny_model, sample_tokens
+from tests.dist.test_sync_after_update import (PROMPT_LEN, RESPONSE_LEN, one_policy_step, sampled_bound,
+                                               sync_and_sample)
+from tests.helpers.tiny_models import make_tiny_model
 
 pytestmark = [pytest.mark.parity]
 
 
 def update_then_sync_hf(hf_dir, tp, pp, ep):
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megarl.config.schema import OptimConfig, RolloutConfig
     from megarl.layout import EngineTopology
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
+    from megarl.megatron.train_step import make_trainable
     from megarl.rollout.process import EngineProcess
     from megarl.sync.factory import build_sync
 
@@ -41,16 +39,7 @@ def update_then_sync_hf(hf_dir, tp, pp, ep):
     delivery = build_sync(trainable.chunks, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 10)
     first = delivery.run(engine, verify=True)
 
-    tokens, _ = sample_tokens(4, 24, vocab_size=spec.vocab_size, seed=1, min_len=24)
-    g = torch.Generator().manual_seed(2)
-    batch = {"input_ids": tokens, "response_mask": torch.ones(4, 23, dtype=torch.bool),
-             "old_log_probs": torch.zeros(4, 23) - 5.0, "advantages": torch.randn(4, 23, generator=g)}
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    mine = {k: v[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp] for k, v in batch.items()}
-    micro = [{k: v[i:i + 1] for k, v in mine.items()} for i in range(mine["input_ids"].shape[0])]
-    train_mini_batch(trainable, micro, make_policy_loss_fn(PolicyLossSettings(vocab_size=spec.vocab_size),
-                                                           loss_denominator([m["response_mask"] for m in micro],
-                                                                            "token-mean")))
+    one_policy_step(trainable, spec)
     out = sync_and_sample(trainable, spec, "hf", engine, delivery)
     out["first"] = first if dist.get_rank() == 0 else None
     return out

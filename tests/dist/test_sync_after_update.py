@@ -26,10 +26,9 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,), vpp=None):
     import torch.distributed as dist
 
     from megarl.config.schema import OptimConfig
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
+    from megarl.megatron.train_step import make_trainable
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep), seed=0)
@@ -41,20 +40,28 @@ def update_then_sync(hf_dir, tp, pp, ep, engine_tp, prepacks=(True,), vpp=None):
     # as in training: every engine already holds the actor's weights from a first sync when the step comes
     engines = [start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack) for prepack in prepacks]
 
+    one_policy_step(trainable, spec)
+    return [sync_and_sample(trainable, spec, *engine) for engine in engines]
+
+
+def one_policy_step(trainable, spec) -> None:
+    """One PPO-clip update of `trainable` on 4 fixed random sequences of 24 tokens, each DP rank its rows, one row a
+    micro-batch: the weights move before a sync."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.train_step import loss_denominator, train_mini_batch
+
     tokens, _ = sample_tokens(4, 24, vocab_size=spec.vocab_size, seed=1, min_len=24)
     g = torch.Generator().manual_seed(2)
     batch = {"input_ids": tokens, "response_mask": torch.ones(4, 23, dtype=torch.bool),
              "old_log_probs": torch.zeros(4, 23) - 5.0, "advantages": torch.randn(4, 23, generator=g)}
-    from megatron.core import parallel_state as ps
-
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mine = {k: v[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp] for k, v in batch.items()}
     micro = [{k: v[i:i + 1] for k, v in mine.items()} for i in range(mine["input_ids"].shape[0])]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
     train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
         [m["response_mask"] for m in micro], "token-mean")))
-
-    return [sync_and_sample(trainable, spec, *engine) for engine in engines]
 
 
 def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
