@@ -387,6 +387,9 @@ class EngineGeneration:
         self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
         self.offload = offload  # the trainer's OffloadAroundRollout, or None
         self.restarts = 0  # engine restarts of the run so far (any replica), rollout/engine_restarts
+        from megarl.rollout.supervisor import engine_failure_policy
+
+        self.supervised = engine_failure_policy(cfg) == "restart"  # the same on every rank: a config's choice
 
     def start(self, records: Sequence[PromptRecord], seed: int) -> "_Started":
         from megarl.rollout.supervisor import EngineLost
@@ -414,21 +417,30 @@ class EngineGeneration:
             self.recover(lost)
             started = self.start(started.records, started.seed)
 
-    def recover(self, lost_here: Optional[str]) -> None:
+    def recover(self, lost_here: Optional[str]) -> dict:
         """Restart this rank's replica if it was the one lost, then plan the weight sync into the engines as they are
-        now and run it (every rank: both are collectives)."""
+        now and run it (every rank: both are collectives); the sync's metrics."""
         if lost_here is not None:
             self.engine.restart(lost_here)
         self.restarts += 1
         self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt)
-        self.sync()
+        return self.sync()
 
     def sync(self) -> dict:
+        """Deliver the actor's weights to the engines (collective). An engine replica lost during the delivery (its
+        update calls then return at once: megarl.rollout.supervisor) is restarted and the delivery repeated."""
         if self.offload is None or not self.offload.active:
-            return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
-        self.offload.onload()  # the sync reads the actor's weights
-        return sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
-                            before_kv_cache=self.offload.offload)
+            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
+        else:
+            self.offload.onload()  # the sync reads the actor's weights
+            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
+                                   before_kv_cache=self.offload.offload)
+        if not self.supervised:
+            return metrics
+        lost = getattr(self.engine, "lost_in_update", None) if self.engine is not None else None
+        if any(c is not None for c in all_gather_objects(lost)):  # every rank learns of any loss
+            return self.recover(lost)
+        return metrics
 
     def abort(self) -> None:
         if self.engine is not None:

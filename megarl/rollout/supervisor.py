@@ -7,16 +7,23 @@ EngineGeneration, in sync mode) then has every rank agree, calls `restart` on th
 the weight sync into the new engine (the normal path, checksummed as usual), and generates the step's batch again
 with the same prompts and seeds: the batch is the one an undisturbed run would have sampled with these weights.
 
+An engine lost during a weight update does not stop the update midway: the trainer ranks are inside collectives
+(gathers, barriers) that the engine's owner must finish with them. The update calls of a lost engine return at once
+(`UPDATE_CALLS`), the loss is kept in `lost_in_update`, and after the update every rank learns of it and the replica
+is restarted and synced again the same way (megarl.steps' EngineGeneration.sync).
+
 Restarts are bounded: at most `max_restarts` within any `window_s` seconds; past that the run stops as it did before
 (cleanly, and it resumes exactly from its last checkpoint). Each restart is logged on the console with its cause and
 counted (`rollout/engine_restarts`).
 
-Test hook: MEGARL_TEST_KILL_ENGINE_AT_GENERATION=k[,k2,...] kills the engine process (SIGKILL) right after the k-th
+Test hooks: MEGARL_TEST_KILL_ENGINE_AT_GENERATION=k[,k2,...] kills the engine process (SIGKILL) right after the k-th
 generation call was sent to it (counted over the run and its restarts; validation rounds count too), as a machine
-losing it mid-rollout would.
+losing it mid-rollout would; MEGARL_TEST_KILL_ENGINE_AT_UPDATE=k[,...] right after the k-th weight update began (the
+run's first sync is update 1).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -28,6 +35,12 @@ from megarl import lifecycle
 log = logging.getLogger("megarl")
 
 KILL_AT_GENERATION = "MEGARL_TEST_KILL_ENGINE_AT_GENERATION"
+KILL_AT_UPDATE = "MEGARL_TEST_KILL_ENGINE_AT_UPDATE"
+
+# the engine calls of a weight update, each with what it returns once the engine is lost: the owner rank goes on
+# through the update's collectives with the other ranks, and the sync is repeated into the restarted engine
+UPDATE_CALLS = {"begin_update": None, "load_bucket": None, "end_update": {}, "abort_update": None,
+                "load_adapter": {}, "wake_up": None}
 
 
 def engine_failure_policy(cfg) -> str:
@@ -50,7 +63,7 @@ def restart_refusal(cfg) -> Optional[str]:
 
 
 class EngineLost(RuntimeError):
-    """The engine replica was lost during a call; its message is the cause."""
+    """The engine replica was lost during a call; its message is the cause ("during generation (...)")."""
 
 
 class EngineRestartsExhausted(RuntimeError, lifecycle.Explained):
@@ -65,6 +78,8 @@ class EngineSupervisor:
         self.engine = start()
         self.restart_times: list[float] = []
         self.generations = 0
+        self.updates = 0
+        self.lost_in_update: Optional[str] = None  # the cause, when the engine was lost during the current update
         self._version_base = 0  # weight versions before the last restart: the count continues over restarts
 
     # -- the calls a lost engine can break, as EngineLost ---------------------------------------------------------
@@ -88,12 +103,34 @@ class EngineSupervisor:
         try:
             return call()
         except EngineDied as exc:
-            raise EngineLost(str(exc)) from exc
+            raise EngineLost(f"during generation ({exc})") from exc
 
     def _maybe_kill_for_test(self) -> None:
         self.generations += 1
-        if str(self.generations) in os.environ.get(KILL_AT_GENERATION, "").split(",") and self.engine.pid:
+        self._kill_for_test_at(KILL_AT_GENERATION, self.generations)
+
+    def _kill_for_test_at(self, hook: str, count: int) -> None:
+        if str(count) in os.environ.get(hook, "").split(",") and self.engine.pid:
             os.kill(self.engine.pid, signal.SIGKILL)
+
+    def _update_call(self, name: str, *args, **kwargs) -> Any:
+        """One call of a weight update; after the engine was lost (now or earlier in this update) it returns at once
+        with UPDATE_CALLS' value and the cause is kept in `lost_in_update`."""
+        from megarl.rollout.process import EngineDied
+
+        if name == "begin_update":
+            self.lost_in_update = None
+        if self.lost_in_update is None:
+            try:
+                out = getattr(self.engine, name)(*args, **kwargs)
+            except EngineDied as exc:
+                self.lost_in_update = f"during a weight update ({exc})"
+            else:
+                if name == "begin_update":
+                    self.updates += 1
+                    self._kill_for_test_at(KILL_AT_UPDATE, self.updates)
+                return out
+        return UPDATE_CALLS[name]
 
     # -- replacement ---------------------------------------------------------------------------------------------
     def restart(self, cause: str) -> None:
@@ -103,13 +140,14 @@ class EngineSupervisor:
         recent = [t for t in self.restart_times if now - t < self.window_s]
         if len(recent) >= self.max_restarts:
             raise EngineRestartsExhausted(
-                f"the {self.name} was lost again ({cause}) after {len(recent)} restarts within "
+                f"the {self.name} was lost again {cause} after {len(recent)} restarts within "
                 f"{self.window_s:.0f} s (rollout.max_engine_restarts={self.max_restarts}): stopping; resume from the "
                 f"last checkpoint with checkpoint.resume=auto")
         self.restart_times = recent + [now]
-        log.warning("%s lost (%s): restarting it (restart %d of at most %d within %.0f s)", self.name, cause,
+        log.warning("%s lost %s: restarting it (restart %d of at most %d within %.0f s)", self.name, cause,
                     len(self.restart_times), self.max_restarts, self.window_s)
         self._version_base += self._last_version()
+        self.lost_in_update = None
         old, self.engine = self.engine, None
         if old.pid:
             lifecycle.kill_tree(old.pid)
@@ -139,4 +177,7 @@ class EngineSupervisor:
         engine = self.__dict__.get("engine")
         if engine is None:
             raise AttributeError(name)
+        if name in UPDATE_CALLS:
+            getattr(engine, name)  # an engine without the call says so, as it would unsupervised
+            return functools.partial(self._update_call, name)
         return getattr(engine, name)

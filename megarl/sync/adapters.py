@@ -78,7 +78,7 @@ class AdapterSync:
         if many:
             dist.barrier()  # every rank leaves once every engine holds the new adapter
         seconds = time.perf_counter() - t0
-        if out:
+        if "weight_sync/adapter_bytes" in out:  # not from an engine lost during the load (it is synced again)
             metrics.update({k: v for k, v in out.items() if k != "weight_sync/bytes"})
             sent = out["weight_sync/adapter_bytes"]
             # each replica receives the adapters once: what moved into engines per sync, all replicas together

@@ -245,6 +245,8 @@ class WeightSync:
         result = {}
         if engine is not None:
             result = engine.end_update(placed=placed) if placed else engine.end_update()
+            if getattr(engine, "lost_in_update", None):  # a supervised engine lost on the way: synced again later
+                self._remove_leftovers(hosts)
         if any(h in self.pull_hosts for h in hosts):
             if group is not None:
                 dist.barrier(group=group)  # the workers closed the update: they hold nothing of the hosts' memory

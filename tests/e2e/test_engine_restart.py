@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.e2e.test_checkpoint_resume import _assert_same_steps
 from tests.e2e.test_fault_matrix import Run
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the run's processes through /proc")
@@ -45,6 +46,16 @@ def test_engine_killed_during_generation_is_restarted_and_the_batch_generated_ag
     # generation 2 is step 2's rollout: killed right after its requests reached the engine
     run = Run(tmp, "kill-mid-rollout", ["trainer.total_steps=3"], env={"MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2"})
     _assert_recovered(run, 3, 1)
+    assert "engine replica 0 lost during generation (the vLLM engine process died" in run.output(), \
+        run.output()[-3000:]
+
+
+def test_engine_killed_during_a_weight_update_is_restarted_and_synced_again(tmp):
+    # update 1 is the run's first sync, update 2 the one after step 1's training: the engine dies once it has begun
+    run = Run(tmp, "kill-mid-update", ["trainer.total_steps=3"], env={"MEGARL_TEST_KILL_ENGINE_AT_UPDATE": "2"})
+    _assert_recovered(run, 3, 1)
+    assert "engine replica 0 lost during a weight update (the vLLM engine process died" in run.output(), \
+        run.output()[-3000:]
 
 
 @pytest.mark.slow
@@ -64,10 +75,24 @@ def test_hung_engine_is_restarted_after_the_timeout(tmp):
 
 
 @pytest.mark.slow
-def test_a_loss_past_the_bound_stops_the_run(tmp):
-    run = Run(tmp, "past-bound", ["trainer.total_steps=4", "rollout.max_engine_restarts=1"],
+def test_a_loss_past_the_bound_stops_the_run_and_it_resumes_exactly(tmp):
+    """Steps 1-3 as an undisturbed run's although step 2's batch was generated again by a restarted engine (the same
+    prompts and seeds, the same weights); the second loss (step 4's rollout) stops the run, and the resumed run's
+    step 4 is the undisturbed run's."""
+    every = ["trainer.total_steps=4", "checkpoint.save_freq=1"]
+    straight = Run(tmp, "bound-straight", every)
+    code, _ = straight.finish(since=time.monotonic(), limit=300)
+    assert code == 0, straight.output()[-3000:]
+    run = Run(tmp, "past-bound", [*every, "rollout.max_engine_restarts=1"],
               env={"MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2,4"})
     code, _ = run.finish(since=time.monotonic(), limit=300)
     out = run.output()
     assert code != 0
     assert "after 1 restarts within" in out and "rollout.max_engine_restarts=1" in out, out[-3000:]
+    assert run.steps_logged() == [1, 2, 3]
+    resumed = Run(tmp, "past-bound", every)
+    code, _ = resumed.finish(since=time.monotonic(), limit=300)
+    assert code == 0, resumed.output()[-3000:]
+    assert "resumed from" in resumed.output()
+    ref = [{k: v for k, v in m.items() if "engine_restarts" not in k} for m in _rows(straight)]
+    _assert_same_steps(_rows(resumed), ref, range(1, 5))
