@@ -1,6 +1,6 @@
-"""The floors of megarl's packages (README, "Layout"): a module may import its own package and the floors below it,
-never one above. Read from the code's own imports (function-level ones included) with `ast`, so the rule holds
-without importing anything."""
+"""The floors of megarl's packages (docs/architecture.md, "Packages and floors"): a module may import its own package
+and the floors below it, never one above. Read from the code's own imports (function-level ones included) with `ast`,
+so the rule holds without importing anything."""
 import ast
 from pathlib import Path
 
@@ -68,7 +68,8 @@ def upward_imports(root: Path) -> list[str]:
 
 def test_every_unit_has_a_floor():
     units = {unit_of(".".join(p.relative_to(ROOT).with_suffix("").parts)) for p in (ROOT / "megarl").rglob("*.py")}
-    assert units - set(FLOOR) == set(), "give the new package or module a floor in FLOORS (and the README's Layout)"
+    assert units - set(FLOOR) == set(), ("give the new package or module a floor in FLOORS (and the floors table in "
+                                         "docs/architecture.md)")
 
 
 def test_no_import_runs_back_up():
