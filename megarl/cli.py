@@ -30,7 +30,7 @@ def _load(args: argparse.Namespace):
         print(exc, file=sys.stderr)
         return None
     for warning in cfg._warnings:
-        print(f"warning: {warning.render()}", file=sys.stderr)
+        print(f"warning: {warning.line()}", file=sys.stderr)
     return cfg
 
 

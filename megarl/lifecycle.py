@@ -42,6 +42,16 @@ class Explained(Exception):
     input): a rank shows them as one line, never with a traceback."""
 
 
+TROUBLESHOOTING = "docs/troubleshooting.md"
+
+
+def see(error_id: str) -> str:
+    """'(troubleshooting: docs/troubleshooting.md#<error_id>)', the end of a one-line error: where its cause and fix
+    are explained at length. Pass the id as a literal: tests/unit/test_error_ids.py reads every id from the code and
+    holds it against the page's headings."""
+    return f"(troubleshooting: {TROUBLESHOOTING}#{error_id})"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------------------------------

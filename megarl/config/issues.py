@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megarl.lifecycle import see
+
 
 @dataclass(frozen=True)
 class Issue:
@@ -12,11 +14,17 @@ class Issue:
     fix: str = ""  # what to do
     keys: tuple[str, ...] = field(default=())  # every key the rule reads (to drop rules over already-bad keys)
     warning: bool = False
+    # its troubleshooting entry (megarl.lifecycle.see): megarl.validate sets the id of the rule that found it
+    error_id: str = ""
 
     def render(self) -> str:
         value = "<missing>" if self.value is _MISSING else repr(self.value)
         text = f"{self.key} = {value}: {self.rule}"
         return text + (f" -> {self.fix}" if self.fix else "")
+
+    def line(self) -> str:
+        """The console's line: render() and where its troubleshooting entry is."""
+        return self.render() + (f" {see(self.error_id)}" if self.error_id else "")
 
 
 class _Missing:
@@ -34,5 +42,5 @@ class ConfigError(ValueError):
         self.source = source
         self.issues = issues
         lines = [f"{source}: {len(issues)} problem{'s' if len(issues) != 1 else ''} in the configuration:"]
-        lines += [f"  {i}. {issue.render()}" for i, issue in enumerate(issues, 1)]
+        lines += [f"  {i}. {issue.line()}" for i, issue in enumerate(issues, 1)]
         super().__init__("\n".join(lines))

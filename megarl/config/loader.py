@@ -28,17 +28,21 @@ def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     path = Path(path).resolve()
     if path in _chain:
         raise ConfigError(str(path), [Issue("base", str(path), "recipes extend each other in a cycle: "
-                                            + " -> ".join(str(p) for p in _chain + (path,)), "remove one `base:`")])
+                                            + " -> ".join(str(p) for p in _chain + (path,)), "remove one `base:`",
+                                            error_id="config-recipe")])
     if not path.is_file():
         raise ConfigError(str(path), [Issue("recipe", str(path), "file not found",
-                                            "pass the path of a YAML recipe, e.g. recipes/grpo_tiny_cpu.yaml")])
+                                            "pass the path of a YAML recipe, e.g. recipes/grpo_tiny_cpu.yaml",
+                                            error_id="config-recipe")])
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [Issue("recipe", str(path), f"not valid YAML: {exc}", "fix the syntax")]) from None
+        raise ConfigError(str(path), [Issue("recipe", str(path), f"not valid YAML: {exc}", "fix the syntax",
+                                            error_id="config-recipe")]) from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), [Issue("recipe", type(data).__name__, "the top level must be a mapping of "
-                                            "sections (data, model, actor, ...)")])
+                                            "sections (data, model, actor, ...)",
+                                            error_id="config-recipe")])
     base = data.pop("base", None)
     if base:
         parent = read_recipe(path.parent / base, _chain + (path,))
@@ -60,7 +64,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> list[Issue]:
     for item in overrides:
         if "=" not in item:
             issues.append(Issue(item, _MISSING, "an override must look like section.key=value",
-                                f"e.g. {item}=VALUE"))
+                                f"e.g. {item}=VALUE", error_id="config-override"))
             continue
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
@@ -122,7 +126,7 @@ def unknown_key_issues(data: dict, cls: type[BaseModel] = MegarlConfig, prefix: 
         if key not in fields:
             where = f"'{prefix[:-1]}'" if prefix else "the top level"
             issues.append(Issue(path, value, f"unknown key in {where}", _suggest(str(key), prefix, fields),
-                                keys=(path,)))
+                                keys=(path,), error_id="config-unknown-key"))
         elif fields[key] is not None and isinstance(value, dict):
             issues += unknown_key_issues(value, fields[key], path + ".")
     return issues
@@ -162,7 +166,7 @@ def _schema_issues(data: dict) -> tuple[Optional[MegarlConfig], list[Issue]]:
                     continue
                 key = ".".join(loc)
                 value = err.get("input", _get(data, loc))
-                issues.append(Issue(key, value, err["msg"], _type_hint(key), keys=(key,)))
+                issues.append(Issue(key, value, err["msg"], _type_hint(key), keys=(key,), error_id="config-value"))
                 _delete(data, loc)
     return None, issues
 

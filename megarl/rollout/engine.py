@@ -222,7 +222,8 @@ class VLLMEngine:
             except ValueError as exc:  # vLLM's binder: no MoE router in the model
                 raise EngineStartError(f"rollout.return_routed_experts=true, but the engine cannot capture routed "
                                        f"experts for {self.model_path}: {exc}. Fix: set it to false (and "
-                                       "actor.router_replay.mode to none or R2)") from exc
+                                       "actor.router_replay.mode to none or R2)",
+                                       error_id="engine-routed-experts") from exc
             self.routes_shape = (info["layers"], info["top_k"])
             log.info("engine records routed experts: %d layers (%d MoE), top-%d", info["layers"], info["moe_layers"],
                      info["top_k"])
@@ -238,7 +239,9 @@ class VLLMEngine:
         if choice is None:
             return None
         if choice.refusal is not None:
-            raise EngineStartError(f"rollout engine cannot start on this CPU: {choice.refusal.render()}")
+            # the refusal validate gives too (rollout/checks.py cpu_engine_issues): its entry
+            raise EngineStartError(f"rollout engine cannot start on this CPU: {choice.refusal.render()}",
+                                   error_id="config-cpu-engine")
         log.info("CPU engine attention: %s (CPU flags: %s)", choice.why, describe_flags(self.cpu.flags))
         off = switched_off(self.config, choice)
         if off:

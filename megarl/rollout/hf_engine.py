@@ -57,7 +57,8 @@ class HFEngine:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         if lora:
             raise EngineStartError("rollout.name=hf with actor.lora.sync=adapter: the hf engine takes merged weights "
-                                   "only. Fix: set actor.lora.sync=merged, or rollout.name=vllm")
+                                   "only. Fix: set actor.lora.sync=merged, or rollout.name=vllm",
+                                   error_id="config-hf-engine")
         self.config, self.model_path, self.prompt_overflow = config, str(model_path), prompt_overflow
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         self.dtype = resolve_dtype(config, self.on_gpu)
@@ -106,7 +107,7 @@ class HFEngine:
         except (OSError, ValueError, KeyError) as exc:
             raise EngineStartError(f"rollout.name=hf: transformers cannot load a causal LM from model.path="
                                    f"{self.model_path}: {exc}. Fix: point model.path at a HF model directory "
-                                   "whose architecture transformers knows") from exc
+                                   "whose architecture transformers knows", error_id="engine-hf-load") from exc
         return model.to("cuda" if self.on_gpu else "cpu").eval().requires_grad_(False)
 
     def _checkpoint_shapes(self) -> dict:
@@ -127,7 +128,7 @@ class HFEngine:
             self._targets = weight_targets(self.model, self._shapes)
         except UnmappedTensor as exc:
             raise EngineStartError(f"rollout.name=hf: {exc}; the weight sync could not update it. Fix: "
-                                   "rollout.name=vllm for this model") from exc
+                                   "rollout.name=vllm for this model", error_id="engine-hf-weights") from exc
 
     # -- generation ---------------------------------------------------------------------------------------------------
     @property

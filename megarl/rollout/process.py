@@ -161,7 +161,8 @@ def start_failure_line(exc: BaseException, log_file: Optional[str]) -> str:
     if log_file is not None or not known:
         traceback.print_exc()
         sys.stderr.flush()
-    line = one_line(str(exc), limit=2000) if known else f"rollout engine failed to start: {describe_exception(exc)}"
+    line = one_line(str(exc), limit=2000) if known else \
+        f"rollout engine failed to start: {describe_exception(exc)} {lifecycle.see('engine-start')}"
     if log_file is not None:
         return f"{line} (the engine's log, with vLLM's messages and the traceback: {log_file})"
     return line if known else f"{line} (its traceback is above)"
@@ -202,7 +203,8 @@ class EngineProcess:
         if not self._conn.poll(start_timeout_s):
             self._proc.kill()
             raise EngineStartFailed(f"the vLLM engine did not start within {start_timeout_s:.0f} s; its log: "
-                                    f"{self._proc.name.removeprefix('megarl-')}")
+                                    f"{self._proc.name.removeprefix('megarl-')} "
+                                    f"{lifecycle.see('engine-start-timeout')}")
         _, status, payload = self._recv()
         if status == "error":  # one line: the cause, the fix where known, and the engine's log
             self._proc.join(timeout=10)

@@ -9,6 +9,7 @@ raises.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -109,10 +110,16 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_router_replay, check_lora, check_virtual_pipeline)
 
 
+def rule_id(check: Callable) -> str:
+    """The troubleshooting id of every problem a rule finds, from the rule's name (check_lengths -> config-lengths):
+    a new rule has one without being told, and tests/unit/test_error_ids.py asks the page for its entry."""
+    return "config-" + check.__name__.removeprefix("check_").removesuffix("_issues").replace("_", "-")
+
+
 def run_checks(cfg: MegarlConfig) -> list[Issue]:
     issues = []
     for check in CHECKS:
-        issues += check(cfg)
+        issues += [dataclasses.replace(issue, error_id=rule_id(check)) for issue in check(cfg)]
     return issues
 
 

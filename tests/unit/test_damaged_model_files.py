@@ -112,7 +112,8 @@ def test_a_reward_model_made_by_megarl_says_which_command_makes_it_again(intact,
     assert cli.main(["validate", RECIPE, "reward.reward_model.enable=true", f"reward.reward_model.path={rm}",
                      f"rm.output_dir={rm}"]) == 1
     line = _one_line(capsys.readouterr().err, str(file), what)
-    assert line.endswith("-> delete the directory and run `megarl rm` with this recipe again")
+    assert line.endswith("-> delete the directory and run `megarl rm` with this recipe again "
+                         "(troubleshooting: docs/troubleshooting.md#config-paths)")
 
 
 def test_bytes_after_the_tensors_and_an_intact_directory(intact, tmp_path):
