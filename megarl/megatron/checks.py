@@ -237,7 +237,7 @@ def check_parallel_options(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
-def check_dynamic_batches_with_experts(cfg: MegarlConfig) -> list[Issue]:
+def check_expert_batches(cfg: MegarlConfig) -> list[Issue]:
     """Token-budget micro-batches at expert parallelism: megarl's MoE layers use megatron's allgather token
     dispatcher, which gathers every EP rank's tokens into one tensor per forward, so each rank must run the same
     number of micro-batches of the same token count. Packs are padded at their end to the length the EP ranks agree

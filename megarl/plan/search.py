@@ -91,12 +91,12 @@ def stage_splits(layers: int, pp: int) -> list:
 
 def layout_checks():
     """megarl validate's rules that read the layout, batches and engines (imported, not copied)."""
-    from megarl.validate import (check_batches, check_device, check_dynamic_batches_with_experts, check_engine_layout,
+    from megarl.validate import (check_batches, check_device, check_expert_batches, check_engine_layout,
                                  check_layout, check_lora, check_model_layout, check_parallel_options,
                                  check_router_replay, check_trainer_mode, check_virtual_pipeline)
 
     return (check_layout, check_model_layout, check_parallel_options, check_virtual_pipeline, check_batches,
-            check_dynamic_batches_with_experts, check_router_replay, check_lora, check_device, check_engine_layout,
+            check_expert_batches, check_router_replay, check_lora, check_device, check_engine_layout,
             check_trainer_mode)
 
 
