@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megarl import lifecycle
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
@@ -198,7 +199,7 @@ class RayEngine:
                 raise RayEngineError(f"Ray could not place {self.replicas} engine replica(s) of {bundle} within "
                                      f"{start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}. Fix: add "
                                      "nodes to the Ray cluster or lower rollout.data_parallel_size / "
-                                     "rollout.tensor_model_parallel_size.")
+                                     f"rollout.tensor_model_parallel_size. {lifecycle.see('engine-ray-placement')}")
             host = ray.remote(_EngineHost)
             runtime_env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if not on_gpu else
                                         os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}}
@@ -230,7 +231,9 @@ class RayEngine:
         try:
             return self._ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
-            raise RayEngineError(f"the Ray-hosted vLLM engine(s) did not {what} within {timeout_s:.0f} s") from None
+            late = f"the Ray-hosted vLLM engine(s) did not {what} within {timeout_s:.0f} s"
+            raise RayEngineError(late + (f" {lifecycle.see('engine-start-timeout')}" if what == "start" else "")) \
+                from None
         except (RayTaskError, RayActorError) as exc:
             raise RayEngineError(f"the Ray-hosted vLLM engine failed to {what}: {exc}") from None
 
