@@ -4,7 +4,7 @@
 #   docker run --gpus all --ipc=host --network=host -v "$PWD/runs:/workspace/megarl/runs" megarl:gpu \
 #       megarl plan recipes/ppo_llama3_70b.yaml --nodes 16 --gpus-per-node 8
 #
-# Version table (README "Compatibility"): vLLM 0.32.0 pins torch 2.13.0; megatron-core 0.16.1 is the release whose
+# Version table (docs/gpu.md "GPU image and compatibility"): vLLM 0.32.0 pins torch 2.13.0; megatron-core 0.16.1 is the release whose
 # CPU shims megarl tests (megarl/megatron/cpu_compat.py) and declares Transformer Engine >=2.9,<2.12, so TE is 2.11.0,
 # compiled here against the image's torch (its torch extension is a source build).
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-cudnn-devel-ubuntu22.04

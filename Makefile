@@ -38,7 +38,7 @@ test: env
 test-slow: env
 	bash scripts/run_tests.sh -m "slow and not gpu" $(PYTEST_ARGS)
 
-# The gpu-marked tests on a CUDA machine, in its CUDA Python (never the CPU env above; see README "GPU"):
+# The gpu-marked tests on a CUDA machine, in its CUDA Python (never the CPU env above; see docs/gpu.md):
 #   make test-gpu [PYTHON=python3.12 | VENV=/opt/venv] [WHEELS=DIR] [TE=0|1]
 # Only a PYTHON or VENV given on the command line or in the environment is used, not the CPU defaults above.
 test-gpu:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-# The versions megarl is tested with (README "Compatibility"): the CPU env (make env) and the GPU machines.
+# The versions megarl is tested with (docs/gpu.md "GPU image and compatibility"): the CPU env (make env) and the GPU machines.
 TESTED = {
     "python": "3.11 (CPU), 3.12 (GPU)",
     "torch": "2.13.0+cpu (CPU); 2.11.0+cu130 (GPU node); 2.13.0 (Docker image)",

@@ -6,7 +6,7 @@ every sample is wrong (most groups early on, when 20% of the policy's samples ar
 among wrong answers becomes advantages of full size, where the rule gives no gradient; an exact 0/1 reward gives such
 groups none either. Why 2.5: the reward model scores the SFT policy's right answers 5.3 and its wrong ones -4.0 on
 average; at 0 it accepted 30% of the first step's samples where 20% were right, and those accepted mistakes were
-learned too. Measured (README, "Learned rewards", seed 1, 50 steps): raw score 0.266 -> 0.227, threshold 0
+learned too. Measured (docs/results.md, "RL on a learned reward", seed 1, 50 steps): raw score 0.266 -> 0.227, threshold 0
 0.266 -> 0.270, threshold 2.5 0.266 -> 0.320."""
 import torch
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megarl's GPU check on one CUDA machine, in one command (README "GPU"):
+# megarl's GPU check on one CUDA machine, in one command (docs/gpu.md):
 #   GPU_PYTHON=python3 WHEELS=DIR bash scripts/gpu_check.sh [--full]
 #   make gpu-check [WHEELS=DIR] [PYTHON=... | VENV=...] [OUT=DIR] [FULL=1]
 # Quick mode (the default; about 8 minutes on one H100 once the wheels are installed, never more than

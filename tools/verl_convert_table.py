@@ -1,4 +1,4 @@
-"""Convert verl launch scripts with `megarl convert-verl` and tabulate the outcome (the README's acceptance table).
+"""Convert verl launch scripts with `megarl convert-verl` and tabulate the outcome (the table in docs/recipes.md).
 
     python tools/verl_convert_table.py VERL_CHECKOUT/examples/grpo_trainer/*megatron*.sh ... [--env NAME=VALUE]
 

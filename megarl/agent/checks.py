@@ -20,7 +20,7 @@ def check_multi_turn(cfg: MegarlConfig) -> list[Issue]:
     issues = []
     if not mt.tool_config_path:
         issues.append(Issue(M + "tool_config_path", None, "multi-turn rollouts call the tools of a tool config file",
-                            "set it to a YAML file with a 'tools:' list (see README 'Multi-turn rollouts with tools')",
+                            "set it to a YAML file with a 'tools:' list (see docs/multiturn.md)",
                             keys=(M + "tool_config_path",)))
     elif Path(mt.tool_config_path).is_file():  # otherwise check_paths says where it is not
         try:

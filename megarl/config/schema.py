@@ -312,7 +312,7 @@ class MultiTurnConfig(_Section):
         "middle", description="Which part of a long tool response is cut away: left keeps the end, right keeps the "
         "start, middle keeps both ends.")
     tool_config_path: Optional[str] = Field(None, description="YAML file declaring the tools (OpenAI function schemas "
-                                            "and their Python or HTTP backends); see README 'Multi-turn rollouts'.")
+                                            "and their Python or HTTP backends); see docs/multiturn.md.")
     sanity_check: bool = Field(False, description="Re-render every finished conversation with the chat template and "
                                "compare its tokens with the trajectory's (the model's turns as the encoding of their "
                                "text on both sides); mismatches are counted in tool/sanity_drift.")
@@ -648,8 +648,7 @@ class TrainerConfig(_Section):
 
 
 class AsyncTrainingConfig(_Section):
-    """Overlap of rollout and training (trainer.mode one_step_off_policy or async); see the README's "Asynchronous
-    training"."""
+    """Overlap of rollout and training (trainer.mode one_step_off_policy or async); see docs/async.md."""
 
     max_staleness: int = Field(1, ge=0, description="trainer.mode=async: how many weight versions older than the actor "
                                "a sample may be when it is trained on (0: never generate ahead, as sync).")

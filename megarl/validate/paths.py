@@ -88,7 +88,7 @@ def inputs(cfg: MegarlConfig) -> list[Input]:
     mt = cfg.rollout.multi_turn
     if mt.enable and mt.tool_config_path:
         found.append(Input("rollout.multi_turn.tool_config_path", mt.tool_config_path, FILE, "point it at a YAML "
-                           "file with a 'tools:' list (see README 'Multi-turn rollouts with tools')"))
+                           "file with a 'tools:' list (see docs/multiturn.md)"))
     if cfg.checkpoint.resume not in ("auto", "disable"):
         found.append(Input("checkpoint.resume", cfg.checkpoint.resume, CHECKPOINT, "pass a run directory or a "
                            "complete <run_dir>/checkpoints/step_<N> (what `megarl train` or `megarl import` writes), "
