@@ -100,8 +100,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("recipe", help="recipe YAML")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as parallelism.tensor_model_"
                     "parallel_size=8")
-    ap.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
-    ap.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, help="nodes in the cluster (required but with --measure)")
+    ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (required but with --measure)")
     ap.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB, help="GiB per GPU (default 80)")
     ap.add_argument("--host-mem", type=float, default=DEFAULT_HOST_MEM_GIB, help="GiB of host memory per node "
                     "(default 2048)")
@@ -111,6 +111,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top", type=int, default=3, help="--search: how many layouts to print (default 3)")
     ap.add_argument("--margin", type=float, default=0.05, help="--search: share of each GPU left free (default 0.05)")
     ap.add_argument("--write", metavar="RECIPE_OUT", help="--search: write the best layout into a copy of the recipe")
+    ap.add_argument("--measure", action="store_true", help="run a few real trainer steps of the recipe at its own "
+                    "layout (trainer.nnodes x n_gpus_per_node ranks, CPU or GPU) on a copy of its model cut to --layers "
+                    "and print each phase's measured peak beside the planned one")
+    ap.add_argument("--layers", type=int, default=2, help="--measure: layers of the measured copy (default 2; "
+                    "rounded to the pipeline size)")
+    ap.add_argument("--steps", type=int, default=2, help="--measure: steps to run (default 2; the peaks are the "
+                    "largest over the steps, the seconds the last step's)")
+    ap.add_argument("--calibration-out", metavar="FILE", help="--measure: write the measured peaks, seconds and "
+                    "achieved TFLOP/s per phase as JSON")
+    ap.add_argument("--calibration", metavar="FILE", help="--search: rank by the forward and update TFLOP/s "
+                    "measured by --measure --calibration-out instead of the assumed MFU")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="link bandwidth for the weight-sync "
                     "bound, GB/s (default 50: one 400 Gb/s NIC)")
 
@@ -120,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
     from megarl.validate import load_config
 
     overrides = list(args.overrides)
+    if getattr(args, "measure", False):
+        return run_measure(args, overrides)
+    if args.nodes is None or args.gpus_per_node is None:
+        print("megarl plan: --nodes and --gpus-per-node are required (the cluster to plan for); --measure runs the "
+              "recipe's own layout instead", file=sys.stderr)
+        return 2
     try:
         probe = load_config(args.recipe, overrides)
         if probe.engine_placement == "colocated":  # the trainer takes the whole cluster; else engines add GPUs
@@ -134,6 +151,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"# {args.recipe}")
     print(report.text)
     return 0 if report.fits else 1
+
+
+def run_measure(args: argparse.Namespace, overrides: list) -> int:
+    from megarl.plan.measure import run_measure as measure
+
+    if args.layers < 1 or args.steps < 1:
+        print(f"megarl plan --measure: --layers {args.layers} --steps {args.steps}: both must be at least 1",
+              file=sys.stderr)
+        return 2
+    return measure(args.recipe, overrides, args.layers, args.steps, args.calibration_out, timeout_s=1800)
 
 
 def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:

@@ -18,7 +18,7 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
                     (megarl.plan.terms.update_logits_bytes, on the padded vocabulary).
 * LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
 * Reference: parameters only; the old/ref log-prob forwards add the logits of one forward micro-batch on the last stage
-  (megarl.plan.terms.forward_logits_bytes).
+  (megarl.plan.terms.forward_logits_bytes), unless no policy forward runs there (an on-policy step without reference).
 * Reward model (reward.reward_model.enable): parameters only (frozen, at the trainer's layout), counted from its
   config.json (the policy's shape when it does not exist yet): embedding on the first stage, layers split over PP,
   attention and MLP over TP, experts over EP, a 1-wide head.
@@ -84,11 +84,20 @@ class Batches:
     per_rank_seqs: int
 
     def micro(self, micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
-        """(tokens per micro-batch, micro-batches per mini-batch): fixed-size, or packed to a token budget."""
-        if dynamic:
-            tokens = max(max_tokens, self.seq_len)
-            return tokens, max(1, math.ceil(self.per_rank_seqs * self.seq_len / tokens))
-        return micro * self.seq_len, max(1, self.per_rank_seqs // micro)
+        """(tokens per micro-batch, micro-batches per mini-batch): fixed-size, or packed to a token budget; never more
+        tokens than the rank's mini-batch holds (a budget or micro-batch size above it gives one micro-batch of it)."""
+        return micro_tokens(self.per_rank_seqs, self.seq_len, micro, dynamic, max_tokens)
+
+
+def micro_tokens(seqs: int, seq_len: int, micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
+    """(tokens per micro-batch, micro-batches) of `seqs` sequences of seq_len tokens split into micro-batches of
+    `micro` sequences, or (dynamic) packed to max_tokens tokens (at least one sequence each); a micro-batch holds at
+    most all `seqs` sequences."""
+    whole = seqs * seq_len
+    if dynamic:
+        tokens = min(max(max_tokens, seq_len), whole)
+        return tokens, max(1, math.ceil(whole / tokens))
+    return min(micro, seqs) * seq_len, max(1, seqs // micro)
 
 
 def batches(cfg, dp: int) -> Batches:
@@ -230,12 +239,20 @@ def reward_model_stage_bytes(m: ArchSpec, tp: int, pp: int, ep: int, pbytes: int
     return [n * pbytes for n in per_stage]
 
 
-def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int) -> int:
-    """Logits of the larger old/ref log-prob forward micro-batch (megarl.plan.terms.forward_logits_bytes)."""
+def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: int = 1) -> int:
+    """Logits of the larger old/ref log-prob forward micro-batch (megarl.plan.terms.forward_logits_bytes); 0 where
+    the phase runs no policy forward: no reference, no teacher, and an on-policy step whose update takes the old
+    log-probs from its own forward (megarl.steps.old_log_probs_from_update; a critic's values have no vocabulary)."""
+    from megarl.steps import old_log_probs_from_update
+
+    warmup = cfg.critic_enabled and cfg.critic.warmup_steps > 0  # steps without an actor update run the old pass
+    if not (cfg.ref_enabled or cfg.distillation.enable or warmup or not old_log_probs_from_update(cfg, True)):
+        return 0
     r = cfg.rollout
     ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0
     micro = max(r.log_prob_micro_batch_size_per_gpu, ref_micro)
-    tokens = max(r.log_prob_max_token_len_per_gpu, seq_len) if r.log_prob_use_dynamic_bsz else micro * seq_len
+    rows = max(1, cfg.data.train_batch_size * r.n // dp)  # the forwards split the step's batch over DP
+    tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
     return forward_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, tp), tp, pbytes)
 
 
@@ -265,4 +282,4 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
         rm = reward_model_spec(cfg, spec)
         models.append(ModelMemory("reward model", reward_model_stage_bytes(rm, pl.tp, pl.pp, pl.ep, pl.pbytes)))
     tokens, mbs = b.micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
-    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes), tokens, mbs)
+    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp), tokens, mbs)

@@ -1,0 +1,406 @@
+"""`megarl plan --measure RECIPE`: run a few real steps of the recipe's trainer at its layout and print each phase's
+measured peak beside the planned one.
+
+The model: the recipe's own architecture and widths (hidden, heads, FFN, experts, vocabulary) with its layers cut to
+--layers (a random model made with the project's tiny-model helpers: model.create_tiny's, or transformers' from the
+recipe's config.json), so state per layer is the real model's while the run fits a laptop. The plan compared is the
+planner's for that same cut model and layout (megarl.plan.plan_steps), so both sides describe one run.
+
+The steps: every rank builds the actor (and reference, critic) as the trainer does, then per step, as the trainer
+orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at full length (prompt + response tokens,
+the planner's assumption):
+  generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
+  old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values
+  update             the critic's and the actor's updates (routing replay as the recipe sets it)
+  weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
+                     the GPU sends to others, at most rollout.update_weights_bucket_megabytes), else tensor by tensor
+                     (the engine is not started: its receive slots and its weights are another process's memory)
+  checkpoint save    dist_checkpointing's save of actor and critic (last step only)
+The measured bytes are the trainer process's live tensors: on CUDA torch's allocator statistics (max_memory_allocated,
+reset at each phase), on CPU megarl.plan.tracker.LiveTensorBytes (tensors made from the moment the models are
+built; not process RSS). The planned bytes are the phase's lines without what is not a trainer tensor: the engine's
+share, the CUDA context, the allocator's reserve and the engine worker's receive slots. Each rank reports its own; a
+pipeline stage's figure is its busiest rank's.
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+from megarl.plan.model import GIB, Cluster, PlanError
+
+PHASES = ("generate", "old/ref log-probs", "update", "weight sync", "checkpoint save")
+# lines of a planned phase that are not tensors of the trainer process
+NOT_TRAINER = ("engine (gpu_memory_utilization)", "engine weights (woken for the sync)", "CUDA context, cuBLAS, NCCL",
+               "allocator reserve (fragmentation)", "sync receive slots (2 buckets)")
+
+
+def trainer_bytes(lines: dict[str, int]) -> int:
+    """A planned phase's bytes that the trainer process allocates as tensors (its lines less NOT_TRAINER)."""
+    return sum(v for k, v in lines.items() if k not in NOT_TRAINER)
+
+
+def cut_layers(num_layers: int, want: int, pp: int) -> int:
+    """The layers the measured copy keeps: at most `want` (and never more than the model has), a multiple of the
+    pipeline size so every stage holds layers."""
+    keep = min(num_layers, max(want, pp))
+    return max(pp, keep - keep % pp)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# setup (the launching process): the cut model and the config the ranks run
+
+
+def make_cut_model(cfg, layers: int, out: Path) -> tuple[Path, int, int]:
+    """A random HF model at `out` of the recipe's architecture and widths with `layers` layers (cut_layers of it):
+    model.create_tiny's spec, else the recipe's config.json. Returns (path, layers kept, layers of the recipe's
+    model)."""
+    from megarl.plan.model import read_model_config
+
+    pp = cfg.parallelism.pipeline_model_parallel_size
+    tiny = cfg.model.create_tiny
+    if tiny is not None and not (cfg.model.path and (Path(cfg.model.path) / "config.json").is_file()):
+        from megarl.prepare import create_tiny_model
+
+        keep = cut_layers(tiny.num_hidden_layers, layers, pp)
+        syn = cfg.data.synthetic
+        create_tiny_model(tiny.model_copy(update={"num_hidden_layers": keep}), out, cfg.trainer.seed,
+                          syn.max_operand if syn else 20, syn.task if syn else "arithmetic")
+        return out, keep, tiny.num_hidden_layers
+    hf = dict(read_model_config(cfg))
+    total = int(hf["num_hidden_layers"])
+    keep = cut_layers(total, layers, pp)
+    hf["num_hidden_layers"] = keep
+    for key in ("first_k_dense_replace",):  # dense first layers: keep at least one layer of each kind
+        if key in hf and hf[key] and hf[key] >= keep:
+            hf[key] = keep - 1
+    if isinstance(hf.get("mlp_only_layers"), list):
+        hf["mlp_only_layers"] = [i for i in hf["mlp_only_layers"] if i < keep]
+    if isinstance(hf.get("layer_types"), list):
+        hf["layer_types"] = hf["layer_types"][:keep]
+    random_hf_model(hf, out, cfg.trainer.seed)
+    return out, keep, total
+
+
+def random_hf_model(hf: dict, out: Path, seed: int) -> None:
+    """A float32 random transformers model of config dict `hf`, saved as safetensors at `out`."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def measured_overrides(cfg, model_dir: Path, keep: int, work: Path) -> list[str]:
+    """The recipe's overrides for the measured run: the cut model in place of the recipe's, no SFT warm-start, its
+    own run directory, no critic or teacher checkpoint of another shape."""
+    out = [f"model.path={model_dir}", "model.config_path=null", "sft.enable=false", f"trainer.run_dir={work / 'run'}"]
+    if cfg.model.create_tiny is not None:
+        out.append(f"model.create_tiny.num_hidden_layers={keep}")
+    if cfg.model.dtype == "auto":  # the dtype the ranks will train in, so that the plan counts the same bytes
+        out.append(f"model.dtype={'bfloat16' if _trains_on_cuda(cfg) else 'float32'}")
+    if cfg.critic_enabled and cfg.critic.model_path:
+        out.append("critic.model_path=null")
+    return out
+
+
+def _trains_on_cuda(cfg) -> bool:
+    import torch
+
+    return cfg.trainer.device != "cpu" and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the ranks
+
+
+class PhaseMeter:
+    """Per-phase peak bytes and seconds of this process's trainer tensors (see the module doc)."""
+
+    def __init__(self, device_type: str):
+        self.cuda = device_type == "cuda"
+        self.live = None
+        if not self.cuda:
+            from megarl.plan.tracker import LiveTensorBytes
+
+            self.live = LiveTensorBytes("cpu")
+        self.peaks: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self):
+        if self.live is not None:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        if self.live is not None:
+            self.live.__exit__(*args)
+
+    def now(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated() if self.cuda else self.live.current
+
+    @contextmanager
+    def phase(self, name: str):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.live.reset_peak()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() if self.cuda else self.live.peak
+        self.peaks[name] = max(self.peaks.get(name, 0), peak)
+        self.seconds[name] = time.perf_counter() - t0  # the last step's: the first one warms up
+
+
+def synthetic_batch(cfg, spec, seed: int) -> dict:
+    """A step's batch as megarl.batching.build_train_batch makes it: data.train_batch_size * rollout.n rows of
+    prompt + response tokens, every response at full length, rewards and (R3 / engine routes) the engine's routes
+    random; identical on every rank."""
+    import torch
+
+    r = cfg.rollout
+    n, p, s = cfg.data.train_batch_size * r.n, r.prompt_length, r.prompt_length + r.response_length
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec.vocab_size, (n, s), generator=g)
+    mask = torch.zeros(n, s - 1, dtype=torch.bool)
+    mask[:, p - 1:] = True
+    scores = torch.zeros(n, s - 1)
+    scores[:, -1] = torch.randint(0, 2, (n,), generator=g).float()
+    batch = {"input_ids": ids, "response_mask": mask,
+             "rollout_log_probs": torch.where(mask, -torch.rand(n, s - 1, generator=g), 0.0),
+             "token_level_scores": scores, "prompt_index": torch.arange(n) // r.n,
+             "response_lengths": torch.full((n,), r.response_length, dtype=torch.long)}
+    if cfg.routes_from_engine and spec.is_moe:
+        # each token's top-k distinct experts, as the engine records them
+        order = torch.rand(n, s, spec.num_layers, spec.num_experts, generator=g).argsort(dim=-1)
+        batch["routed_experts"] = order[..., :spec.moe_topk].to(torch.int16)
+    return batch
+
+
+def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) -> dict:
+    """One rank of the measured run (launched by megarl.launch_local.run_ranks): {stage, peaks, seconds, tokens}."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megarl import steps as loop
+    from megarl.checkpoint.state import save_trainable
+    from megarl.config import MegarlConfig
+    from megarl.distributed import barrier, compute_device
+    from megarl.megatron.workers import CriticWorker, OffloadAroundRollout, PolicyWorker
+    from megarl.runtime import start, stop
+    from megarl.trainer import make_kl_controller
+
+    cfg = MegarlConfig.model_validate(cfg_dict)
+    rt = start(cfg)
+    try:
+        meter = PhaseMeter(compute_device().type)
+        with meter:
+            actor = PolicyWorker(cfg.model.path, cfg, trainable=True)
+            ref = None
+            if cfg.ref_enabled:
+                ref = actor.reference() if cfg.actor.lora.enabled else PolicyWorker(cfg.model.path, cfg,
+                                                                                    trainable=False)
+            critic = CriticWorker(cfg.model.path, cfg) if cfg.critic_enabled else None
+            offload = OffloadAroundRollout(cfg, actor, critic, ref)
+            kl_ctrl = make_kl_controller(cfg)
+            offload.offload()
+            for step in range(1, steps + 1):
+                batch = synthetic_batch(cfg, actor.spec, cfg.trainer.seed * 1000 + step)
+                with meter.phase("generate"):
+                    pass  # the engine's turn: the trainer holds what it keeps resident
+                with meter.phase("old/ref log-probs"):
+                    offload.onload()
+                    actor_updates = critic is None or step > cfg.critic.warmup_steps
+                    on_policy = loop.old_log_probs_from_update(cfg, actor_updates)
+                    if not on_policy:
+                        batch["old_log_probs"] = actor.log_probs(batch, rt)
+                    if ref is not None:
+                        batch["ref_log_probs"] = ref.log_probs(batch, rt)
+                    if critic is not None:
+                        batch["values"] = critic.values(batch, rt)
+                    loop.apply_rollout_correction(cfg, batch)
+                    loop.compute_advantages(cfg, batch, kl_ctrl)
+                with meter.phase("update"):
+                    if critic is not None:
+                        critic.update(batch, rt, step)
+                    if actor_updates:
+                        actor.update(batch, rt, step, on_policy)
+                with meter.phase("weight sync"):
+                    # the sender's side as export_hf_weights gathers it: buckets of what this GPU sends (its planned
+                    # send bucket, min(bucket size, bytes sent)), else tensor by tensor as the colocated delivery
+                    # cuts its pieces; the delivery itself needs the engine's workers
+                    for piece in actor.export(max(1, send_bucket)):
+                        del piece
+                    offload.offload()
+                del batch
+                if step == steps:
+                    with meter.phase("checkpoint save"):
+                        offload.onload()
+                        for name, worker in (("actor", actor), ("critic", critic)):
+                            if worker is not None:
+                                d = Path(work) / "ckpt" / name
+                                d.mkdir(parents=True, exist_ok=True)
+                                barrier()
+                                save_trainable(worker.trainable, d)
+        tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.rollout.prompt_length + cfg.rollout.response_length)
+        return {"rank": rt.rank, "stage": ps.get_pipeline_model_parallel_rank(), "peaks": meter.peaks,
+                "seconds": meter.seconds, "tokens": tokens, "device": str(compute_device()),
+                "torch": torch.__version__}
+    finally:
+        stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# plan beside measurement
+
+
+def planned_per_stage(cfg, hf: dict) -> dict[int, dict[str, dict[str, int]]]:
+    """stage -> phase -> named line -> planned bytes on that stage's most loaded GPU (megarl.plan.phases.stage_phases
+    for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs)."""
+    from megarl.plan import plan_steps
+    from megarl.plan.host import r2_gather_bytes
+    from megarl.plan.phases import stage_phases
+
+    cluster = Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0)
+    st = plan_steps(cfg, cluster, hf)
+    pl = st.place
+    out = {}
+    for s in range(pl.pp):
+        here = not pl.separate and (pl.generating == pl.world or s == 0)
+        out[s] = stage_phases(st.roles, st.engine, st.sync, st.offloaded[s], s, s == pl.pp - 1, here,
+                              cfg.parallelism.use_distributed_optimizer, r2_gather_bytes(cfg, st.weights.spec))
+    return out
+
+
+def compare(planned: dict, ranks: list[dict]) -> list[dict]:
+    """Rows (stage, phase, planned, measured, ratio, seconds): each stage's busiest rank against its planned trainer
+    bytes."""
+    rows = []
+    for s, phases in sorted(planned.items()):
+        mine = [r for r in ranks if r["stage"] == s]
+        for phase in PHASES:
+            got = [r["peaks"][phase] for r in mine if phase in r["peaks"]]
+            if not got:
+                continue
+            plan = trainer_bytes(phases[phase])
+            meas = max(got)
+            rows.append({"stage": s, "phase": phase, "planned": plan, "measured": meas,
+                         "ratio": meas / plan if plan else float("nan"),
+                         "seconds": max(r["seconds"].get(phase, 0.0) for r in mine)})
+    return rows
+
+
+def _size(b: float) -> str:
+    return f"{b / GIB:.3f} GiB" if abs(b) >= GIB else f"{b / 2 ** 20:.1f} MiB"
+
+
+def render(rows: list[dict], head: str, planned: dict) -> str:
+    stages = len(planned)
+    lines = [head, f"{'phase':<28}{'planned':>14}{'measured':>14}{'measured/planned':>18}{'seconds':>10}"]
+    for r in rows:
+        name = r["phase"] + (f" (stage {r['stage']})" if stages > 1 else "")
+        lines.append(f"{name:<28}{_size(r['planned']):>14}{_size(r['measured']):>14}{r['ratio']:>18.3f}"
+                     f"{r['seconds']:>10.2f}")
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    lines.append(f"largest difference: {worst['phase']} {abs(worst['ratio'] - 1):.1%}")
+    upd = planned[max(planned)]["update"]
+    lines.append("planned update lines (last stage): " + ", ".join(
+        f"{k} {_size(v)}" for k, v in upd.items() if k not in NOT_TRAINER and v))
+    return "\n".join(lines)
+
+
+def calibration_record(cfg, hf: dict, rows: list[dict], ranks: list[dict], layers: tuple) -> dict:
+    """What --calibration reads: per phase the planned and measured bytes and the measured seconds, and the trainer's
+    achieved TFLOP/s per device in the forward and update phases (FLOPs as megarl.plan.timing counts them)."""
+    from megarl.plan import plan_steps
+    from megarl.plan.timing import active_parameters, recompute_factor
+
+    st = plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf)
+    w, spec = st.weights, st.weights.spec
+    active = active_parameters(w.n_params, w.n_expert, spec.moe_topk, spec.num_experts)
+    tokens, world = ranks[0]["tokens"], st.place.world
+    sec = {p: max(r["seconds"].get(p, 0.0) for r in ranks) for p in PHASES}
+    forwards = (not _on_policy(cfg)) + cfg.ref_enabled + cfg.critic_enabled
+    passes = 3 * recompute_factor(cfg.model.recompute) * (cfg.actor.ppo_epochs +
+                                                           (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
+    tflops = {}
+    if sec["old/ref log-probs"] > 0 and forwards:
+        tflops["forward"] = 2 * active * tokens * forwards / world / sec["old/ref log-probs"] / 1e12
+    if sec["update"] > 0:
+        tflops["update"] = 2 * active * tokens * passes / world / sec["update"] / 1e12
+    return {"device": ranks[0]["device"], "layers": {"measured": layers[0], "model": layers[1]},
+            "world": world, "tokens_per_step": tokens,
+            "phases": {f"{r['phase']}|{r['stage']}": {k: r[k] for k in ("planned", "measured", "seconds")}
+                       for r in rows},
+            "achieved_tflops_per_device": tflops}
+
+
+def _on_policy(cfg) -> bool:
+    from megarl.steps import old_log_probs_from_update
+
+    return old_log_probs_from_update(cfg, True)
+
+
+def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_json: Optional[str],
+                timeout_s: float) -> int:
+    """The command: cut model, launched ranks, the table. Exit 0 when it ran (the table is the result)."""
+    import shutil
+    import sys
+    import tempfile
+
+    from megarl.config import ConfigError
+    from megarl.launch_local import RankFailure, run_ranks
+    from megarl.plan.model import read_model_config
+    from megarl.validate import load_config
+
+    work = Path(tempfile.mkdtemp(prefix="megarl-measure-"))
+    try:
+        try:
+            cfg = load_config(recipe, overrides)
+            if cfg.engine_placement != "colocated" or cfg.rollout.mode == "ray":
+                raise PlanError("--measure runs the trainer's ranks of a colocated recipe (rollout.placement=colocated,"
+                                " rollout.mode not ray); plan the separate engines' GPUs with plain `megarl plan`")
+            model_dir, keep, total = make_cut_model(cfg, layers, work / "model")
+            cfg = load_config(recipe, overrides + measured_overrides(cfg, model_dir, keep, work))
+            hf = read_model_config(cfg)
+            planned = planned_per_stage(cfg, hf)
+        except (ConfigError, PlanError) as exc:
+            print(f"megarl plan --measure: {exc}", file=sys.stderr)
+            return 1
+        try:
+            ranks = run_ranks(f"{__name__}:measure_rank", cfg.world_size,
+                              {"cfg_dict": cfg.model_dump(mode="json"), "steps": steps, "work": str(work),
+                               "send_bucket": max(p["weight sync"].get("sync send bucket", 0)
+                                                  for p in planned.values())},
+                              timeout=timeout_s)
+        except RankFailure as exc:
+            print(f"megarl plan --measure: the measured run failed: {exc}", file=sys.stderr)
+            return 1
+        rows = compare(planned, ranks)
+        device = ranks[0]["device"]
+        how = ("torch.cuda max_memory_allocated per phase" if device.startswith("cuda") else
+               "bytes of live tensors (megarl.plan.tracker.LiveTensorBytes), not RSS")
+        head = (f"megarl plan --measure: {recipe}, {keep} of {total} layer(s) at the model's widths, "
+                f"{cfg.world_size} rank(s) on {device}, {steps} step(s) of {ranks[0]['tokens']:,} tokens; measured: "
+                f"{how}; planned: the phase's trainer lines (no engine, CUDA context or allocator reserve)")
+        print(f"# {recipe}")
+        print(render(rows, head, planned))
+        if out_json:
+            record = calibration_record(cfg, hf, rows, ranks, (keep, total))
+            Path(out_json).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"wrote {out_json}: measured peaks and seconds per phase (megarl plan --calibration reads it)")
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
