@@ -167,8 +167,17 @@ def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:
     from megarl.plan.search import render as render_search
     from megarl.plan.search import search, write_recipe
 
+    from megarl.plan.timing import read_calibration
+
+    calibration = None
+    if getattr(args, "calibration", None):
+        try:
+            calibration = read_calibration(args.calibration)
+        except ValueError as exc:
+            print(f"megarl plan: {exc}", file=sys.stderr)
+            return 2
     res = search(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem, args.top,
-                 args.margin)
+                 args.margin, calibration=calibration)
     line = (f"megarl plan --search: {args.nodes} node(s) x {args.gpus_per_node} GPU(s) of {args.gpu_mem:g} GiB, "
             f"margin {args.margin:.0%}")
     print(f"# {args.recipe}")

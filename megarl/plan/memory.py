@@ -7,7 +7,8 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
     optimizer       Adam: fp32 master copy (4 B/param in bf16, none in fp32) + exp_avg + exp_avg_sq (8 B/param),
                     each a named line; with the distributed optimizer divided by the data-parallel size (dense
                     parameters) or the expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
-    activations     per token per layer, bf16, flash attention (no score matrix), SwiGLU, GQA, no dropout:
+    activations     per token per layer, in 16-bit elements (x 2 in float32), flash attention (no score matrix),
+                    SwiGLU, GQA, no dropout:
                     8h (norm inputs and residual stream, /TP with sequence parallel) + (4q + 4kv + 6f) / TP
                     with q = heads*head_dim, kv = kv_heads*head_dim, f = FFN size; MoE: f-term -> top_k * (2h + 6f_moe)
                     / expert TP. selective recompute drops the attention output (2q); full recompute keeps only each
@@ -105,8 +106,9 @@ def batches(cfg, dp: int) -> Batches:
     return Batches(r.prompt_length + r.response_length, max(1, cfg.actor.ppo_mini_batch_size * r.n // dp))
 
 
-def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str) -> int:
-    """Stored activation bytes of one token in one layer (bf16) under the recompute setting (see the module doc)."""
+def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str, pbytes: int = 2) -> int:
+    """Stored activation bytes of one token in one layer under the recompute setting (see the module doc): the
+    formula counts 16-bit elements; activations are in the parameter dtype, so float32 (pbytes 4) doubles it."""
     h = spec.hidden_size
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
     resid = 8 * h / (tp if sp else 1)
@@ -117,7 +119,7 @@ def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recomput
         mlp = 6 * spec.ffn_hidden_size
     if recompute == "selective":
         attn -= 2 * q
-    return int(resid + (attn + mlp) / tp)
+    return int((resid + (attn + mlp) / tp) * pbytes / 2)
 
 
 def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_per_stage: int) -> float:
@@ -138,14 +140,14 @@ def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, t
                       logits: bool, entropy_bonus: bool = False) -> list[int]:
     """Activation bytes per pipeline stage at the peak of a training step (logits: the LM head's log-prob / entropy
     pass and its backward on the last stage, megarl.plan.terms.update_logits_bytes)."""
-    stored = activation_bytes_per_token_layer(spec, pl.tp, sp, recompute)
-    full_layer = activation_bytes_per_token_layer(spec, pl.tp, sp, "none")
+    stored = activation_bytes_per_token_layer(spec, pl.tp, sp, recompute, pl.pbytes)
+    full_layer = activation_bytes_per_token_layer(spec, pl.tp, sp, "none", pl.pbytes)
     stage_layers = pl.layout.stage_layers(spec.num_layers)  # uneven stages: each stage's own layer count
     out = []
     for s in range(pl.pp):
         layers_in_flight = in_flight_layers(pl.pp, pl.vpp, s, micro_batches, stage_layers[s])
         if recompute == "full":
-            per_layer = tokens * (2 * spec.hidden_size // (pl.tp if sp else 1))
+            per_layer = tokens * (pl.pbytes * spec.hidden_size // (pl.tp if sp else 1))
             extra = tokens * full_layer
         else:
             per_layer = tokens * stored

@@ -17,7 +17,7 @@ from itertools import product
 from typing import Optional
 
 from megarl.plan.model import GIB, Cluster, PlanError
-from megarl.plan.timing import (MFU, StepTime, active_parameters, assumptions, generate_seconds, recompute_factor,
+from megarl.plan.timing import (Calibration, StepTime, effective_mfu, active_parameters, assumptions, generate_seconds, recompute_factor,
                                 trainer_seconds)
 
 P, A, R = "parallelism.", "actor.", "rollout."
@@ -43,6 +43,7 @@ class SearchResult:
     own: Optional[Candidate] = None
     rejected: dict = field(default_factory=dict)  # family label -> why
     planned: int = 0  # layouts whose memory and time were planned
+    calibration: Optional[Calibration] = None  # measured trainer throughput the times used
 
 
 def with_settings(cfg, settings: dict):
@@ -181,8 +182,9 @@ def _offload(on: bool):
     return OffloadConfig(params=on, grads=on, optimizer=on)
 
 
-def step_time(cfg, steps, gpus_per_node: int) -> StepTime:
-    """The planned seconds of one step of this layout (megarl.plan.timing)."""
+def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration] = None) -> StepTime:
+    """The planned seconds of one step of this layout (megarl.plan.timing; measured trainer throughput where
+    calibrated)."""
     from megarl.plan.phases import host_round_trip_seconds
 
     pl, w, e, r = steps.place, steps.weights, steps.engine, cfg.rollout
@@ -194,10 +196,10 @@ def step_time(cfg, steps, gpus_per_node: int) -> StepTime:
                            e.weights, e.kv_per_token, spec.num_layers, pl.engine_tp, gpus_per_node, active)
     mbs = steps.roles.actor_micro_batches
     forwards = 1 + cfg.ref_enabled + cfg.critic_enabled
-    fwd = trainer_seconds(active, tokens, pl.world, forwards, MFU["forward"], pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
+    fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration), pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
     passes = 3 * recompute_factor(cfg.model.recompute) * (cfg.actor.ppo_epochs +
                                                            (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
-    upd = trainer_seconds(active, tokens, pl.world, passes, MFU["update"], pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
+    upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration), pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
     off = host_round_trip_seconds(steps.offloaded[steps.peak.stage])
     return StepTime(gen, fwd, upd, steps.sync.seconds, off)
 
@@ -210,7 +212,8 @@ def _time_order(k: dict) -> tuple:
 
 
 def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: float, host_mem_gib: float,
-           top: int = 3, margin: float = 0.05, pool: int = 8) -> SearchResult:
+           top: int = 3, margin: float = 0.05, pool: int = 8,
+           calibration: Optional[Calibration] = None) -> SearchResult:
     """Every layout of cfg's space on the cluster; the `top` fastest that validate accepts and fit with `margin` of
     each GPU free; the recipe's own layout planned the same way.
 
@@ -230,12 +233,13 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     spec = spec_from_dict(hf)
     checks = layout_checks()
     budget = cluster.gpu_bytes * (1 - margin)
-    res = SearchResult()
+    res = SearchResult(calibration=calibration)
 
     def evaluate(c, settings) -> Candidate:
         st = plan_steps(c, cluster, hf, host_mem_gib, counted_weights)
         host = max(sum(v.values()) for v in st.host.values())
-        return Candidate(settings, st.peak.bytes, st.peak.phase, host, step_time(c, st, gpus_per_node), st.reasons)
+        return Candidate(settings, st.peak.bytes, st.peak.phase, host, step_time(c, st, gpus_per_node, calibration),
+                         st.reasons)
 
     def fits(cand: Candidate) -> bool:
         return not cand.reasons and cand.peak <= budget
@@ -348,7 +352,8 @@ def overrides(settings: dict) -> list:
 def render(res: SearchResult, cluster_line: str, gpu_bytes: int) -> str:
     lines = [cluster_line,
              f"layouts enumerated {res.enumerated:,}, valid {res.valid:,}, planned {res.planned:,}, fitting "
-             f"{res.fitting:,} of the planned with all engines (searched in {res.seconds:.1f} s)", assumptions(), ""]
+             f"{res.fitting:,} of the planned with all engines (searched in {res.seconds:.1f} s)",
+             assumptions(res.calibration), ""]
 
     def row(name, c):
         t = c.time

@@ -15,11 +15,19 @@ with the search's result; none is measured by this module.
   sync       the weight sync's lower bound at the link bandwidth (megarl.plan.phases.sync_cost).
   offload    a host round trip of the offloaded states (megarl.plan.phases.host_round_trip_seconds).
 Active parameters: every parameter but the routed experts, plus top_k / num_experts of those.
+Calibration (`megarl plan --search --calibration FILE`, FILE from `megarl plan --measure --calibration-out FILE`):
+the TFLOP/s per device the measured run achieved in its forward and update phases (its FLOPs counted as above, over
+its measured seconds) replace GPU_TFLOPS * MFU for those two phases. Generation, the sync and the offload keep their
+assumptions (the measured run starts no engine and moves no weights to it); a calibration describes the device and
+layout it was measured on, so measure on the GPU kind you plan for.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
 
 GPU_TFLOPS = 989.0  # H100 SXM dense bf16
 HBM_GBPS = 3350.0  # H100 SXM
@@ -83,7 +91,41 @@ def recompute_factor(recompute: str) -> float:
     return {"full": 4 / 3, "selective": 1.05}.get(recompute, 1.0)
 
 
-def assumptions() -> str:
+@dataclass(frozen=True)
+class Calibration:
+    """Measured trainer throughput: phase ("forward", "update") -> achieved TFLOP/s per device."""
+
+    tflops: dict = field(default_factory=dict)
+    source: str = ""
+    device: str = ""
+
+
+def read_calibration(path: str) -> Calibration:
+    """The file `megarl plan --measure --calibration-out` wrote; ValueError naming the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+        tflops = {k: float(v) for k, v in data["achieved_tflops_per_device"].items() if k in MFU}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--calibration {path}: not a calibration file of `megarl plan --measure --calibration-out` "
+                         f"({type(exc).__name__}: {exc}); run that command to make one") from None
+    bad = [k for k, v in tflops.items() if not v > 0]
+    if bad:
+        raise ValueError(f"--calibration {path}: achieved_tflops_per_device {bad} must be positive; measure again")
+    return Calibration(tflops, str(path), str(data.get("device", "")))
+
+
+def effective_mfu(phase: str, calibration: Optional[Calibration] = None) -> float:
+    """The share of GPU_TFLOPS a trainer phase ("forward" or "update") runs at: measured where calibrated."""
+    if calibration is not None and phase in calibration.tflops:
+        return calibration.tflops[phase] / GPU_TFLOPS
+    return MFU[phase]
+
+
+def assumptions(calibration: Optional[Calibration] = None) -> str:
+    if calibration is not None and calibration.tflops:
+        measured = ", ".join(f"{k} {v:.3g}" for k, v in sorted(calibration.tflops.items()))
+        return (f"measured ({calibration.source}, {calibration.device}): TFLOP/s per device {measured}; "
+                + assumptions().replace("assumed: ", "assumed otherwise: "))
     return (f"assumed: {GPU_TFLOPS:g} TFLOP/s per GPU at MFU update {MFU['update']}, forward {MFU['forward']}, "
             f"prefill {MFU['prefill']}; HBM {HBM_GBPS:g} GB/s at {DECODE_HBM_EFFICIENCY} in decode; "
             f"{TP_COST:.0%} per TP doubling, {EP_COST:.0%} per EP doubling; all-reduce latency "

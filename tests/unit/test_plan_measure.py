@@ -1,0 +1,132 @@
+"""`megarl plan --measure`'s parts without launching ranks: the live-tensor counter against a known allocation pattern,
+the plan's terms the measurements corrected (micro-batch tokens, the old/ref logits) against hand calculations, and
+the calibration the time model reads."""
+import json
+
+import pytest
+import torch
+
+from megarl.plan.memory import micro_tokens
+from megarl.plan.measure import NOT_TRAINER, compare, cut_layers, trainer_bytes
+from megarl.plan.tracker import LiveTensorBytes
+from megarl.plan.timing import GPU_TFLOPS, MFU, assumptions, effective_mfu, read_calibration
+
+
+def test_live_tensor_bytes_counts_a_known_allocation_pattern_exactly():
+    outside = torch.zeros(1000)  # made before the mode: not counted unless tracked
+    with LiveTensorBytes() as live:
+        a = torch.zeros(1000)  # 4,000 B
+        view = a.view(10, 100)  # a view shares a's storage: nothing new
+        assert (live.current, live.peak) == (4000, 4000)
+        b = torch.ones(500, dtype=torch.float64)  # 4,000 B
+        assert live.current == 8000
+        del b  # freed: current falls, the peak stays
+        assert (live.current, live.peak) == (4000, 8000)
+        assert live.reset_peak() == 4000 and live.peak == 4000
+        c = torch.empty(256, dtype=torch.bfloat16)  # 512 B
+        c.add_(1)  # in place: no new storage
+        c.untyped_storage().resize_(1024)  # grown in place, which no dispatch mode sees
+        assert live.current == 4000 + 1024
+        live.track(outside)
+        assert live.current == 4000 + 1024 + 4000
+        d = a * 2  # a temporary of 4,000 B, then gone
+        del d
+        assert live.peak == 4000 + 1024 + 4000 + 4000
+        del a, view, c
+        assert live.current == 4000  # only `outside` is left
+    assert outside.sum() == 0
+
+
+def test_live_tensor_bytes_follows_autograd():
+    with LiveTensorBytes() as live:
+        w = torch.randn(100, 100, requires_grad=True)  # 40,000 B
+        live.reset_peak()
+        (w * 3).sum().backward()
+        # w's gradient (40,000) stays; w * 3 (40,000) and the loss lived until the backward freed them
+        assert live.current == 40000 + 40000
+        # the peak: w and w * 3 with the loss (4 B) and its gradient seed (4 B), before w * 3 is freed
+        assert live.peak == 40000 + 40000 + 4 + 4
+
+
+def test_micro_batch_tokens_never_exceed_the_ranks_mini_batch():
+    # 8 sequences of 24 tokens on a rank (192 tokens): a 16,384-token budget packs them into one micro-batch of 192
+    assert micro_tokens(8, 24, 32, True, 16384) == (192, 1)
+    # a budget below the mini-batch: 100 tokens (rounded to at least one sequence) -> ceil(192 / 100) = 2
+    assert micro_tokens(8, 24, 32, True, 100) == (100, 2)
+    assert micro_tokens(8, 24, 32, True, 10) == (24, 8)  # one sequence at least
+    # fixed micro-batches of 32 sequences where the rank has 8: one micro-batch of 8 x 24
+    assert micro_tokens(8, 24, 32, False, 0) == (192, 1)
+    assert micro_tokens(64, 24, 16, False, 0) == (16 * 24, 4)
+
+
+def test_old_ref_logits_are_planned_only_where_a_policy_forward_runs():
+    from megarl.validate import load_config
+    from megarl.plan.memory import forward_logits
+    from megarl.plan.model import read_model_config
+    from megarl.bridge.hf_config import spec_from_dict
+
+    on_policy = load_config("recipes/grpo_tiny_cpu.yaml", ["data.train_batch_size=4", "rollout.n=2",
+                                                           "actor.ppo_mini_batch_size=4"])
+    spec = spec_from_dict(read_model_config(on_policy))
+    # GRPO, one mini-batch, no KL: the update takes the old log-probs from its own forward; no reference
+    assert forward_logits(on_policy, spec, 1, 24, 4) == 0
+    with_ref = load_config("recipes/grpo_tiny_cpu.yaml", ["data.train_batch_size=4", "rollout.n=2",
+                                                          "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true"])
+    # the reference's forward: 8 rows x 24 tokens (micro-batch 256 > 8 rows), vocab padded to 128, float32: L * 8
+    from megarl.bridge.mapping import padded_vocab_size
+
+    vocab = padded_vocab_size(spec.vocab_size, 1)
+    assert forward_logits(with_ref, spec, 1, 24, 4) == 8 * 24 * vocab * (4 + 4)
+
+
+def test_planned_trainer_bytes_leave_out_what_is_not_a_trainer_tensor():
+    lines = {"actor parameters": 100, "actor gradients (fp32)": 200, "engine (gpu_memory_utilization)": 10_000,
+             "CUDA context, cuBLAS, NCCL": 1000, "allocator reserve (fragmentation)": 15, "sync send bucket": 7,
+             "sync receive slots (2 buckets)": 14, "engine weights (woken for the sync)": 500,
+             "offloaded to host (generate)": -50}
+    assert trainer_bytes(lines) == 100 + 200 + 7 - 50
+    assert set(NOT_TRAINER) <= set(lines)
+    planned = {0: {p: {"actor parameters": 100} for p in ("generate", "update")}}
+    ranks = [{"stage": 0, "peaks": {"generate": 90, "update": 130}, "seconds": {"update": 1.5}},
+             {"stage": 0, "peaks": {"generate": 110, "update": 120}, "seconds": {"update": 2.0}}]
+    rows = compare(planned, ranks)  # the busiest rank of the stage
+    assert [(r["phase"], r["measured"], r["ratio"], r["seconds"]) for r in rows] == [
+        ("generate", 110, 1.1, 0.0), ("update", 130, 1.3, 2.0)]
+
+
+def test_cut_layers_keeps_every_pipeline_stage_busy():
+    assert cut_layers(28, 2, 1) == 2
+    assert cut_layers(28, 2, 4) == 4
+    assert cut_layers(28, 5, 2) == 4
+    assert cut_layers(2, 8, 1) == 2
+
+
+def test_a_calibration_replaces_the_assumed_mfu_of_the_trainer_phases(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"device": "cuda:0", "achieved_tflops_per_device": {"forward": 445.05,
+                                                                                    "update": 197.8}}))
+    cal = read_calibration(str(path))
+    assert effective_mfu("update", cal) == pytest.approx(197.8 / GPU_TFLOPS)
+    assert effective_mfu("forward", cal) == pytest.approx(0.45)
+    assert effective_mfu("prefill", cal) == MFU["prefill"]  # never measured: assumed
+    assert effective_mfu("update") == MFU["update"]
+    text = assumptions(cal)
+    assert "measured" in text and "update 198" in text and "assumed otherwise" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="--calibration .*bad.json: not a calibration file"):
+        read_calibration(str(bad))
+
+
+def test_activations_are_planned_in_the_parameter_dtype():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.plan.memory import activation_bytes_per_token_layer
+
+    spec = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                       intermediate_size=4864), 64).to_dict())
+    h, q, kv, f = 896, 14 * 64, 2 * 64, 4864
+    bf16 = 8 * h + 4 * q + 4 * kv + 6 * f  # 16-bit elements: 40,448 B per token and layer
+    assert activation_bytes_per_token_layer(spec, 1, False, "none") == bf16 == 40448
+    assert activation_bytes_per_token_layer(spec, 1, False, "none", 4) == 2 * bf16
