@@ -132,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if getattr(args, "measure", False):
+        if args.search:
+            print("megarl plan: --measure and --search are two commands: measure the recipe's own layout first "
+                  "(--calibration-out FILE), then search with --calibration FILE", file=sys.stderr)
+            return 2
         return run_measure(args, overrides)
     if args.nodes is None or args.gpus_per_node is None:
         print("megarl plan: --nodes and --gpus-per-node are required (the cluster to plan for); --measure runs the "

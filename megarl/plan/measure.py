@@ -15,7 +15,9 @@ the planner's assumption):
   weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
                      the GPU sends to others, at most rollout.update_weights_bucket_megabytes), else tensor by tensor
                      (the engine is not started: its receive slots and its weights are another process's memory)
-  checkpoint save    dist_checkpointing's save of actor and critic (last step only)
+  checkpoint save    dist_checkpointing's save of actor and critic (last step only); on CPU the writer's staging
+                     clones share the trainer's memory and are planned as a line of their own
+                     (megarl.plan.terms.cpu_checkpoint_clone_bytes; on GPU they are host memory)
 The measured bytes are the trainer process's live tensors: on CUDA torch's allocator statistics (max_memory_allocated,
 reset at each phase), on CPU megarl.plan.tracker.LiveTensorBytes (tensors made from the moment the models are
 built; not process RSS). The planned bytes are the phase's lines without what is not a trainer tensor: the engine's
@@ -266,9 +268,15 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
 # plan beside measurement
 
 
-def planned_per_stage(cfg, hf: dict) -> dict[int, dict[str, dict[str, int]]]:
+CPU_CLONES = "checkpoint: split fc1 views cloned (CPU)"
+
+
+def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
     """stage -> phase -> named line -> planned bytes on that stage's most loaded GPU (megarl.plan.phases.stage_phases
-    for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs)."""
+    for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
+    CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
+    from megarl.plan.terms import cpu_checkpoint_clone_bytes, fc1_elements
+
     from megarl.plan import plan_steps
     from megarl.plan.host import r2_gather_bytes
     from megarl.plan.phases import stage_phases
@@ -281,6 +289,13 @@ def planned_per_stage(cfg, hf: dict) -> dict[int, dict[str, dict[str, int]]]:
         here = not pl.separate and (pl.generating == pl.world or s == 0)
         out[s] = stage_phases(st.roles, st.engine, st.sync, st.offloaded[s], s, s == pl.pp - 1, here,
                               cfg.parallelism.use_distributed_optimizer, r2_gather_bytes(cfg, st.weights.spec))
+        if cpu:
+            spec = st.weights.spec
+            fc1 = fc1_elements(spec, pl.layout.stage_layers(spec.num_layers), s, pl.tp, pl.ep,
+                               pl.layout.expert_tensor)
+            # the saved models: the actor (its LoRA base frozen: only the adapters train) and the critic
+            saved = [not cfg.actor.lora.enabled] + ([True] if cfg.critic_enabled else [])
+            out[s]["checkpoint save"][CPU_CLONES] = max(cpu_checkpoint_clone_bytes(fc1, pl.pbytes, t) for t in saved)
     return out
 
 
@@ -375,7 +390,7 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
             model_dir, keep, total = make_cut_model(cfg, layers, work / "model")
             cfg = load_config(recipe, overrides + measured_overrides(cfg, model_dir, keep, work))
             hf = read_model_config(cfg)
-            planned = planned_per_stage(cfg, hf)
+            planned = planned_per_stage(cfg, hf, cpu=not _trains_on_cuda(cfg))
         except (ConfigError, PlanError) as exc:
             print(f"megarl plan --measure: {exc}", file=sys.stderr)
             return 1

@@ -29,6 +29,12 @@ worker's shard). On the host, each receiving rank keeps its two shared-memory sl
 GPU overhead: the CUDA context, cuBLAS workspaces and NCCL communicators of each trainer process, CUDA_CONTEXT_GIB;
 and the caching allocator's reserved-but-unallocated memory, ALLOCATOR_SHARE of what the trainer allocates in the
 phase (a colocated engine's share is counted by gpu_memory_utilization, which holds its own context).
+Checkpoint save on a CPU trainer: megatron's file writer (dist_checkpointing's filesystem_async, _clone_if_needed)
+clones each saved CPU tensor that is a view of a larger storage before it writes it; on GPU the same staging is the
+device-to-host copy, counted on the host below. The views are the gate and up halves of every gated MLP's fc1
+(megatron saves its [2f, h] weight as two tensors), of the dense layers and of each local expert, and the same halves
+of their optimizer states; models are saved one after the other, so the peak is the largest model's:
+  fc1 elements on the stage x (parameter bytes [+ 4 fp32 master in 16-bit + 8 Adam moments, where they train])
 Host: HOST_PROCESS_GIB per process (Python, torch, megatron-core, CUDA's host side); pinned offload buffers (the
 offloaded states; megarl.megatron.offload keeps the buffer once allocated); checkpoint save:
 torch.distributed.checkpoint stages each rank's saved shard (parameters, fp32 master copy, Adam moments of actor and
@@ -113,3 +119,26 @@ def delta_update_bytes(full: int, element_bytes: int, changed_share: float) -> i
 
     changed = full / element_bytes * changed_share
     return int(min(full, changed * pair_bytes(1, element_bytes)))
+
+
+def fc1_elements(spec, stage_layers: list[int], stage: int, tp: int, ep: int, expert_tp: int) -> int:
+    """Elements of the gated MLPs' fc1 weights ([2f, h] each) one rank of pipeline stage `stage` holds: dense layers
+    2 * ffn * h / TP, MoE layers (spec.moe_layers) num_experts / EP local experts of 2 * ffn_moe * h / expert TP and a
+    shared expert of 2 * ffn_shared * h / TP. spec: megarl.bridge.hf_config.ArchSpec."""
+    first = sum(stage_layers[:stage])
+    h, out = spec.hidden_size, 0
+    for layer in range(first, first + stage_layers[stage]):
+        moe = spec.is_moe and (not spec.moe_layers or spec.moe_layers[layer])
+        if moe:
+            out += spec.num_experts // ep * 2 * spec.moe_ffn_hidden_size * h // expert_tp
+            out += 2 * spec.shared_expert_ffn_hidden_size * h // tp
+        else:
+            out += 2 * spec.ffn_hidden_size * h // tp
+    return out
+
+
+def cpu_checkpoint_clone_bytes(fc1: int, pbytes: int, trains: bool) -> int:
+    """A CPU trainer's checkpoint save: the clones of one model's split fc1 views, fc1 elements x (pbytes [+ the
+    optimizer's 4 master (16-bit parameters) + 8 Adam bytes where the model trains them]); see the module doc."""
+    optim = ((4 if pbytes == 2 else 0) + 8) if trains else 0
+    return fc1 * (pbytes + optim)

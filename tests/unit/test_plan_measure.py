@@ -130,3 +130,27 @@ def test_activations_are_planned_in_the_parameter_dtype():
     bf16 = 8 * h + 4 * q + 4 * kv + 6 * f  # 16-bit elements: 40,448 B per token and layer
     assert activation_bytes_per_token_layer(spec, 1, False, "none") == bf16 == 40448
     assert activation_bytes_per_token_layer(spec, 1, False, "none", 4) == 2 * bf16
+
+
+def test_cpu_checkpoint_clones_of_split_fc1_views_against_a_hand_calculation():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.plan.terms import cpu_checkpoint_clone_bytes, fc1_elements
+
+    dense = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14,
+                                                        num_key_value_heads=2, intermediate_size=4864), 64).to_dict())
+    fc1 = 2 * 2 * 4864 * 896  # 2 layers of a [2 x 4864, 896] fc1: 17,432,576 elements
+    assert fc1_elements(dense, [2], 0, 1, 1, 1) == fc1
+    assert fc1_elements(dense, [1, 1], 1, 2, 1, 2) == fc1 // 4  # one layer on stage 1, split over TP 2
+    # float32 actor: the parameter halves and both Adam moments' halves cloned, 12 B per element = 199.5 MiB (the
+    # measured run's checkpoint phase rose by 200.0 MiB over its states)
+    assert cpu_checkpoint_clone_bytes(fc1, 4, True) == fc1 * 12 == 209_190_912
+    assert cpu_checkpoint_clone_bytes(fc1, 4, False) == fc1 * 4  # a frozen LoRA base: its parameters only
+    assert cpu_checkpoint_clone_bytes(fc1, 2, True) == fc1 * (2 + 4 + 8)  # bf16: + the fp32 master copy
+    moe = spec_from_dict(tiny_hf_config(TinyModelSpec(architecture="qwen3_moe", hidden_size=2048,
+                                                      num_attention_heads=32, num_key_value_heads=4,
+                                                      intermediate_size=768, num_experts=8, num_experts_per_tok=8,
+                                                      tie_word_embeddings=False), 64).to_dict())
+    # EP 2: 4 local experts per layer, 2 layers, fc1 [2 x 768, 2048] each
+    assert fc1_elements(moe, [2], 0, 1, 2, 1) == 2 * 4 * 2 * 768 * 2048
