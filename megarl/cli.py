@@ -65,7 +65,7 @@ def _run_job(cfg, entry: str) -> int:
     except lifecycle.PeerFailure as exc:
         print(f"megarl: stopping: {exc}", file=sys.stderr)
         return lifecycle.PEER_FAILED_EXIT
-    except (DataError, RewardError, EngineProcessError, RankFailure) as exc:
+    except (DataError, RewardError, EngineProcessError, RankFailure, lifecycle.Explained) as exc:
         print(f"megarl: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-plan-check", action="store_true", help="on GPU, start even where `megarl plan` says "
                            "the recipe does not fit the device's memory")
     pl = sub.add_parser("plan", help="per-GPU memory, weight-sync bytes and time of a recipe on a cluster; exit 1 "
-                        "when it does not fit", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
+                        "when it does not fit (--search: the best layout; --measure: measured beside planned peaks)", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
                         "actor, critic, reference and engine per GPU, weight-sync bytes and a lower bound on its time, "
                         "and a verdict naming the term that is over.")
     from megarl.plan import add_arguments

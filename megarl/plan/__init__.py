@@ -91,7 +91,8 @@ def host_reason(host: dict, totals: dict, host_mem_gib: float) -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="megarl plan", description="Per-GPU memory, weight-sync bytes and time for a "
-                                 "recipe on a cluster, and a verdict (exit 1 when it does not fit).")
+                                 "recipe on a cluster, and a verdict (exit 1 when it does not fit); --search for the "
+                                 "best layout; --measure for each phase's measured peak beside the planned one.")
     add_arguments(ap)
     return run(ap.parse_intermixed_args(argv))
 
@@ -131,6 +132,13 @@ def run(args: argparse.Namespace) -> int:
     from megarl.validate import load_config
 
     overrides = list(args.overrides)
+    misplaced = [flag for flag, given, needs in (
+        ("--calibration-out", getattr(args, "calibration_out", None), "measure"),
+        ("--calibration", getattr(args, "calibration", None), "search")) if given and not getattr(args, needs, False)]
+    if misplaced:
+        print(f"megarl plan: {misplaced[0]} is an option of --{'measure' if misplaced[0].endswith('out') else 'search'}"
+              "; add that flag or leave it out", file=sys.stderr)
+        return 2
     if getattr(args, "measure", False):
         if args.search:
             print("megarl plan: --measure and --search are two commands: measure the recipe's own layout first "

@@ -387,6 +387,11 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
             if cfg.engine_placement != "colocated" or cfg.rollout.mode == "ray":
                 raise PlanError("--measure runs the trainer's ranks of a colocated recipe (rollout.placement=colocated,"
                                 " rollout.mode not ray); plan the separate engines' GPUs with plain `megarl plan`")
+            for key, on in (("distillation.enable", cfg.distillation.enable),
+                            ("reward.reward_model.enable", cfg.reward.reward_model.enable)):
+                if on:  # another model of its own shape: its cut copy is not made (yet)
+                    raise PlanError(f"{key}=true: --measure builds the actor, reference and critic only; measure "
+                                    f"with {key}=false (the plan of that model is `megarl plan`'s)")
             model_dir, keep, total = make_cut_model(cfg, layers, work / "model")
             cfg = load_config(recipe, overrides + measured_overrides(cfg, model_dir, keep, work))
             hf = read_model_config(cfg)
