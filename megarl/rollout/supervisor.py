@@ -130,7 +130,8 @@ class EngineSupervisor:
                     self.updates += 1
                     self._kill_for_test_at(KILL_AT_UPDATE, self.updates)
                 return out
-        return UPDATE_CALLS[name]
+        value = UPDATE_CALLS[name]
+        return dict(value) if isinstance(value, dict) else value  # a fresh dict: callers may add to it
 
     # -- replacement ---------------------------------------------------------------------------------------------
     def restart(self, cause: str) -> None:
