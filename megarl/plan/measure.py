@@ -11,7 +11,8 @@ orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at f
 the planner's assumption):
   generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
   old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values
-  update             the critic's and the actor's updates (routing replay as the recipe sets it)
+  update             the critic's and the actor's updates (routing replay as the recipe sets it); on CPU torch Adam's
+                     step temporaries are planned too (megarl.plan.terms.cpu_adam_step_bytes)
   weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
                      the GPU sends to others, at most rollout.update_weights_bucket_megabytes), else tensor by tensor
                      (the engine is not started: its receive slots and its weights are another process's memory)
@@ -269,13 +270,16 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
 
 
 CPU_CLONES = "checkpoint: split fc1 views cloned (CPU)"
+CPU_ADAM = "Adam step temporaries over the freed activations (CPU)"
 
 
 def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
     """stage -> phase -> named line -> planned bytes on that stage's most loaded GPU (megarl.plan.phases.stage_phases
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
-    from megarl.plan.terms import cpu_checkpoint_clone_bytes, fc1_elements
+    from megarl.bridge.mapping import padded_vocab_size
+    from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, fc1_elements, \
+        largest_trained_elements
 
     from megarl.plan import plan_steps
     from megarl.plan.host import r2_gather_bytes
@@ -296,6 +300,15 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
             # the saved models: the actor (its LoRA base frozen: only the adapters train) and the critic
             saved = [not cfg.actor.lora.enabled] + ([True] if cfg.critic_enabled else [])
             out[s]["checkpoint save"][CPU_CLONES] = max(cpu_checkpoint_clone_bytes(fc1, pl.pbytes, t) for t in saved)
+            vocab = padded_vocab_size(spec.vocab_size, pl.tp)
+            lora = cfg.actor.lora.rank if cfg.actor.lora.enabled else 0
+            largest = max([largest_trained_elements(spec, s, pl.pp, pl.tp, pl.layout.expert_tensor, vocab,
+                                                    lora_rank=lora)]
+                          + ([largest_trained_elements(spec, s, pl.pp, pl.tp, pl.layout.expert_tensor, vocab, True)]
+                             if cfg.critic_enabled else []))
+            upd = out[s]["update"]
+            acts = upd.get("activations (update, with its logits)", 0)
+            upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
     return out
 
 

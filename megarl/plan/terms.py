@@ -35,6 +35,11 @@ device-to-host copy, counted on the host below. The views are the gate and up ha
 (megatron saves its [2f, h] weight as two tensors), of the dense layers and of each local expert, and the same halves
 of their optimizer states; models are saved one after the other, so the peak is the largest model's:
   fc1 elements on the stage x (parameter bytes [+ 4 fp32 master in 16-bit + 8 Adam moments, where they train])
+Optimizer step on a CPU trainer: megatron falls back to torch.optim.Adam(W), whose single-tensor step computes
+  denom = (exp_avg_sq.sqrt() / c).add_(eps), two float32 temporaries of the parameter's size alive at once, one
+  parameter at a time; the update's activations are freed by then, so the phase holds
+  states + max(activations, 2 * 4 * the largest trained parameter's elements)
+(on GPU megatron's fused Adam updates in place).
 Host: HOST_PROCESS_GIB per process (Python, torch, megatron-core, CUDA's host side); pinned offload buffers (the
 offloaded states; megarl.megatron.offload keeps the buffer once allocated); checkpoint save:
 torch.distributed.checkpoint stages each rank's saved shard (parameters, fp32 master copy, Adam moments of actor and
@@ -142,3 +147,29 @@ def cpu_checkpoint_clone_bytes(fc1: int, pbytes: int, trains: bool) -> int:
     optimizer's 4 master (16-bit parameters) + 8 Adam bytes where the model trains them]); see the module doc."""
     optim = ((4 if pbytes == 2 else 0) + 8) if trains else 0
     return fc1 * (pbytes + optim)
+
+
+def largest_trained_elements(spec, stage: int, stages: int, tp: int, expert_tp: int, padded_vocab: int,
+                             value_head: bool = False, lora_rank: int = 0) -> int:
+    """Elements of the largest parameter tensor one rank of pipeline stage `stage` trains: the embedding
+    [V_padded / TP, h] (first stage), the untied output layer (last stage; a critic's value head is [1, h]), and per
+    layer the fused QKV [(q + 2kv) / TP, h], the attention output [h, q / TP], the dense fc1 [2f / TP, h] and fc2
+    [h, f / TP], an expert's fc1 [2f_moe / expert TP, h]. With LoRA only the adapters train: rank x the widest
+    adapted side (fc1's 2f / TP)."""
+    h = spec.hidden_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    if lora_rank:
+        return lora_rank * max(2 * spec.ffn_hidden_size // tp, (q + 2 * kv) // tp, h)
+    sizes = [(q + 2 * kv) // tp * h, h * q // tp, 2 * spec.ffn_hidden_size // tp * h]
+    if spec.is_moe:
+        sizes.append(2 * spec.moe_ffn_hidden_size // expert_tp * h)
+    if stage == 0:
+        sizes.append(padded_vocab // tp * h)
+    if stage == stages - 1 and not value_head and not spec.tie_word_embeddings:
+        sizes.append(padded_vocab // tp * h)
+    return max(sizes)
+
+
+def cpu_adam_step_bytes(largest_elements: int) -> int:
+    """torch Adam's step temporaries on a CPU trainer: 2 float32 tensors of the largest trained parameter."""
+    return 2 * 4 * largest_elements

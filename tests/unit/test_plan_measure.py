@@ -154,3 +154,21 @@ def test_cpu_checkpoint_clones_of_split_fc1_views_against_a_hand_calculation():
                                                       tie_word_embeddings=False), 64).to_dict())
     # EP 2: 4 local experts per layer, 2 layers, fc1 [2 x 768, 2048] each
     assert fc1_elements(moe, [2], 0, 1, 2, 1) == 2 * 4 * 2 * 768 * 2048
+
+
+def test_cpu_adam_step_temporaries_against_a_hand_calculation():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.plan.terms import cpu_adam_step_bytes, largest_trained_elements
+
+    spec = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                       intermediate_size=4864), 64).to_dict())
+    fc1 = 2 * 4864 * 896  # the largest: fc1 [9728, 896], above the embedding [128, 896] and QKV [1152, 896]
+    assert largest_trained_elements(spec, 0, 1, 1, 1, 128) == fc1
+    assert largest_trained_elements(spec, 0, 1, 2, 2, 128) == fc1 // 2
+    # a real vocabulary's embedding is larger: [151,936, 896]
+    assert largest_trained_elements(spec, 0, 1, 1, 1, 151936) == 151936 * 896
+    assert largest_trained_elements(spec, 0, 1, 1, 1, 128, lora_rank=16) == 16 * 9728  # LoRA: fc1's adapter B
+    # sqrt(exp_avg_sq) and its quotient by the bias correction, float32, of fc1: 66.5 MiB
+    assert cpu_adam_step_bytes(fc1) == 8 * fc1 == 69_730_304
