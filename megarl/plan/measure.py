@@ -10,7 +10,8 @@ The steps: every rank builds the actor (and reference, critic) as the trainer do
 orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at full length (prompt + response tokens,
 the planner's assumption):
   generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
-  old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values
+  old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values; on
+                     CPU one layer's forward transients are planned too (terms.cpu_forward_working_set_bytes)
   update             the critic's and the actor's updates (routing replay as the recipe sets it); on CPU torch Adam's
                      step temporaries are planned too (megarl.plan.terms.cpu_adam_step_bytes)
   weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
@@ -271,6 +272,7 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
 
 CPU_CLONES = "checkpoint: split fc1 views cloned (CPU)"
 CPU_ADAM = "Adam step temporaries over the freed activations (CPU)"
+CPU_FORWARD = "forward working set, one layer (CPU)"
 
 
 def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
@@ -278,8 +280,9 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
     from megarl.bridge.mapping import padded_vocab_size
-    from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, fc1_elements, \
-        largest_trained_elements
+    from megarl.plan.memory import micro_tokens
+    from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, cpu_forward_working_set_bytes, \
+        fc1_elements, largest_trained_elements
 
     from megarl.plan import plan_steps
     from megarl.plan.host import r2_gather_bytes
@@ -309,6 +312,15 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
             upd = out[s]["update"]
             acts = upd.get("activations (update, with its logits)", 0)
             upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
+            r = cfg.rollout
+            if cfg.ref_enabled or cfg.critic_enabled or not _on_policy(cfg):  # a forward runs in the phase
+                micro = max(r.log_prob_micro_batch_size_per_gpu,
+                            cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0)
+                tokens, _ = micro_tokens(max(1, cfg.data.train_batch_size * r.n // pl.dp),
+                                         r.prompt_length + r.response_length, micro, r.log_prob_use_dynamic_bsz,
+                                         r.log_prob_max_token_len_per_gpu)
+                out[s]["old/ref log-probs"][CPU_FORWARD] = cpu_forward_working_set_bytes(spec, tokens, pl.tp,
+                                                                                          pl.pbytes)
     return out
 
 

@@ -40,6 +40,11 @@ Optimizer step on a CPU trainer: megatron falls back to torch.optim.Adam(W), who
   parameter at a time; the update's activations are freed by then, so the phase holds
   states + max(activations, 2 * 4 * the largest trained parameter's elements)
 (on GPU megatron's fused Adam updates in place).
+Forward working set on a CPU trainer (old/ref log-probs, critic values: no gradient, nothing stored): one layer's
+  transients at its MLP, tokens x p x (5f / TP + 4h): megatron's unfused gated unit keeps fc1's output (2f), the
+  activation of its gate half (f), the linear half plus its offset (f) and their product (f); beside them the
+  embedding output, the normed input and the two residual sums (4h). MoE layers take f = top_k x f_moe (each token
+  through top_k experts; not yet measured).
 Host: HOST_PROCESS_GIB per process (Python, torch, megatron-core, CUDA's host side); pinned offload buffers (the
 offloaded states; megarl.megatron.offload keeps the buffer once allocated); checkpoint save:
 torch.distributed.checkpoint stages each rank's saved shard (parameters, fp32 master copy, Adam moments of actor and
@@ -173,3 +178,10 @@ def largest_trained_elements(spec, stage: int, stages: int, tp: int, expert_tp: 
 def cpu_adam_step_bytes(largest_elements: int) -> int:
     """torch Adam's step temporaries on a CPU trainer: 2 float32 tensors of the largest trained parameter."""
     return 2 * 4 * largest_elements
+
+
+def cpu_forward_working_set_bytes(spec, tokens: int, tp: int, pbytes: int) -> int:
+    """A no-gradient forward's one-layer transients, tokens x pbytes x (5f / TP + 4h); see the module doc."""
+    dense = not spec.is_moe or (spec.moe_layers and not all(spec.moe_layers))
+    f = spec.ffn_hidden_size if dense else spec.moe_topk * spec.moe_ffn_hidden_size
+    return tokens * pbytes * (5 * f // tp + 4 * spec.hidden_size)

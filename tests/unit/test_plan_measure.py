@@ -172,3 +172,17 @@ def test_cpu_adam_step_temporaries_against_a_hand_calculation():
     assert largest_trained_elements(spec, 0, 1, 1, 1, 128, lora_rank=16) == 16 * 9728  # LoRA: fc1's adapter B
     # sqrt(exp_avg_sq) and its quotient by the bias correction, float32, of fc1: 66.5 MiB
     assert cpu_adam_step_bytes(fc1) == 8 * fc1 == 69_730_304
+
+
+def test_cpu_forward_working_set_against_a_hand_calculation():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.plan.terms import cpu_forward_working_set_bytes
+
+    spec = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                       intermediate_size=4864), 64).to_dict())
+    # 192 tokens, float32: fc1's output 2f, the gate's activation f, the linear half + offset f, the product f, and
+    # 4 hidden-sized tensors: 192 x 4 x (5 x 4864 + 4 x 896) = 21,430,272 B (20.4 MiB)
+    assert cpu_forward_working_set_bytes(spec, 192, 1, 4) == 192 * 4 * (5 * 4864 + 4 * 896) == 21_430_272
+    assert cpu_forward_working_set_bytes(spec, 192, 2, 4) == 192 * 4 * (5 * 4864 // 2 + 4 * 896)
