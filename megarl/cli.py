@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-plan-check", action="store_true", help="on GPU, start even where `megarl plan` says "
                            "the recipe does not fit the device's memory")
     pl = sub.add_parser("plan", help="per-GPU memory, weight-sync bytes and time of a recipe on a cluster; exit 1 "
-                        "when it does not fit (--search: the best layout; --measure: measured beside planned peaks)", description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the "
-                        "actor, critic, reference and engine per GPU, weight-sync bytes and a lower bound on its time, "
-                        "and a verdict naming the term that is over.")
+                        "when it does not fit (--search: the best layout; --measure: measured beside planned peaks)",
+                        description="Plan RECIPE on NODES x GPUS_PER_NODE GPUs: memory of the actor, critic, "
+                        "reference and engine per GPU, weight-sync bytes and a lower bound on its time, and a verdict "
+                        "naming the term that is over.")
     from megarl.plan import add_arguments
 
     add_arguments(pl)

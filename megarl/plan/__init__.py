@@ -113,8 +113,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--margin", type=float, default=0.05, help="--search: share of each GPU left free (default 0.05)")
     ap.add_argument("--write", metavar="RECIPE_OUT", help="--search: write the best layout into a copy of the recipe")
     ap.add_argument("--measure", action="store_true", help="run a few real trainer steps of the recipe at its own "
-                    "layout (trainer.nnodes x n_gpus_per_node ranks, CPU or GPU) on a copy of its model cut to --layers "
-                    "and print each phase's measured peak beside the planned one")
+                    "layout (trainer.nnodes x n_gpus_per_node ranks, CPU or GPU) on a copy of its model cut to "
+                    "--layers and print each phase's measured peak beside the planned one")
     ap.add_argument("--layers", type=int, default=2, help="--measure: layers of the measured copy (default 2; "
                     "rounded to the pipeline size)")
     ap.add_argument("--steps", type=int, default=2, help="--measure: steps to run (default 2; the peaks are the "

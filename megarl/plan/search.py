@@ -17,8 +17,8 @@ from itertools import product
 from typing import Optional
 
 from megarl.plan.model import GIB, Cluster, PlanError
-from megarl.plan.timing import (Calibration, StepTime, effective_mfu, active_parameters, assumptions, generate_seconds, recompute_factor,
-                                trainer_seconds)
+from megarl.plan.timing import (Calibration, StepTime, active_parameters, assumptions, effective_mfu,
+                                generate_seconds, recompute_factor, trainer_seconds)
 
 P, A, R = "parallelism.", "actor.", "rollout."
 
@@ -196,10 +196,12 @@ def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration]
                            e.weights, e.kv_per_token, spec.num_layers, pl.engine_tp, gpus_per_node, active)
     mbs = steps.roles.actor_micro_batches
     forwards = 1 + cfg.ref_enabled + cfg.critic_enabled
-    fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration), pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
+    fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration), pl.tp, pl.ep,
+                          pl.pp, mbs, pl.vpp)
     passes = 3 * recompute_factor(cfg.model.recompute) * (cfg.actor.ppo_epochs +
                                                            (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
-    upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration), pl.tp, pl.ep, pl.pp, mbs, pl.vpp)
+    upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration), pl.tp, pl.ep,
+                          pl.pp, mbs, pl.vpp)
     off = host_round_trip_seconds(steps.offloaded[steps.peak.stage])
     return StepTime(gen, fwd, upd, steps.sync.seconds, off)
 

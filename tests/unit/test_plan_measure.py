@@ -186,3 +186,22 @@ def test_cpu_forward_working_set_against_a_hand_calculation():
     # 4 hidden-sized tensors: 192 x 4 x (5 x 4864 + 4 x 896) = 21,430,272 B (20.4 MiB)
     assert cpu_forward_working_set_bytes(spec, 192, 1, 4) == 192 * 4 * (5 * 4864 + 4 * 896) == 21_430_272
     assert cpu_forward_working_set_bytes(spec, 192, 2, 4) == 192 * 4 * (5 * 4864 // 2 + 4 * 896)
+
+
+def test_a_recipes_config_json_model_is_cut_to_its_layers_at_its_widths(tmp_path):
+    from megarl.plan.measure import make_cut_model
+    from megarl.validate import load_config
+    from tests.helpers.tiny_models import make_tiny_model
+
+    src = make_tiny_model("qwen2", tmp_path / "src")  # 4 layers, tied embeddings, QKV bias
+    cfg = load_config("recipes/grpo_tiny_cpu.yaml", [f"model.path={src}", "model.create_tiny=null",
+                                                     "sft.enable=false"])
+    out, keep, total = make_cut_model(cfg, 2, tmp_path / "cut")
+    assert (keep, total) == (2, 4)
+    made = json.loads((out / "config.json").read_text())
+    given = json.loads((src / "config.json").read_text())
+    assert made["num_hidden_layers"] == 2
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "tie_word_embeddings"):
+        assert made[key] == given[key], key
+    assert list(out.glob("*.safetensors"))
