@@ -12,8 +12,9 @@ the planner's assumption):
   generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
   old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values; on
                      CPU one layer's forward transients are planned too (terms.cpu_forward_working_set_bytes)
-  update             the critic's and the actor's updates (routing replay as the recipe sets it); on CPU torch Adam's
-                     step temporaries are planned too (megarl.plan.terms.cpu_adam_step_bytes)
+  update             the critic's and the actor's updates (routing replay as the recipe sets it); on CPU the unfused
+                     gated unit's stored activations and torch Adam's step temporaries are planned too
+                     (megarl.plan.terms.cpu_unfused_glu_bytes, cpu_adam_step_bytes)
   weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
                      the GPU sends to others, at most rollout.update_weights_bucket_megabytes), else tensor by tensor
                      (the engine is not started: its receive slots and its weights are another process's memory)
@@ -273,6 +274,7 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
 CPU_CLONES = "checkpoint: split fc1 views cloned (CPU)"
 CPU_ADAM = "Adam step temporaries over the freed activations (CPU)"
 CPU_FORWARD = "forward working set, one layer (CPU)"
+CPU_GLU = "unfused gated unit's stored activations (CPU)"
 
 
 def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
@@ -280,9 +282,9 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
     from megarl.bridge.mapping import padded_vocab_size
-    from megarl.plan.memory import micro_tokens
+    from megarl.plan.memory import in_flight_layers, micro_tokens
     from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, cpu_forward_working_set_bytes, \
-        fc1_elements, largest_trained_elements
+        cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements
 
     from megarl.plan import plan_steps
     from megarl.plan.host import r2_gather_bytes
@@ -310,7 +312,12 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
                           + ([largest_trained_elements(spec, s, pl.pp, pl.tp, pl.layout.expert_tensor, vocab, True)]
                              if cfg.critic_enabled else []))
             upd = out[s]["update"]
-            acts = upd.get("activations (update, with its logits)", 0)
+            stage_layers = pl.layout.stage_layers(spec.num_layers)
+            in_flight = (1 if cfg.model.recompute == "full" else
+                         in_flight_layers(pl.pp, pl.vpp, s, st.roles.actor_micro_batches, stage_layers[s]))
+            upd[CPU_GLU] = cpu_unfused_glu_bytes(spec, st.roles.actor_tokens, in_flight, pl.tp, pl.pbytes)
+            # the optimizer steps after the activations are freed: the phase holds the larger of the two
+            acts = upd.get("activations (update, with its logits)", 0) + upd[CPU_GLU]
             upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
             r = cfg.rollout
             if cfg.ref_enabled or cfg.critic_enabled or not _on_policy(cfg):  # a forward runs in the phase

@@ -45,6 +45,11 @@ Forward working set on a CPU trainer (old/ref log-probs, critic values: no gradi
   activation of its gate half (f), the linear half plus its offset (f) and their product (f); beside them the
   embedding output, the normed input and the two residual sums (4h). MoE layers take f = top_k x f_moe (each token
   through top_k experts; not yet measured).
+Stored activations on a CPU trainer: the activation formula (megarl.plan.memory) counts a gated MLP's fc1 output and
+  the gated unit's output, 3f elements per token and layer, as a fused kernel keeps them. Megatron's unfused gated unit
+  (CPU; no Transformer Engine) also keeps for the backward the linear half plus its offset and the activation of the
+  gate half, each saved by their product: 2f elements more per token and layer in flight (f = top_k x f_moe in MoE
+  layers), in the parameter dtype.
 Host: HOST_PROCESS_GIB per process (Python, torch, megatron-core, CUDA's host side); pinned offload buffers (the
 offloaded states; megarl.megatron.offload keeps the buffer once allocated); checkpoint save:
 torch.distributed.checkpoint stages each rank's saved shard (parameters, fp32 master copy, Adam moments of actor and
@@ -185,3 +190,11 @@ def cpu_forward_working_set_bytes(spec, tokens: int, tp: int, pbytes: int) -> in
     dense = not spec.is_moe or (spec.moe_layers and not all(spec.moe_layers))
     f = spec.ffn_hidden_size if dense else spec.moe_topk * spec.moe_ffn_hidden_size
     return tokens * pbytes * (5 * f // tp + 4 * spec.hidden_size)
+
+
+def cpu_unfused_glu_bytes(spec, tokens: int, layers_in_flight: float, tp: int, pbytes: int) -> int:
+    """The unfused gated unit's extra stored activations: tokens x layers in flight x 2f / TP x pbytes (see the
+    module doc)."""
+    dense = not spec.is_moe or (spec.moe_layers and not all(spec.moe_layers))
+    f = spec.ffn_hidden_size if dense else spec.moe_topk * spec.moe_ffn_hidden_size
+    return int(tokens * layers_in_flight * 2 * f // tp * pbytes)

@@ -205,3 +205,20 @@ def test_a_recipes_config_json_model_is_cut_to_its_layers_at_its_widths(tmp_path
                 "tie_word_embeddings"):
         assert made[key] == given[key], key
     assert list(out.glob("*.safetensors"))
+
+
+def test_cpu_unfused_gated_unit_against_a_hand_calculation():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.plan.terms import cpu_unfused_glu_bytes
+
+    spec = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                       intermediate_size=4864), 64).to_dict())
+    # 192 tokens through 2 layers, float32: the linear half + offset and the gate's activation, 2 x 4864 each token
+    assert cpu_unfused_glu_bytes(spec, 192, 2, 1, 4) == 192 * 2 * 2 * 4864 * 4 == 14_942_208
+    moe = spec_from_dict(tiny_hf_config(TinyModelSpec(architecture="qwen3_moe", hidden_size=2048,
+                                                      num_attention_heads=32, num_key_value_heads=4,
+                                                      intermediate_size=768, num_experts=8, num_experts_per_tok=8,
+                                                      tie_word_embeddings=False), 64).to_dict())
+    assert cpu_unfused_glu_bytes(moe, 192, 2, 1, 4) == 192 * 2 * 2 * 8 * 768 * 4  # top-8 experts per token
