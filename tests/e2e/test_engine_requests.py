@@ -127,7 +127,7 @@ def test_abort_ends_coroutines_in_flight_with_their_partial_completions(engine):
 def test_abort_through_the_engine_process(model_dir):
     from megarl.rollout.process import EngineProcess
 
-    long = 490  # the tiny model's 512 positions, less the prompt
+    long = 240  # long enough that an abort at a quarter of a warm run lands mid-generation, with 12 samples
     engine = EngineProcess(config(response_length=long), model_dir, seed=0)
     try:
         full = engine.generate(PROMPTS, seed=2, n=4)
