@@ -23,26 +23,27 @@ def _deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
+def _recipe_error(path: Path, key: str, value, rule: str, fix: str = "") -> ConfigError:
+    """A recipe file that cannot be read as one (troubleshooting entry config-recipe)."""
+    return ConfigError(str(path), [Issue(key, value, rule, fix, error_id="config-recipe")])
+
+
 def read_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     """Read a recipe YAML, resolving `base: other.yaml` (relative to the file) recursively."""
     path = Path(path).resolve()
     if path in _chain:
-        raise ConfigError(str(path), [Issue("base", str(path), "recipes extend each other in a cycle: "
-                                            + " -> ".join(str(p) for p in _chain + (path,)), "remove one `base:`",
-                                            error_id="config-recipe")])
+        raise _recipe_error(path, "base", str(path), "recipes extend each other in a cycle: "
+                            + " -> ".join(str(p) for p in _chain + (path,)), "remove one `base:`")
     if not path.is_file():
-        raise ConfigError(str(path), [Issue("recipe", str(path), "file not found",
-                                            "pass the path of a YAML recipe, e.g. recipes/grpo_tiny_cpu.yaml",
-                                            error_id="config-recipe")])
+        raise _recipe_error(path, "recipe", str(path), "file not found",
+                            "pass the path of a YAML recipe, e.g. recipes/grpo_tiny_cpu.yaml")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [Issue("recipe", str(path), f"not valid YAML: {exc}", "fix the syntax",
-                                            error_id="config-recipe")]) from None
+        raise _recipe_error(path, "recipe", str(path), f"not valid YAML: {exc}", "fix the syntax") from None
     if not isinstance(data, dict):
-        raise ConfigError(str(path), [Issue("recipe", type(data).__name__, "the top level must be a mapping of "
-                                            "sections (data, model, actor, ...)",
-                                            error_id="config-recipe")])
+        raise _recipe_error(path, "recipe", type(data).__name__, "the top level must be a mapping of sections "
+                            "(data, model, actor, ...)")
     base = data.pop("base", None)
     if base:
         parent = read_recipe(path.parent / base, _chain + (path,))

@@ -79,9 +79,8 @@ def make_cut_model(cfg, layers: int, out: Path) -> tuple[Path, int, int]:
     total = int(hf["num_hidden_layers"])
     keep = cut_layers(total, layers, pp)
     hf["num_hidden_layers"] = keep
-    for key in ("first_k_dense_replace",):  # dense first layers: keep at least one layer of each kind
-        if key in hf and hf[key] and hf[key] >= keep:
-            hf[key] = keep - 1
+    if hf.get("first_k_dense_replace") and hf["first_k_dense_replace"] >= keep:  # keep a layer of each kind
+        hf["first_k_dense_replace"] = keep - 1
     if isinstance(hf.get("mlp_only_layers"), list):
         hf["mlp_only_layers"] = [i for i in hf["mlp_only_layers"] if i < keep]
     if isinstance(hf.get("layer_types"), list):
@@ -277,7 +276,15 @@ CPU_FORWARD = "forward working set, one layer (CPU)"
 CPU_GLU = "unfused gated unit's stored activations (CPU)"
 
 
-def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
+def measured_plan(cfg, hf: dict):
+    """The planner's steps (megarl.plan.plan_steps) for the measured run's own layout and cut model: what
+    planned_per_stage and calibration_record both read."""
+    from megarl.plan import plan_steps
+
+    return plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf)
+
+
+def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
     """stage -> phase -> named line -> planned bytes on that stage's most loaded GPU (megarl.plan.phases.stage_phases
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
@@ -286,12 +293,9 @@ def planned_per_stage(cfg, hf: dict, cpu: bool = False) -> dict[int, dict[str, d
     from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, cpu_forward_working_set_bytes, \
         cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements
 
-    from megarl.plan import plan_steps
     from megarl.plan.host import r2_gather_bytes
     from megarl.plan.phases import stage_phases
 
-    cluster = Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0)
-    st = plan_steps(cfg, cluster, hf)
     pl = st.place
     out = {}
     for s in range(pl.pp):
@@ -368,13 +372,11 @@ def render(rows: list[dict], head: str, planned: dict) -> str:
     return "\n".join(lines)
 
 
-def calibration_record(cfg, hf: dict, rows: list[dict], ranks: list[dict], layers: tuple) -> dict:
+def calibration_record(cfg, st, rows: list[dict], ranks: list[dict], layers: tuple) -> dict:
     """What --calibration reads: per phase the planned and measured bytes and the measured seconds, and the trainer's
     achieved TFLOP/s per device in the forward and update phases (FLOPs as megarl.plan.timing counts them)."""
-    from megarl.plan import plan_steps
     from megarl.plan.timing import active_parameters, recompute_factor
 
-    st = plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf)
     w, spec = st.weights, st.weights.spec
     active = active_parameters(w.n_params, w.n_expert, spec.moe_topk, spec.num_experts)
     tokens, world = ranks[0]["tokens"], st.place.world
@@ -426,8 +428,8 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
                                     f"with {key}=false (the plan of that model is `megarl plan`'s)")
             model_dir, keep, total = make_cut_model(cfg, layers, work / "model")
             cfg = load_config(recipe, overrides + measured_overrides(cfg, model_dir, keep, work))
-            hf = read_model_config(cfg)
-            planned = planned_per_stage(cfg, hf, cpu=not _trains_on_cuda(cfg))
+            st = measured_plan(cfg, read_model_config(cfg))
+            planned = planned_per_stage(cfg, st, cpu=not _trains_on_cuda(cfg))
         except (ConfigError, PlanError) as exc:
             print(f"megarl plan --measure: {exc}", file=sys.stderr)
             return 1
@@ -450,7 +452,7 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
         print(f"# {recipe}")
         print(render(rows, head, planned))
         if out_json:
-            record = calibration_record(cfg, hf, rows, ranks, (keep, total))
+            record = calibration_record(cfg, st, rows, ranks, (keep, total))
             Path(out_json).write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {out_json}: measured peaks and seconds per phase (megarl plan --calibration reads it)")
         return 0

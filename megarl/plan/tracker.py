@@ -11,14 +11,12 @@ What it counts: the storages created while it is active (models built inside it 
 buffers, optimizer states, activations, temporaries that are an operator's output). What it does not: memory inside a
 single operator's kernel that never becomes a tensor, tensors made outside it (e.g. torch.frombuffer over a file), and
 the allocator's or runtime's own bytes (process RSS counts those, and at small sizes they dominate it).
-On CUDA the caching allocator's statistics are exact and cheap: `cuda_peak_since_reset` reads them instead.
+On CUDA the caching allocator's statistics are exact and cheap: megarl.plan.measure.PhaseMeter reads them instead.
 """
 from __future__ import annotations
 
 import weakref
 from functools import wraps
-from typing import Optional
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -103,9 +101,3 @@ class LiveTensorBytes(TorchDispatchMode):
             self._count(t)
         return out
 
-
-def cuda_peak_since_reset(device: Optional[int] = None) -> int:
-    """torch.cuda's max_memory_allocated since the last reset, then a reset: one phase's allocated peak (bytes)."""
-    peak = torch.cuda.max_memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
