@@ -1,4 +1,4 @@
-"""`megarl verify --hf DIR [--lora ADAPTER_DIR] [--tp N --pp N --ep N] [--tol X]`: logprob parity of megarl's megatron
+"""`megarl verify --hf DIR [--lora ADAPTER_DIR] [--tp N --pp N --ep N --cp N] [--tol X]`: logprob parity of megarl's megatron
 model with HF.
 
 A reward model (*ForSequenceClassification, num_labels 1) is compared by its scores instead: megarl's value head read
@@ -27,13 +27,15 @@ bridge.
 
 Ranks. As a plain command (no WORLD_SIZE in the environment) it starts the ranks itself with
 megarl.launch_local.run_ranks: world size = TP * PP * EP, i.e. data parallel size = EP (megatron's expert-parallel group
-is carved out of the TP * DP ranks of a stage, with expert TP = TP). Under torchrun it uses the ranks it is given
+is carved out of the TP * DP ranks of a stage, with expert TP = TP); with --cp, TP * PP * lcm(CP, EP) (each row split
+over the CP ranks; experts over the CP x DP ranks). Under torchrun it uses the ranks it is given
 (the world size must be a multiple of TP * PP, with DP divisible by EP); every DP replica computes the same batch and
 global rank 0 prints.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -51,12 +53,14 @@ TEXTS = [
 ]
 
 
-def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1) -> int:
-    """Ranks a plain `megarl verify` starts: TP * PP * EP (data parallel = EP), or more when the engine's TP needs
-    more ranks to host its workers (the extra ranks are data-parallel replicas)."""
-    world = tp * pp * ep
+def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1, cp: int = 1) -> int:
+    """Ranks a plain `megarl verify` starts: TP * PP * lcm(CP, EP) (experts spread over the CP x DP ranks, data
+    parallel = EP / CP when EP is larger), or more when the engine's TP needs more ranks to host its workers (the
+    extra ranks are data-parallel replicas)."""
+    step = tp * pp * math.lcm(cp, ep)
+    world = step
     while world < engine_tp:
-        world += tp * pp * ep
+        world += step
     return world
 
 
@@ -68,6 +72,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
     p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
+    p.add_argument("--cp", type=int, default=1, help="context_parallel_size: each sequence split over CP ranks "
+                   "(2*CP load-balanced chunks per row, attention over the whole row)")
     p.add_argument("--first-stage-layers", type=int, default=None,
                    help="uneven pipeline stages: num_layers_in_first_pipeline_stage")
     p.add_argument("--last-stage-layers", type=int, default=None,
@@ -176,15 +182,15 @@ def make_batch(hf_dir: str, vocab_size: int, batch: int, seq_len: int, seed: int
         return tokens, lengths, f"random ids ({type(exc).__name__}: {exc})"
 
 
-def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1,
+def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                       micro_batch: int = 1, dtype: str = "float32", seed: int = 0, engine: str = "megatron",
                       lengths: Optional[torch.Tensor] = None, engine_tp: int = 1, engine_ep: int = 1,
                       lora: Optional[str] = None, reward_model: bool = False, first_stage: Optional[int] = None,
                       last_stage: Optional[int] = None, lora_sync: str = "merged") -> dict:
     """Rank body (after init_distributed): {"megatron": megarl's logprobs [B, S-1] (reward_model: scores [B] at the
     last real token of each row) on the rank that reports them (last pipeline stage, TP rank 0, DP rank 0), else
-    None}; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real tokens) and "sync"
-    (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears; first_stage / last_stage:
+    None}; cp: context-parallel size; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real
+    tokens) and "sync" (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears; first_stage / last_stage:
     layers of the first / last pipeline stage (uneven stages); lora_sync: "adapter" loads the adapters into vLLM's
     LoRA support instead of merged weights (megarl.sync.adapters)."""
     from megatron.core import parallel_state as ps
@@ -196,7 +202,8 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
 
     apply_precision(allow_tf32=False)  # float32 means float32 (the parent set the libraries' override already)
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep, num_layers_in_first_pipeline_stage=first_stage,
+                               expert_model_parallel_size=ep, context_parallel_size=cp,
+                               num_layers_in_first_pipeline_stage=first_stage,
                                num_layers_in_last_pipeline_stage=last_stage), seed=seed)
     model, spec = build_and_load(hf_dir, dtype=getattr(torch, dtype), value_head=reward_model)
     engine_lora = None
@@ -215,11 +222,13 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
         from megarl.megatron.forward import token_values
         from megarl.reward.model import last_token_scores
 
-        values = token_values(model, tokens, micro_batch_size=micro_batch)
+        values = token_values(model, tokens, micro_batch_size=micro_batch, lengths=lengths)
         out = None if values is None else last_token_scores(values, lengths)
     else:
-        out = token_logprobs(model, tokens, micro_batch_size=micro_batch)
-    report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+        # the rows' real lengths: micro-batches run packed as in training (nothing computed past a row's length)
+        out = token_logprobs(model, tokens, micro_batch_size=micro_batch, lengths=lengths)
+    report = (out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+              and ps.get_context_parallel_rank() == 0)
     result = {"megatron": out.cpu() if report else None, "tf32": tf32_in_effect(),
               "device": "cuda" if torch.cuda.is_available() else "cpu"}
     if engine in ("vllm", "hf"):
@@ -307,7 +316,9 @@ def report(args, rows, max_diff, source, out=None, reference: str = "HF", other:
     lora = f" + LoRA {args.lora}" if getattr(args, "lora", None) else ""
     first, last = getattr(args, "first_stage_layers", None), getattr(args, "last_stage_layers", None)
     stages = "" if first is None and last is None else f" (stages first={first} last={last})"
-    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp}{stages} EP={args.ep} dtype={args.dtype} "
+    cp = getattr(args, "cp", 1)
+    print(f"megarl verify {args.hf}{lora}  TP={args.tp} PP={args.pp}{stages} EP={args.ep}"
+          f"{f' CP={cp}' if cp > 1 else ''} dtype={args.dtype} "
           f"engine={engine}  batch from {source}; TF32 {'on' if tf32 else 'off'}", file=out)
     head = f"{reference} score" if quantity == "score" else f"mean {reference} logprob"
     print(f"{'seq':>4} {'tokens':>6} {'max|diff|':>11} {head:>16}", file=out)
@@ -373,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     apply_precision(allow_tf32=False)  # before any rank starts CUDA: the ranks inherit NVIDIA_TF32_OVERRIDE=0
     tokens, lengths, source = make_batch(args.hf, spec.vocab_size, args.batch, args.seq_len, args.seed)
-    kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep,
+    kwargs = dict(hf_dir=str(args.hf), tokens=tokens, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp,
                   micro_batch=args.micro_batch, dtype=args.dtype, seed=args.seed, engine=args.engine, lengths=lengths,
                   engine_tp=args.engine_tp, engine_ep=args.engine_ep, lora=args.lora, reward_model=spec.score_head,
                   first_stage=args.first_stage_layers, last_stage=args.last_stage_layers,
@@ -391,7 +402,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return broadcast_object(_judge(args, gathered, tokens, lengths, source) if dist.get_rank() == 0 else None)
     from megarl.launch_local import RankFailure, run_ranks
 
-    world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine in ("vllm", "hf") else 1)
+    world = world_size_for(args.tp, args.pp, args.ep, args.engine_tp if args.engine in ("vllm", "hf") else 1,
+                           args.cp)
     try:
         results = run_ranks("megarl.verify:_rank_body", world, kwargs, timeout=args.timeout)
     except RankFailure as exc:

@@ -203,6 +203,25 @@ def _patch_mla_without_te():
         mla.HAVE_TE = False
 
 
+def _patch_cp_pos_emb():
+    import megatron.core.models.common.embeddings.rope_utils as ru
+    import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn
+
+    def on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        """megatron's function (chunks r and 2*CP-1-r of the sequence dimension) with its index on pos_emb's
+        device instead of a pinned host copy sent to CUDA."""
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp, r = cp_group.size(), cp_group.rank()
+        idx = torch.tensor([r, 2 * cp - r - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, idx)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    ru.get_pos_emb_on_this_cp_rank = on_this_cp_rank
+    yarn.get_pos_emb_on_this_cp_rank = on_this_cp_rank
+
+
 PATCHES: tuple[_Patch, ...] = (
     _Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (torch.cuda.current_device() "
            "as a tensor device in ~175 places)", (), _patch_current_device),
@@ -230,6 +249,11 @@ PATCHES: tuple[_Patch, ...] = (
     _Patch("mla_without_te", "MLASelfAttention: 'isinstance() arg 2 must be a type' (TELinear is a placeholder while HAVE_TE)",
            ("megatron.core.transformer.multi_latent_attention:HAVE_TE",
             "megatron.core.transformer.multi_latent_attention:TELinear"), _patch_mla_without_te),
+    _Patch("cp_pos_emb", "get_pos_emb_on_this_cp_rank (YaRN rope at context parallelism) pins a host index and "
+           "sends it to CUDA: 'pin_memory=True requires a CUDA or other accelerator backend'",
+           ("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+            "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:get_pos_emb_on_this_cp_rank"),
+           _patch_cp_pos_emb),
 )
 
 

@@ -13,6 +13,7 @@ vocab_parallel_cross_entropy (negated), with the vocab padding rows masked out o
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable, Optional
 
@@ -39,8 +40,30 @@ def causal_inputs(tokens: torch.Tensor) -> tuple:
 
 
 def pack_multiple(config) -> int:
-    """What every pack's length must divide by: TP under sequence parallelism (each TP rank holds a chunk)."""
-    return config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
+    """What every pack's length must divide by: TP under sequence parallelism (each TP rank holds a chunk); under
+    context parallelism 2*CP (each segment's chunks) and CP * TP with sequence parallelism (each CP rank's share
+    splits over TP)."""
+    tp = config.tensor_model_parallel_size if getattr(config, "sequence_parallel", False) else 1
+    cp = context_parallel_size(config)
+    return tp if cp == 1 else math.lcm(2 * cp, cp * tp)
+
+
+def context_parallel_size(config) -> int:
+    return int(getattr(config, "context_parallel_size", 1) or 1)
+
+
+def pack_for(config, tokens: torch.Tensor, lengths: torch.Tensor, size: Optional[int] = None) -> Pack:
+    """The pack of a micro-batch as the model of `config` computes it (sequence- and context-parallel sizes)."""
+    from megarl.megatron import context_parallel
+
+    cp = context_parallel_size(config)
+    return pack_rows(tokens, lengths, pack_multiple(config), size, cp=cp, cp_rank=context_parallel.rank() if cp > 1
+                     else 0)
+
+
+def pack_size_for(config, lengths) -> int:
+    """pack_size of a micro-batch's real lengths under `config`'s layout (as pack_for lays it out)."""
+    return pack_size(lengths, pack_multiple(config), context_parallel_size(config))
 
 
 def schedule_shapes(chunks: list, sizes: list[int]) -> tuple[list[int], dict]:
@@ -65,7 +88,7 @@ def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
     if rows is not None and router_replay.STATE.action != "off":
         router_replay.micro_batch(*token_rows(pack, rows))
     te = getattr(getattr(model, "module", model), "megarl_te", False)
-    return distributed.call_model(model, pack.ids, pack.positions, None, seq_params(pack, on_device=te))
+    return distributed.call_model(model, pack.model_ids, pack.model_positions, None, seq_params(pack, on_device=te))
 
 
 def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[torch.Tensor]:
@@ -108,20 +131,19 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
                          "megarl's megatron attention is full causal and would differ from the HF model beyond the "
                          "window")
     device = distributed.compute_device()
-    multiple = pack_multiple(config)
     groups = micro_batch_rows(n, micro_batch_size, len(chunks))
     replay = router_replay.STATE
     if replay.action != "off":  # routing replay: each micro-batch's global row ids
         if replay.pass_rows is None or len(replay.pass_rows) != n:
             raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
-    sizes, shapes = schedule_shapes(chunks, agreed_sizes([pack_size(lengths[g], multiple) for g in groups]))
+    sizes, shapes = schedule_shapes(chunks, agreed_sizes([pack_size_for(config, lengths[g]) for g in groups]))
     items = [(g, replay.pass_rows.long()[g] if replay.action != "off" else None, size)
              for g, size in zip(groups, sizes)]
     tokens = tokens.to(device)
 
     def step(data_iterator, m):
         rows, global_rows, size = next(data_iterator)
-        pack = pack_rows(tokens[rows.to(device)], lengths[rows], multiple, size)
+        pack = pack_for(config, tokens[rows.to(device)], lengths[rows], size)
         return packed_forward(m, pack, global_rows), partial(_collect, pack)
 
     def _collect(pack, output):
@@ -159,11 +181,11 @@ def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_s
     vocab_size = vocab_size or chunk.megarl_spec.vocab_size
 
     def fn(logits, pack):
-        logp = logprobs_from_logits(logits, packed_labels(pack), vocab_size, temperature)
+        logp = logprobs_from_logits(logits, pack.local(packed_labels(pack)), vocab_size, temperature)
         reduce_max, reduce_sum = tp_reductions()
         x = scaled_local_logits(logits, vocab_size, temperature, pad_fill=float("-inf"))
         sq = algo.sum_pi_squared_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
-        return unpack(torch.stack([logp, sq.to(logp.dtype)], dim=-1), logprob_index(pack))
+        return unpack(pack.whole(torch.stack([logp, sq.to(logp.dtype)], dim=-1)), logprob_index(pack))
 
     return run_microbatches(model, tokens, micro_batch_size, fn, lengths)
 

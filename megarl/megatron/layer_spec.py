@@ -65,7 +65,9 @@ class SDPAttention(_module_base()):
     [b, np, sq, sk] with True = masked (padding masks included); a masked position gets the most negative finite
     score, as megatron's own masking does, so a fully masked row yields a uniform average instead of NaN.
     Packed sequences (packed_seq_params, THD: query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]) attend
-    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment)."""
+    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment). Under context
+    parallelism t is this rank's share of the pack and keys and values are gathered over the CP group
+    (megarl.megatron.context_parallel.attend), exact."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -73,9 +75,7 @@ class SDPAttention(_module_base()):
         super().__init__(config=config)
         from megatron.core.transformer.enums import AttnMaskType
 
-        if config.context_parallel_size != 1:
-            raise ValueError("megarl's SDPA core attention does not implement context parallelism; use the "
-                             "Transformer Engine spec (model.use_transformer_engine=true) for context_parallel_size > 1")
+        self.cp = config.context_parallel_size
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError(f"megarl's SDPA core attention supports vanilla full attention only (softmax_type="
                              f"{config.softmax_type!r}, window_size={config.window_size})")
@@ -94,6 +94,9 @@ class SDPAttention(_module_base()):
             raise ValueError("megarl's SDPA core attention takes no attention bias")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp > 1:
+            raise ValueError("megarl's SDPA core attention takes context-parallel input packed only (megarl's forward "
+                             "always packs: megarl.megatron.packing)")
         sq, b, nq, hn = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn], hn stays contiguous
         causal = self.causal if attn_mask_type is None else attn_mask_type.name in ("causal", "padding_causal")
@@ -123,16 +126,25 @@ class SDPAttention(_module_base()):
 
         dropout = self.dropout if self.training else 0.0
 
-        def attend(q, k, v):  # [g, L, heads, hn] -> [g, L, np, hn]
+        def attend(q, k, v, allowed=None):
+            """q [g, m, np, hn], k/v [g, L, ng, hn] -> [g, m, np, hn]; allowed [m, L] (True = may attend) under CP,
+            else m = L and causal by the kernel."""
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            causal = self.causal and allowed is None
             if dropout:
                 from megatron.core import tensor_parallel
 
                 with tensor_parallel.get_cuda_rng_tracker().fork():
-                    return self._sdpa(q, k, v, None, self.causal, dropout).transpose(1, 2)
-            return self._sdpa(q, k, v, None, self.causal, 0.0).transpose(1, 2)
+                    return self._sdpa(q, k, v, allowed, causal, dropout).transpose(1, 2)
+            return self._sdpa(q, k, v, allowed, causal, 0.0).transpose(1, 2)
 
-        out = by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
+        segments = segment_lengths(packed_seq_params)
+        if self.cp > 1:
+            from megarl.megatron.context_parallel import attend as cp_attend
+
+            out = cp_attend(query, key, value, segments, attend)
+        else:
+            out = by_segment(segments, attend, query, key, value)
         return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, mask, causal, dropout):

@@ -134,6 +134,7 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        context_parallel_size=ps.get_context_parallel_world_size(),
         # megatron computes each chunk's layer offset from it (and the interleaved schedule's micro-batch groups)
         virtual_pipeline_model_parallel_size=vpp,
         expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,

@@ -13,6 +13,12 @@ token's output is the one the padded batch computes there.
 
 Outputs come back per row with `unpack` (zeros where nothing was computed); logprobs use `packed_labels` (the next
 token of the same row) and `logprob_index` (columns 0 .. l_r - 2: the last real token predicts nothing in its row).
+
+Context parallelism (CP > 1, megarl.megatron.context_parallel): every row's segment is padded at its end to a
+multiple of 2*CP (the row's real tokens never attend to that padding, which comes after them) and the model sees this
+rank's share of the pack only, `model_ids` / `model_positions` [1, P / CP]. Per-token outputs are gathered back to
+the whole pack before they are read per row (row_logprobs, row_entropy, row_values), so `index` and `unpack` keep
+meaning positions of the whole pack.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ class Pack:
     cu_seqlens: torch.Tensor  # [k + 1] int32
     index: torch.Tensor      # [b, S] long
     lengths: tuple           # (l_0, ..., l_{b-1}) real tokens per row
-    segments: tuple          # segment lengths: the rows', then the end padding's (if any)
+    segments: tuple          # segment lengths: the rows' (padded to 2*CP under CP), then the end padding's (if any)
+    cp: int = 1              # context-parallel size and this rank's place in it: the model sees its share only
+    cp_rank: int = 0
 
     @property
     def size(self) -> int:
@@ -43,6 +51,31 @@ class Pack:
     @property
     def real(self) -> int:
         return sum(self.lengths)
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's tokens of a whole-pack tensor [1, P, ...] -> [1, P / CP, ...] (x itself at CP 1)."""
+        if self.cp == 1:
+            return x
+        from megarl.megatron.context_parallel import chunk_positions
+
+        return x[:, chunk_positions(self.segments, self.cp, self.cp_rank).to(x.device)]
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-token output of this rank's tokens [1, P / CP, ...] -> [1, P, ...], gathered over the CP group."""
+        if self.cp == 1:
+            return x
+        from megarl.megatron.context_parallel import gather_tokens
+
+        return gather_tokens(x, self.segments)
+
+    @property
+    def model_ids(self) -> torch.Tensor:
+        """[1, P / CP]: the token ids the model computes on this rank."""
+        return self.local(self.ids)
+
+    @property
+    def model_positions(self) -> torch.Tensor:
+        return self.local(self.positions)
 
 
 def row_lengths(mb: dict) -> torch.Tensor:
@@ -61,29 +94,41 @@ def row_lengths(mb: dict) -> torch.Tensor:
     return lengths.long().clamp(1, s).cpu()
 
 
+def _row_segment(n: int, cp: int) -> int:
+    """A row of n real tokens' segment length: n, or n rounded up to a multiple of 2*CP under CP."""
+    return n if cp == 1 else n + (-n % (2 * cp))
+
+
 def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, multiple: int = 1,
-              size: Optional[int] = None) -> Pack:
+              size: Optional[int] = None, cp: int = 1, cp_rank: int = 0) -> Pack:
     """The pack of `tokens` [b, S] (right-padded) with real lengths `lengths` [b] (host values; None: all S), its
     size rounded up to a multiple of `multiple`, or exactly `size` (>= that: a size the expert-parallel ranks agreed
-    on). The layout is computed on the host from the lengths; tokens are gathered on their own device (no read-back
-    from it)."""
+    on). cp > 1: each row's segment padded to a multiple of 2*cp, the model to see rank `cp_rank`'s share (the
+    module doc); `multiple` must then be a multiple of 2*cp (megarl.megatron.forward.pack_multiple). The layout is
+    computed on the host from the lengths; tokens are gathered on their own device (no read-back from it)."""
     b, s = tokens.shape
     lens = [s] * b if lengths is None else [max(1, min(s, int(x))) for x in lengths.tolist()]
-    real = sum(lens)
+    rows = [_row_segment(n, cp) for n in lens]
+    real = sum(rows)
     pad = -real % max(1, multiple)
     if size is not None:
         if size < real + pad:
             raise ValueError(f"pack size {size} is below the {real + pad} tokens of its rows")
         pad = size - real
-    segments = tuple(lens) + ((pad,) if pad else ())
+    if cp > 1 and pad % (2 * cp):
+        raise ValueError(f"a pack's end padding of {pad} tokens does not split into 2*CP = {2 * cp} chunks; its "
+                         f"size must be a multiple of {2 * cp}")
+    segments = tuple(rows) + ((pad,) if pad else ())
     starts = [0]
     for n in segments:
         starts.append(starts[-1] + n)
     cols = torch.arange(s).unsqueeze(0)
     index = torch.where(cols < torch.tensor(lens).unsqueeze(1), torch.tensor(starts[:b]).unsqueeze(1) + cols,
                         torch.full((b, s), -1))
-    # the flat source of each packed token in tokens (row r * S + column c); -1 for the end padding
-    src = torch.cat([r * s + torch.arange(n) for r, n in enumerate(lens)] + [torch.full((pad,), -1)])
+    # the flat source of each packed token in tokens (row r * S + column c); -1 for padding (a row's under CP, the
+    # pack's end)
+    src = torch.cat([torch.cat([r * s + torch.arange(n), torch.full((seg - n,), -1)])
+                     for r, (n, seg) in enumerate(zip(lens, rows))] + [torch.full((pad,), -1)])
     positions = torch.cat([torch.arange(n) for n in segments])
     device = tokens.device
     src = src.to(device)
@@ -91,11 +136,12 @@ def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, mult
                                                                                   device=device))
     return Pack(ids=ids.unsqueeze(0), positions=positions.to(device).unsqueeze(0),
                 cu_seqlens=torch.tensor(starts, dtype=torch.int32), index=index.to(device),
-                lengths=tuple(lens), segments=segments)
+                lengths=tuple(lens), segments=segments, cp=cp, cp_rank=cp_rank)
 
 
 def packed_labels(pack: Pack) -> torch.Tensor:
-    """[1, P]: the token after each packed position within its row (0 at a row's last token and in the padding)."""
+    """[1, P]: the token after each packed position within its row (0 at a row's last token and in the padding).
+    The whole pack's; `pack.local` gives this CP rank's share."""
     ends = torch.zeros(pack.size, dtype=torch.bool)
     ends[torch.tensor(pack.segments).cumsum(0) - 1] = True  # each segment's last token: nothing after it in its row
     nxt = torch.cat([pack.ids[:, 1:], pack.ids[:, :1]], dim=1)
@@ -129,8 +175,11 @@ def seq_params(pack: Pack, on_device: bool = False):
 
     longest = max(pack.segments)
     cu = pack.cu_seqlens.to(pack.ids.device) if on_device else pack.cu_seqlens
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                             max_seqlen_kv=longest)
+    # under CP Transformer Engine's THD attention reads the (2*CP-padded) boundaries as the padded ones; megatron's
+    # rope reads them too to place each rank's chunks (megarl.megatron.context_parallel)
+    padded = cu if pack.cp > 1 else None
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                             cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     setattr(params, SEGMENTS_ATTR, pack.segments)
     return params
 
@@ -170,9 +219,9 @@ def by_segment(segments: list[int], fn, *tensors: torch.Tensor) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def pack_size(lengths, multiple: int = 1) -> int:
+def pack_size(lengths, multiple: int = 1, cp: int = 1) -> int:
     """P of pack_rows for real lengths `lengths` (host ints or a host tensor, already within 1 .. S)."""
-    real = sum(int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
+    real = sum(_row_segment(int(x), cp) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
     return real + (-real % max(1, multiple))
 
 
@@ -195,11 +244,13 @@ def agreed_sizes(sizes: list[int]) -> list[int]:
 
 
 def token_rows(pack: Pack, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row [P], column [P]) of every packed token on the host: rows [b] gives each row's id (global ids for routing
-    replay; -1 for a row that is padding), the end padding gets -1."""
-    ids = torch.cat([torch.full((n,), int(r), dtype=torch.long) for n, r in zip(pack.lengths, rows.tolist())]
+    """(row [P / CP], column [P / CP]) of every token the model computes on this rank, on the host: rows [b] gives
+    each row's id (global ids for routing replay; -1 for a row that is padding); padding (a row's under CP, the
+    pack's end) gets -1."""
+    ids = torch.cat([torch.cat([torch.full((n,), int(r), dtype=torch.long), torch.full((seg - n,), -1)])
+                     for n, seg, r in zip(pack.lengths, pack.segments, rows.tolist())]
                     + [torch.full((n,), -1, dtype=torch.long) for n in pack.segments[len(pack.lengths):]])
-    return ids, pack.positions[0].cpu()
+    return pack.local(ids.unsqueeze(0))[0], pack.local(pack.positions.cpu())[0]
 
 
 def row_logprobs(logits: torch.Tensor, pack: Pack, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
@@ -207,17 +258,17 @@ def row_logprobs(logits: torch.Tensor, pack: Pack, vocab_size: int, temperature:
     row's last real token). Vocab-parallel (megarl.megatron.vocab_parallel)."""
     from megarl.megatron.vocab_parallel import logprobs_from_logits
 
-    lp = logprobs_from_logits(logits, packed_labels(pack), vocab_size, temperature)  # [1, P]
-    return unpack(lp, logprob_index(pack))
+    lp = logprobs_from_logits(logits, pack.local(packed_labels(pack)), vocab_size, temperature)  # [1, P / CP]
+    return unpack(pack.whole(lp), logprob_index(pack))
 
 
 def row_entropy(logits: torch.Tensor, pack: Pack, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """logits [1, P, V/TP] -> [b, S-1]: entropy of the next-token distribution at each logprob column."""
     from megarl.megatron.vocab_parallel import vocab_parallel_entropy
 
-    return unpack(vocab_parallel_entropy(logits, vocab_size, temperature), logprob_index(pack))
+    return unpack(pack.whole(vocab_parallel_entropy(logits, vocab_size, temperature)), logprob_index(pack))
 
 
 def row_values(out: torch.Tensor, pack: Pack) -> torch.Tensor:
     """A value head's output [1, P, 1] -> [b, S] float32 (0 past each row's length)."""
-    return unpack(out[..., 0].float(), pack.index)
+    return unpack(pack.whole(out[..., 0].float()), pack.index)

@@ -5,7 +5,9 @@ forward-step function returning (output, loss_func), where loss_func(output) -> 
 micro-batch loss by the number of micro-batches, and DDP averages gradients over data-parallel ranks. To make the
 gradient exactly that of the loss over the whole mini-batch (all micro-batches, all DP ranks), every micro-batch
 computes its loss with the *global* denominator (tokens or sequences of the mini-batch across DP ranks) and returns
-it multiplied by num_microbatches * dp_size, which cancels megatron's two averages.
+it multiplied by num_microbatches * dp_size, which cancels megatron's two averages. Under context parallelism megatron
+also multiplies each loss by CP and DDP averages over the data-parallel x CP group; every CP rank computes the whole
+loss and back-propagates through its own tokens only (megarl.megatron.context_parallel), so those two cancel as well.
 
 A micro-batch is a dict of tensors with a leading batch dimension: at least `input_ids` [b, S] (right padded; real
 lengths from `response_mask` or `lengths`, see megarl.megatron.packing.row_lengths). It runs packed: the loss function
@@ -114,15 +116,15 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
 
     from megarl.megatron.parallel import schedule_args
 
-    from megarl.megatron.forward import pack_multiple, schedule_shapes
-    from megarl.megatron.packing import agreed_sizes, pack_size, row_lengths
+    from megarl.megatron.forward import pack_size_for, schedule_shapes
+    from megarl.megatron.packing import agreed_sizes, row_lengths
 
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
-    multiple = pack_multiple(trainable.chunks[0].config)
+    config = trainable.chunks[0].config
     sizes, shapes = schedule_shapes(trainable.chunks,
-                                    agreed_sizes([pack_size(row_lengths(mb), multiple) for mb in micro_batches]))
+                                    agreed_sizes([pack_size_for(config, row_lengths(mb)) for mb in micro_batches]))
     micro_batches = [{**mb, PACK_SIZE: size} for mb, size in zip(micro_batches, sizes)]
 
     for chunk in trainable.chunks:
@@ -145,13 +147,13 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     """Megatron's forward-step contract for one training micro-batch: (output, loss_func) with the loss scaled by
     `scale` (see the module docstring) and its metrics as float tensors. The micro-batch runs packed; the loss
     function finds the pack as mb["pack"] (megarl.megatron.packing)."""
-    from megarl.megatron.forward import pack_multiple, packed_forward
-    from megarl.megatron.packing import pack_rows, row_lengths
+    from megarl.megatron.forward import pack_for, packed_forward
+    from megarl.megatron.packing import row_lengths
 
     host = next(data_iterator)
     lengths = row_lengths(host)  # the pack's layout comes from the host copy: no read-back from the device
     mb = distributed.to_device(host)
-    pack = pack_rows(mb["input_ids"], lengths, pack_multiple(getattr(model, "config", None)), host.get(PACK_SIZE))
+    pack = pack_for(getattr(model, "config", None), mb["input_ids"], lengths, host.get(PACK_SIZE))
     # routing replay reads the rows' global ids (row_index)
     rows = mb["row_index"].cpu() if router_replay.STATE.action != "off" else None
     output = packed_forward(model, pack, rows)

@@ -70,9 +70,6 @@ def check_dependent_settings(cfg: MegarlConfig) -> list[Issue]:
 # Settings the schema knows (users bring them from verl recipes) but the trainer does not act on yet. They are refused
 # rather than silently ignored: (key, the value that is accepted, what to do instead).
 _NOT_YET = (
-    ("parallelism.context_parallel_size", 1, "context parallelism is not supported yet (on GPU it needs Transformer "
-     "Engine's context-parallel attention and each sequence's tokens split over the CP ranks in the forward, the "
-     "logprob gather and the loss; on CPU megatron has no context-parallel attention at all); set it to 1"),
     ("data.dataloader_num_workers", 0, "prompts are read into memory once at start, so there is no loader to run "
      "in worker processes; leave it at 0"),
 )

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
-from tests.helpers.bounds import ADAM_EPS, logprob_bound, relative_error
+from tests.helpers.bounds import ADAM_EPS, assert_same_ppo_step, logprob_bound
 from tests.helpers.tiny_models import hf_logprobs, make_tiny_model
 
 pytestmark = pytest.mark.parity
@@ -181,30 +181,8 @@ def step_rank(hf_dir, batch, tp: int, padded: bool):
 def test_packed_step_equals_padded_step(tmp_path, tp):
     hf_dir = str(make_tiny_model("qwen3", tmp_path / "qwen3", seed=2))
     batch = _batch(hf_dir)
-    mask = batch["response_mask"]
     runs = {padded: run_ranks(f"{__name__}:step_rank", tp, {"hf_dir": hf_dir, "batch": batch, "tp": tp,
                                                             "padded": padded}, timeout=420)
             for padded in (False, True)}
-    # the bounds: the two forwards differ by rounding only, at most `tol` per logprob (the derived fp32 bound).
-    # Loss (token-mean of -A * ratio, ratio = exp(lp - old) ~ 1): |d loss| <= max|A| * e^tol * (e^tol - 1).
-    # Gradients: the same sums in another order, relative error `rel` of the model's outputs, transposed (bounds.py),
-    # so |d grad_norm| <= rel * grad_norm plus what the logprob differences change in dL/dlp (|A| * ratio):
-    # <= grad_norm * (e^tol - 1). Adam's first step is lr * g / (|g| + eps), whose slope in g is at most lr / eps: a
-    # parameter moves by at most (lr / eps) * |d g| <= (lr / eps) * (rel + e^tol - 1) * grad_norm, and never more than
-    # 2 * lr.
-    tol = logprob_bound(hf_dir, batch["input_ids"], mask)
-    rel = relative_error(hf_dir, SEQ, sum(p.numel() for p in runs[False][0]["params"].values()) * tp)
-    amax = float(batch["advantages"][mask].abs().max())
-    growth = torch.tensor(tol).expm1().item()
-    for packed, padded in zip(runs[False], runs[True]):
-        a, b = packed["metrics"], padded["metrics"]
-        loss_tol = amax * (1 + growth) * growth
-        gn = b["grad_norm"]
-        gn_tol = (rel + growth) * gn
-        w_tol = min(2 * LR, LR / ADAM_EPS * (rel + growth) * gn)
-        w_diff = max((packed["params"][k] - padded["params"][k]).abs().max().item() for k in packed["params"])
-        print(f"[measured] tp{tp}: loss {abs(a['pg_loss'] - b['pg_loss']):.2e} (bound {loss_tol:.2e}), grad norm "
-              f"{abs(a['grad_norm'] - gn):.2e} (bound {gn_tol:.2e}), parameters {w_diff:.2e} (bound {w_tol:.2e})")
-        assert abs(a["pg_loss"] - b["pg_loss"]) <= loss_tol
-        assert abs(a["grad_norm"] - gn) <= gn_tol
-        assert w_diff <= w_tol
+    # bounds derived in tests.helpers.bounds.assert_same_ppo_step
+    assert_same_ppo_step(f"tp{tp} packed vs padded", hf_dir, batch, runs[False], runs[True], LR, tp)

@@ -176,3 +176,36 @@ def lora_merge_bound(w, a, b, scaling: float):
     gamma = r * u / (1 - r * u)
     spread = scaling * (b.double().abs() @ a.double().abs())
     return 2 * (gamma * spread + u * (w.double().abs() + spread))
+
+
+def assert_same_ppo_step(label: str, hf_dir: Union[str, Path], batch: dict, runs_a: list, runs_b: list, lr: float,
+                         tp: int = 1) -> None:
+    """One PPO step (token-mean of -A * ratio, Adam with ADAM_EPS) computed two ways (runs_a / runs_b: each rank's
+    {"metrics", "params"}, paired rank by rank) gives the same loss, grad norm and parameters within derived bounds.
+
+    The two forwards differ by rounding only, at most `tol` per logprob (the derived fp32 bound). Loss (ratio =
+    exp(lp - old) ~ 1 on-policy): |d loss| <= max|A| * e^tol * (e^tol - 1). Gradients: the same sums in another
+    order, relative error `rel` of the model's outputs, transposed, plus what the logprob differences change in
+    dL/dlp (|A| * ratio): |d grad_norm| <= grad_norm * (rel + e^tol - 1). Adam's first step is lr * g / (|g| + eps),
+    whose slope in g is at most lr / eps: a parameter moves by at most (lr / eps) * (rel + e^tol - 1) * grad_norm,
+    and never more than 2 * lr."""
+    import torch
+
+    mask = batch["response_mask"]
+    tol = logprob_bound(hf_dir, batch["input_ids"], mask)
+    rel = relative_error(hf_dir, batch["input_ids"].shape[1],
+                         sum(p.numel() for p in runs_a[0]["params"].values()) * tp)
+    amax = float(batch["advantages"][mask].abs().max())
+    growth = torch.tensor(tol).expm1().item()
+    for a_run, b_run in zip(runs_a, runs_b):
+        a, b = a_run["metrics"], b_run["metrics"]
+        loss_tol = amax * (1 + growth) * growth
+        gn = b["grad_norm"]
+        gn_tol = (rel + growth) * gn
+        w_tol = min(2 * lr, lr / ADAM_EPS * (rel + growth) * gn)
+        w_diff = max((a_run["params"][k] - b_run["params"][k]).abs().max().item() for k in a_run["params"])
+        print(f"[measured] {label}: loss {abs(a['pg_loss'] - b['pg_loss']):.2e} (bound {loss_tol:.2e}), grad norm "
+              f"{abs(a['grad_norm'] - gn):.2e} (bound {gn_tol:.2e}), parameters {w_diff:.2e} (bound {w_tol:.2e})")
+        assert abs(a["pg_loss"] - b["pg_loss"]) <= loss_tol
+        assert abs(a["grad_norm"] - gn) <= gn_tol
+        assert w_diff <= w_tol

@@ -223,8 +223,9 @@ def test_multi_turn_script_reads_its_config_file_beside_it():
     assert inputs.settings["data.train_batch_size"] == 1024  # the command line over the file's 256
     assert any(m.startswith("actor_rollout_ref.rollout.multi_turn.max_assistant_turns = 5 -> ") for m in c.mapped)
     refused = " ".join(c.refused)
-    # real gaps, named: sglang, context parallelism and verl's tool-config format
-    assert "rollout.name = 'sglang'" in refused and "parallelism.context_parallel_size" in refused
+    # real gaps, named: sglang and verl's tool-config format; its context parallelism (CP 2) maps
+    assert "rollout.name = 'sglang'" in refused and "context_parallel_size" not in refused
+    assert c.recipe["parallelism"]["context_parallel_size"] == 2
     assert "virtual_pipeline" not in refused  # virtual pipeline stages are carried over
     assert c.recipe["parallelism"]["virtual_pipeline_model_parallel_size"] == 2
 
@@ -237,14 +238,13 @@ def test_arrays_and_ray_submit_script_converts(tmp_path):
 
 def test_one_truth_converter_refuses_with_validates_message():
     c = convert({"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 2,
-                 "actor_rollout_ref.actor.megatron.context_parallel_size": 2,
-                 "trainer.n_gpus_per_node": 4, "trainer.device": "cpu"})
+                 "data.dataloader_num_workers": 2, "trainer.n_gpus_per_node": 4, "trainer.device": "cpu"})
     with pytest.raises(ConfigError) as exc:
-        load_config(data={"parallelism": {"pipeline_model_parallel_size": 2, "context_parallel_size": 2},
+        load_config(data={"parallelism": {"pipeline_model_parallel_size": 2}, "data": {"dataloader_num_workers": 2},
                           "trainer": {"n_gpus_per_node": 4, "device": "cpu"}, "model": {"path": "x"}})
-    message = next(i.render() for i in exc.value.issues if i.key.endswith("context_parallel_size"))
-    line = next(r for r in c.refused if "context_parallel" in r)
-    assert line.endswith(message) and "context_parallel_size" not in str(c.recipe)
+    message = next(i.render() for i in exc.value.issues if i.key.endswith("dataloader_num_workers"))
+    line = next(r for r in c.refused if "dataloader_num_workers" in r)
+    assert line.endswith(message) and "dataloader_num_workers" not in str(c.recipe)
     with pytest.raises(ConfigError) as left:  # what is left validates, but for the model to fill in
         load_config(data=c.recipe)
     assert [i.key for i in left.value.issues] == ["model.path"]

@@ -25,6 +25,43 @@ def test_pack_lays_rows_end_to_end_with_restarting_positions_and_end_padding():
     assert rows.tolist() == [10] * 5 + [11] * 2 + [12] * 3 + [-1, -1] and cols.tolist() == pack.positions[0].tolist()
 
 
+def test_context_parallel_pack_pads_each_row_to_2cp_and_gives_each_rank_chunks_r_and_2cp_1_r():
+    from megarl.megatron.context_parallel import chunk_positions
+
+    tokens, lengths = _tokens()
+    # CP 2: rows of 5, 2, 3 tokens padded to 8, 4, 4 (multiples of 2 * CP); multiple 4 adds no end padding
+    pack = packing.pack_rows(tokens, lengths, multiple=4, cp=2, cp_rank=1)
+    assert pack.segments == (8, 4, 4) and pack.size == 16
+    assert pack.ids.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0, 1, 2, 0, 0, 3, 4, 5, 0]]
+    assert pack.positions.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0, 1, 2, 3]]
+    assert pack.index.tolist() == [[0, 1, 2, 3, 4], [8, 9, -1, -1, -1], [12, 13, 14, -1, -1]]
+    # a segment of 8 in 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2; segments of 4: chunks of 1
+    assert chunk_positions((8, 4, 4), 2, 0).tolist() == [0, 1, 6, 7, 8, 11, 12, 15]
+    assert chunk_positions((8, 4, 4), 2, 1).tolist() == [2, 3, 4, 5, 9, 10, 13, 14]
+    assert pack.model_ids.tolist() == [[7, 8, 9, 0, 2, 0, 4, 5]]
+    assert pack.model_positions.tolist() == [[2, 3, 4, 5, 1, 2, 1, 2]]
+    # the labels are the whole pack's, cut the same way: the token after position 4 (9) is row padding, 0
+    assert pack.local(packing.packed_labels(pack)).tolist() == [[8, 9, 0, 0, 0, 0, 5, 0]]
+    assert packing.pack_size(lengths, 4, cp=2) == 16
+    rows, cols = packing.token_rows(pack, torch.tensor([10, 11, 12]))
+    assert rows.tolist() == [10, 10, 10, -1, 11, -1, 12, 12] and cols.tolist() == [2, 3, 4, 5, 1, 2, 1, 2]
+
+
+def test_context_parallel_pack_multiple_covers_2cp_and_cp_times_tp_under_sequence_parallelism():
+    from types import SimpleNamespace
+
+    from megarl.megatron.forward import pack_multiple
+
+    def config(tp, sp, cp):
+        return SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=sp, context_parallel_size=cp)
+
+    assert pack_multiple(config(2, True, 1)) == 2
+    assert pack_multiple(config(1, False, 2)) == 4  # 2 * CP chunks
+    assert pack_multiple(config(2, True, 2)) == 4  # each rank's half (P / 2) splits over TP 2
+    assert pack_multiple(config(4, True, 2)) == 8
+    assert pack_multiple(config(2, False, 4)) == 8
+
+
 def test_unpack_gathers_rows_with_zeros_past_each_row_and_keeps_gradients():
     tokens, lengths = _tokens()
     pack = packing.pack_rows(tokens, lengths)
@@ -54,7 +91,7 @@ def _attention(causal=True):
                              apply_query_key_layer_scaling=False, attention_dropout=0.0)
     attn = SDPAttention.__new__(SDPAttention)
     torch.nn.Module.__init__(attn)
-    attn.config, attn.layer_number = config, 1
+    attn.config, attn.layer_number, attn.cp = config, 1, 1
     attn.attn_mask_type = AttnMaskType.causal
     attn.causal, attn.softmax_scale, attn.dropout = causal, 8 ** -0.5, 0.0
     return attn
