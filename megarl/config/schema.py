@@ -208,7 +208,9 @@ class ActorConfig(_Section):
     ppo_mini_batch_size: int = Field(8, ge=1, description="Prompts per optimizer step (times rollout.n sequences).")
     ppo_micro_batch_size_per_gpu: int = Field(1, ge=1, description="Sequences per forward/backward on one rank.")
     use_dynamic_bsz: bool = Field(False, description="Pack micro-batches by token budget instead of a fixed count.")
-    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per micro-batch (dynamic bsz).")
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per micro-batch and GPU (dynamic "
+                                           "bsz); under context parallelism a micro-batch holds CP times as many, "
+                                           "split over its CP ranks (verl's rule).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     shuffle: bool = Field(False, description="Shuffle sequences between mini-batches.")
     policy_loss: str = Field("vanilla", description="Policy loss (verl's names): vanilla (PPO clip), gspo, cispo, "
@@ -413,7 +415,8 @@ class RolloutConfig(_Section):
                                            "logprobs, critic values) in micro-batches packed by token budget instead "
                                            "of a fixed row count (the same values; memory bounded by tokens).")
     log_prob_max_token_len_per_gpu: int = Field(16384, ge=1, description="Token budget per forward-only micro-batch "
-                                                "(log_prob_use_dynamic_bsz); a longer sequence runs alone.")
+                                                "and GPU (log_prob_use_dynamic_bsz; times CP under context "
+                                                "parallelism); a longer sequence runs alone.")
     update_weights_bucket_megabytes: int = Field(512, ge=1, description="Weight-sync bucket size.")
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs, description="Sampling overrides for validation.")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="Multi-turn rollout settings.")

@@ -76,11 +76,17 @@ def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward,
         def on_rows(idx):  # the global ids of each token-budget group, for routing replay
             router_replay.STATE.pass_rows = idx + rows.start
 
-        local = forward_by_token_budget(forward, ids[rows], lengths, r.log_prob_max_token_len_per_gpu, width,
-                                        on_rows=on_rows)
+        budget = per_micro_batch(cfg, r.log_prob_max_token_len_per_gpu)
+        local = forward_by_token_budget(forward, ids[rows], lengths, budget, width, on_rows=on_rows)
         return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
     return _forward_rows(rt, ids, all_lengths, lambda x, lens: forward(x, _micro(x.shape[0], micro), lens),
                          (width, *trailing))
+
+
+def per_micro_batch(cfg: MegarlConfig, tokens_per_gpu: int) -> int:
+    """A micro-batch's token budget from a per-GPU one: under context parallelism each rank computes 1 / CP of a
+    micro-batch's tokens, so it holds CP times the per-GPU budget (verl's rule for its *_max_token_len_per_gpu)."""
+    return tokens_per_gpu * cfg.parallelism.context_parallel_size
 
 
 def _average(metrics: list[dict]) -> dict:
@@ -274,7 +280,7 @@ class PolicyWorker(_Worker):
         metrics = self._replaying(batch, "update", False, lambda: self._update(
             batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs, seed, a.loss_agg_mode,
             lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length, kept),
-            a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None))
+            per_micro_batch(self.cfg, a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None))
         if on_policy:
             device = next(self.chunks[0].parameters()).device
             batch["old_log_probs"] = _assemble_rows(kept, batch["response_mask"], device)

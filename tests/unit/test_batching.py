@@ -87,3 +87,14 @@ def test_token_budget_micro_batches_pack_whole_rows_and_cut_padding():
         s = sequence_lengths(m).max().item()
         assert m["input_ids"].shape[1] == s and m["adv"].shape[1] == s - 1  # no padding columns beyond the longest
     assert sum(len(m["index"]) for m in split_by_token_budget(batch, 1)) == 4  # over-long rows go alone
+
+
+def test_token_budget_per_gpu_covers_cp_times_the_tokens_of_a_micro_batch_as_verl():
+    """verl's megatron actor: `max_token_len = max_token_len * self.config.megatron.context_parallel_size` before it
+    packs micro-batches, since each CP rank computes 1 / CP of them; megarl reads *_max_token_len_per_gpu the same."""
+    from megarl.config.schema import MegarlConfig
+    from megarl.megatron.workers import per_micro_batch
+
+    for cp, want in ((1, 16384), (2, 32768), (4, 65536)):
+        cfg = MegarlConfig.model_validate({"model": {"path": "x"}, "parallelism": {"context_parallel_size": cp}})
+        assert per_micro_batch(cfg, 16384) == want
