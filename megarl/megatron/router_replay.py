@@ -213,8 +213,9 @@ def end() -> ReplayCounts:
 def gather_recorded() -> torch.Tensor:
     """The routes recorded in the pass, assembled on every rank: [N, S, L, k] int16 (-1 where no rank recorded).
 
-    Each rank wrote its own rows (DP), its own layers (PP) and, under sequence parallelism, its own sequence chunk
-    (TP); a max over those groups assembles them exactly (the unwritten entries are -1, the written ones >= 0)."""
+    Each rank wrote its own rows (DP), its own layers (PP), under sequence parallelism its own sequence chunk (TP)
+    and under context parallelism its own chunks of each row (CP); a max over those groups assembles them exactly
+    (the unwritten entries are -1, the written ones >= 0)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -224,6 +225,8 @@ def gather_recorded() -> torch.Tensor:
     groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
     if ps.get_tensor_model_parallel_world_size() > 1:
         groups.append(ps.get_tensor_model_parallel_group())
+    if ps.get_context_parallel_world_size() > 1:
+        groups.append(ps.get_context_parallel_group())
     for g in groups:
         if dist.get_world_size(g) > 1:
             dist.all_reduce(out, op=dist.ReduceOp.MAX, group=g)

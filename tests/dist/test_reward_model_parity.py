@@ -26,13 +26,22 @@ def reward_models(tmp_path_factory):
     pytest.param(a, tp, pp, marks=() if (a, tp, pp) in FAST else pytest.mark.slow)
     for a in ("qwen2", "llama") for tp, pp in LAYOUTS])
 def test_verify_reward_model_scores_match_hf(reward_models, capsys, arch, tp, pp):
-    code = main(["--hf", reward_models[arch], "--tp", str(tp), "--pp", str(pp), "--seq-len", "24", "--batch", "3",
-                 "--micro-batch", "2"])
+    _check_scores(reward_models, capsys, arch, ["--tp", str(tp), "--pp", str(pp)], f"tp{tp} pp{pp}")
+
+
+# a value head at context parallelism: each row's last real token sits on one CP rank, its score gathered for all
+@pytest.mark.parity_repeat
+def test_verify_reward_model_scores_match_hf_at_cp2(reward_models, capsys):
+    _check_scores(reward_models, capsys, "qwen2", ["--cp", "2"], "cp2")
+
+
+def _check_scores(reward_models, capsys, arch, layout, label):
+    code = main(["--hf", reward_models[arch], "--seq-len", "24", "--batch", "3", "--micro-batch", "2"] + layout)
     out = capsys.readouterr().out
     assert "HF score" in out and "max abs score difference" in out
     diff = float(out.split("max abs score difference ")[1].split()[0])
     tol = verify_bound(reward_models[arch], 24, 3, score=True)
-    print(f"[measured] {arch} tp{tp} pp{pp}: scores vs HF {diff:.2e} (bound {tol:.2e})")
+    print(f"[measured] {arch} {label}: scores vs HF {diff:.2e} (bound {tol:.2e})")
     assert code == 0 and diff <= tol, out
     scores = [float(line.split()[3]) for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(scores) == 3 and len({round(s, 4) for s in scores}) == 3  # real, distinct scores, not all 0

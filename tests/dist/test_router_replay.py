@@ -19,7 +19,7 @@ pytestmark = pytest.mark.parity
 N, S, LAYERS, EXPERTS, TOPK = 4, 16, 4, 4, 2
 
 
-def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int = 1):
+def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int = 1, cp: int = 1):
     import torch.distributed as dist
 
     from megarl.config import load_unchecked
@@ -30,7 +30,7 @@ def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int 
     from megarl.megatron.workers import build_options
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                               pipeline_model_parallel_size=pp), seed=1)
+                               pipeline_model_parallel_size=pp, context_parallel_size=cp), seed=1)
     cfg = load_unchecked(data={"model": {"path": hf_dir}, "actor": {"router_replay": {"mode": "R2"}}})
     model, _ = build_and_load(hf_dir, **{**build_options(cfg), "dtype": torch.float32})
     model.eval()
@@ -45,13 +45,14 @@ def replay_rank(hf_dir: str, tokens, lengths, routes, tp: int, ep: int, pp: int 
     def forward(action, given=None):
         rr.begin(action, N, S, routes=given, need=need, num_layers=LAYERS, topk=TOPK)
         rr.STATE.pass_rows = rows
-        lp = token_logprobs(model, tokens[rows], micro_batch_size=1)  # None off the last pipeline stage
+        # None off the last pipeline stage; packed to each row's length (CP pads every row to 2 * CP past it)
+        lp = token_logprobs(model, tokens[rows], micro_batch_size=1, lengths=lengths[rows])
         counts = rr.reduce_counts(rr.end())
         full = torch.zeros(N, S - 1)
         if lp is not None:
             full[rows] = lp
-        dist.all_reduce(full)  # every row comes from one last-stage rank (and TP ranks agree: take one TP rank's)
-        return full / (ps.get_tensor_model_parallel_world_size()), counts
+        dist.all_reduce(full)  # every row comes from one last-stage rank (TP and CP ranks agree: take one's)
+        return full / (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()), counts
 
     plain, rec_counts = forward("record")
     recorded = rr.gather_recorded()
@@ -93,8 +94,9 @@ def _hf_forced(hf_dir, tokens, routes, mask=None):
 
 
 @pytest.mark.slow  # a 2-rank tiny MoE build and 3 forwards per layout: about 90 s each on 2 busy cores
-@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)], ids=["ep2", "tp2_sp", "pp2"])
-def test_router_replay_matches_hf_forced_routing(tmp_path, tp, ep, pp):
+@pytest.mark.parametrize("tp,ep,pp,cp", [(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)],
+                         ids=["ep2", "tp2_sp", "pp2", "cp2"])
+def test_router_replay_matches_hf_forced_routing(tmp_path, tp, ep, pp, cp):
     hf_dir = str(make_tiny_model("qwen3_moe", tmp_path / "moe", seed=0))
     tokens, lengths = sample_tokens(N, S, seed=3, min_len=10)
     g = torch.Generator().manual_seed(7)
@@ -102,7 +104,7 @@ def test_router_replay_matches_hf_forced_routing(tmp_path, tp, ep, pp):
     routes = routes.view(N, S, LAYERS, TOPK).to(torch.int16)
     routes[1, 2:5, 1] = -1  # no route: these fall back to the router
     out = run_ranks(f"{__name__}:replay_rank", 2, {"hf_dir": hf_dir, "tokens": tokens, "lengths": lengths,
-                                                    "routes": routes, "tp": tp, "ep": ep, "pp": pp},
+                                                    "routes": routes, "tp": tp, "ep": ep, "pp": pp, "cp": cp},
                    timeout=600)
     res = out[0]
     mask = torch.arange(S - 1)[None, :] < (lengths[:, None] - 1)
