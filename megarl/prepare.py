@@ -69,6 +69,7 @@ def tiny_model_settings(cfg: MegarlConfig) -> dict[str, Any]:
 
 def write_synthetic_data(cfg: MegarlConfig) -> None:
     from megarl.data import make_arithmetic_dataset, write_dataset
+    from megarl.data.synthetic import make_chain_dataset
     from megarl.data.synthetic_tool import make_multiply_dataset
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
@@ -86,6 +87,9 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
         if syn.task == "multiply_tool":
             rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split,
                                          direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
+        elif syn.task == "chain":
+            rows = make_chain_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
+                                      answer_format=syn.answer_format, split=split)
         else:
             rows = make_arithmetic_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                            answer_format=syn.answer_format, split=split)
@@ -110,7 +114,7 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
     if task == "multiply_tool":
         tokenizer = multiply_tokenizer(str(tmp))
     else:
-        tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand)
+        tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand, task=task)
     config = tiny_hf_config(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                             tokenizer.pad_token_id)
     torch.manual_seed(seed)

@@ -55,7 +55,9 @@ def model_spec(cfg: MegarlConfig) -> Optional[tuple[ArchSpec, str]]:
 def _tiny_vocab(cfg: MegarlConfig) -> list[str]:
     """The vocabulary of the tokenizer megarl.prepare makes a tiny model with: the synthetic task's."""
     syn = cfg.data.synthetic
-    return multiply_vocab() if syn and syn.task == "multiply_tool" else arithmetic_vocab(syn.max_operand if syn else 20)
+    if syn and syn.task == "multiply_tool":
+        return multiply_vocab()
+    return arithmetic_vocab(syn.max_operand, syn.task) if syn else arithmetic_vocab(20)
 
 
 def check_model_source(cfg: MegarlConfig) -> list[Issue]:

@@ -7,6 +7,13 @@
 Every number from 0 to 2*max_operand is one token, so an answer is one token and the model has to learn a lookup
 of (a, b) -> a+b: a 2-layer, 128-wide model gets part of it from a few minutes of SFT, and RL has room to raise
 accuracy. All text is space-separated tokens, so decode(encode(text)) == text exactly.
+
+The chain task adds 2 to 16 small terms, most questions 2 or 3 and a few up to 16 (make_chain_dataset), with a worked
+answer that lists the partial sums, so response lengths have a long tail (median 7 tokens, longest 91):
+
+    prompt    [{"role": "user", "content": "What is 3 + 5 + 2 ?"}]
+    response  "3 + 5 = 8 , 8 + 2 = 10 #### 10"
+    ground_truth "10", data_source "arithmetic"
 """
 from __future__ import annotations
 
@@ -19,6 +26,11 @@ DATA_SOURCE = "arithmetic"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ["What", "is", "+", "=", "?", "####", "The", "answer"]
+# chain: "What is 3 + 5 + 2 ?" with 2 to CHAIN_MAX_TERMS terms, P(k terms) proportional to k ** -CHAIN_TAIL (Zipf):
+# about half the questions have 2 terms (a 7-token worked answer), one in 300 has 16 (91 tokens)
+CHAIN_MAX_TERMS = 16
+CHAIN_TAIL = 2.5
+CHAIN_WORDS = [","]  # after the numbers, so the arithmetic task's token ids stay what its models were made with
 
 # Renders "<s> <|user|> What is 13 + 8 ? </s> <|assistant|> "; EOS ends every turn, so generation stops at EOS.
 CHAT_TEMPLATE = (
@@ -30,9 +42,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def arithmetic_vocab(max_operand: int) -> list[str]:
-    """Token strings in id order: specials (<pad>=0, <s>=1, </s>=2, <unk>=3), role markers, words, numbers."""
-    return list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + WORDS + [str(n) for n in range(2 * max_operand + 1)]
+def largest_number(task: str, max_operand: int) -> int:
+    """The largest number the task writes: 2 * max_operand for arithmetic's a + b, CHAIN_MAX_TERMS * max_operand for
+    a chain's final sum (chain, max_operand 9: 144)."""
+    return CHAIN_MAX_TERMS * max_operand if task == "chain" else 2 * max_operand
+
+
+def arithmetic_vocab(max_operand: int, task: str = "arithmetic") -> list[str]:
+    """Token strings in id order: specials (<pad>=0, <s>=1, </s>=2, <unk>=3), role markers, words, the numbers 0 to
+    largest_number(task, max_operand)."""
+    return (list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + WORDS
+            + [str(n) for n in range(largest_number(task, max_operand) + 1)] + (CHAIN_WORDS if task == "chain" else []))
 
 
 def format_question(a: int, b: int) -> str:
@@ -76,6 +96,71 @@ def make_arithmetic_dataset(n: int, seed: int, max_operand: int = 20, min_operan
             "response": response,
             "ground_truth": str(a + b),
             "extra_info": {"index": i, "split": split, "a": a, "b": b},
+        })
+    return rows
+
+
+def chain_term_weights(max_terms: int = CHAIN_MAX_TERMS, tail: float = CHAIN_TAIL) -> dict[int, float]:
+    """{k: probability of a k-term chain} for k in 2..max_terms, proportional to k ** -tail (a truncated Zipf law).
+
+    chain_term_weights(4, 1.0) == {2: 6/13, 3: 4/13, 4: 3/13}; the default (16, 2.5) gives 2 terms 0.53, 3 terms 0.19,
+    4 terms 0.09, 10 or more 0.04, 16 terms 0.003.
+    """
+    if max_terms < 2:
+        raise ValueError(f"a chain has at least 2 terms; got max_terms={max_terms}")
+    raw = {k: k ** -tail for k in range(2, max_terms + 1)}
+    total = sum(raw.values())
+    return {k: w / total for k, w in raw.items()}
+
+
+def format_chain_question(terms: Sequence[int]) -> str:
+    """format_chain_question([3, 5, 2]) == "What is 3 + 5 + 2 ?" (two terms: format_question's text)."""
+    return "What is " + " + ".join(str(t) for t in terms) + " ?"
+
+
+def format_chain_response(terms: Sequence[int], answer_format: str = "worked") -> str:
+    """The SFT target of a chain. worked: every partial sum, left to right, then the answer,
+    [3, 5, 2] -> "3 + 5 = 8 , 8 + 2 = 10 #### 10" (6k - 5 tokens for k terms: 7 for 2, 91 for 16);
+    gsm8k: "#### 10"; short: "10"."""
+    if len(terms) < 2:
+        raise ValueError(f"a chain has at least 2 terms; got {list(terms)}")
+    total = sum(terms)
+    if answer_format == "gsm8k":
+        return f"#### {total}"
+    if answer_format == "short":
+        return str(total)
+    if answer_format != "worked":
+        raise ValueError(f"answer_format must be gsm8k, short or worked; got {answer_format!r}")
+    steps, partial = [], terms[0]
+    for t in terms[1:]:
+        steps.append(f"{partial} + {t} = {partial + t}")
+        partial += t
+    return " , ".join(steps) + f" #### {total}"
+
+
+def make_chain_dataset(n: int, seed: int, max_operand: int = 9, answer_format: str = "worked",
+                       max_terms: int = CHAIN_MAX_TERMS, tail: float = CHAIN_TAIL, split: str = "train",
+                       data_source: str = DATA_SOURCE) -> list[dict[str, Any]]:
+    """n rows of "What is t1 + t2 + ... + tk ?", k drawn from chain_term_weights(max_terms, tail) and every term
+    uniform in [0, max_operand], reproducible from seed: responses with a long tail of lengths (worked: median 7
+    tokens, the longest 91 at 16 terms). Rows as make_arithmetic_dataset's; ground_truth is the sum, scored by the
+    `arithmetic` reward; extra_info has the terms."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if max_operand < 1:
+        raise ValueError(f"need max_operand >= 1, got {max_operand}")
+    weights = chain_term_weights(max_terms, tail)
+    rng = random.Random(f"megarl-chain:{seed}")
+    rows = []
+    for i in range(n):
+        k = rng.choices(list(weights), weights=list(weights.values()))[0]
+        terms = [rng.randint(0, max_operand) for _ in range(k)]
+        rows.append({
+            "data_source": data_source,
+            "prompt": [{"role": "user", "content": format_chain_question(terms)}],
+            "response": format_chain_response(terms, answer_format),
+            "ground_truth": str(sum(terms)),
+            "extra_info": {"index": i, "split": split, "terms": terms},
         })
     return rows
 
@@ -126,19 +211,20 @@ def write_dataset(rows: Sequence[dict[str, Any]], path: str) -> str:
     return path
 
 
-def arithmetic_tokenizer(save_dir: str, max_operand: int = 20):
-    """Build, save and return a word-level PreTrainedTokenizerFast for the arithmetic task.
+def arithmetic_tokenizer(save_dir: str, max_operand: int = 20, task: str = "arithmetic"):
+    """Build, save and return a word-level PreTrainedTokenizerFast for the arithmetic (or chain) task.
 
     save_dir gets tokenizer.json, tokenizer_config.json (bos/eos/pad/unk) and the chat template, so
-    transformers.AutoTokenizer.from_pretrained(save_dir) and vLLM load it. Vocab size is 2*max_operand + 16
-    (56 for the default); the text of numbers above 2*max_operand becomes <unk>.
+    transformers.AutoTokenizer.from_pretrained(save_dir) and vLLM load it. Vocab size is
+    largest_number(task, max_operand) + 16, plus ',' for chain (arithmetic: 56 for the default max_operand 20; chain
+    with max_operand 9: 161); the text of larger numbers becomes <unk>.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {tok: i for i, tok in enumerate(arithmetic_vocab(max_operand))}
+    vocab = {tok: i for i, tok in enumerate(arithmetic_vocab(max_operand, task))}
     if len(vocab) >= 300:
-        raise ValueError(f"max_operand={max_operand} gives a vocabulary of {len(vocab)}; keep it under 300 "
-                         f"(max_operand <= 141) so the tiny model stays tiny")
+        raise ValueError(f"{task} with max_operand={max_operand} gives a vocabulary of {len(vocab)}; keep it under "
+                         f"300 (a smaller max_operand) so the tiny model stays tiny")
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     # One token per number, word or symbol run; whitespace only separates. '####' stays whole; '48?' splits in two.
     tok.pre_tokenizer = pre_tokenizers.Sequence([

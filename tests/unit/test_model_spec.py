@@ -8,7 +8,8 @@ from megarl.config import load_unchecked
 from megarl.prepare import create_tiny_model
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
-CASES = [(arch, "arithmetic") for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE)] + [("qwen3", "multiply_tool")]
+CASES = [(arch, "arithmetic") for arch in ("llama", "qwen2", "qwen3", "mistral", *MOE)] + [("qwen3", "multiply_tool"),
+                                                                                           ("llama", "chain")]
 
 
 @pytest.mark.parametrize("arch,task", CASES)
@@ -16,7 +17,7 @@ def test_a_tiny_models_spec_is_the_same_before_and_after_megarl_makes_it(tmp_pat
     model = tmp_path / "model"
     cfg = load_unchecked(data={
         "model": {"path": str(model), "create_tiny": {"architecture": arch, "num_experts": 4 if arch in MOE else 0}},
-        "data": {"synthetic": {"task": task, "max_operand": 40 if task == "multiply_tool" else 30}}})
+        "data": {"synthetic": {"task": task, "max_operand": {"multiply_tool": 40, "chain": 9}.get(task, 30)}}})
     before, source = model_spec(cfg)
     assert source == "model.create_tiny"
     syn = cfg.data.synthetic

@@ -1,0 +1,99 @@
+"""The chain task: questions of 2 to 16 terms whose worked answers have a long tail of lengths, its tokenizer's exact
+round trip, and the arithmetic reward on its answers."""
+import statistics
+
+import pytest
+
+from megarl.config.schema import MegarlConfig
+from megarl.data import arithmetic_tokenizer
+from megarl.data.checks import check_synthetic
+from megarl.data.synthetic import (CHAIN_MAX_TERMS, arithmetic_vocab, chain_term_weights, format_chain_question,
+                                   format_chain_response, make_chain_dataset)
+from megarl.reward import RewardInput, RewardRouter, compute_rewards
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("chain_tok")
+    arithmetic_tokenizer(str(path), max_operand=9, task="chain")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def test_a_hand_example_of_question_and_worked_answer():
+    assert format_chain_question([3, 5, 2]) == "What is 3 + 5 + 2 ?"
+    assert format_chain_response([3, 5, 2]) == "3 + 5 = 8 , 8 + 2 = 10 #### 10"
+    assert format_chain_response([4, 0]) == "4 + 0 = 4 #### 4"
+    assert format_chain_response([3, 5, 2], "gsm8k") == "#### 10"
+    assert format_chain_response([3, 5, 2], "short") == "10"
+    with pytest.raises(ValueError, match="at least 2 terms"):
+        format_chain_response([7])
+
+
+def test_term_weights_are_a_truncated_zipf_law():
+    weights = chain_term_weights(4, tail=1.0)  # 1/2 : 1/3 : 1/4 = 6 : 4 : 3
+    assert weights == pytest.approx({2: 6 / 13, 3: 4 / 13, 4: 3 / 13})
+    default = chain_term_weights()
+    assert list(default) == list(range(2, CHAIN_MAX_TERMS + 1)) and sum(default.values()) == pytest.approx(1.0)
+    assert 0.5 < default[2] < 0.55 and default[16] < 0.005
+
+
+def test_rows_are_reproducible_and_their_worked_answers_add_up():
+    rows = make_chain_dataset(200, seed=3)
+    assert rows == make_chain_dataset(200, seed=3) and rows != make_chain_dataset(200, seed=4)
+    for row in rows:
+        terms = row["extra_info"]["terms"]
+        assert 2 <= len(terms) <= 16 and all(0 <= t <= 9 for t in terms)
+        assert row["prompt"] == [{"role": "user", "content": format_chain_question(terms)}]
+        assert row["ground_truth"] == str(sum(terms)) and row["data_source"] == "arithmetic"
+        # read the partial sums back from the text: each step starts from the previous step's result
+        steps, answer = row["response"].split(" #### ")
+        partial = terms[0]
+        for step, term in zip(steps.split(" , "), terms[1:], strict=True):
+            assert step == f"{partial} + {term} = {partial + term}"
+            partial += term
+        assert answer == row["ground_truth"] == str(partial)
+
+
+def test_response_lengths_have_a_long_tail(tokenizer):
+    """Seed 1's 4000 rows counted with the tokenizer: median 7 tokens (2 terms), longest 91 (16 terms: 15 steps of 5
+    tokens, 14 commas, '####' and the answer), 6k - 5 tokens for k terms."""
+    rows = make_chain_dataset(4000, seed=1)
+    lengths = [len(tokenizer(r["response"], add_special_tokens=False)["input_ids"]) for r in rows]
+    assert all(n == 6 * len(r["extra_info"]["terms"]) - 5 for n, r in zip(lengths, rows))
+    assert statistics.median(lengths) == 7 and max(lengths) == 91
+    assert max(lengths) + 1 >= 10 * (statistics.median(lengths) + 1)  # with the EOS the trainer appends
+    terms = [len(r["extra_info"]["terms"]) for r in rows]
+    assert terms.count(2) == 2120 and terms.count(16) == 15  # 0.530 and 0.0038 of the rows; weights 0.533, 0.0030
+
+
+def test_tokenizer_round_trips_the_longest_chain(tokenizer):
+    assert len(tokenizer) == len(arithmetic_vocab(9, "chain")) == 161  # 15 words and specials, 0..144, ','
+    assert arithmetic_vocab(20) == arithmetic_vocab(20, "arithmetic")  # the arithmetic task's ids are unchanged
+    terms = [9] * 16
+    for text in [format_chain_question(terms), format_chain_response(terms), format_chain_response([3, 5, 2])]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
+    assert tokenizer("145", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_the_arithmetic_reward_scores_a_right_and_a_wrong_chain():
+    rows = make_chain_dataset(20, seed=5)
+    right = [RewardInput(r["data_source"], r["response"], r["ground_truth"], r["extra_info"]) for r in rows]
+    scores, metrics, _ = compute_rewards(RewardRouter(), right, num_workers=0)
+    assert scores == [1.0] * 20 and metrics["acc"] == [1.0] * 20
+    wrong = RewardInput("arithmetic", "3 + 5 = 8 , 8 + 2 = 11 #### 11", "10", {})
+    slip = RewardInput("arithmetic", "3 + 5 = 9 , 9 + 2 = 11 #### 10", "10", {})  # only the final answer counts
+    scores, metrics, _ = compute_rewards(RewardRouter(), [wrong, slip], num_workers=0)
+    assert scores == [0.0, 1.0] and metrics["formatted"] == [1.0, 1.0]
+
+
+def test_validate_bounds_the_chain_vocabulary():
+    def issues(max_operand):
+        cfg = MegarlConfig.model_validate({"data": {"synthetic": {"task": "chain", "max_operand": max_operand}}})
+        return check_synthetic(cfg)
+
+    assert issues(17) == []  # 16 * 17 = 272: 290 tokens
+    [issue] = issues(18)
+    assert issue.key == "data.synthetic.max_operand" and issue.value == 18 and "at most 17" in issue.fix
