@@ -124,6 +124,7 @@ def test_abort_ends_coroutines_in_flight_with_their_partial_completions(engine):
     assert engine._driver.in_flight == 0
 
 
+@pytest.mark.slow  # ~22 s decoding; abort itself: the in-process test above
 def test_abort_through_the_engine_process(model_dir):
     from megarl.rollout.process import EngineProcess
 

@@ -164,6 +164,7 @@ def test_reward_function_that_raises(tmp):
     assert run.steps_logged() == []
 
 
+@pytest.mark.slow  # ~23 s; engine deaths under the default (restart): tests/e2e/test_engine_restart.py
 def test_kill_9_of_the_engine_child(tmp):
     run = Run(tmp, "kill-engine", ["trainer.total_steps=50", "rollout.on_engine_failure=fail"])
     run.wait_for_step(1)

@@ -70,6 +70,7 @@ def test_metrics_jsonl_has_the_documented_keys(tp1):
         assert required <= set(m), required - set(m)
 
 
+@pytest.mark.slow  # a second 2-rank run (~36 s); TP2 = TP1 per update: tests/dist/test_actor_step, test_on_policy_update
 def test_tp2_losses_equal_tp1(tp1):
     tmp, ref = tp1
     got = _run(tmp, "tp2", ["parallelism.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"])

