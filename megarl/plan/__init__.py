@@ -106,7 +106,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB, help="GiB per GPU (default 80)")
     ap.add_argument("--host-mem", type=float, default=DEFAULT_HOST_MEM_GIB, help="GiB of host memory per node "
                     "(default 2048)")
-    ap.add_argument("--search", action="store_true", help="search the layouts (TP, PP, VPP, EP, expert TP, "
+    ap.add_argument("--search", action="store_true", help="search the layouts (TP, PP, CP, VPP, EP, expert TP, "
                     "micro-batch, recompute, offload, distributed optimizer, engine TP/EP, replicas, placement) that "
                     "validate accepts and fit, ranked by planned step time")
     ap.add_argument("--top", type=int, default=3, help="--search: how many layouts to print (default 3)")

@@ -289,12 +289,12 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
     from megarl.bridge.mapping import padded_vocab_size
-    from megarl.plan.memory import in_flight_layers, micro_tokens
+    from megarl.plan.memory import forward_tokens, in_flight_layers
     from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, cpu_forward_working_set_bytes, \
         cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements
 
     from megarl.plan.host import r2_gather_bytes
-    from megarl.plan.phases import stage_phases
+    from megarl.plan.phases import ACTIVATIONS, stage_phases
 
     pl = st.place
     out = {}
@@ -321,15 +321,11 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
                          in_flight_layers(pl.pp, pl.vpp, s, st.roles.actor_micro_batches, stage_layers[s]))
             upd[CPU_GLU] = cpu_unfused_glu_bytes(spec, st.roles.actor_tokens, in_flight, pl.tp, pl.pbytes)
             # the optimizer steps after the activations are freed: the phase holds the larger of the two
-            acts = upd.get("activations (update, with its logits)", 0) + upd[CPU_GLU]
+            acts = upd.get(ACTIVATIONS, 0) + upd[CPU_GLU]
             upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
             r = cfg.rollout
             if cfg.ref_enabled or cfg.critic_enabled or not _on_policy(cfg):  # a forward runs in the phase
-                micro = max(r.log_prob_micro_batch_size_per_gpu,
-                            cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0)
-                tokens, _ = micro_tokens(max(1, cfg.data.train_batch_size * r.n // pl.dp),
-                                         r.prompt_length + r.response_length, micro, r.log_prob_use_dynamic_bsz,
-                                         r.log_prob_max_token_len_per_gpu)
+                tokens = forward_tokens(cfg, r.prompt_length + r.response_length, pl.dp, pl.cp)
                 out[s]["old/ref log-probs"][CPU_FORWARD] = cpu_forward_working_set_bytes(spec, tokens, pl.tp,
                                                                                           pl.pbytes)
     return out

@@ -5,8 +5,9 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
     parameters      P * 2 (bf16) or 4 (fp32)
     gradients       P * 4 (megarl reduces gradients in fp32: grad_reduce_in_fp32)
     optimizer       Adam: fp32 master copy (4 B/param in bf16, none in fp32) + exp_avg + exp_avg_sq (8 B/param),
-                    each a named line; with the distributed optimizer divided by the data-parallel size (dense
-                    parameters) or the expert-data-parallel size world / (expert TP * EP * PP) (expert parameters).
+                    each a named line; with the distributed optimizer divided by the DP x CP size (dense
+                    parameters: CP ranks hold the same weights, as DP ranks do) or the expert-data-parallel size
+                    world / (expert TP * EP * PP) (expert parameters; megatron folds CP into it).
     activations     per token per layer, in 16-bit elements (x 2 in float32), flash attention (no score matrix),
                     SwiGLU, GQA, no dropout:
                     8h (norm inputs and residual stream, /TP with sequence parallel) + (4q + 4kv + 6f) / TP
@@ -17,6 +18,10 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
                     1F1B (virtual pipeline stages) more, in chunks of layers/(PP*VPP) (see in_flight_layers). The
                     last stage adds the logits of the log-prob / entropy pass and their backward
                     (megarl.plan.terms.update_logits_bytes, on the padded vocabulary).
+                    Tokens are one rank's: a micro-batch's (every row at full length) split over CP ranks, each row
+                    padded to a multiple of 2 * CP (megarl.plan.terms.cp_rank_tokens); a token budget
+                    (*_max_token_len_per_gpu) is per GPU, so a micro-batch holds CP times it. Context-parallel
+                    attention adds a one-layer transient (megarl.plan.terms.cp_attention_bytes), a line of its own.
 * LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
 * Reference: parameters only; the old/ref log-prob forwards add the logits of one forward micro-batch on the last stage
   (megarl.plan.terms.forward_logits_bytes), unless no policy forward runs there (an on-policy step without reference).
@@ -34,7 +39,8 @@ from typing import Optional
 from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, spec_from_dict
 from megarl.bridge.mapping import padded_vocab_size
 from megarl.plan.model import Placement, PlanError, Weights, read_json
-from megarl.plan.terms import forward_logits_bytes, update_logits_bytes
+from megarl.plan.terms import (attention_kv_bytes, attention_out_bytes, cp_attention_bytes, cp_rank_tokens,
+                               forward_logits_bytes, update_logits_bytes)
 from megarl.sync.plan import DTYPE_BYTES
 
 
@@ -73,8 +79,11 @@ class Roles:
     models: list[ModelMemory]
     lora: Optional[LoraPlan]
     forward_logits: int  # the logits of one old/ref logprob forward micro-batch, on the last stage
-    actor_tokens: int  # per micro-batch
+    actor_tokens: int  # per micro-batch and rank (its CP share)
     actor_micro_batches: int  # per mini-batch and rank
+    actor_micro_tokens: int = 0  # per micro-batch, before the CP split (0: actor_tokens)
+    cp_attention_update: int = 0  # the update's one-layer context-parallel attention transient (0 at CP 1)
+    cp_attention_forward: int = 0  # the old/ref log-prob and value forwards' (0 at CP 1 or without a forward)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,12 @@ def micro_tokens(seqs: int, seq_len: int, micro: int, dynamic: bool, max_tokens:
         tokens = min(max(max_tokens, seq_len), whole)
         return tokens, max(1, math.ceil(whole / tokens))
     return min(micro, seqs) * seq_len, max(1, seqs // micro)
+
+
+def rank_tokens(tokens: int, seq_len: int, cp: int) -> int:
+    """One CP rank's tokens of a micro-batch of `tokens` tokens in rows of seq_len (the planner's every row at full
+    length: ceil(tokens / seq_len) rows), megarl.plan.terms.cp_rank_tokens."""
+    return cp_rank_tokens(tokens, -(-tokens // seq_len), cp)
 
 
 def batches(cfg, dp: int) -> Batches:
@@ -175,9 +190,9 @@ def trainable(name: str, dense: list[int], expert: list[int], pl: Placement, dis
     n_dense = [b // pl.pbytes for b in dense]
     n_exp = [b // pl.pbytes for b in expert]
     opt_rep = [(a + b) * opt_bpp for a, b in zip(n_dense, n_exp)]
-    opt_dist = [a * opt_bpp // pl.dp + b * opt_bpp // pl.edp for a, b in zip(n_dense, n_exp)]
+    opt_dist = [a * opt_bpp // pl.dp_cp + b * opt_bpp // pl.edp for a, b in zip(n_dense, n_exp)]
     m_bpp = master_bytes_per_param(pl.pbytes)
-    master = ([a * m_bpp // pl.dp + b * m_bpp // pl.edp for a, b in zip(n_dense, n_exp)] if distributed else
+    master = ([a * m_bpp // pl.dp_cp + b * m_bpp // pl.edp for a, b in zip(n_dense, n_exp)] if distributed else
               [(a + b) * m_bpp for a, b in zip(n_dense, n_exp)])
     return ModelMemory(name, [a + b for a, b in zip(dense, expert)],
                        grads=[(a + b) * 4 for a, b in zip(n_dense, n_exp)],  # fp32 gradients
@@ -198,10 +213,10 @@ def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> 
     opt_bpp = optimizer_bytes_per_param(pl.pbytes)
     actor = ModelMemory("actor", [b + n * pl.pbytes for b, n in zip(weights.held, n_lora)],
                         grads=[n * 4 for n in n_lora],
-                        optim=[n * opt_bpp // (pl.dp if p.use_distributed_optimizer else 1) for n in n_lora],
-                        optim_distributed=[n * opt_bpp // pl.dp for n in n_lora],
+                        optim=[n * opt_bpp // (pl.dp_cp if p.use_distributed_optimizer else 1) for n in n_lora],
+                        optim_distributed=[n * opt_bpp // pl.dp_cp for n in n_lora],
                         optim_replicated=[n * opt_bpp for n in n_lora], activations=activations,
-                        master=[n * master_bytes_per_param(pl.pbytes) // (pl.dp if p.use_distributed_optimizer
+                        master=[n * master_bytes_per_param(pl.pbytes) // (pl.dp_cp if p.use_distributed_optimizer
                                                                           else 1) for n in n_lora], trains=True)
     total = adapter_numel(targets, lora.rank)
     adapter = total * DTYPE_BYTES[pl.engine_dtype] if lora.sync == "adapter" else None
@@ -241,21 +256,40 @@ def reward_model_stage_bytes(m: ArchSpec, tp: int, pp: int, ep: int, pbytes: int
     return [n * pbytes for n in per_stage]
 
 
-def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: int = 1) -> int:
-    """Logits of the larger old/ref log-prob forward micro-batch (megarl.plan.terms.forward_logits_bytes); 0 where
-    the phase runs no policy forward: no reference, no teacher, and an on-policy step whose update takes the old
-    log-probs from its own forward (megarl.steps.old_log_probs_from_update; a critic's values have no vocabulary)."""
+def policy_forward_runs(cfg) -> bool:
+    """Whether the old/ref log-prob phase runs a policy forward: a reference, a teacher, or a step whose update does
+    not take the old log-probs from its own forward (megarl.steps.old_log_probs_from_update)."""
     from megarl.steps import old_log_probs_from_update
 
     warmup = cfg.critic_enabled and cfg.critic.warmup_steps > 0  # steps without an actor update run the old pass
-    if not (cfg.ref_enabled or cfg.distillation.enable or warmup or not old_log_probs_from_update(cfg, True)):
-        return 0
+    return bool(cfg.ref_enabled or cfg.distillation.enable or warmup or not old_log_probs_from_update(cfg, True))
+
+
+def forward_tokens(cfg, seq_len: int, dp: int = 1, cp: int = 1) -> int:
+    """One rank's tokens of the larger old/ref log-prob forward micro-batch (its CP share, rank_tokens; a token
+    budget is per GPU: CP times it per micro-batch)."""
     r = cfg.rollout
     ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0
     micro = max(r.log_prob_micro_batch_size_per_gpu, ref_micro)
     rows = max(1, cfg.data.train_batch_size * r.n // dp)  # the forwards split the step's batch over DP
-    tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu)
+    tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu * cp)
+    return rank_tokens(tokens, seq_len, cp)
+
+
+def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: int = 1, cp: int = 1) -> int:
+    """Logits of the larger old/ref log-prob forward micro-batch on one rank (megarl.plan.terms.forward_logits_bytes);
+    0 where the phase runs no policy forward (policy_forward_runs; a critic's values have no vocabulary)."""
+    if not policy_forward_runs(cfg):
+        return 0
+    tokens = forward_tokens(cfg, seq_len, dp, cp)
     return forward_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, tp), tp, pbytes)
+
+
+def cp_attention(spec: ArchSpec, pl: Placement, tokens: int, backward: bool) -> int:
+    """The one-layer context-parallel attention transient of a micro-batch of `tokens` tokens on one rank
+    (megarl.plan.terms.cp_attention_bytes; 0 at CP 1)."""
+    kv, out = (attention_kv_bytes(spec, tokens, pl.tp, pl.pbytes), attention_out_bytes(spec, tokens, pl.tp, pl.pbytes))
+    return cp_attention_bytes(kv, out, pl.cp, pl.te, backward)
 
 
 def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
@@ -263,10 +297,14 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
     a, p = cfg.actor, cfg.parallelism
     spec, b = weights.spec, batches(cfg, pl.dp)
 
+    def micro_batch(micro: int) -> tuple[int, int]:
+        """(tokens per micro-batch, micro-batches): a token budget is per GPU, CP times it per micro-batch."""
+        return b.micro(micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu * pl.cp)
+
     def activations(micro: int, logits: bool) -> list[int]:
-        tokens, mbs = b.micro(micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
-        return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute, tokens, mbs, logits,
-                                 logits and a.entropy_coeff != 0)
+        tokens, mbs = micro_batch(micro)
+        return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute,
+                                 rank_tokens(tokens, b.seq_len, pl.cp), mbs, logits, logits and a.entropy_coeff != 0)
 
     lora = None
     if a.lora.enabled:
@@ -283,5 +321,11 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
     if cfg.reward.reward_model.enable:
         rm = reward_model_spec(cfg, spec)
         models.append(ModelMemory("reward model", reward_model_stage_bytes(rm, pl.tp, pl.pp, pl.ep, pl.pbytes)))
-    tokens, mbs = b.micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)
-    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp), tokens, mbs)
+    tokens, mbs = micro_batch(a.ppo_micro_batch_size_per_gpu)
+    mine = rank_tokens(tokens, b.seq_len, pl.cp)
+    update = [mine] + ([rank_tokens(micro_batch(cfg.critic.ppo_micro_batch_size_per_gpu)[0], b.seq_len, pl.cp)]
+                       if cfg.critic_enabled else [])
+    forwards = policy_forward_runs(cfg) or cfg.critic_enabled  # the old/ref log-probs or the critic's values
+    fwd = cp_attention(spec, pl, forward_tokens(cfg, b.seq_len, pl.dp, pl.cp), False) if forwards else 0
+    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp), mine, mbs,
+                 tokens, cp_attention(spec, pl, max(update), True), fwd)

@@ -62,6 +62,14 @@ class Placement:
     generating: int  # GPUs hosting an engine worker: colocated, the first of the trainer's; else GPUs of their own
     dtype: str  # the trainer's parameters, a megarl.sync.plan.DTYPE_BYTES name
     engine_dtype: str
+    cp: int = 1  # context-parallel size: each sequence's tokens split over CP ranks
+    te: bool = True  # Transformer Engine layers (its context-parallel attention) rather than megatron's local ones
+
+    @property
+    def dp_cp(self) -> int:
+        """The DP x CP ranks that hold the same dense weights: gradients are reduced and the distributed optimizer
+        shards dense states over them (CP ranks see other tokens of the same sequences, as DP ranks other sequences)."""
+        return self.dp * self.cp
 
     @property
     def pbytes(self) -> int:
@@ -140,18 +148,28 @@ def place(cfg, cluster: Cluster) -> Placement:
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     separate = cfg.engine_placement == "separate"
     world = cfg.world_size if separate else cluster.gpus
-    layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                    expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+    cp = p.context_parallel_size
+    layout = Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+                    expert_model_parallel_size=ep, expert_tensor_parallel_size=p.expert_tensor_parallel_size,
                     num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
                     num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage)
     if not layout.fits(world):
-        raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} with EP{ep} dividing the "
+        raise PlanError(f"{world} trainer GPUs do not split into TP{tp} x PP{pp} x CP{cp} with EP{ep} dividing the "
                         "data-parallel size; change the node count or the layout")
     return Placement(layout, world, tp, pp, ep, p.virtual_pipeline_model_parallel_size or 1,
                      layout.data_parallel_size(world), layout.expert_data_parallel_size(world), separate,
                      cfg.engine_replicas, r.tensor_model_parallel_size, r.expert_model_parallel_size,
                      cfg.engine_replicas * r.tensor_model_parallel_size, sync_dtype(cfg.model.dtype),
-                     sync_dtype(r.dtype))
+                     sync_dtype(r.dtype), cp, uses_te(cfg))
+
+
+def uses_te(cfg) -> bool:
+    """Whether the trainer builds Transformer Engine layers (megarl.megatron.workers.build_options): as
+    model.use_transformer_engine says; auto: on a GPU, except for LoRA (its adapters sit on megatron's local layers)."""
+    setting = cfg.model.use_transformer_engine
+    if setting != "auto":
+        return bool(setting)
+    return not cfg.actor.lora.enabled and cfg.trainer.device != "cpu"
 
 
 def gpu_count_reason(pl: Placement, cluster: Cluster) -> Optional[str]:

@@ -11,8 +11,10 @@ colocated engine's KV cache can grow by what was freed. Its cost is a round trip
 estimated at HOST_LINK_GBPS.
 Phases, as the trainer runs them (the peak is their maximum), device lines of a stage's most loaded GPU:
   generate           states - offloaded + engine (gpu_memory_utilization, when it is hosted here)
-  old/ref log-probs  states + forward logits (last stage) [+ R2's int32 route gather] [+ engine if it does not sleep]
-  update             states + activations (with the update's logits on the last stage) [+ engine]
+  old/ref log-probs  states + forward logits (last stage) [+ R2's int32 route gather] [+ the forward's CP attention
+                     transient] [+ engine if it does not sleep]
+  update             states + activations (with the update's logits on the last stage) [+ the update's CP attention
+                     transient, megarl.plan.terms.cp_attention_bytes] [+ engine]
   weight sync        states + engine weights (woken) or the whole engine share + send bucket + receive slots
   checkpoint save    states [+ engine]
 each + the CUDA context + the allocator's reserve over the trainer's bytes. "States" are the parameters, gradients,
@@ -30,6 +32,10 @@ from megarl.plan.model import GIB, Cluster, Placement, Weights
 from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, receive_bucket_bytes,
                                send_bucket_bytes)
 
+ACTIVATIONS = "activations (update, with its logits)"
+FORWARD_LOGITS = "logits (old/ref log-probs, fp32)"
+CP_ATTENTION = "context-parallel attention K/V (one layer)"
+TOKEN_LINES = (ACTIVATIONS, FORWARD_LOGITS, CP_ATTENTION)  # the lines whose bytes follow the tokens per rank
 HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
 
@@ -59,11 +65,11 @@ class Peak:
 
     @property
     def train_activations(self) -> int:
-        return self.lines["update"].get("activations (update, with its logits)", 0)
+        return self.lines["update"].get(ACTIVATIONS, 0)
 
     @property
     def forward_logits(self) -> int:
-        return self.lines["old/ref log-probs"].get("logits (old/ref log-probs, fp32)", 0)
+        return self.lines["old/ref log-probs"].get(FORWARD_LOGITS, 0)
 
 
 def host_round_trip_seconds(nbytes: int) -> float:
@@ -132,10 +138,11 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
         gen["offloaded to host (generate)"] = -offloaded
     if engine_here:
         gen[eng] = e.reserve
-    fwd = {**states, **({"logits (old/ref log-probs, fp32)": roles.forward_logits} if last else {}),
-           **({"R2 route gather (int32)": r2_gather} if r2_gather else {}), **idle}
-    upd = {**states, "activations (update, with its logits)": max(m.activations[s] for m in roles.models
-                                                                   if m.activations), **idle}
+    fwd = {**states, **({FORWARD_LOGITS: roles.forward_logits} if last else {}),
+           **({"R2 route gather (int32)": r2_gather} if r2_gather else {}),
+           **({CP_ATTENTION: roles.cp_attention_forward} if roles.cp_attention_forward else {}), **idle}
+    upd = {**states, ACTIVATIONS: max(m.activations[s] for m in roles.models if m.activations),
+           **({CP_ATTENTION: roles.cp_attention_update} if roles.cp_attention_update else {}), **idle}
     woken = idle or ({"engine weights (woken for the sync)": e.weights} if engine_here else {})
     syn = {**states, **woken, "sync send bucket": sync.send_bucket}
     if engine_here and sync.receive_slots:
@@ -179,6 +186,9 @@ def memory_reason(cfg, models: list[ModelMemory], peak: Peak, terms: dict[str, f
         hint.append(f"parallelism.use_distributed_optimizer=true saves {saved / GIB:.1f} GiB")
     if peak.phase == "update" and cfg.model.recompute != "full":
         hint.append("model.recompute=full or a smaller micro-batch shrinks the activations")
+    if peak.phase == "update" and p.context_parallel_size < 8:
+        hint.append(f"parallelism.context_parallel_size={2 * p.context_parallel_size} splits each sequence's "
+                    "activations over twice the ranks")
     if peak.engine_here and peak.phase != "generate" and not e.sleeps and not pl.separate:
         hint.append("rollout.enable_sleep_mode=true frees the engine's share outside rollouts")
     hint.append("more nodes, or larger TP/PP/EP, shrink the per-GPU states")

@@ -2,8 +2,10 @@
 with a margin, ranked by planned step time.
 
 The space: trainer TP (powers of two up to a node), PP (powers of two and the recipe's, uneven first/last stages where
-the layers do not split), VPP 1/2, EP and expert TP (MoE), micro-batch or token budget, recompute, offload, the
-distributed optimizer; engine TP/EP and replicas, colocated or on nodes of their own (the trainer/engine node split).
+the layers do not split), CP 1/2/4/8 (where TP*PP*CP divides the trainer's ranks; of each layout only the smallest CP
+that fits is planned, and none past a CP at which every setting is over without its per-token bytes), VPP 1/2, EP and
+expert TP (MoE), micro-batch or token budget, recompute, offload, the distributed optimizer; engine TP/EP and
+replicas, colocated or on nodes of their own (the trainer/engine node split).
 The rules are validate's own (megarl.validate.CHECKS' layout rules, called on each candidate's config): a family of
 layouts that one of them refuses is reported once with that rule ("TP 16: must divide num_key_value_heads = 8").
 Memory and time are the planner's (plan_steps with megarl.plan.counts standing in for the sync plan;
@@ -17,10 +19,12 @@ from itertools import product
 from typing import Optional
 
 from megarl.plan.model import GIB, Cluster, PlanError
+from megarl.plan.phases import TOKEN_LINES
 from megarl.plan.timing import (Calibration, StepTime, active_parameters, assumptions, effective_mfu,
                                 generate_seconds, recompute_factor, trainer_seconds)
 
 P, A, R = "parallelism.", "actor.", "rollout."
+CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)
 
 
 @dataclass
@@ -31,6 +35,7 @@ class Candidate:
     host: int
     time: StepTime
     reasons: list
+    per_token: int = 0  # the bytes of its peak phase that follow the tokens per rank (activations, logits)
 
 
 @dataclass
@@ -119,17 +124,25 @@ def trainer_families(cfg, spec, gpus_per_node: int, world: int) -> list:
         for first, last in stage_splits(spec.num_layers, pp):
             for vpp in ([None, 2] if pp > 1 and first is None else [None]):
                 for etp in (sorted({1, tp}) if spec.is_moe else [None]):
-                    s = {P + "tensor_model_parallel_size": tp, P + "pipeline_model_parallel_size": pp,
-                         P + "expert_model_parallel_size": ep, P + "expert_tensor_parallel_size": etp,
-                         P + "virtual_pipeline_model_parallel_size": vpp, P + "sequence_parallel": tp > 1,
-                         P + "num_layers_in_first_pipeline_stage": first,
-                         P + "num_layers_in_last_pipeline_stage": last}
-                    split = (f" ({first}+{spec.num_layers - first})" if last is None else
-                             f" ({first}+...+{last})") if first else ""
-                    label = f"TP {tp} PP {pp}" + split + \
-                        (f" VPP {vpp}" if vpp else "") + (f" EP {ep} ETP {etp}" if spec.is_moe else "")
-                    out.append((label, s))
+                    # CP last: a layout's CPs follow each other, smallest first (search plans the smallest that fits)
+                    for cp in [c for c in CONTEXT_PARALLEL_SIZES if c == 1 or world % (tp * pp * c) == 0]:
+                        s = {P + "tensor_model_parallel_size": tp, P + "pipeline_model_parallel_size": pp,
+                             P + "context_parallel_size": cp,
+                             P + "expert_model_parallel_size": ep, P + "expert_tensor_parallel_size": etp,
+                             P + "virtual_pipeline_model_parallel_size": vpp, P + "sequence_parallel": tp > 1,
+                             P + "num_layers_in_first_pipeline_stage": first,
+                             P + "num_layers_in_last_pipeline_stage": last}
+                        split = (f" ({first}+{spec.num_layers - first})" if last is None else
+                                 f" ({first}+...+{last})") if first else ""
+                        label = f"TP {tp} PP {pp}" + split + (f" CP {cp}" if cp > 1 else "") + \
+                            (f" VPP {vpp}" if vpp else "") + (f" EP {ep} ETP {etp}" if spec.is_moe else "")
+                        out.append((label, s))
     return out
+
+
+def _without_cp(settings: dict) -> tuple:
+    """A trainer layout's settings but its CP: the layout whose smallest fitting CP the search keeps."""
+    return tuple((k, v) for k, v in settings.items() if k != P + "context_parallel_size")
 
 
 def engine_options(cfg, spec, nodes: int, gpus_per_node: int) -> list:
@@ -197,11 +210,11 @@ def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration]
     mbs = steps.roles.actor_micro_batches
     forwards = 1 + cfg.ref_enabled + cfg.critic_enabled
     fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration), pl.tp, pl.ep,
-                          pl.pp, mbs, pl.vpp)
+                          pl.pp, mbs, pl.vpp, pl.cp)
     passes = 3 * recompute_factor(cfg.model.recompute) * (cfg.actor.ppo_epochs +
                                                            (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
     upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration), pl.tp, pl.ep,
-                          pl.pp, mbs, pl.vpp)
+                          pl.pp, mbs, pl.vpp, pl.cp)
     off = host_round_trip_seconds(steps.offloaded[steps.peak.stage])
     return StepTime(gen, fwd, upd, steps.sync.seconds, off)
 
@@ -240,8 +253,9 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     def evaluate(c, settings) -> Candidate:
         st = plan_steps(c, cluster, hf, host_mem_gib, counted_weights)
         host = max(sum(v.values()) for v in st.host.values())
+        per_token = sum(st.peak.lines[st.peak.phase].get(k, 0) for k in TOKEN_LINES)
         return Candidate(settings, st.peak.bytes, st.peak.phase, host, step_time(c, st, gpus_per_node, calibration),
-                         st.reasons)
+                         st.reasons, per_token)
 
     def fits(cand: Candidate) -> bool:
         return not cand.reasons and cand.peak <= budget
@@ -265,14 +279,16 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
             continue
         probe = min(good, key=lambda e: (e[1][R + "tensor_model_parallel_size"] !=
                                          cfg.rollout.tensor_model_parallel_size, e[0]))[1]
-        first_fits = []
+        first_fits, settled = [], set()  # layouts (less their CP) that a larger CP would not change: skipped
         for flabel, fsettings in families:
+            if _without_cp(fsettings) in settled:
+                continue
             base = {**probe, **fsettings}
             why = first_issue(with_settings(cfg, base), checks[:3])
             if why:
                 res.rejected.setdefault(flabel, why)
                 continue
-            found, knob_why, smallest = None, None, None
+            found, knob_why, smallest, floor = None, None, None, None
             for k in knobs_of[min(2, fsettings[P + "expert_model_parallel_size"])]:
                 c = with_settings(cfg, {**base, **k})
                 why = first_issue(c, checks[3:-2])
@@ -290,8 +306,15 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
                     if fits(cand):
                         found = cand
                         first_fits.append(cand)
-                    elif smallest is None or cand.peak < smallest.peak:
-                        smallest = cand
+                        settled.add(_without_cp(fsettings))  # the smallest CP that fits
+                    else:
+                        floor = min(floor if floor is not None else cand.peak, cand.peak - cand.per_token)
+                        if smallest is None or cand.peak < smallest.peak:
+                            smallest = cand
+            if found is None and floor is not None and floor > budget:
+                # over even without its per-token bytes, which are all that a larger CP divides (the states per GPU
+                # stay: DP x CP is the same)
+                settled.add(_without_cp(fsettings))
             if found is None and flabel not in res.rejected:
                 res.rejected[flabel] = knob_why if smallest is None else (
                     f"no micro-batch, recompute or offload setting fits: at best {smallest.peak / GIB:.1f} GiB in "
@@ -308,7 +331,7 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
                     res.fitting += 1
                     ranked.append((cand, c))
     res.planned = planned
-    ranked.sort(key=lambda x: x[0].time.total)
+    ranked.sort(key=lambda x: (x[0].time.total, x[1].parallelism.context_parallel_size))
     seen = set()
     for cand, c in ranked:
         key = tuple(sorted(cand.settings.items(), key=str))

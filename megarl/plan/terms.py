@@ -26,6 +26,24 @@ Weight-sync buckets (rollout.update_weights_bucket_megabytes = B): a sending GPU
 sends, min(B, bytes it sends); a GPU hosting an engine worker receives into two alternating slots, 2 * min(B, its
 worker's shard). On the host, each receiving rank keeps its two shared-memory slot files mapped for the whole run:
 2 * min(B, shard) per engine worker on the node.
+Context parallelism (parallelism.context_parallel_size = CP > 1): megatron splits each packed row into 2 * CP chunks and
+CP rank r holds chunks r and 2 * CP - 1 - r (the load-balanced order for causal attention), each row padded to a
+multiple of 2 * CP tokens. A micro-batch of T tokens in R rows is thus at most T + R * (2 * CP - 1) tokens, and each
+CP rank computes 1/CP of them: its activations, its logits and every per-token tensor are of t = that / CP tokens.
+Attention needs every chunk's keys and values; with k = this rank's K and V of its t tokens in one layer
+(t x 2 x KV heads / TP x head dim x p; MLA: t x heads / TP x (q head dim + v head dim) x p, K and V per head) and
+o = its attention output (t x heads / TP x v head dim x p), one layer at a time holds
+  Transformer Engine (p2p ring, AttnFuncWithCPAndKVP2P)
+      forward:  CP x (k + o): every ring step's received K/V stays in its p2p buffer until the attention returns,
+                and every step's partial output until they are merged (the last CP rank's steps all see its whole
+                queries); the per-step softmax statistics (fp32, 2/head dim of o) are left out
+      backward: 4 k: two ring buffers, each of K/V and their gradients dK/dV
+  without TE (megarl all-gathers K and V over the CP group)
+      forward:  CP x k: the whole row's K and V of this rank's heads
+      backward: 2 x CP x k: them again and their gradient, before the gradient's reduce-scatter
+the update holds the larger of its forward's and its backward's, the forward-only passes their forward's, on top of
+the stored activations. Weights, gradients and optimizer states are replicated over CP as over DP: the distributed
+optimizer shards dense states over the DP x CP group (megarl.plan.memory).
 GPU overhead: the CUDA context, cuBLAS workspaces and NCCL communicators of each trainer process, CUDA_CONTEXT_GIB;
 and the caching allocator's reserved-but-unallocated memory, ALLOCATOR_SHARE of what the trainer allocates in the
 phase (a colocated engine's share is counted by gpu_memory_utilization, which holds its own context).
@@ -198,3 +216,36 @@ def cpu_unfused_glu_bytes(spec, tokens: int, layers_in_flight: float, tp: int, p
     dense = not spec.is_moe or (spec.moe_layers and not all(spec.moe_layers))
     f = spec.ffn_hidden_size if dense else spec.moe_topk * spec.moe_ffn_hidden_size
     return int(tokens * layers_in_flight * 2 * f // tp * pbytes)
+
+
+def cp_rank_tokens(tokens: int, rows: int, cp: int) -> int:
+    """t: one CP rank's tokens of a micro-batch of `tokens` tokens in `rows` packed rows, each row padded to a multiple
+    of 2 * CP (at most 2 * CP - 1 tokens more), the padded pack split over CP ranks; see the module doc."""
+    if cp == 1:
+        return tokens
+    return -(-(tokens + rows * (2 * cp - 1)) // cp)
+
+
+def attention_kv_bytes(spec, tokens: int, tp: int, pbytes: int) -> int:
+    """k: K and V of `tokens` tokens in one layer for one TP rank's heads, [tokens, 2, KV heads / TP, head dim]; MLA
+    [tokens, heads / TP, q head dim + v head dim] (K and V expanded per head). spec: an ArchSpec."""
+    if spec.mla is not None:
+        return tokens * (spec.num_attention_heads // tp) * (spec.mla.q_head_dim + spec.mla.v_head_dim) * pbytes
+    return tokens * 2 * max(1, spec.num_key_value_heads // tp) * spec.head_dim * pbytes
+
+
+def attention_out_bytes(spec, tokens: int, tp: int, pbytes: int) -> int:
+    """o: the attention output of `tokens` tokens in one layer on one TP rank, [tokens, heads / TP, v head dim]."""
+    v = spec.mla.v_head_dim if spec.mla is not None else spec.head_dim
+    return tokens * (spec.num_attention_heads // tp) * v * pbytes
+
+
+def cp_attention_bytes(kv: int, out: int, cp: int, te: bool, backward: bool) -> int:
+    """The one-layer transient of context-parallel attention beyond the stored activations, from k = `kv` and o =
+    `out` (this rank's own tokens): Transformer Engine's ring CP x (k + o) forward, 4 k backward; without TE the
+    all-gathered CP x k forward, 2 x CP x k backward; `backward`: the larger of forward and backward (an update).
+    0 at CP 1. See the module doc."""
+    if cp == 1:
+        return 0
+    forward, back = (cp * (kv + out), 4 * kv) if te else (cp * kv, 2 * cp * kv)
+    return max(forward, back) if backward else forward

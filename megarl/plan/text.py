@@ -50,10 +50,10 @@ def _summary(cfg, st: Steps) -> list[str]:
         + f", {spec.num_layers} layers, hidden {spec.hidden_size}; trainer dtype {pl.dtype}, engine dtype "
         f"{pl.engine_dtype}",
         f"trainer: {pl.world} GPUs, TP{pl.tp} PP{pl.pp}" + (f" x VPP{pl.vpp} (interleaved 1F1B)" if pl.vpp > 1 else "")
-        + f" EP{pl.ep} DP{pl.dp}" + (f" (expert DP {pl.edp})" if spec.is_moe else "")
+        + f" CP{pl.cp} EP{pl.ep} DP{pl.dp}" + (f" (expert DP {pl.edp})" if spec.is_moe else "")
         + f", sequence parallel {p.sequence_parallel}, recompute {cfg.model.recompute}, distributed optimizer "
         f"{p.use_distributed_optimizer}",
-        f"  actor micro-batch: {st.roles.actor_tokens} tokens, {st.roles.actor_micro_batches} micro-batch(es) per "
+        f"  actor micro-batch: {_micro_tokens(st.roles, pl)}, {st.roles.actor_micro_batches} micro-batch(es) per "
         "mini-batch per rank; models: " + ", ".join(m.name for m in st.roles.models),
         f"engine: {where}, TP{pl.engine_tp} EP{pl.engine_ep}, gpu_memory_utilization {r.gpu_memory_utilization}, "
         f"sleeps between rollouts {e.sleeps}",
@@ -64,6 +64,13 @@ def _summary(cfg, st: Steps) -> list[str]:
     if st.roles.lora:
         lines.append(_lora(cfg.actor.lora, st.roles.lora, pl, w))
     return lines
+
+
+def _micro_tokens(roles: Roles, pl: Placement) -> str:
+    if pl.cp == 1:
+        return f"{roles.actor_tokens} tokens"
+    return (f"{roles.actor_micro_tokens} tokens, {roles.actor_tokens} on each of CP{pl.cp} ranks (each row padded to "
+            f"a multiple of {2 * pl.cp}; attention: {'Transformer Engine ring' if pl.te else 'K/V all-gathered'})")
 
 
 def _lora(settings, lora: LoraPlan, pl: Placement, w: Weights) -> str:

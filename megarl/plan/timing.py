@@ -11,7 +11,8 @@ with the search's result; none is measured by this module.
   update     actor (and critic): 6 * active parameters * N * S FLOPs per epoch, x 4/3 with full recompute
              (x 1.05 selective),
              both over the trainer's GPUs at GPU_TFLOPS * MFU, divided by tp_efficiency (TP_COST per TP doubling,
-             EP_COST per EP doubling) and multiplied by the pipeline bubble 1 + (PP - 1) / (micro-batches * VPP).
+             EP_COST per EP doubling, CP_COST per CP doubling) and multiplied by the pipeline bubble
+             1 + (PP - 1) / (micro-batches * VPP).
   sync       the weight sync's lower bound at the link bandwidth (megarl.plan.phases.sync_cost).
   offload    a host round trip of the offloaded states (megarl.plan.phases.host_round_trip_seconds).
 Active parameters: every parameter but the routed experts, plus top_k / num_experts of those.
@@ -37,6 +38,7 @@ ALLREDUCE_LATENCY_S = 10e-6  # one NVLink all-reduce of a decode step's activati
 CROSS_NODE_FACTOR = 5.0
 TP_COST = 0.04  # trainer throughput lost per TP doubling (its all-reduces/all-gathers)
 EP_COST = 0.03  # per EP doubling (all-to-all dispatch)
+CP_COST = 0.05  # per CP doubling: each layer's K/V exchange over the CP ranks, only partly hidden behind attention
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,8 @@ def active_parameters(n_params: int, n_expert: int, topk: int, num_experts: int)
     return n_params - n_expert + (n_expert * topk / num_experts if num_experts else 0)
 
 
-def tp_efficiency(tp: int, ep: int) -> float:
-    return 1.0 / (1.0 + TP_COST * math.log2(tp) + EP_COST * math.log2(ep))
+def tp_efficiency(tp: int, ep: int, cp: int = 1) -> float:
+    return 1.0 / (1.0 + TP_COST * math.log2(tp) + EP_COST * math.log2(ep) + CP_COST * math.log2(cp))
 
 
 def bubble(pp: int, micro_batches: int, vpp: int) -> float:
@@ -81,10 +83,10 @@ def generate_seconds(rows: int, replicas: int, prompt: int, response: int, max_n
 
 
 def trainer_seconds(active: float, tokens: int, gpus: int, passes: float, mfu: float, tp: int, ep: int, pp: int,
-                    micro_batches: int, vpp: int) -> float:
+                    micro_batches: int, vpp: int, cp: int = 1) -> float:
     """`passes` x 2 * active * tokens FLOPs (2 a forward, 6 a forward and backward) over the trainer's GPUs."""
     flops = 2 * active * tokens * passes
-    return flops / (gpus * GPU_TFLOPS * 1e12 * mfu) / tp_efficiency(tp, ep) * bubble(pp, micro_batches, vpp)
+    return flops / (gpus * GPU_TFLOPS * 1e12 * mfu) / tp_efficiency(tp, ep, cp) * bubble(pp, micro_batches, vpp)
 
 
 def recompute_factor(recompute: str) -> float:
@@ -128,5 +130,6 @@ def assumptions(calibration: Optional[Calibration] = None) -> str:
                 + assumptions().replace("assumed: ", "assumed otherwise: "))
     return (f"assumed: {GPU_TFLOPS:g} TFLOP/s per GPU at MFU update {MFU['update']}, forward {MFU['forward']}, "
             f"prefill {MFU['prefill']}; HBM {HBM_GBPS:g} GB/s at {DECODE_HBM_EFFICIENCY} in decode; "
-            f"{TP_COST:.0%} per TP doubling, {EP_COST:.0%} per EP doubling; all-reduce latency "
-            f"{ALLREDUCE_LATENCY_S * 1e6:g} us (x{CROSS_NODE_FACTOR:g} across nodes); every response at full length")
+            f"{TP_COST:.0%} per TP doubling, {EP_COST:.0%} per EP doubling, {CP_COST:.0%} per CP doubling; "
+            f"all-reduce latency {ALLREDUCE_LATENCY_S * 1e6:g} us (x{CROSS_NODE_FACTOR:g} across nodes); every "
+            "response at full length")
