@@ -111,6 +111,23 @@ def steps_or_unset(key: str, why_unset: str):
     return rule
 
 
+def context_parallel(c: Conversion, verl_key: str, value: Any) -> None:
+    """actor/ref/critic.megatron.context_parallel_size -> parallelism.context_parallel_size (one for all three); above 1
+    the first mapped line says how megarl cuts the sequences (megatron's load-balanced chunks, as verl's Megatron
+    workers cut them)."""
+    key = "parallelism.context_parallel_size"
+    if value is None:
+        c.drop(verl_key, value, f"null (unset): megarl keeps its default for {key}")
+        return
+    why = ""
+    first = key not in c.sources or c.layers.get(key, 0) < c.layer  # a later layer's line replaces the earlier's
+    if isinstance(value, int) and not isinstance(value, bool) and value > 1 and first:
+        why = (f"megarl splits each sequence into 2*CP = {2 * value} load-balanced chunks, CP rank r holding chunks r "
+               f"and {2 * value - 1}-r (megatron's order), each packed row padded to a multiple of {2 * value} "
+               "tokens; token budgets stay per GPU (a micro-batch holds CP times one), as in verl")
+    c.set(verl_key, value, key, why=why)
+
+
 def router_dtype(c: Conversion, verl_key: str, value: Any) -> None:
     if value in (None, "fp32", "fp64"):
         c.set(verl_key, value, "model.moe_router_dtype")

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megarl.convert_verl.rule_kinds import (Rule, accept, files, filter_overlong, freq, level, load_format,
-                                            logger, lora_merge, lr_schedule, megatron_dtype, no_effect, off_only,
-                                            policy_loss, recompute, recompute_detail, recompute_granularity,
-                                            resume_mode, reward_manager, rollout_name, router_dtype, rs_threshold,
-                                            steps_or_unset, to, truncation)
+from megarl.convert_verl.rule_kinds import (Rule, accept, context_parallel, files, filter_overlong, freq, level,
+                                            load_format, logger, lora_merge, lr_schedule, megatron_dtype, no_effect,
+                                            off_only, policy_loss, recompute, recompute_detail,
+                                            recompute_granularity, resume_mode, reward_manager, rollout_name,
+                                            router_dtype, rs_threshold, steps_or_unset, to, truncation)
 from megarl.convert_verl.verl_behaviour import AR
 
 _OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "min_lr")
@@ -264,6 +264,8 @@ def _megatron_rule(role: str, name: str) -> Optional[Rule]:
     """actor/ref/critic.megatron.*: the parallel layout, offload, routing replay and megatron's own switches."""
     if name.removeprefix(_TRANSFORMER) in _PARALLEL[-2:]:  # verl's uneven-stage settings
         name = name.removeprefix(_TRANSFORMER)
+    if name == "context_parallel_size":
+        return context_parallel
     if name in _PARALLEL:
         return to(f"parallelism.{name}")
     if name == "router_replay.mode" and role == "actor":  # verl's "disabled" is megarl's "none"

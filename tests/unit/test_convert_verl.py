@@ -250,6 +250,27 @@ def test_one_truth_converter_refuses_with_validates_message():
     assert [i.key for i in left.value.issues] == ["model.path"]
 
 
+def test_context_parallelism_maps_once_for_actor_ref_and_critic_and_says_how_sequences_are_cut():
+    from megarl.convert_verl.record import report_lines
+
+    ar = "actor_rollout_ref."
+    c = convert({ar + "actor.megatron.context_parallel_size": 2, ar + "ref.megatron.context_parallel_size": 2,
+                 ar + "actor.megatron.tensor_model_parallel_size": 2, "trainer.n_gpus_per_node": 8})
+    assert c.recipe["parallelism"]["context_parallel_size"] == 2 and not c.refused
+    lines = [line for line in report_lines(c) if "context_parallel_size" in line]
+    # both verl keys are mapped; the first line says how: 2*CP = 4 chunks, rank r holding r and 3-r, rows padded to 4
+    assert len(lines) == 2 and "chunks" not in lines[1], lines
+    assert "2*CP = 4 load-balanced chunks, CP rank r holding chunks r and 3-r" in lines[0]
+    assert "padded to a multiple of 4 tokens" in lines[0] and "token budgets stay per GPU" in lines[0]
+    assert load_config(data=c.recipe).parallelism.context_parallel_size == 2  # megarl validate accepts it
+    # megarl has one layout for actor, reference and critic: a critic's other CP is refused by name
+    c = convert({ar + "actor.megatron.context_parallel_size": 2, "critic.megatron.context_parallel_size": 4})
+    assert [r for r in c.refused if r.startswith("critic.megatron.context_parallel_size = 4: megarl has one "
+                                                 "parallelism.context_parallel_size (already 2")]
+    c = convert({ar + "actor.megatron.context_parallel_size": 1})  # no CP, nothing to say about chunks
+    assert [m for m in c.mapped if "context_parallel_size = 1" in m and "chunks" not in m]
+
+
 _VALUES = ["", "null", "-1", "0", "1e-6", "True", "[1, 2]", "{a: 1}", "abc", "[", "'", "${x.y}", "~/p", "-",
            "[a,b", "1.5", "fp32", "megatron", "None"]
 
