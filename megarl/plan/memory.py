@@ -21,7 +21,8 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
                     Tokens are one rank's: a micro-batch's (every row at full length) split over CP ranks, each row
                     padded to a multiple of 2 * CP (megarl.plan.terms.cp_rank_tokens); a token budget
                     (*_max_token_len_per_gpu) is per GPU, so a micro-batch holds CP times it. Context-parallel
-                    attention adds a one-layer transient (megarl.plan.terms.cp_attention_bytes), a line of its own.
+                    attention adds a one-layer transient (megarl.plan.terms.cp_attention_bytes), a line of its own;
+                    without TE and without recompute each layer also stores the K/V gathered over CP (cp_saved_kv).
 * LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
 * Reference: parameters only; the old/ref log-prob forwards add the logits of one forward micro-batch on the last stage
   (megarl.plan.terms.forward_logits_bytes), unless no policy forward runs there (an on-policy step without reference).
@@ -165,13 +166,23 @@ def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, t
             per_layer = tokens * (pl.pbytes * spec.hidden_size // (pl.tp if sp else 1))
             extra = tokens * full_layer
         else:
-            per_layer = tokens * stored
+            per_layer = tokens * stored + cp_saved_kv(spec, pl, tokens, recompute)
             extra = 0
         last = logits and s == pl.pp - 1
         head = update_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, pl.tp), pl.tp, pl.pbytes,
                                    entropy_bonus) if last else 0
         out.append(int(layers_in_flight * per_layer) + extra + head)
     return out
+
+
+def cp_saved_kv(spec: ArchSpec, pl: Placement, tokens: int, recompute: str) -> int:
+    """Bytes a layer stores for its backward beyond the formula's under context parallelism without Transformer
+    Engine: the keys and values gathered over the CP group (CP x this rank's, megarl.plan.terms.attention_kv_bytes)
+    that the core attention keeps as its inputs. 0 at CP 1, with TE (its ring buffers are transient,
+    cp_attention_bytes) and when the core attention is recomputed (selective or full recompute gathers them again)."""
+    if pl.cp == 1 or pl.te or recompute != "none":
+        return 0
+    return pl.cp * attention_kv_bytes(spec, tokens, pl.tp, pl.pbytes)
 
 
 def optimizer_bytes_per_param(pbytes: int) -> int:

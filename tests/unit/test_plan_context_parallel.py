@@ -175,3 +175,19 @@ def test_cp_costs_step_time_like_tp_and_ep():
     # TP2 EP8 CP2: one TP doubling, three EP doublings, one CP doubling
     assert tp_efficiency(2, 8, 2) == 1 / (1 + TP_COST + 3 * EP_COST + CP_COST)
     assert tp_efficiency(2, 8, 2) < tp_efficiency(2, 8, 1) == 1 / (1 + TP_COST + 3 * EP_COST)
+
+
+def test_without_te_each_stored_layer_keeps_the_gathered_kv_against_hand_calculation():
+    from types import SimpleNamespace
+
+    from megarl.plan.memory import cp_saved_kv
+
+    qwen = _spec("qwen3_30b_a3b")  # 4 KV heads of 128
+    pl = SimpleNamespace(cp=2, te=False, tp=2, pbytes=4)
+    # 1,000 tokens on this rank at TP2, float32: its K and V are 1,000 x 2 x 2 heads x 128 x 4 B = 2,048,000; SDPA keeps
+    # the whole rows' (CP2: twice that) as its inputs for the backward
+    assert cp_saved_kv(qwen, pl, 1000, "none") == 4_096_000
+    # recomputed core attention (selective, full) gathers them again in the backward; TE's ring keeps nothing stored
+    assert cp_saved_kv(qwen, pl, 1000, "selective") == cp_saved_kv(qwen, pl, 1000, "full") == 0
+    assert cp_saved_kv(qwen, SimpleNamespace(cp=2, te=True, tp=2, pbytes=4), 1000, "none") == 0
+    assert cp_saved_kv(qwen, SimpleNamespace(cp=1, te=False, tp=2, pbytes=4), 1000, "none") == 0
