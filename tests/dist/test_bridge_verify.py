@@ -16,6 +16,7 @@ def qwen2_dir(tmp_path_factory):
 
 
 @pytest.mark.parity
+@pytest.mark.parity_repeat  # the AVX2 tier keeps the bf16 pass below (the same ranks and kernels)
 def test_plain_command_starts_ranks_and_fails_above_tolerance(qwen2_dir, capsys):
     code = main(["--hf", qwen2_dir, "--tp", "2", "--seq-len", "32", "--batch", "3", "--tol", "1e-12"])
     out = capsys.readouterr().out
@@ -70,6 +71,7 @@ def _corrupt_norm(src, dst):
 
 
 @pytest.mark.parity
+@pytest.mark.parity_repeat
 def test_bf16_tolerance_catches_a_wrong_mapping_that_the_old_bound_let_pass(tmp_path):
     import torch
 
@@ -101,6 +103,7 @@ def test_bf16_verify_passes_with_its_derived_tolerance(qwen2_dir, capsys):
 
 
 @pytest.mark.parity
+@pytest.mark.parity_repeat
 def test_a_precision_sized_float32_difference_is_not_blamed_on_the_bridge():
     from megarl.verify import TF32_UNIT, diagnose
 

@@ -79,6 +79,7 @@ def read_adapter_file(d):
     return load_peft_weights(str(d), device="cpu")
 
 
+@pytest.mark.parity_repeat  # the AVX2 tier keeps the merged-weights test (the same saved run)
 def test_merge_writes_a_peft_adapter_directory(saved, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

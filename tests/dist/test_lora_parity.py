@@ -35,7 +35,7 @@ def models(tmp_path_factory):
     pytest.param("qwen2", [], id="tp1", marks=pytest.mark.slow),
     pytest.param("llama", ["--tp", "2"], id="tp2"),
     pytest.param("llama", ["--pp", "2"], id="pp2", marks=pytest.mark.slow),
-    pytest.param("moe", ["--ep", "2"], id="moe-ep2"),
+    pytest.param("moe", ["--ep", "2"], id="moe-ep2", marks=pytest.mark.parity_repeat),
     # LoRA at context parallelism: the adapters are per-token linears, each CP rank applies them to its own chunks
     pytest.param("qwen2", ["--cp", "2"], id="cp2", marks=pytest.mark.parity_repeat)])
 def test_verify_lora_matches_peft(models, case, layout, capsys):

@@ -90,8 +90,10 @@ def setup(tmp_path_factory):
     return hf_dir, batch, ref
 
 
-@pytest.mark.parametrize("dp,tp,pp,dynamic_bsz", [(2, 1, 1, True), (1, 1, 2, False)], ids=["dp2-shuffle-dynamic-bsz",
-                                                                                          "pp2"])
+# the AVX2 tier keeps dp2-shuffle-dynamic-bsz (the case whose bound an AMX machine once broke)
+@pytest.mark.parametrize("dp,tp,pp,dynamic_bsz", [(2, 1, 1, True),
+                                                 pytest.param(1, 1, 2, False, marks=pytest.mark.parity_repeat)],
+                         ids=["dp2-shuffle-dynamic-bsz", "pp2"])
 def test_on_policy_update_equals_separate_pass_and_torch(setup, dp, tp, pp, dynamic_bsz):
     hf_dir, batch, ref = setup
     results = run_ranks(f"{__name__}:update_rank", dp * tp * pp,

@@ -112,6 +112,7 @@ def vpp_step_rank(hf_dir: str, batch: dict) -> dict:
     return out
 
 
+@pytest.mark.parity_repeat  # the AVX2 tier keeps the logprob parity above (the same chunks and kernels)
 def test_train_step_pp2_vpp2_equals_pp2(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +152,7 @@ def test_train_step_pp2_vpp2_equals_pp2(tmp_path):
     assert worst < 1e-6, worst
 
 
+@pytest.mark.parity_repeat
 def test_checkpoint_saved_at_pp2_vpp2_merges_to_hf(tmp_path):
     """A PP2 x VPP2 checkpoint (megatron's per-chunk `model0`/`model1` state, global layer keys) of a trained actor and
     critic merges into HF directories whose transformers logprobs / values equal the saving megatron model's."""

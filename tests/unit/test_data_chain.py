@@ -1,4 +1,4 @@
-"""The chain task: questions of 2 to 16 terms whose worked answers have a long tail of lengths, its tokenizer's exact
+"""The chain task: questions of 2 to 16 distinct terms whose worked answers have a long tail of lengths, its tokenizer's exact
 round trip, and the arithmetic reward on its answers."""
 import statistics
 
@@ -17,7 +17,7 @@ def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     path = tmp_path_factory.mktemp("chain_tok")
-    arithmetic_tokenizer(str(path), max_operand=9, task="chain")
+    arithmetic_tokenizer(str(path), max_operand=20, task="chain")
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -44,7 +44,7 @@ def test_rows_are_reproducible_and_their_worked_answers_add_up():
     assert rows == make_chain_dataset(200, seed=3) and rows != make_chain_dataset(200, seed=4)
     for row in rows:
         terms = row["extra_info"]["terms"]
-        assert 2 <= len(terms) <= 16 and all(0 <= t <= 9 for t in terms)
+        assert 2 <= len(terms) <= 16 and all(0 <= t <= 20 for t in terms) and len(set(terms)) == len(terms)
         assert row["prompt"] == [{"role": "user", "content": format_chain_question(terms)}]
         assert row["ground_truth"] == str(sum(terms)) and row["data_source"] == "arithmetic"
         # read the partial sums back from the text: each step starts from the previous step's result
@@ -65,17 +65,20 @@ def test_response_lengths_have_a_long_tail(tokenizer):
     assert statistics.median(lengths) == 7 and max(lengths) == 91
     assert max(lengths) + 1 >= 10 * (statistics.median(lengths) + 1)  # with the EOS the trainer appends
     terms = [len(r["extra_info"]["terms"]) for r in rows]
-    assert terms.count(2) == 2120 and terms.count(16) == 15  # 0.530 and 0.0038 of the rows; weights 0.533, 0.0030
+    assert terms.count(2) == 2150 and terms.count(16) == 16  # 0.538 and 0.0040 of the rows; weights 0.533, 0.0030
 
 
 def test_tokenizer_round_trips_the_longest_chain(tokenizer):
-    assert len(tokenizer) == len(arithmetic_vocab(9, "chain")) == 161  # 15 words and specials, 0..144, ','
+    # 15 words and specials, 0..200 (20 + 19 + ... + 5, the largest sum of 16 distinct terms), ','
+    assert len(tokenizer) == len(arithmetic_vocab(20, "chain")) == 217
     assert arithmetic_vocab(20) == arithmetic_vocab(20, "arithmetic")  # the arithmetic task's ids are unchanged
-    terms = [9] * 16
+    terms = list(range(20, 4, -1))
     for text in [format_chain_question(terms), format_chain_response(terms), format_chain_response([3, 5, 2])]:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
-    assert tokenizer("145", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+    assert tokenizer("201", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+    with pytest.raises(ValueError, match="16 distinct terms need max_operand >= 15"):
+        make_chain_dataset(1, seed=0, max_operand=14)
 
 
 def test_the_arithmetic_reward_scores_a_right_and_a_wrong_chain():
@@ -94,6 +97,7 @@ def test_validate_bounds_the_chain_vocabulary():
         cfg = MegarlConfig.model_validate({"data": {"synthetic": {"task": "chain", "max_operand": max_operand}}})
         return check_synthetic(cfg)
 
-    assert issues(17) == []  # 16 * 17 = 272: 290 tokens
-    [issue] = issues(18)
-    assert issue.key == "data.synthetic.max_operand" and issue.value == 18 and "at most 17" in issue.fix
+    assert issues(15) == issues(25) == []  # 25: sums up to 280, 297 tokens
+    for bad in (14, 26):  # 14: too few distinct terms; 26: sums up to 296, 313 tokens
+        [issue] = issues(bad)
+        assert issue.key == "data.synthetic.max_operand" and issue.value == bad and "15 to 25" in issue.fix

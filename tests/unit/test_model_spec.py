@@ -17,7 +17,7 @@ def test_a_tiny_models_spec_is_the_same_before_and_after_megarl_makes_it(tmp_pat
     model = tmp_path / "model"
     cfg = load_unchecked(data={
         "model": {"path": str(model), "create_tiny": {"architecture": arch, "num_experts": 4 if arch in MOE else 0}},
-        "data": {"synthetic": {"task": task, "max_operand": {"multiply_tool": 40, "chain": 9}.get(task, 30)}}})
+        "data": {"synthetic": {"task": task, "max_operand": {"multiply_tool": 40, "chain": 20}.get(task, 30)}}})
     before, source = model_spec(cfg)
     assert source == "model.create_tiny"
     syn = cfg.data.synthetic
