@@ -82,32 +82,22 @@ def _all_gather(x: torch.Tensor, cp: int) -> list:
     return parts
 
 
-class _GatherTokens(torch.autograd.Function):
-    """x [P / cp, ...] (this rank's tokens) -> [P, ...]; backward: the own tokens' gradient, no communication."""
+class _Gather(torch.autograd.Function):
+    """x [P / cp, ...] (this rank's tokens) -> [P, ...]. Backward: the own tokens' gradient; `summed`: every rank's
+    gradient of the pack summed first (tensors every rank reads, such as keys and values), else no communication
+    (per-token outputs every rank reads the same loss from)."""
 
     @staticmethod
-    def forward(ctx, x, segments, cp, r):
-        ctx.own = chunk_positions(segments, cp, r).to(x.device)
+    def forward(ctx, x, segments, cp, r, summed):
+        ctx.own, ctx.summed = chunk_positions(segments, cp, r).to(x.device), summed
         return _place(_all_gather(x, cp), segments, cp)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[ctx.own], None, None, None
-
-
-class _GatherSummed(torch.autograd.Function):
-    """x [P / cp, ...] -> [P, ...]; backward: every rank's gradient of the pack summed, then the own tokens'."""
-
-    @staticmethod
-    def forward(ctx, x, segments, cp, r):
-        ctx.own = chunk_positions(segments, cp, r).to(x.device)
-        return _place(_all_gather(x, cp), segments, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        distributed.all_reduce(grad, group=_group())
-        return grad[ctx.own], None, None, None
+        if ctx.summed:
+            grad = grad.contiguous()
+            distributed.all_reduce(grad, group=_group())
+        return grad[ctx.own], None, None, None, None
 
 
 def gather_tokens(x: torch.Tensor, segments) -> torch.Tensor:
@@ -116,7 +106,7 @@ def gather_tokens(x: torch.Tensor, segments) -> torch.Tensor:
     cp = size()
     if cp == 1:
         return x
-    return _GatherTokens.apply(x[0], tuple(segments), cp, rank()).unsqueeze(0)
+    return _Gather.apply(x[0], tuple(segments), cp, rank(), False).unsqueeze(0)
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments,
@@ -129,8 +119,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments
     Work per segment m * L = L^2 / CP; the gathered keys and values are the pack's, one layer at a time."""
     cp, r = size(), rank()
     segments = tuple(int(n) for n in segments)
-    k = _GatherSummed.apply(key, segments, cp, r)
-    v = _GatherSummed.apply(value, segments, cp, r)
+    k = _Gather.apply(key, segments, cp, r, True)
+    v = _Gather.apply(value, segments, cp, r, True)
     device = query.device
     full_starts, local_starts, groups = [], [], {}
     at_full = at_local = 0
