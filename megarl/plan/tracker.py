@@ -16,6 +16,7 @@ On CUDA the caching allocator's statistics are exact and cheap: megarl.plan.meas
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from functools import wraps
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +42,8 @@ class LiveTensorBytes(TorchDispatchMode):
         self.peak = 0
         self._seen = WeakIdKeyDictionary()  # storage -> [nbytes counted, weakref whose callback uncounts it]
         self._orig_resize = None
+        self.counting = True
+        self._foreign = WeakIdKeyDictionary()  # storages made while paused: never counted, not even through a view
 
     def reset_peak(self) -> int:
         """Start a new phase: the peak restarts at the bytes live now (returned)."""
@@ -65,6 +68,16 @@ class LiveTensorBytes(TorchDispatchMode):
         self.current -= box[0]
         box[0] = 0
 
+    @contextmanager
+    def paused(self):
+        """Storages made inside are not counted, ever, nor later through views of them (e.g. another process's
+        memory this one maps: an engine's parameters that the weight sync writes)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
     def track(self, *tensors: torch.Tensor) -> None:
         """Count tensors made outside the mode (e.g. before it was entered)."""
         for t in tensors:
@@ -76,7 +89,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 st = t.untyped_storage()
             except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
                 return
-            self._add(st)
+            if st not in self._foreign:
+                self._add(st)
 
     def __enter__(self):
         self._orig_resize = orig = torch.UntypedStorage.resize_
@@ -98,6 +112,14 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            self._count(t)
+            if self.counting:
+                self._count(t)
+            elif isinstance(t, torch.Tensor) and t.device.type == self.device_type and not t.is_meta:
+                try:
+                    st = t.untyped_storage()
+                except (NotImplementedError, RuntimeError):
+                    continue
+                if st not in self._seen:
+                    self._foreign[st] = True
         return out
 

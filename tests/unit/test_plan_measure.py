@@ -222,3 +222,68 @@ def test_cpu_unfused_gated_unit_against_a_hand_calculation():
                                                       intermediate_size=768, num_experts=8, num_experts_per_tok=8,
                                                       tie_word_embeddings=False), 64).to_dict())
     assert cpu_unfused_glu_bytes(moe, 192, 2, 1, 4) == 192 * 2 * 2 * 8 * 768 * 4  # top-8 experts per token
+
+
+def test_paused_tracking_never_counts_what_was_made_while_paused():
+    with LiveTensorBytes() as live:
+        with live.paused():
+            engine = torch.zeros(1000)  # another process's memory mapped here, in the measured run: not the trainer's
+        assert live.current == 0
+        view = engine[:500].view(torch.int32)  # a view made while counting: still not counted
+        view.fill_(1)
+        own = engine * 2  # a new storage: counted
+        assert (live.current, live.peak) == (4000, 4000)
+        del own, view
+    assert engine.sum() != 0
+
+
+def test_merging_a_lora_delta_makes_one_tensor_of_the_weights_size():
+    from megarl.bridge.sharding import merged_value
+
+    w = torch.randn(64, 32)
+    b, a, scaling = torch.randn(64, 4), torch.randn(4, 32), 2.0
+
+    class Adapter:  # the protocol megarl.lora attaches: a bound method of a module with an `enabled` flag
+        enabled = True
+
+        def delta_weight(self):
+            return (b @ a).mul_(scaling)
+
+    w.megarl_lora_delta = Adapter().delta_weight
+    with LiveTensorBytes() as live:
+        live.track(w, b, a)
+        before = live.reset_peak()
+        merged = merged_value(w)
+        # the product B A, scaled and added to in place: 64 x 32 x 4 B, no second tensor of that size
+        assert live.peak - before == live.current - before == 64 * 32 * 4
+    assert torch.equal(merged, w + (b @ a) * scaling)  # bitwise: the addition commutes
+
+
+def test_merged_lora_sync_bytes_against_a_hand_calculation():
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.bridge.mapping import Mapping
+    from megarl.bridge.tiny import tiny_hf_config
+    from megarl.config.schema import TinyModelSpec
+    from megarl.lora.targets import LoraSettings, resolve_targets
+    from megarl.plan.memory import merged_lora_elements
+    from megarl.plan.terms import lora_merged_sync_bytes
+
+    spec = spec_from_dict(tiny_hf_config(TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                                       intermediate_size=4864), 64).to_dict())
+    mapping = Mapping(spec)
+    every = resolve_targets(mapping, LoraSettings(rank=16, target_modules="all-linear"))
+    # per layer: QKV [896 + 2 x 128, 896], the attention output [896, 896], fc1 [2 x 4864, 896], fc2 [896, 4864]
+    qkv, proj, fc1, fc2 = 1152 * 896, 896 * 896, 9728 * 896, 896 * 4864
+    layer = qkv + proj + fc1 + fc2  # 14,909,440 elements
+    assert merged_lora_elements(every, mapping, 1, 1, 1, 1, 2) == ([2 * layer], [fc1])
+    assert merged_lora_elements(every, mapping, 2, 2, 1, 2, 2) == ([layer // 2] * 2, [fc1 // 2] * 2)
+    # q_proj alone: the fused QKV is merged whole
+    q_only = resolve_targets(mapping, LoraSettings(rank=16, target_modules=("q_proj",)))
+    assert merged_lora_elements(q_only, mapping, 1, 1, 1, 1, 2) == ([2 * qkv], [qkv])
+    # the measured run (float32, 2 layers, 512 MiB buckets, CPU: 1 kept): all of them, 113.7 MiB; measured 113.8 MiB
+    m, big = 2 * layer * 4, fc1 * 4
+    assert lora_merged_sync_bytes(m, big, 512 << 20, 1) == m == 119_275_520
+    # a bucket smaller than the stage's merged weights: the kept buckets and the tensor reaching past the last
+    assert lora_merged_sync_bytes(m, big, 16 << 20, 1) == (16 << 20) + big
+    assert lora_merged_sync_bytes(m, big, 16 << 20, 2) == (32 << 20) + big  # GPU: the engine pulls from the last
+    assert lora_merged_sync_bytes(m, big, 16 << 20, 1, spread=2) == (32 << 20) + big  # engine TP 2 x the trainer's
