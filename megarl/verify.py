@@ -64,15 +64,26 @@ def world_size_for(tp: int, pp: int, ep: int, engine_tp: int = 1, cp: int = 1) -
     return world
 
 
+def _positive(text: str) -> int:
+    """argparse type of a parallel size: an integer >= 1 (argparse turns the error into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a parallel size is an integer >= 1, got {text!r}")
+    return value
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megarl verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
     p.add_argument("--lora", default=None, help="PEFT LoRA adapter directory (adapter_config.json + "
                    "adapter_model.safetensors) to load onto the base on both sides")
-    p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size")
-    p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (MoE)")
-    p.add_argument("--cp", type=int, default=1, help="context_parallel_size: each sequence split over CP ranks "
+    p.add_argument("--tp", type=_positive, default=1, help="tensor_model_parallel_size")
+    p.add_argument("--pp", type=_positive, default=1, help="pipeline_model_parallel_size")
+    p.add_argument("--ep", type=_positive, default=1, help="expert_model_parallel_size (MoE)")
+    p.add_argument("--cp", type=_positive, default=1, help="context_parallel_size: each sequence split over CP ranks "
                    "(2*CP load-balanced chunks per row, attention over the whole row)")
     p.add_argument("--first-stage-layers", type=int, default=None,
                    help="uneven pipeline stages: num_layers_in_first_pipeline_stage")
@@ -91,9 +102,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="megatron: compare megarl's logprobs with HF transformers; vllm: also push megarl's weights "
                    "into a vLLM engine started with random weights and compare vLLM's logprobs with megarl's; hf: "
                    "the same with the transformers rollout engine (rollout.name=hf; engine TP1, merged weights)")
-    p.add_argument("--engine-tp", type=int, default=1, help="with --engine vllm: the engine's tensor parallel size "
+    p.add_argument("--engine-tp", type=_positive, default=1, help="with --engine vllm: the engine's tensor parallel size "
                    "(its workers are hosted by trainer ranks 0..engine_tp-1 and each receives only its shard)")
-    p.add_argument("--engine-ep", type=int, default=1, help="with --engine vllm: the engine's expert parallel size "
+    p.add_argument("--engine-ep", type=_positive, default=1, help="with --engine vllm: the engine's expert parallel size "
                    "(1, or equal to --engine-tp)")
     p.add_argument("--lora-sync", choices=["merged", "adapter"], default="merged",
                    help="with --engine vllm and --lora: merged pushes base + alpha/rank * B A into the engine; adapter "

@@ -38,3 +38,14 @@ def test_verify_refuses_a_missing_lora_adapter_in_one_line(tmp_path, capsys):
     assert main(["--hf", str(hf), "--lora", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no adapter_config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag,value", [("--cp", "0"), ("--tp", "-1"), ("--ep", "two")])
+def test_verify_refuses_a_parallel_size_below_one_as_a_usage_error(flag, value, capsys):
+    from megarl.verify import parse_args
+
+    with pytest.raises(SystemExit) as exc:  # argparse: exit code 2 and one line, before any rank starts
+        parse_args(["--hf", "x", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"megarl verify: error: argument {flag}: a parallel size is an integer >= 1, got '{value}'"
