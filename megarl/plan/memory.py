@@ -302,11 +302,19 @@ def policy_forward_runs(cfg) -> bool:
 
 
 def forward_tokens(cfg, seq_len: int, dp: int = 1, cp: int = 1) -> int:
-    """One rank's tokens of the larger old/ref log-prob forward micro-batch (its CP share, rank_tokens; a token
-    budget is per GPU: CP times it per micro-batch)."""
+    """One rank's tokens of the larger old/ref log-prob forward micro-batch of the forwards that run (its CP share,
+    rank_tokens; a token budget is per GPU: CP times it per micro-batch). The old-logprob pass and the critic's values
+    take rollout.log_prob_micro_batch_size_per_gpu sequences, the reference (a LoRA actor's too) its own
+    ref.log_prob_micro_batch_size_per_gpu (megarl.megatron.workers), a teacher its own."""
+    from megarl.steps import old_log_probs_from_update
+
     r = cfg.rollout
-    ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu if cfg.ref_enabled else 0
-    micro = max(r.log_prob_micro_batch_size_per_gpu, ref_micro)
+    warmup = cfg.critic_enabled and cfg.critic.warmup_steps > 0
+    policy = cfg.critic_enabled or warmup or not old_log_probs_from_update(cfg, True)
+    micros = ([r.log_prob_micro_batch_size_per_gpu] if policy else []) + (
+        [cfg.ref.log_prob_micro_batch_size_per_gpu] if cfg.ref_enabled else []) + (
+        [cfg.distillation.teacher.log_prob_micro_batch_size_per_gpu] if cfg.distillation.enable else [])
+    micro = max(micros, default=r.log_prob_micro_batch_size_per_gpu)
     rows = max(1, cfg.data.train_batch_size * r.n // dp)  # the forwards split the step's batch over DP
     tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu * cp)
     return rank_tokens(tokens, seq_len, cp)

@@ -72,11 +72,17 @@ def test_old_ref_logits_are_planned_only_where_a_policy_forward_runs():
     assert forward_logits(on_policy, spec, 1, 24, 4) == 0
     with_ref = load_config("recipes/grpo_tiny_cpu.yaml", ["data.train_batch_size=4", "rollout.n=2",
                                                           "actor.ppo_mini_batch_size=4", "actor.use_kl_loss=true"])
-    # the reference's forward: 8 rows x 24 tokens (micro-batch 256 > 8 rows), vocab padded to 128, float32: L * 8
+    # the reference's forward alone: its own micro-batch, ref.log_prob_micro_batch_size_per_gpu = 4 rows x 24 tokens
+    # (not rollout.log_prob_micro_batch_size_per_gpu = 256, the old-logprob pass's, which does not run), vocab padded
+    # to 128, float32: L * 8
     from megarl.bridge.mapping import padded_vocab_size
 
     vocab = padded_vocab_size(spec.vocab_size, 1)
-    assert forward_logits(with_ref, spec, 1, 24, 4) == 8 * 24 * vocab * (4 + 4)
+    assert forward_logits(with_ref, spec, 1, 24, 4) == 4 * 24 * vocab * (4 + 4)
+    # with the old-logprob pass too (two mini-batches: off-policy), the larger: 8 rows (micro-batch 256 > 8 rows)
+    off_policy = load_config("recipes/grpo_tiny_cpu.yaml", ["data.train_batch_size=4", "rollout.n=2",
+                                                            "actor.ppo_mini_batch_size=2", "actor.use_kl_loss=true"])
+    assert forward_logits(off_policy, spec, 1, 24, 4) == 8 * 24 * vocab * (4 + 4)
 
 
 def test_planned_trainer_bytes_leave_out_what_is_not_a_trainer_tensor():
@@ -287,3 +293,4 @@ def test_merged_lora_sync_bytes_against_a_hand_calculation():
     assert lora_merged_sync_bytes(m, big, 16 << 20, 1) == (16 << 20) + big
     assert lora_merged_sync_bytes(m, big, 16 << 20, 2) == (32 << 20) + big  # GPU: the engine pulls from the last
     assert lora_merged_sync_bytes(m, big, 16 << 20, 1, spread=2) == (32 << 20) + big  # engine TP 2 x the trainer's
+
