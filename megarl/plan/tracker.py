@@ -9,8 +9,10 @@ per module at each new peak, a cost on every operator), and its peak cannot be r
 
 What it counts: the storages created while it is active (models built inside it count whole: parameters, gradient
 buffers, optimizer states, activations, temporaries that are an operator's output). What it does not: memory inside a
-single operator's kernel that never becomes a tensor, tensors made outside it (e.g. torch.frombuffer over a file), and
-the allocator's or runtime's own bytes (process RSS counts those, and at small sizes they dominate it).
+single operator's kernel that never becomes a tensor, tensors made outside it (e.g. torch.frombuffer over a file),
+storages made while `paused()` (another process's memory this one maps, e.g. an engine's parameters the weight sync
+writes; not later through views of them either), and the allocator's or runtime's own bytes (process RSS counts
+those, and at small sizes they dominate it).
 On CUDA the caching allocator's statistics are exact and cheap: megarl.plan.measure.PhaseMeter reads them instead.
 """
 from __future__ import annotations
