@@ -52,7 +52,8 @@ class SyncCost:
     seconds: float  # lower bound at the link bandwidth
     send_bucket: int = 0  # on a sending GPU
     receive_slots: int = 0  # on a GPU hosting an engine worker
-    lora_merged: tuple = ()  # per pipeline stage: merged LoRA weights alive during the sync (terms.lora_merged_sync_bytes)
+    # per pipeline stage: the merged LoRA weights alive during the sync (megarl.plan.terms.lora_merged_sync_bytes)
+    lora_merged: tuple = ()
 
 
 @dataclass(frozen=True)
