@@ -54,7 +54,8 @@ def sync_into_measured_engine(hf_dir: str, tp: int) -> dict:
             "sent": metrics["weight_sync/sent_bytes_max"], "placed": metrics["weight_sync/placed_bytes"]}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+# the default suite runs TP2 (pieces crossing ranks); TP1 is slow
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_the_measured_engine_receives_every_piece_of_the_trainers_sync(tmp_path, tp):
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     out = run_ranks(f"{__name__}:sync_into_measured_engine", tp, {"hf_dir": str(hf_dir), "tp": tp})
