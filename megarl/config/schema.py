@@ -18,7 +18,7 @@ class SyntheticDataConfig(_Section):
 
     task: Literal["arithmetic", "chain", "multiply_tool"] = Field(
         "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. chain: "
-        "'What is 3 + 5 + 2 ?', 2 to 16 terms in [0, max_operand], most questions 2 or 3 terms and a few up to 16 (a "
+        "'What is 3 + 5 + 2 ?', 2 to 16 distinct terms from [0, max_operand], most questions 2 or 3 terms and a few up to 16 (a "
         "Zipf law), so with answer_format worked ('3 + 5 = 8 , 8 + 2 = 10 #### 10') response lengths have a long tail "
         "(median 7 tokens, longest 91). multiply_tool: 'What is a * b ?' with a, b in [32, max_operand], which needs "
         "the calculator tool of a multi-turn rollout (its SFT targets are tool-using conversations). All are scored by "
@@ -28,8 +28,8 @@ class SyntheticDataConfig(_Section):
     num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
                                    "that fills sft.train_files; None: SFT reads the training prompts' targets.")
     max_operand: int = Field(20, ge=1, le=999, description="Largest operand (arithmetic: at most 60, the tokenizer has "
-                             "one token per number up to 2 * max_operand; chain: at most 17, one token per number up "
-                             "to 16 * max_operand; multiply_tool: at least 32).")
+                             "one token per number up to 2 * max_operand; chain: 15 to 25, 16 distinct terms and one "
+                             "token per number up to their largest sum; multiply_tool: at least 32).")
     direct_answer_share: float = Field(0.0, ge=0, lt=1, description="multiply_tool: share of the SFT demonstrations "
                                        "that answer at once without calling the calculator (sft.parquet only); SFT "
                                        "then imitates a policy that calls the tool only sometimes, and RL learns to "

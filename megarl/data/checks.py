@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from megarl.config.issues import Issue
 from megarl.config.schema import MegarlConfig
-from megarl.data.synthetic import CHAIN_MAX_TERMS, arithmetic_vocab
+from megarl.data.synthetic import CHAIN_MAX_TERMS
 
 
 def check_data_files(cfg: MegarlConfig) -> list[Issue]:
@@ -24,10 +24,10 @@ def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
     if syn.task == "arithmetic" and syn.max_operand > 60:
         return [Issue(key, syn.max_operand, "the arithmetic task's tokenizer has one token per number up to "
                       "2 * max_operand, kept under 128 numbers", "use at most 60", keys=(key, "data.synthetic.task"))]
-    if syn.task == "chain" and len(arithmetic_vocab(syn.max_operand, "chain")) >= 300:
-        return [Issue(key, syn.max_operand, f"the chain task's tokenizer has one token per number up to "
-                      f"{CHAIN_MAX_TERMS} * max_operand, kept under 300 tokens", "use at most 17",
-                      keys=(key, "data.synthetic.task"))]
+    if syn.task == "chain" and not CHAIN_MAX_TERMS - 1 <= syn.max_operand <= 25:
+        return [Issue(key, syn.max_operand, f"a chain has up to {CHAIN_MAX_TERMS} distinct terms from [0, max_operand], "
+                      f"and the tokenizer one token per number up to their largest sum, kept under 300 tokens",
+                      f"use {CHAIN_MAX_TERMS - 1} to 25", keys=(key, "data.synthetic.task"))]
     if syn.task != "multiply_tool" and syn.direct_answer_share:
         share = "data.synthetic.direct_answer_share"
         return [Issue(share, syn.direct_answer_share, "only the multiply_tool task has tool-free demonstrations",

@@ -8,8 +8,8 @@ Every number from 0 to 2*max_operand is one token, so an answer is one token and
 of (a, b) -> a+b: a 2-layer, 128-wide model gets part of it from a few minutes of SFT, and RL has room to raise
 accuracy. All text is space-separated tokens, so decode(encode(text)) == text exactly.
 
-The chain task adds 2 to 16 small terms, most questions 2 or 3 and a few up to 16 (make_chain_dataset), with a worked
-answer that lists the partial sums, so response lengths have a long tail (median 7 tokens, longest 91):
+The chain task adds 2 to 16 distinct terms, most questions 2 or 3 and a few up to 16 (make_chain_dataset), with a
+worked answer that lists the partial sums, so response lengths have a long tail (median 7 tokens, longest 91):
 
     prompt    [{"role": "user", "content": "What is 3 + 5 + 2 ?"}]
     response  "3 + 5 = 8 , 8 + 2 = 10 #### 10"
@@ -26,8 +26,8 @@ DATA_SOURCE = "arithmetic"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = ["What", "is", "+", "=", "?", "####", "The", "answer"]
-# chain: "What is 3 + 5 + 2 ?" with 2 to CHAIN_MAX_TERMS terms, P(k terms) proportional to k ** -CHAIN_TAIL (Zipf):
-# about half the questions have 2 terms (a 7-token worked answer), one in 300 has 16 (91 tokens)
+# chain: "What is 3 + 5 + 2 ?" with 2 to CHAIN_MAX_TERMS distinct terms, P(k terms) proportional to k ** -CHAIN_TAIL
+# (Zipf): about half the questions have 2 terms (a 7-token worked answer), one in 300 has 16 (91 tokens)
 CHAIN_MAX_TERMS = 16
 CHAIN_TAIL = 2.5
 CHAIN_WORDS = [","]  # after the numbers, so the arithmetic task's token ids stay what its models were made with
@@ -43,9 +43,12 @@ CHAT_TEMPLATE = (
 
 
 def largest_number(task: str, max_operand: int) -> int:
-    """The largest number the task writes: 2 * max_operand for arithmetic's a + b, CHAIN_MAX_TERMS * max_operand for
-    a chain's final sum (chain, max_operand 9: 144)."""
-    return CHAIN_MAX_TERMS * max_operand if task == "chain" else 2 * max_operand
+    """The largest number the task writes: 2 * max_operand for arithmetic's a + b; for chain the sum of the
+    CHAIN_MAX_TERMS largest distinct terms, max_operand + (max_operand - 1) + ... (chain, max_operand 20: 20 + 19 +
+    ... + 5 = 200)."""
+    if task == "chain":
+        return CHAIN_MAX_TERMS * max_operand - CHAIN_MAX_TERMS * (CHAIN_MAX_TERMS - 1) // 2
+    return 2 * max_operand
 
 
 def arithmetic_vocab(max_operand: int, task: str = "arithmetic") -> list[str]:
@@ -138,23 +141,27 @@ def format_chain_response(terms: Sequence[int], answer_format: str = "worked") -
     return " , ".join(steps) + f" #### {total}"
 
 
-def make_chain_dataset(n: int, seed: int, max_operand: int = 9, answer_format: str = "worked",
+def make_chain_dataset(n: int, seed: int, max_operand: int = 20, answer_format: str = "worked",
                        max_terms: int = CHAIN_MAX_TERMS, tail: float = CHAIN_TAIL, split: str = "train",
                        data_source: str = DATA_SOURCE) -> list[dict[str, Any]]:
-    """n rows of "What is t1 + t2 + ... + tk ?", k drawn from chain_term_weights(max_terms, tail) and every term
-    uniform in [0, max_operand], reproducible from seed: responses with a long tail of lengths (worked: median 7
-    tokens, the longest 91 at 16 terms). Rows as make_arithmetic_dataset's; ground_truth is the sum, scored by the
-    `arithmetic` reward; extra_info has the terms."""
+    """n rows of "What is t1 + t2 + ... + tk ?", k drawn from chain_term_weights(max_terms, tail) and the k terms
+    distinct, drawn from [0, max_operand], reproducible from seed: responses with a long tail of lengths (worked: median
+    7 tokens, the longest 91 at 16 terms). Rows as make_arithmetic_dataset's; ground_truth is the sum, scored by the
+    `arithmetic` reward; extra_info has the terms.
+
+    Distinct, because the model finds each next term in the question by the term before it: a 2-layer model copies by
+    content, not by counting positions, and with repeated terms (digits 0-9) it learned 2-term chains only (3 terms:
+    5 of 55 right after 1500 SFT steps); with distinct terms, 56 of 63."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    if max_operand < 1:
-        raise ValueError(f"need max_operand >= 1, got {max_operand}")
+    if max_operand + 1 < max_terms:
+        raise ValueError(f"{max_terms} distinct terms need max_operand >= {max_terms - 1}, got {max_operand}")
     weights = chain_term_weights(max_terms, tail)
     rng = random.Random(f"megarl-chain:{seed}")
     rows = []
     for i in range(n):
         k = rng.choices(list(weights), weights=list(weights.values()))[0]
-        terms = [rng.randint(0, max_operand) for _ in range(k)]
+        terms = rng.sample(range(max_operand + 1), k)
         rows.append({
             "data_source": data_source,
             "prompt": [{"role": "user", "content": format_chain_question(terms)}],
@@ -216,8 +223,8 @@ def arithmetic_tokenizer(save_dir: str, max_operand: int = 20, task: str = "arit
 
     save_dir gets tokenizer.json, tokenizer_config.json (bos/eos/pad/unk) and the chat template, so
     transformers.AutoTokenizer.from_pretrained(save_dir) and vLLM load it. Vocab size is
-    largest_number(task, max_operand) + 16, plus ',' for chain (arithmetic: 56 for the default max_operand 20; chain
-    with max_operand 9: 161); the text of larger numbers becomes <unk>.
+    largest_number(task, max_operand) + 16, plus ',' for chain (56 for arithmetic's default max_operand 20; chain
+    with max_operand 20: 217); the text of larger numbers becomes <unk>.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
