@@ -32,13 +32,15 @@ def _tokens(seed: int = 3):
     return tokens, lengths
 
 
-def packed_rank(models: dict, tokens, lengths, tp: int, pp: int, ep: int, vpp, sequence_parallel, micro: int):
+def packed_rank(models: dict, tokens, lengths, tp: int, pp: int, ep: int, vpp, sequence_parallel, micro: int,
+                cp: int = 1):
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                               expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp), seed=123)
+                               expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp,
+                               context_parallel_size=cp), seed=123)
     out = {}
     for arch, hf_dir in models.items():
         model, _ = build_and_load(hf_dir, dtype=torch.float32, sequence_parallel=sequence_parallel)
@@ -48,16 +50,37 @@ def packed_rank(models: dict, tokens, lengths, tp: int, pp: int, ep: int, vpp, s
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("packing")
+def tiny_models(root, archs):
+    """(models {arch: dir}, tokens, lengths, mask, refs {arch: (HF logprobs, derived bound)}) of random tiny models."""
     tokens, lengths = _tokens()
     mask = torch.arange(SEQ - 1)[None, :] < (lengths[:, None] - 1)
     models, refs = {}, {}
-    for i, arch in enumerate(("qwen3", "qwen3_moe")):
+    for i, arch in enumerate(archs):
         models[arch] = str(make_tiny_model(arch, root / arch, seed=i))
         refs[arch] = (hf_logprobs(models[arch], tokens), logprob_bound(models[arch], tokens, mask))
     return models, tokens, lengths, mask, refs
+
+
+def check_equal_hf(results: list, refs: dict, mask, label: str) -> int:
+    """Every rank's {arch: logprobs [B, S-1] or None} within the derived bound of HF's; returns how many were checked."""
+    checked = 0
+    for r in results:
+        for arch, got in r.items():
+            if got is None:  # off the last pipeline stage
+                continue
+            ref, tol = refs[arch]
+            assert got.shape == (len(LENGTHS), SEQ - 1)
+            diff = ((got - ref).abs() * mask).max().item()
+            print(f"[measured] {label} {arch}: vs HF {diff:.2e} (bound {tol:.2e}, margin {tol / diff:.0f}x)")
+            assert diff < tol, (arch, diff, tol)
+            assert (got[~mask] == 0).all()  # nothing past a row's last real token
+            checked += 1
+    return checked
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_models(tmp_path_factory.mktemp("packing"), ("qwen3", "qwen3_moe"))
 
 
 # (id, tp, pp, ep, vpp, sequence_parallel, micro-batch rows, architectures)
@@ -82,19 +105,7 @@ def test_packed_logprobs_equal_hf(tiny, name, tp, pp, ep, vpp, sp, micro, archs)
     results = run_ranks(f"{__name__}:packed_rank", tp * pp * ep,
                         {"models": {a: models[a] for a in archs}, "tokens": tokens, "lengths": lengths, "tp": tp,
                          "pp": pp, "ep": ep, "vpp": vpp, "sequence_parallel": sp, "micro": micro}, timeout=420)
-    checked = 0
-    for r in results:
-        for arch, got in r.items():
-            if got is None:  # off the last pipeline stage
-                continue
-            ref, tol = refs[arch]
-            assert got.shape == (len(LENGTHS), SEQ - 1)
-            diff = ((got - ref).abs() * mask).max().item()
-            print(f"[measured] {name} {arch}: packed vs HF {diff:.2e} (bound {tol:.2e}, margin {tol / diff:.0f}x)")
-            assert diff < tol, (arch, diff, tol)
-            assert (got[~mask] == 0).all()  # nothing past a row's last real token
-            checked += 1
-    assert checked >= len(archs)
+    assert check_equal_hf(results, refs, mask, f"{name} packed") >= len(archs)
 
 
 def own_rows_rank(hf_dir: str, tokens, lengths):
@@ -157,14 +168,14 @@ def padded_forward_step(loss_fn, scale, data_iterator, model):
     return out, lambda output: partial(_scaled_loss, loss_fn, scale, full)(output.reshape(1, -1, output.shape[-1]))
 
 
-def step_rank(hf_dir, batch, tp: int, padded: bool):
+def step_rank(hf_dir, batch, tp: int, padded: bool, cp: int = 1):
     from megarl.config.schema import OptimConfig
     from megarl.megatron import train_step
     from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
 
-    init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, context_parallel_size=cp), seed=0)
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     trainable = train_step.make_trainable(model, OptimConfig(lr=LR, eps=ADAM_EPS, weight_decay=0.0, clip_grad=0.0),
                                           total_steps=10)
