@@ -89,7 +89,8 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
                                          direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
         elif syn.task == "chain":
             rows = make_chain_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
-                                      answer_format=syn.answer_format, split=split)
+                                      answer_format=syn.answer_format, split=split,
+                                      slip_share=syn.slip_share if split == "sft" else 0.0)
         else:
             rows = make_arithmetic_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                            answer_format=syn.answer_format, split=split)

@@ -34,6 +34,10 @@ class SyntheticDataConfig(_Section):
                                        "that answer at once without calling the calculator (sft.parquet only); SFT "
                                        "then imitates a policy that calls the tool only sometimes, and RL learns to "
                                        "call it.")
+    slip_share: float = Field(0.0, ge=0, lt=1, description="chain: share of the SFT demonstrations' steps whose "
+                              "written sum is off by 1 or 2, the chain going on from it (sft.parquet only, so it "
+                              "needs num_sft); SFT then imitates a demonstrator who slips, and RL learns from the "
+                              "reward to add exactly.")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
                                                                 "targets (arithmetic and chain; chain's worked answer "
                                                                 "lists every partial sum).")

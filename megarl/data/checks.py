@@ -28,6 +28,14 @@ def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
         return [Issue(key, syn.max_operand, f"a chain has up to {CHAIN_MAX_TERMS} distinct terms from [0, max_operand], "
                       f"and the tokenizer one token per number up to their largest sum, kept under 300 tokens",
                       f"use {CHAIN_MAX_TERMS - 1} to 25", keys=(key, "data.synthetic.task"))]
+    share = "data.synthetic.slip_share"
+    if syn.slip_share and syn.task != "chain":
+        return [Issue(share, syn.slip_share, "only the chain task has demonstrations that slip",
+                      "remove it or set data.synthetic.task: chain", keys=(share, "data.synthetic.task"))]
+    if syn.slip_share and not syn.num_sft:
+        return [Issue(share, syn.slip_share, "slips go into the separate SFT file only, and without "
+                      "data.synthetic.num_sft SFT reads the training prompts' exact answers",
+                      "set data.synthetic.num_sft (e.g. 4000)", keys=(share, "data.synthetic.num_sft"))]
     if syn.task != "multiply_tool" and syn.direct_answer_share:
         share = "data.synthetic.direct_answer_share"
         return [Issue(share, syn.direct_answer_share, "only the multiply_tool task has tool-free demonstrations",

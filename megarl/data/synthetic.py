@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 DATA_SOURCE = "arithmetic"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -121,13 +121,20 @@ def format_chain_question(terms: Sequence[int]) -> str:
     return "What is " + " + ".join(str(t) for t in terms) + " ?"
 
 
-def format_chain_response(terms: Sequence[int], answer_format: str = "worked") -> str:
+def format_chain_response(terms: Sequence[int], answer_format: str = "worked",
+                          slips: Optional[Sequence[int]] = None) -> str:
     """The SFT target of a chain. worked: every partial sum, left to right, then the answer,
     [3, 5, 2] -> "3 + 5 = 8 , 8 + 2 = 10 #### 10" (6k - 5 tokens for k terms: 7 for 2, 91 for 16);
-    gsm8k: "#### 10"; short: "10"."""
+    gsm8k: "#### 10"; short: "10".
+
+    slips: one offset per step added to the sum it writes, the chain going on from the written sum, as a demonstrator
+    who slips would: [3, 5, 2] with slips [1, 0] -> "3 + 5 = 9 , 9 + 2 = 11 #### 11"."""
     if len(terms) < 2:
         raise ValueError(f"a chain has at least 2 terms; got {list(terms)}")
-    total = sum(terms)
+    slips = list(slips) if slips is not None else [0] * (len(terms) - 1)
+    if len(slips) != len(terms) - 1:
+        raise ValueError(f"{len(terms)} terms take {len(terms) - 1} slips, one a step; got {slips}")
+    total = sum(terms) + sum(slips)
     if answer_format == "gsm8k":
         return f"#### {total}"
     if answer_format == "short":
@@ -135,39 +142,55 @@ def format_chain_response(terms: Sequence[int], answer_format: str = "worked") -
     if answer_format != "worked":
         raise ValueError(f"answer_format must be gsm8k, short or worked; got {answer_format!r}")
     steps, partial = [], terms[0]
-    for t in terms[1:]:
-        steps.append(f"{partial} + {t} = {partial + t}")
-        partial += t
+    for t, slip in zip(terms[1:], slips):
+        steps.append(f"{partial} + {t} = {partial + t + slip}")
+        partial += t + slip
     return " , ".join(steps) + f" #### {total}"
 
 
 def make_chain_dataset(n: int, seed: int, max_operand: int = 20, answer_format: str = "worked",
                        max_terms: int = CHAIN_MAX_TERMS, tail: float = CHAIN_TAIL, split: str = "train",
-                       data_source: str = DATA_SOURCE) -> list[dict[str, Any]]:
+                       data_source: str = DATA_SOURCE, slip_share: float = 0.0) -> list[dict[str, Any]]:
     """n rows of "What is t1 + t2 + ... + tk ?", k drawn from chain_term_weights(max_terms, tail) and the k terms
     distinct, drawn from [0, max_operand], reproducible from seed: responses with a long tail of lengths (worked: median
     7 tokens, the longest 91 at 16 terms). Rows as make_arithmetic_dataset's; ground_truth is the sum, scored by the
     `arithmetic` reward; extra_info has the terms.
 
     Distinct, because the model finds each next term in the question by the term before it: a 2-layer model copies by
-    content, not by counting positions, and with repeated terms (digits 0-9) it learned 2-term chains only (3 terms:
-    5 of 55 right after 1500 SFT steps); with distinct terms, 56 of 63."""
+    content, not by counting positions: with repeated terms (digits 0-9) 1500 SFT steps taught it 2-term chains only
+    (3 terms: 5 of 55 right), with distinct terms from [0, 17] 2000 steps got 56 of 63.
+
+    slip_share: the share of steps whose written sum is off by 1 or 2 (a demonstrator who slips; the answer follows
+    the slipped sums, ground_truth stays the true sum, extra_info counts the slips), kept within [0, the largest sum
+    of max_terms distinct terms] so every number has its token."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if max_operand + 1 < max_terms:
         raise ValueError(f"{max_terms} distinct terms need max_operand >= {max_terms - 1}, got {max_operand}")
+    if not 0 <= slip_share < 1:
+        raise ValueError(f"need 0 <= slip_share < 1, got {slip_share}")
     weights = chain_term_weights(max_terms, tail)
+    top = sum(range(max_operand + 1 - max_terms, max_operand + 1))
     rng = random.Random(f"megarl-chain:{seed}")
+    # its own stream, so the questions of a seed stay the same whatever the share
+    slip_rng = random.Random(f"megarl-chain-slips:{seed}")
     rows = []
     for i in range(n):
         k = rng.choices(list(weights), weights=list(weights.values()))[0]
         terms = rng.sample(range(max_operand + 1), k)
+        slips, written = [], terms[0]
+        for t in terms[1:]:
+            slip = 0
+            if slip_share and slip_rng.random() < slip_share:
+                slip = slip_rng.choice([d for d in (-2, -1, 1, 2) if 0 <= written + t + d <= top])
+            slips.append(slip)
+            written += t + slip
         rows.append({
             "data_source": data_source,
             "prompt": [{"role": "user", "content": format_chain_question(terms)}],
-            "response": format_chain_response(terms, answer_format),
+            "response": format_chain_response(terms, answer_format, slips),
             "ground_truth": str(sum(terms)),
-            "extra_info": {"index": i, "split": split, "terms": terms},
+            "extra_info": {"index": i, "split": split, "terms": terms, "slips": sum(s != 0 for s in slips)},
         })
     return rows
 

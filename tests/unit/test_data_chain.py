@@ -31,6 +31,23 @@ def test_a_hand_example_of_question_and_worked_answer():
         format_chain_response([7])
 
 
+def test_a_slipping_demonstrator_goes_on_from_the_sum_it_wrote():
+    assert format_chain_response([3, 5, 2], slips=[1, 0]) == "3 + 5 = 9 , 9 + 2 = 11 #### 11"
+    assert format_chain_response([3, 5, 2], slips=[0, -2]) == "3 + 5 = 8 , 8 + 2 = 8 #### 8"
+    with pytest.raises(ValueError, match="3 terms take 2 slips"):
+        format_chain_response([3, 5, 2], slips=[1])
+    exact, sloppy = make_chain_dataset(2000, seed=2), make_chain_dataset(2000, seed=2, slip_share=0.2)
+    assert [r["prompt"] for r in exact] == [r["prompt"] for r in sloppy]  # the same questions whatever the share
+    assert [r["ground_truth"] for r in exact] == [r["ground_truth"] for r in sloppy]  # the true sums
+    steps = sum(len(r["extra_info"]["terms"]) - 1 for r in sloppy)
+    slipped = sum(r["extra_info"]["slips"] for r in sloppy)
+    assert abs(slipped / steps - 0.2) < 3 * (0.2 * 0.8 / steps) ** 0.5  # within 3 standard errors
+    for r in sloppy:
+        written = [int(step.split(" = ")[1]) for step in r["response"].split(" #### ")[0].split(" , ")]
+        assert r["response"].endswith(f"#### {written[-1]}") and all(0 <= w <= 200 for w in written)
+        assert (written[-1] == sum(r["extra_info"]["terms"])) or r["extra_info"]["slips"] > 0
+
+
 def test_term_weights_are_a_truncated_zipf_law():
     weights = chain_term_weights(4, tail=1.0)  # 1/2 : 1/3 : 1/4 = 6 : 4 : 3
     assert weights == pytest.approx({2: 6 / 13, 3: 4 / 13, 4: 3 / 13})
@@ -101,3 +118,31 @@ def test_validate_bounds_the_chain_vocabulary():
     for bad in (14, 26):  # 14: too few distinct terms; 26: sums up to 296, 313 tokens
         [issue] = issues(bad)
         assert issue.key == "data.synthetic.max_operand" and issue.value == bad and "15 to 25" in issue.fix
+
+
+def test_validate_refuses_slips_where_no_demonstration_would_have_them():
+    def issues(**synthetic):
+        return check_synthetic(MegarlConfig.model_validate({"data": {"synthetic": synthetic}}))
+
+    assert issues(task="chain", num_sft=100, slip_share=0.2) == []
+    [issue] = issues(task="arithmetic", num_sft=100, slip_share=0.2)
+    assert issue.key == "data.synthetic.slip_share" and "task: chain" in issue.fix
+    [issue] = issues(task="chain", slip_share=0.2)  # SFT would read the training prompts' exact answers
+    assert issue.key == "data.synthetic.slip_share" and "num_sft" in issue.fix
+
+
+def test_the_recipe_writes_slips_into_the_sft_file_only(tmp_path):
+    from pathlib import Path
+
+    from megarl.config.outputs import synthetic_paths
+    from megarl.data import read_rows
+    from megarl.prepare import write_synthetic_data
+    from megarl.validate import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "grpo_longtail_cp2_tiny_cpu.yaml"
+    cfg = load_config(recipe, [f"trainer.run_dir={tmp_path}", "data.synthetic.num_train=200",
+                               "data.synthetic.num_val=50", "data.synthetic.num_sft=200"])
+    write_synthetic_data(cfg)
+    rows = {split: read_rows(str(path)) for split, path in synthetic_paths(cfg).items()}
+    assert sum(r["extra_info"]["slips"] for r in rows["sft"]) > 0
+    assert sum(r["extra_info"]["slips"] for r in rows["train"] + rows["val"]) == 0
