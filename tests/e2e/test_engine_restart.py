@@ -42,20 +42,15 @@ def _assert_recovered(run, steps: int, restarts: int) -> None:
     assert out.count("restarting it (restart") == restarts, out[-3000:]
 
 
-def test_engine_killed_during_generation_is_restarted_and_the_batch_generated_again(tmp):
-    # generation 2 is step 2's rollout: killed right after its requests reached the engine
-    run = Run(tmp, "kill-mid-rollout", ["trainer.total_steps=3"], env={"MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2"})
-    _assert_recovered(run, 3, 1)
-    assert "engine replica 0 lost during generation (the vLLM engine process died" in run.output(), \
-        run.output()[-3000:]
-
-
-def test_engine_killed_during_a_weight_update_is_restarted_and_synced_again(tmp):
-    # update 1 is the run's first sync, update 2 the one after step 1's training: the engine dies once it has begun
-    run = Run(tmp, "kill-mid-update", ["trainer.total_steps=3"], env={"MEGARL_TEST_KILL_ENGINE_AT_UPDATE": "2"})
-    _assert_recovered(run, 3, 1)
-    assert "engine replica 0 lost during a weight update (the vLLM engine process died" in run.output(), \
-        run.output()[-3000:]
+def test_engine_killed_during_generation_and_during_a_weight_update_is_restarted_each_time(tmp):
+    """Two losses in one run, one in a generation call and one in a weight update (each would stop a run without
+    restarts): each restarted engine is synced with the actor's weights, the lost batch generated again."""
+    run = Run(tmp, "kill-mid-update-and-rollout", ["trainer.total_steps=3"],
+              env={"MEGARL_TEST_KILL_ENGINE_AT_UPDATE": "2", "MEGARL_TEST_KILL_ENGINE_AT_GENERATION": "2"})
+    _assert_recovered(run, 3, 2)
+    out = run.output()
+    assert "engine replica 0 lost during a weight update (the vLLM engine process died" in out, out[-3000:]
+    assert "engine replica 0 lost during generation (the vLLM engine process died" in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""The RL loop on the tiny CPU recipe: on-policy first step, TP2 equals TP1, and actionable errors for bad input."""
+"""The RL loop on the tiny CPU recipe, run by `megarl train` as a user runs it: on-policy first step, a quiet console,
+TP2 equals TP1, and actionable errors for bad input."""
 import json
 import subprocess
 import sys
@@ -30,25 +31,36 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def _run(tmp: Path, name: str, extra=()) -> list[dict]:
-    run_dir = tmp / name
+def _overrides(tmp: Path, name: str, extra=()) -> list[str]:
     reward = tmp / "parity_reward.py"
     reward.write_text(PARITY_REWARD)
-    cfg = load_config(RECIPE, SMALL + [f"trainer.run_dir={run_dir}", f"model.path={tmp / 'model'}",
-                                       f"data.synthetic.output_dir={tmp / 'data'}", f"reward.reward_fn={reward}",
-                                       *extra])
+    return SMALL + [f"trainer.run_dir={tmp / name}", f"model.path={tmp / 'model'}",
+                    f"data.synthetic.output_dir={tmp / 'data'}", f"reward.reward_fn={reward}", *extra]
+
+
+def _run(tmp: Path, name: str, extra=()) -> list[dict]:
+    cfg = load_config(RECIPE, _overrides(tmp, name, extra))
     run_ranks("megarl.trainer:train_entry", cfg.world_size, {"cfg_dict": cfg.model_dump()}, timeout=600)
-    return _metrics(run_dir)
+    return _metrics(tmp / name)
+
+
+def _cli_run(tmp: Path, name: str, extra=()) -> tuple:
+    """`megarl train` as a user runs it: (metrics, console lines, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "megarl", "train", str(RECIPE), *_overrides(tmp, name, extra)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _metrics(tmp / name), (proc.stdout + proc.stderr).splitlines(), proc.stderr
 
 
 @pytest.fixture(scope="module")
 def tp1(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loop")
-    return tmp, _run(tmp, "tp1")
+    metrics, console, stderr = _cli_run(tmp, "tp1")
+    return tmp, metrics, console, stderr
 
 
 def test_first_step_is_on_policy(tp1):
-    _, metrics = tp1
+    _, metrics, _, _ = tp1
     first = metrics[0]
     assert first["step"] == 1
     assert first["rollout/logprob_abs_diff_mean"] < 1e-4, first  # vLLM and megatron agree on the same weights
@@ -61,7 +73,7 @@ def test_first_step_is_on_policy(tp1):
 
 
 def test_metrics_jsonl_has_the_documented_keys(tp1):
-    _, metrics = tp1
+    _, metrics, _, _ = tp1
     required = {"step", "train/reward_mean", "train/response_length_mean", "actor/pg_loss", "actor/kl",
                 "actor/entropy", "actor/grad_norm", "actor/clip_frac", "timing/step_s", "timing/rollout_s",
                 "timing/train_s", "timing/sync_s", "rollout/logprob_abs_diff_mean"}
@@ -72,8 +84,8 @@ def test_metrics_jsonl_has_the_documented_keys(tp1):
 
 @pytest.mark.slow  # a second 2-rank run (~36 s); TP2 = TP1 per update: tests/dist/test_actor_step, test_on_policy_update
 def test_tp2_losses_equal_tp1(tp1):
-    tmp, ref = tp1
-    got = _run(tmp, "tp2", ["parallelism.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    tmp, ref, _, _ = tp1
+    got, _, _ = _cli_run(tmp, "tp2", ["parallelism.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"])
     assert any(abs(m["actor/pg_loss"]) > 1e-4 for m in ref[:2])  # equal non-trivial losses, not 0 == 0
     for a, b in zip(ref[:2], got[:2]):
         assert a["train/reward_mean"] == b["train/reward_mean"]  # same samples from the same seed and weights
@@ -81,6 +93,21 @@ def test_tp2_losses_equal_tp1(tp1):
         assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 1e-4 * max(1, a["actor/grad_norm"])
     for m in got:  # two engine replicas (one per rank): each rank writes its worker's weights into its parameters
         assert m["weight_sync/placed_bytes"] == m["weight_sync/bytes"] > 0, m
+
+
+def test_the_console_is_short_and_library_logs_go_to_the_run_dir(tp1):
+    """A quiet console (a line per logged step and a summary); vLLM's and Megatron's own logs in <run_dir>/logs."""
+    tmp, _, console, stderr = tp1
+    assert len(console) <= 20, "\n".join(console)
+    assert sum(line.startswith("step ") for line in console) == 3, "\n".join(console)
+    assert any("train/reward_mean" in line for line in console)
+    assert any(line.startswith("3 steps in ") for line in console)  # the summary
+    logs = tmp / "tp1" / "logs"
+    engine, rank = (logs / "vllm-engine.log").read_text(), (logs / "rank0.log").read_text()
+    assert "Initializing a V1 LLM engine" in engine  # vLLM's start-up log
+    assert "Params for bucket" in rank  # Megatron's DDP bucket list
+    for noise in ("Initializing a V1 LLM engine", "Params for bucket", "UserWarning"):
+        assert noise not in stderr
 
 
 def test_missing_reward_file_is_a_clear_error(tmp_path):
@@ -96,8 +123,8 @@ def test_missing_reward_file_is_a_clear_error(tmp_path):
 def test_offload_around_rollout_leaves_the_run_unchanged(tp1):
     """actor.offload and ref.offload move the trainer's states to host memory from each weight sync to the next
     forward (and bring them back for a checkpoint): the run is the same step for step, and the metrics show the cost."""
-    tmp, base = tp1
-    got = _run(tmp, "offload", ["actor.offload=true", "ref.offload=true", "checkpoint.save_freq=2"])
+    tmp, base, _, _ = tp1
+    got, _, _ = _cli_run(tmp, "offload", ["actor.offload=true", "ref.offload=true", "checkpoint.save_freq=2"])
     assert len(got) == len(base) == 3
     for a, b in zip(base, got):
         for key in ("actor/pg_loss", "actor/grad_norm", "train/reward_mean"):
