@@ -128,16 +128,16 @@ def sampled_bound(hf_dir, out: dict, ep: int = 1) -> float:
 
 # (arch, trainer TP, PP, EP, engine TP, CPU engines: prepacked weights or not); without prepacking the update is in
 # place. Each case is one launch: an engine per entry of the last field, synced before and after one optimizer step.
-# The default suite keeps trainer TP2, PP2 and EP2 into engine TP1 and trainer DP2 into engine TP2 (in place); trainer
-# TP2 into engine TP2 runs with `make test-slow`.
-CASES = [("qwen2", 2, 1, 1, 1, (True,)), ("llama", 1, 2, 1, 1, (True, False)), ("qwen3_moe", 1, 1, 2, 1, (True,)),
+# The default suite keeps trainer TP2 and EP2 into prepacked engines of TP1, PP2 into an engine of TP1 updated in place
+# and trainer DP2 into engine TP2 (in place); trainer TP2 into engine TP2 runs with `make test-slow`.
+CASES = [("qwen2", 2, 1, 1, 1, (True,)), ("llama", 1, 2, 1, 1, (False,)), ("qwen3_moe", 1, 1, 2, 1, (True,)),
          pytest.param("qwen2", 2, 1, 1, 2, (True, False), marks=pytest.mark.slow), ("llama-kv1", 1, 1, 1, 2, (False,)),
          pytest.param("llama", 1, 1, 1, 2, (True,), marks=pytest.mark.slow),
          pytest.param("llama", 1, 2, 1, 2, (True,), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("arch,tp,pp,ep,engine_tp,prepacks", CASES, ids=[
-    "tp2-dense", "pp2-dense-and-in-place", "ep2-moe", "tp2-engine-tp2-and-in-place",
+    "tp2-dense", "pp2-dense-in-place", "ep2-moe", "tp2-engine-tp2-and-in-place",
     "dp2-engine-tp2-one-kv-head-prime-vocab-in-place", "dp2-engine-tp2", "pp2-engine-tp2"])
 def test_engine_logprobs_equal_actor_after_update(tmp_path, arch, tp, pp, ep, engine_tp, prepacks):
     # llama-kv1: one KV head, replicated on both engine ranks, a prime vocabulary that vLLM pads before splitting it,
