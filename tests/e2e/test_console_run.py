@@ -6,17 +6,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPE = ROOT / "recipes" / "grpo_tiny_cpu.yaml"
-SMALL = ["sft.enable=false", "data.synthetic.num_train=64", "data.synthetic.num_val=8", "data.train_batch_size=8",
-         "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=8",
-         "rollout.log_prob_micro_batch_size_per_gpu=8", "trainer.total_steps=3", "trainer.test_freq=3",
-         "logging.tensorboard=false"]
+from tests.e2e.test_grpo_loop import RECIPE, ROOT, SMALL
 
 
 def _train(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    run_dir = tmp_path / "run"
-    args = [*SMALL, f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}", *extra]
+    args = [*SMALL, f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *extra]
     return subprocess.run([sys.executable, "-m", "megarl", "train", str(RECIPE), *args], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
 
@@ -27,7 +21,7 @@ def test_failing_run_shows_its_error(tmp_path):
     reward = tmp_path / "broken_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    raise ValueError('broken reward for the test')\n")
-    proc = _train(tmp_path, f"reward.reward_fn={reward}", "trainer.val_before_train=false")
+    proc = _train(tmp_path, f"reward.reward_fn={reward}")  # SMALL: no validation before the first step
     assert proc.returncode == 1
     assert "broken reward for the test" in proc.stderr
     assert "Params for bucket" not in proc.stderr
