@@ -2,14 +2,19 @@
 
 Used by `megarl verify` (which starts the ranks a layout needs when it is not already under torchrun) and by
 the multi-rank tests. Each rank is a fresh interpreter (`python -m megarl.launch_local`), so megatron's
-global parallel state and the CPU patches never leak into the caller.
+global parallel state and the CPU patches never leak into the caller. A process that launches many short rank groups
+(the test suite) can have them forked instead from a server that imported torch and megatron-core once
+(`fork_ranks_from`): the ranks still never share state with the caller or with each other.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import importlib
+import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,12 +22,14 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from megarl import lifecycle
 from megarl.distributed import free_port
 
 _LAUNCHER_PID = "MEGARL_LAUNCHER_PID"
+_fork_preload: Optional[list] = None  # what the rank server imports, once fork_ranks_from() was called
+_fork_context: Optional[Any] = None
 
 
 class RankFailure(RuntimeError):
@@ -98,6 +105,96 @@ def _failure_report(target: str, codes: list, first: Optional[int], logs: Path) 
     return "\n".join(lines)
 
 
+def fork_ranks_from(preload: Sequence[str], start_now: bool = False) -> None:
+    """From now on, start ranks by forking a server process that imported `preload` once (multiprocessing's
+    forkserver, started at the first launch), not as fresh interpreters: importing torch and megatron-core costs each
+    rank about 3 s on 2 CPU cores, which dominates a short launch. The server imports with this process's environment
+    and OMP_NUM_THREADS=1 (a rank's default); each rank then takes its own environment, session and log as a fresh
+    one would.
+
+    Ranks given an `env` of their own still start fresh (a variable that takes effect at import, say a kernel choice,
+    must not come from the server), and so do the ranks of a launch that streams rank 0 to this console. start_now:
+    start the server at once, so that it imports while this process goes on."""
+    global _fork_preload
+    _fork_preload = list(preload)
+    if start_now:
+        _forkserver()
+
+
+def _forkserver() -> Any:
+    """The forkserver context, its server started with the preload on first use."""
+    global _fork_context
+    if _fork_context is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_fork_preload)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = saved or "1"  # libgomp reads it once, when the server imports torch
+        try:
+            from multiprocessing import forkserver
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+        _fork_context = ctx
+    return _fork_context
+
+
+class _ForkedRank:
+    """A rank forked by the server, with the part of subprocess.Popen's interface the launcher uses."""
+
+    def __init__(self, process):
+        self._process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self) -> Optional[int]:
+        self._process.join()
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+
+def _forked_rank_main(target: str, work: str, env: dict, log_path: str) -> None:
+    """A forked rank: what `python -m megarl.launch_local` does, after taking what a fresh rank gets from Popen."""
+    os.setsid()  # its own session, as start_new_session gives the fresh ones
+    os.environ.clear()
+    os.environ.update(env, **{_LAUNCHER_PID: str(os.getppid())})  # dies with the server, which dies with the launcher
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))  # the server's torch was imported before this env
+    from megarl.console import captured
+
+    try:
+        with captured(f"rank{env.get('RANK', '0')}"):
+            _rank_main(target, work)
+    finally:
+        # what the interpreter's exit runs (the reward workers' shutdown, say) and a multiprocessing child skips:
+        # multiprocessing would join those workers, which ignore its SIGTERM, forever
+        atexit._run_exitfuncs()
+
+
+def _start_rank(target: str, work: Path, env: dict, log_path: Path, forked: bool) -> tuple:
+    if forked:
+        process = _forkserver().Process(target=_forked_rank_main, args=(target, str(work), env, str(log_path)))
+        process.start()
+        return _ForkedRank(process), None
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+
+
 def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: Optional[float] = 600,
               env: Optional[dict] = None, log_dir: Optional[str] = None, stream_rank0: bool = False) -> list[Any]:
     """Run `target` ("package.module:function") on `nprocs` ranks; return each rank's return value.
@@ -118,18 +215,23 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
         rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=rank_env.get(
                             "OMP_NUM_THREADS", "1"), **{_LAUNCHER_PID: str(os.getpid())})
-        log = open(logs / f"rank{rank}.log", "w")
-        out = None if (stream_rank0 and rank == 0) else log
-        cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
-        procs.append((subprocess.Popen(cmd, env=rank_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                       start_new_session=True), log))
+        if stream_rank0 and rank == 0:
+            cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
+            procs.append((subprocess.Popen(cmd, env=rank_env, start_new_session=True), None))
+        else:
+            forked = _fork_preload is not None and env is None and not stream_rank0
+            procs.append(_start_rank(target, work, rank_env, logs / f"rank{rank}.log", forked))
     with _forwarding_signals([p for p, _ in procs]):
         codes, first = _wait_all([p for p, _ in procs], float("inf") if timeout is None else timeout)
     for _, log in procs:
-        log.close()
+        if log is not None:
+            log.close()
     if any(code != 0 for code in codes):
-        raise RankFailure(_failure_report(target, codes, first, logs))
-    return [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
+        earliest = _earliest_failure(work, nprocs)
+        raise RankFailure(_failure_report(target, codes, first if earliest is None else earliest, logs))
+    results = [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
+    shutil.rmtree(work, ignore_errors=True)  # kept after a failure: the report names the logs in it
+    return results
 
 
 def _rank_main(target: str, work: str) -> None:
@@ -157,10 +259,26 @@ def _rank_main(target: str, work: str) -> None:
         print(f"megarl: rank {rank} stopping: {exc}", file=sys.stderr)
         sys.exit(lifecycle.PEER_FAILED_EXIT)
     except lifecycle.Explained as exc:  # the message says the cause and the fix: no traceback
+        _note_failure(work, rank)
         print(f"megarl: rank {rank}: {exc}", file=sys.stderr)
         sys.exit(1)
+    except Exception:
+        _note_failure(work, rank)
+        raise
     finally:
         parallel.destroy()
+
+
+def _note_failure(work: str, rank: int) -> None:
+    """When this rank's error happened: the launcher names the earliest as the cause. The order in which the ranks'
+    exits are seen is not that order: a peer blocked in a collective fails the moment the failing rank's socket
+    closes, and may be reaped first."""
+    (Path(work) / f"failed{rank}").write_text(repr(time.time()))
+
+
+def _earliest_failure(work: Path, nprocs: int) -> Optional[int]:
+    stamps = {r: float((work / f"failed{r}").read_text()) for r in range(nprocs) if (work / f"failed{r}").exists()}
+    return min(stamps, key=stamps.get) if stamps else None
 
 
 if __name__ == "__main__":

@@ -10,6 +10,26 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# What nearly every rank of a multi-rank test imports, ~3-5 s a rank on 2 cores (megarl.launch_local.fork_ranks_from).
+RANK_PRELOAD = ["megarl", "torch.distributed", "megatron.core", "transformers", "megarl.launch_local",
+                "megarl.megatron.workers", "megarl.trainer", "transformers.models.llama.modeling_llama"]
+
+
+def pytest_sessionstart(session):
+    # About a hundred rank groups start in the default suite: fork them from one server that imported their common
+    # modules once (it imports them while the tests are collected). MEGARL_TEST_FRESH_RANKS=1 starts every rank as a
+    # fresh interpreter, as `megarl` itself does.
+    if os.environ.get("MEGARL_TEST_FRESH_RANKS") != "1":
+        from megarl import launch_local
+
+        # megatron warns at import that TE is absent; pytest.ini hides it in tests, this hides it from the server
+        saved = os.environ.get("PYTHONWARNINGS")
+        os.environ["PYTHONWARNINGS"] = "ignore:Transformer Engine and Apex are not installed"
+        try:
+            launch_local.fork_ranks_from(RANK_PRELOAD, start_now=True)
+        finally:
+            os.environ.pop("PYTHONWARNINGS") if saved is None else os.environ.update(PYTHONWARNINGS=saved)
+
 
 def pytest_collection_modifyitems(config, items):
     import torch
