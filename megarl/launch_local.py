@@ -227,8 +227,7 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
         if log is not None:
             log.close()
     if any(code != 0 for code in codes):
-        earliest = _earliest_failure(work, nprocs)
-        raise RankFailure(_failure_report(target, codes, first if earliest is None else earliest, logs))
+        raise RankFailure(_failure_report(target, codes, _first_failure(work, nprocs, first), logs))
     results = [pickle.loads((work / f"result{r}.pkl").read_bytes()) for r in range(nprocs)]
     shutil.rmtree(work, ignore_errors=True)  # kept after a failure: the report names the logs in it
     return results
@@ -276,9 +275,13 @@ def _note_failure(work: str, rank: int) -> None:
     (Path(work) / f"failed{rank}").write_text(repr(time.time()))
 
 
-def _earliest_failure(work: Path, nprocs: int) -> Optional[int]:
+def _first_failure(work: Path, nprocs: int, first_seen: Optional[int]) -> Optional[int]:
+    """The rank whose error came first by the ranks' own notes; the first failing exit seen where that rank left no
+    note (killed by a signal, a crash in native code: nothing ran after it)."""
     stamps = {r: float((work / f"failed{r}").read_text()) for r in range(nprocs) if (work / f"failed{r}").exists()}
-    return min(stamps, key=stamps.get) if stamps else None
+    if not stamps or (first_seen is not None and first_seen not in stamps):
+        return first_seen
+    return min(stamps, key=stamps.get)
 
 
 if __name__ == "__main__":
