@@ -18,8 +18,11 @@ RANK_PRELOAD = ["megarl", "torch.distributed", "megatron.core", "transformers", 
 def pytest_sessionstart(session):
     # About a hundred rank groups start in the default suite: fork them from one server that imported their common
     # modules once (it imports them while the tests are collected). MEGARL_TEST_FRESH_RANKS=1 starts every rank as a
-    # fresh interpreter, as `megarl` itself does.
-    if os.environ.get("MEGARL_TEST_FRESH_RANKS") != "1":
+    # fresh interpreter, as `megarl` itself does; so does a CUDA machine (a process that asked CUDA for its devices is
+    # no safe parent of ranks that use it).
+    import torch
+
+    if os.environ.get("MEGARL_TEST_FRESH_RANKS") != "1" and not torch.cuda.is_available():
         from megarl import launch_local
 
         # megatron warns at import that TE is absent; pytest.ini hides it in tests, this hides it from the server
