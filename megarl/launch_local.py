@@ -29,6 +29,7 @@ from megarl.distributed import free_port
 
 _LAUNCHER_PID = "MEGARL_LAUNCHER_PID"
 _fork_preload: Optional[list] = None  # what the rank server imports, once fork_ranks_from() was called
+_fork_server_env: dict = {}
 _fork_context: Optional[Any] = None
 
 
@@ -105,18 +106,19 @@ def _failure_report(target: str, codes: list, first: Optional[int], logs: Path) 
     return "\n".join(lines)
 
 
-def fork_ranks_from(preload: Sequence[str], start_now: bool = False) -> None:
+def fork_ranks_from(preload: Sequence[str], start_now: bool = False, server_env: Optional[dict] = None) -> None:
     """From now on, start ranks by forking a server process that imported `preload` once (multiprocessing's
     forkserver, started at the first launch), not as fresh interpreters: importing torch and megatron-core costs each
-    rank about 3 s on 2 CPU cores, which dominates a short launch. The server imports with this process's environment
-    and OMP_NUM_THREADS=1 (a rank's default); each rank then takes its own environment, session and log as a fresh
-    one would.
+    rank about 3 s on 2 CPU cores, which dominates a short launch. The server imports with this process's environment,
+    OMP_NUM_THREADS=1 (a rank's default) and `server_env`; each rank then takes its own environment, session and log
+    as a fresh one would.
 
     Ranks given an `env` of their own still start fresh (a variable that takes effect at import, say a kernel choice,
     must not come from the server), and so do the ranks of a launch that streams rank 0 to this console. start_now:
     start the server at once, so that it imports while this process goes on."""
-    global _fork_preload
+    global _fork_preload, _fork_server_env
     _fork_preload = list(preload)
+    _fork_server_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or "1", **(server_env or {})}
     if start_now:
         _forkserver()
 
@@ -125,16 +127,22 @@ def _forkserver() -> Any:
     """The forkserver context, its server started with the preload on first use."""
     global _fork_context
     if _fork_context is None:
+        from multiprocessing import forkserver
+
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_fork_preload)
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = saved or "1"  # libgomp reads it once, when the server imports torch
+        # the server inherits this process's environment when it starts, and only then (libgomp, for one, reads
+        # OMP_NUM_THREADS once, when the server imports torch)
+        saved = {k: os.environ.get(k) for k in _fork_server_env}
+        os.environ.update(_fork_server_env)
         try:
-            from multiprocessing import forkserver
             forkserver.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
         _fork_context = ctx
     return _fork_context
 
@@ -174,25 +182,25 @@ def _forked_rank_main(target: str, work: str, env: dict, log_path: str) -> None:
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or 1))  # the server's torch was imported before this env
-    from megarl.console import captured
-
     try:
-        with captured(f"rank{env.get('RANK', '0')}"):
-            _rank_main(target, work)
+        _rank_process(target, work)
     finally:
         # what the interpreter's exit runs (the reward workers' shutdown, say) and a multiprocessing child skips:
         # multiprocessing would join those workers, which ignore its SIGTERM, forever
         atexit._run_exitfuncs()
 
 
-def _start_rank(target: str, work: Path, env: dict, log_path: Path, forked: bool) -> tuple:
+def _start_rank(target: str, work: Path, env: dict, log_path: Optional[Path], forked: bool) -> tuple:
+    """One rank, forked from the server or a fresh interpreter; log_path None: a fresh one writing to this console.
+    Returns the process and the log file to close after it (None when there is none to close here)."""
     if forked:
         process = _forkserver().Process(target=_forked_rank_main, args=(target, str(work), env, str(log_path)))
         process.start()
         return _ForkedRank(process), None
-    log = open(log_path, "w")
+    log = open(log_path, "w") if log_path is not None else None
     cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None,
+                            start_new_session=True), log
 
 
 def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: Optional[float] = 600,
@@ -215,12 +223,9 @@ def run_ranks(target: str, nprocs: int, kwargs: Optional[dict] = None, timeout: 
         rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=rank_env.get(
                             "OMP_NUM_THREADS", "1"), **{_LAUNCHER_PID: str(os.getpid())})
-        if stream_rank0 and rank == 0:
-            cmd = [sys.executable, "-m", "megarl.launch_local", target, str(work)]
-            procs.append((subprocess.Popen(cmd, env=rank_env, start_new_session=True), None))
-        else:
-            forked = _fork_preload is not None and env is None and not stream_rank0
-            procs.append(_start_rank(target, work, rank_env, logs / f"rank{rank}.log", forked))
+        log_path = None if (stream_rank0 and rank == 0) else logs / f"rank{rank}.log"
+        forked = _fork_preload is not None and env is None and not stream_rank0
+        procs.append(_start_rank(target, work, rank_env, log_path, forked))
     with _forwarding_signals([p for p, _ in procs]):
         codes, first = _wait_all([p for p, _ in procs], float("inf") if timeout is None else timeout)
     for _, log in procs:
@@ -284,8 +289,13 @@ def _first_failure(work: Path, nprocs: int, first_seen: Optional[int]) -> Option
     return min(stamps, key=stamps.get)
 
 
-if __name__ == "__main__":
+def _rank_process(target: str, work: str) -> None:
+    """A rank process's whole life, fresh or forked."""
     from megarl.console import captured
 
     with captured(f"rank{os.environ.get('RANK', '0')}"):  # a no-op unless the job asks for log files
-        _rank_main(sys.argv[1], sys.argv[2])
+        _rank_main(target, work)
+
+
+if __name__ == "__main__":
+    _rank_process(sys.argv[1], sys.argv[2])

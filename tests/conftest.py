@@ -26,12 +26,8 @@ def pytest_sessionstart(session):
         from megarl import launch_local
 
         # megatron warns at import that TE is absent; pytest.ini hides it in tests, this hides it from the server
-        saved = os.environ.get("PYTHONWARNINGS")
-        os.environ["PYTHONWARNINGS"] = "ignore:Transformer Engine and Apex are not installed"
-        try:
-            launch_local.fork_ranks_from(RANK_PRELOAD, start_now=True)
-        finally:
-            os.environ.pop("PYTHONWARNINGS") if saved is None else os.environ.update(PYTHONWARNINGS=saved)
+        launch_local.fork_ranks_from(RANK_PRELOAD, start_now=True, server_env={
+            "PYTHONWARNINGS": "ignore:Transformer Engine and Apex are not installed"})
 
 
 def pytest_collection_modifyitems(config, items):
