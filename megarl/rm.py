@@ -87,15 +87,15 @@ def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
     return {"input_ids": ids, "lengths": lengths}
 
 
-def make_bt_loss_fn(denominator: torch.Tensor):
+def make_bt_loss_fn(denominator: torch.Tensor, center_coef: float = 0.0):
     """loss_fn(micro_batch, values [1, P, 1] of its pack) -> (Bradley-Terry loss share, metrics) for
-    train_mini_batch."""
+    train_mini_batch (center_coef: bt_loss's reward-centering weight)."""
     from megarl.megatron.packing import row_values
     from megarl.reward.model import bt_loss, last_token_scores
 
     def loss_fn(mb: dict, out: torch.Tensor):
         scores = last_token_scores(row_values(out, mb["pack"]), mb["lengths"])
-        loss, metrics = bt_loss(scores[0::2], scores[1::2], denominator)
+        loss, metrics = bt_loss(scores[0::2], scores[1::2], denominator, center_coef)
         return loss, {"bt_loss": loss.detach(), **metrics}
 
     return loss_fn
@@ -133,7 +133,9 @@ def evaluate(worker, pairs, pad_id: int, rt, groups=None, name: str = "val") -> 
     scores = worker.scores(batch["input_ids"], batch["lengths"], rt)
     diff = scores[0::2] - scores[1::2]
     out = {f"rm/{name}_accuracy": float((diff > 0).float().mean()), f"rm/{name}_margin": float(diff.mean()),
-           f"rm/{name}_chosen_mean": float(scores[0::2].mean()), f"rm/{name}_rejected_mean": float(scores[1::2].mean())}
+           f"rm/{name}_chosen_mean": float(scores[0::2].mean()), f"rm/{name}_rejected_mean": float(scores[1::2].mean()),
+           # what a verifier thresholding the score at 0 gets right: chosen sides above 0, rejected ones below
+           f"rm/{name}_sign_accuracy": float(torch.cat([scores[0::2] > 0, scores[1::2] < 0]).float().mean())}
     if groups is not None:
         out[f"rm/{name}_top1"] = top1_accuracy(scores, pairs, groups)
     return out
@@ -243,8 +245,9 @@ def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None, init: str | 
         mine = {k: v[rows] for k, v in batch.items()}
         micro = _micro_batches(mine, min(r.micro_batch_size_per_gpu, per_rank))
         denominator = global_count(torch.tensor(per_rank))
-        m = train_mini_batch(worker.trainable, micro, make_bt_loss_fn(denominator))
+        m = train_mini_batch(worker.trainable, micro, make_bt_loss_fn(denominator, r.center_rewards_coefficient))
         metrics = {"rm/loss": m["bt_loss"], "rm/accuracy": m["accuracy"], "rm/margin": m["margin"],
+                   "rm/center": m["center"],
                    "rm/grad_norm": m["grad_norm"], "rm/lr": m["lr"]}
         if step == total or (r.eval_freq and step % r.eval_freq == 0):
             final = evaluate_all(worker, held_out, pad, rt)

@@ -772,6 +772,11 @@ class RMConfig(_Section):
     max_length: int = Field(1024, ge=2, description="Maximum prompt+response tokens of one side (longer pairs are "
                             "cut from the right, counted in the log).")
     eval_freq: int = Field(0, ge=0, description="Evaluate the held-out pairs every N steps (always at the end).")
+    center_rewards_coefficient: float = Field(0.0, ge=0, description="Weight of the reward-centering term "
+                                              "coef * (chosen + rejected)^2 per pair (Eisenstein et al. 2023; TRL's "
+                                              "center_rewards_coefficient, which suggests 0.01): scores centred on 0 "
+                                              "for every prompt, so a fixed threshold (0) separates preferred answers "
+                                              "from the others; 0: the plain Bradley-Terry loss.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4),
                                description="Reward-model optimizer and LR schedule.")
     policy_pairs: PolicyPairsConfig = Field(default_factory=PolicyPairsConfig, description="Pairs built from the "

@@ -25,15 +25,27 @@ import torch
 import torch.nn.functional as F
 
 
-def bt_loss(chosen: torch.Tensor, rejected: torch.Tensor, denominator: Optional[torch.Tensor] = None):
-    """Bradley-Terry loss of pairs: sum_i -log sigmoid(chosen_i - rejected_i) / denominator (default: the number of
-    pairs). chosen, rejected: [P] scores. Returns (loss, {"accuracy": share of pairs with chosen > rejected,
-    "margin": mean chosen - rejected}) (metrics detached, over these P pairs)."""
+def bt_loss(chosen: torch.Tensor, rejected: torch.Tensor, denominator: Optional[torch.Tensor] = None,
+            center_coef: float = 0.0):
+    """Bradley-Terry loss of pairs: sum_i [-log sigmoid(chosen_i - rejected_i) + center_coef * (chosen_i +
+    rejected_i)^2] / denominator (default: the number of pairs). chosen, rejected: [P] scores. Returns (loss,
+    {"accuracy": share of pairs with chosen > rejected, "margin": mean chosen - rejected, "center": mean chosen +
+    rejected}) (metrics detached, over these P pairs).
+
+    center_coef > 0 is the reward-centering term of Eisenstein et al. 2023 (TRL's `center_rewards_coefficient`): the
+    Bradley-Terry loss sees only differences, so each prompt's scores may float by an offset of their own; pulling
+    every pair's sum towards 0 puts a prompt's preferred answers above 0 and the others below, whatever the prompt,
+    which a fixed threshold on the score (a verifier) needs."""
     diff = chosen.float() - rejected.float()
     denominator = torch.as_tensor(diff.numel() if denominator is None else denominator, dtype=diff.dtype,
                                   device=diff.device)
-    loss = -F.logsigmoid(diff).sum() / denominator
-    return loss, {"accuracy": (diff > 0).float().mean().detach(), "margin": diff.mean().detach()}
+    total = chosen.float() + rejected.float()
+    per_pair = -F.logsigmoid(diff)
+    if center_coef:
+        per_pair = per_pair + center_coef * total.square()
+    loss = per_pair.sum() / denominator
+    return loss, {"accuracy": (diff > 0).float().mean().detach(), "margin": diff.mean().detach(),
+                  "center": total.mean().detach()}
 
 
 def last_token_scores(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

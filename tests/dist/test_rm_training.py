@@ -39,7 +39,9 @@ def test_rm_trains_at_a_layout_and_exports_what_it_scored(tmp_path, tp, pp):
                                 f"rm.train_files=[{tmp_path / 'train.jsonl'}]",
                                 f"rm.val_files=[{tmp_path / 'val.jsonl'}]",
                                 "rm.batch_size=8", "rm.micro_batch_size_per_gpu=4", "rm.total_steps=3",
-                                "rm.optim.lr=1e-3", "logging.tensorboard=false"])
+                                "rm.optim.lr=1e-3", "logging.tensorboard=false",
+                                # the centring term on one layout: its plumbing, its metric (the loss: unit test)
+                                f"rm.center_rewards_coefficient={0.1 if pp == 2 else 0.0}"])
     run_ranks("megarl.rm:rm_entry", 2, {"cfg_dict": cfg.model_dump()}, timeout=900)
 
     out = tmp_path / "run" / "rm_model"
@@ -66,4 +68,10 @@ def test_rm_trains_at_a_layout_and_exports_what_it_scored(tmp_path, tp, pp):
     assert final["rm/val_chosen_mean"] == pytest.approx(chosen.mean().item(), abs=tol)
     assert final["rm/val_rejected_mean"] == pytest.approx(rejected.mean().item(), abs=tol)
     assert final["rm/val_accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
+    # a verifier at 0: chosen sides above, rejected below, by HF's scores; a side within the bound of 0 may fall
+    # either way in megarl's, so each such side widens the allowance by one in 16
+    sides = torch.cat([chosen, rejected])
+    want = torch.cat([chosen > 0, rejected < 0]).float().mean().item()
+    assert abs(final["rm/val_sign_accuracy"] - want) <= (sides.abs() <= tol).sum().item() / 16 + 1e-6
+    assert all("rm/center" in m for m in metrics if "rm/loss" in m)
     assert metrics[0]["rm/val_chosen_mean"] != pytest.approx(final["rm/val_chosen_mean"], abs=1e-4)  # it trained

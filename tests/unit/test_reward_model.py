@@ -31,6 +31,26 @@ def test_bt_loss_gradient_pushes_chosen_up():
     assert torch.allclose(chosen.grad, torch.full((2,), -0.25)) and torch.allclose(rejected.grad, torch.full((2,), 0.25))
 
 
+def test_bt_loss_centering_term_matches_trls_formula_by_hand():
+    # TRL's RewardTrainer: loss = -logsigmoid(c - r).mean() + coef * ((c + r) ** 2).mean()
+    chosen = torch.tensor([3.0, 1.0], requires_grad=True)
+    rejected = torch.tensor([1.0, -2.0], requires_grad=True)
+    coef = 0.1
+    want = (math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-3))) / 2 + coef * (4.0 ** 2 + 1.0 ** 2) / 2
+    loss, m = bt_loss(chosen, rejected, center_coef=coef)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert m["center"].item() == pytest.approx((4.0 - 1.0) / 2)
+    loss.backward()
+    # d/dc_i = [-sigmoid(-(c_i - r_i)) + 2 coef (c_i + r_i)] / P; d/dr_i = [sigmoid(-(c_i - r_i)) + 2 coef (c_i + r_i)] / P
+    sig = [1 / (1 + math.exp(2)), 1 / (1 + math.exp(3))]
+    assert chosen.grad.tolist() == pytest.approx([(-sig[0] + 0.8) / 2, (-sig[1] - 0.2) / 2], rel=1e-6)
+    assert rejected.grad.tolist() == pytest.approx([(sig[0] + 0.8) / 2, (sig[1] - 0.2) / 2], rel=1e-6)
+    # a pair already centred adds nothing: only the Bradley-Terry part is left
+    plain, _ = bt_loss(torch.tensor([1.5]), torch.tensor([-1.5]))
+    centred, _ = bt_loss(torch.tensor([1.5]), torch.tensor([-1.5]), center_coef=coef)
+    assert centred.item() == pytest.approx(plain.item(), rel=1e-7)
+
+
 def test_last_token_scores_reads_each_rows_last_real_token():
     values = torch.arange(12, dtype=torch.float32).view(3, 4, 1)
     assert last_token_scores(values, torch.tensor([4, 1, 2])).tolist() == [3.0, 4.0, 9.0]
