@@ -183,8 +183,13 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
 
 def _mla_column_parallel_down_projections(block_spec, use_te: bool) -> None:
     """megatron-core's TE MLA spec replicates the q/kv down projections (TELinear 'duplicated'); its local spec
-    column-splits them. megarl uses the column split on both, so one mapping (megarl.bridge.mapping) serves both.
-    Without TE the core attention is megarl's MLADotProductAttention (the local one cannot take MLA's head sizes)."""
+    column-splits them. megarl uses the column split on both, so one mapping (megarl.bridge.mapping) serves both, with
+    the shared rope key's gradient summed over the TP ranks (megarl.megatron.mla_rope_grad: megatron's column-split
+    path loses the other ranks' shares). Without TE the core attention is megarl's MLADotProductAttention (the local
+    one cannot take MLA's head sizes)."""
+    from megarl.megatron.mla_rope_grad import use_rope_grad_fix
+
+    use_rope_grad_fix(block_spec)
     if not use_te:
         from megarl.megatron.mla_attention import use_local_mla_core_attention
 

@@ -62,11 +62,10 @@ def logits_bound(hf_dir: Union[str, Path], logits, mask: Optional[object] = None
     return fp32_bound(load_spec(str(hf_dir)), seq_len or logits.shape[1] + 1, int(mask.sum()), rms)
 
 
-def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: Optional[object] = None) -> tuple:
-    """(logprobs [B, S-1], logprob_bound) of HF transformers running the architecture at hf_dir with `weights`
-    (HF checkpoint names: an exported or merged state dict; a tied head may be left out). The pure-forward check of
-    weights an optimizer step produced: the step itself is checked where the weights are compared. The weights are
-    loaded as a checkpoint (transformers converts its per-expert names into fused modules)."""
+def hf_model_with_weights(hf_dir: Union[str, Path], weights: dict):
+    """HF transformers' model of the architecture at hf_dir (float32, eager attention, eval mode) loaded with `weights`
+    (HF checkpoint names: an exported or merged state dict; a tied head may be left out) as a checkpoint, so
+    transformers converts its per-expert names into fused modules; ValueError where they do not fit exactly."""
     import shutil
     import tempfile
 
@@ -85,7 +84,16 @@ def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: 
     if missing or info["unexpected_keys"] or info.get("mismatched_keys"):
         raise ValueError(f"weights do not fit {hf_dir}: missing {missing[:5]}, unexpected "
                          f"{list(info['unexpected_keys'])[:5]}, mismatched {list(info.get('mismatched_keys', []))[:5]}")
-    model.eval()
+    return model.eval()
+
+
+def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: Optional[object] = None) -> tuple:
+    """(logprobs [B, S-1], logprob_bound) of HF transformers running the architecture at hf_dir with `weights`
+    (hf_model_with_weights). The pure-forward check of weights an optimizer step produced: the step itself is checked
+    where the weights are compared."""
+    import torch
+
+    model = hf_model_with_weights(hf_dir, weights)
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()[:, :-1]
     lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
