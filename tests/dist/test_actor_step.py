@@ -71,13 +71,13 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None, recompu
             "weights": weights if dist.get_rank() == 0 else None}
 
 
-def _reference(arch: str, root):
+def _reference(arch: str, root, **config_overrides):
     """(hf_dir, batch, reference) of one PPO update done with plain torch on a tiny HF model of `arch`."""
     from transformers import AutoModelForCausalLM
 
     from megarl import algo
 
-    hf_dir = make_tiny_model(arch, root / arch)
+    hf_dir = make_tiny_model(arch, root / arch, **config_overrides)
     batch = _batch(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
     logits = model(input_ids=batch["input_ids"]).logits
@@ -110,11 +110,14 @@ def test_megatron_update_equals_torch_reference(setup, tp, pp, dp, max_tokens, r
     _check_update(*setup, tp=tp, pp=pp, dp=dp, max_tokens=max_tokens, recompute=recompute)
 
 
-def test_deepseek_v3_update_equals_torch_reference(tmp_path):
+@pytest.mark.parametrize("dense", [False, True], ids=["moe-sequence-parallel", "dense"])
+def test_deepseek_v3_update_equals_torch_reference(tmp_path, dense):
     """MLA (q LoRA, decoupled rope), the sigmoid router with its bias, routed and shared experts and a dense first
     layer: the forward parity tests do not see their backward; at TP2, which splits the attention heads and the
-    experts' widths."""
-    _check_update(*_reference("deepseek_v3", tmp_path), tp=2, pp=1, dp=1, max_tokens=None, recompute="none")
+    experts' widths. With MoE layers TP2 runs sequence parallel; all-dense, it does not: MLA's TP path differs."""
+    overrides = {"first_k_dense_replace": 99} if dense else {}
+    _check_update(*_reference("deepseek_v3", tmp_path, **overrides), tp=2, pp=1, dp=1, max_tokens=None,
+                  recompute="none")
 
 
 def _check_update(hf_dir, batch, ref, tp, pp, dp, max_tokens, recompute):
