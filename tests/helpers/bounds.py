@@ -91,9 +91,14 @@ def forward_with_weights(hf_dir: Union[str, Path], weights: dict, tokens, mask: 
     """(logprobs [B, S-1], logprob_bound) of HF transformers running the architecture at hf_dir with `weights`
     (hf_model_with_weights). The pure-forward check of weights an optimizer step produced: the step itself is checked
     where the weights are compared."""
+    return forward_of(hf_model_with_weights(hf_dir, weights), hf_dir, tokens, mask)
+
+
+def forward_of(model, hf_dir: Union[str, Path], tokens, mask: Optional[object] = None) -> tuple:
+    """(logprobs [B, S-1], logprob_bound) of an HF transformers model (hf_model_with_weights) of the architecture at
+    hf_dir."""
     import torch
 
-    model = hf_model_with_weights(hf_dir, weights)
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()[:, :-1]
     lp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
