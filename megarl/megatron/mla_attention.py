@@ -63,8 +63,3 @@ class MLADotProductAttention(DotProductAttention):
             return cp_attend(query, key, value, segment_lengths(packed_seq_params), attend)
         return by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
 
-
-def use_local_mla_core_attention(block_spec) -> None:
-    """Swap the local spec's core attention of every MLA layer for MLADotProductAttention."""
-    for layer in block_spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = MLADotProductAttention

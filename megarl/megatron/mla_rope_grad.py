@@ -74,10 +74,3 @@ class MLASelfAttentionTP(MLASelfAttention):
 
         self.linear_kv_down_proj.register_forward_hook(mark)
 
-
-def use_rope_grad_fix(block_spec) -> None:
-    """Build every MLA layer of block_spec as MLASelfAttentionTP."""
-    for layer in block_spec.layer_specs:
-        attention = layer.submodules.self_attention
-        if attention.module is MLASelfAttention:
-            attention.module = MLASelfAttentionTP

@@ -184,23 +184,23 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
 def _mla_column_parallel_down_projections(block_spec, use_te: bool) -> None:
     """megatron-core's TE MLA spec replicates the q/kv down projections (TELinear 'duplicated'); its local spec
     column-splits them. megarl uses the column split on both, so one mapping (megarl.bridge.mapping) serves both, with
-    the shared rope key's gradient summed over the TP ranks (megarl.megatron.mla_rope_grad: megatron's column-split
-    path loses the other ranks' shares). Without TE the core attention is megarl's MLADotProductAttention (the local
-    one cannot take MLA's head sizes)."""
-    from megarl.megatron.mla_rope_grad import use_rope_grad_fix
+    the shared rope key's gradient summed over the TP ranks (MLASelfAttentionTP: megatron's column-split path loses the
+    other ranks' shares). Without TE the core attention is megarl's MLADotProductAttention (the local one cannot take
+    MLA's head sizes)."""
+    from megarl.megatron.mla_rope_grad import MLASelfAttentionTP
 
-    use_rope_grad_fix(block_spec)
-    if not use_te:
-        from megarl.megatron.mla_attention import use_local_mla_core_attention
-
-        use_local_mla_core_attention(block_spec)
-        return
-    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
-
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+    else:
+        from megarl.megatron.mla_attention import MLADotProductAttention
     for layer in block_spec.layer_specs:
-        sub = layer.submodules.self_attention.submodules
-        sub.linear_q_down_proj = TEColumnParallelLinear
-        sub.linear_kv_down_proj = TEColumnParallelLinear
+        attention = layer.submodules.self_attention
+        attention.module = MLASelfAttentionTP
+        if use_te:
+            attention.submodules.linear_q_down_proj = TEColumnParallelLinear
+            attention.submodules.linear_kv_down_proj = TEColumnParallelLinear
+        else:
+            attention.submodules.core_attention = MLADotProductAttention
 
 
 @contextlib.contextmanager
