@@ -181,12 +181,13 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
     return MLATransformerConfig(**kw)
 
 
-def _mla_column_parallel_down_projections(block_spec, use_te: bool) -> None:
-    """megatron-core's TE MLA spec replicates the q/kv down projections (TELinear 'duplicated'); its local spec
-    column-splits them. megarl uses the column split on both, so one mapping (megarl.bridge.mapping) serves both, with
-    the shared rope key's gradient summed over the TP ranks (MLASelfAttentionTP: megatron's column-split path loses the
-    other ranks' shares). Without TE the core attention is megarl's MLADotProductAttention (the local one cannot take
-    MLA's head sizes)."""
+def _use_megarl_mla_attention(block_spec, use_te: bool) -> None:
+    """Every MLA layer of block_spec built as megarl needs, in one pass: the attention module, the down projections
+    and, without TE, the core attention. megatron-core's TE MLA spec replicates the q/kv down projections (TELinear
+    'duplicated'); its local spec column-splits them. megarl uses the column split on both, so one mapping
+    (megarl.bridge.mapping) serves both, with the shared rope key's gradient summed over the TP ranks
+    (MLASelfAttentionTP: megatron's column-split path loses the other ranks' shares). Without TE the core attention is
+    megarl's MLADotProductAttention (the local one cannot take MLA's head sizes)."""
     from megarl.megatron.mla_rope_grad import MLASelfAttentionTP
 
     if use_te:
@@ -278,7 +279,7 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
     else:
         block_spec = local_block_spec(config, vp_stage=vp_stage)
     if spec.mla is not None:
-        _mla_column_parallel_down_projections(block_spec, use_te)
+        _use_megarl_mla_attention(block_spec, use_te)
     rope = spec.rope
     with _tensor_cuda_is_identity_on_cpu(), _output_layer_without_apex(config):
         model = GPTModel(
