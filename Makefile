@@ -8,7 +8,7 @@ RECIPE ?= recipes/grpo_tiny_cpu.yaml
 RUN_DIR ?= runs/grpo_tiny_cpu
 PYTEST_ARGS ?=
 
-.PHONY: env demo test test-slow test-gpu gpu-check clean-env
+.PHONY: env demo seeds test test-slow test-gpu gpu-check clean-env
 
 env: $(STAMP)
 
@@ -30,6 +30,13 @@ ARGS ?=
 demo: env
 	@$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR) $(ARGS)
 	@$(VENV)/bin/megarl report $(RUN_DIR)
+
+# A recipe over seeds, each in a fresh directory under runs/seeds/, then the runs side by side (docs/recipes.md):
+#   make seeds [RECIPE=...] [SEEDS="1 2 3"] [ARGS="k=v ..."] [MIN_GAIN=0.15]
+SEEDS ?= 1 2 3
+MIN_GAIN ?=
+seeds: env
+	@$(PY) tools/seed_range.py $(RECIPE) --seeds $(SEEDS) $(if $(MIN_GAIN),--min-gain $(MIN_GAIN)) $(ARGS)
 
 # The default test suite (CPU, 2 cores). Exit code 5 (no tests collected) is an error, not a pass.
 test: env

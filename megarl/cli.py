@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     _import.add_arguments(im)
     from megarl import report as _report
 
-    rp = sub.add_parser("report", help="curves of a run (PNG) and a table of its metrics over steps",
+    rp = sub.add_parser("report", help="curves of a run (PNG) and a table of its metrics over steps; several "
+                        "runs (seeds): side by side with the range of their gains",
                         description=_report.__doc__.splitlines()[0])
     _report.add_arguments(rp)
     from megarl.convert_verl import cli as _convert

@@ -2,12 +2,16 @@
 
 Panels: train/val reward, response length, KL, entropy, grad norm, clip fraction and time per phase over steps.
 Drawn with Pillow (no plotting library needed). `summary_lines` gives the end-of-run summary the trainer prints.
+With several run directories (the seeds of one recipe) it reports them side by side instead: each run's validation
+reward at its first and last evaluation, its best, its gain, and the range of gains over the runs, since one seed's
+figure is one sample of what a recipe learns.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from statistics import fmean
@@ -28,6 +32,7 @@ PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 )
 TABLE_KEYS = ("train/reward_mean", "val/reward_mean", "train/response_length_mean", "actor/kl", "actor/entropy",
               "actor/grad_norm", "actor/clip_frac") + tuple(f"timing/{p}_s" for p in PHASES) + ("timing/step_s",)
+VAL_KEY = "val/reward_mean"
 COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
           (227, 119, 194), (127, 127, 127), (23, 190, 207))
 
@@ -42,6 +47,31 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def series(rows: Sequence[dict], key: str) -> list[tuple[int, float]]:
     """(step, value) for every row where `key` has a number."""
     return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def read_seed(run_dir: str | Path) -> Optional[int]:
+    """trainer.seed from the run's config.resolved.yaml, None where the file or the key is missing."""
+    import yaml
+
+    path = Path(run_dir) / "config.resolved.yaml"
+    if not path.is_file():
+        return None
+    try:
+        seed = (yaml.safe_load(path.read_text()) or {}).get("trainer", {}).get("seed")
+    except (yaml.YAMLError, AttributeError):
+        return None
+    return seed if isinstance(seed, int) else None
+
+
+def val_gain(rows: Sequence[dict], key: str = VAL_KEY) -> Optional[dict]:
+    """The first and last validation of a run, its best and last - first:
+    {"start": (step, value), "end": (step, value), "best": (step, value), "gain": float}; None with fewer than two
+    validations. The best is the earliest step with the highest value."""
+    points = series(rows, key)
+    if len(points) < 2:
+        return None
+    best = max(points, key=lambda p: (p[1], -p[0]))
+    return {"start": points[0], "end": points[-1], "best": best, "gain": points[-1][1] - points[0][1]}
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -106,9 +136,49 @@ def table_lines(rows: Sequence[dict], columns: int = 6) -> list[str]:
             value = (inside[-1] if key.startswith("val/") else fmean(inside)) if inside else None
             cells.append(_fmt(value))
         body.append(cells)
-    widths = [max(len(row[i]) for row in [header] + body) for i in range(len(header))]
+    return _aligned([header] + body)
+
+
+def _aligned(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as text columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-            for row in [header] + body]
+            for row in rows]
+
+
+def compare_lines(runs: Sequence[tuple[str, Sequence[dict], Optional[int]]]) -> list[str]:
+    """One row per run (name, seed, val/reward_mean at the first and the last validation, best, gain), then the
+    range over the runs. `runs`: (name, metrics rows, seed or None)."""
+    header = ["run", "seed", "first (step)", "last (step)", "best (step)", "gain"]
+    body, gains, ends = [], [], []
+    for name, rows, seed in runs:
+        g = val_gain(rows)
+        if g is None:
+            body.append([name, "-" if seed is None else str(seed), "-", "-", "-", "-"])
+            continue
+        gains.append(g["gain"])
+        ends.append(g["end"][1])
+        body.append([name, "-" if seed is None else str(seed)]
+                    + [f"{g[k][1]:.3f} ({g[k][0]})" for k in ("start", "end", "best")] + [f"{g['gain']:+.3f}"])
+    lines = _aligned([header] + body)
+    if gains:
+        lines.append(f"{VAL_KEY} over {len(gains)} of {len(runs)} runs: gain {min(gains):+.3f} to {max(gains):+.3f} "
+                     f"(mean {fmean(gains):+.3f}); last {min(ends):.3f} to {max(ends):.3f}")
+    return lines
+
+
+def gain_problems(runs: Sequence[tuple[str, Sequence[dict], Optional[int]]], min_gain: float) -> list[str]:
+    """One line per run whose validation gain is below `min_gain` or that has fewer than two validations."""
+    problems = []
+    for name, rows, _ in runs:
+        g = val_gain(rows)
+        if g is None:
+            problems.append(f"{name}: fewer than two {VAL_KEY} values (set trainer.test_freq and "
+                            f"trainer.val_before_train=true), so it has no gain to check")
+        elif g["gain"] < min_gain:
+            problems.append(f"{name}: {VAL_KEY} {g['start'][1]:.3f} -> {g['end'][1]:.3f} is a gain of "
+                            f"{g['gain']:+.3f}, below --min-gain {min_gain:+.3f}")
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -183,8 +253,6 @@ def _draw_panel(draw, box: tuple[int, int, int, int], title: str, lines: list[tu
 
 def write_png(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
     """Draw every panel that has data, two per row, and save it to `path`."""
-    from PIL import Image, ImageDraw
-
     panels = []
     for name, keys in PANELS:
         lines = [(label, series(rows, key)) for key, label in keys]
@@ -193,6 +261,26 @@ def write_png(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
             panels.append((name, lines))
     if not panels:
         raise ValueError("the metrics have none of the reported keys (train/reward_mean, actor/kl, ...)")
+    return _save_panels(panels, path, title)
+
+
+def write_compare_png(runs: Sequence[tuple[str, Sequence[dict], Optional[int]]], path: str | Path,
+                      title: str = "") -> Path:
+    """Validation and train reward of several runs, one curve per run in each panel."""
+    panels = []
+    for key in (VAL_KEY, "train/reward_mean"):
+        lines = [(Path(name).name or name, series(rows, key)) for name, rows, _ in runs]
+        lines = [(label, pts) for label, pts in lines if pts]
+        if lines:
+            panels.append((key, lines))
+    if not panels:
+        raise ValueError(f"none of the runs has {VAL_KEY} or train/reward_mean in its metrics")
+    return _save_panels(panels, path, title)
+
+
+def _save_panels(panels: list[tuple[str, list]], path: str | Path, title: str) -> Path:
+    from PIL import Image, ImageDraw
+
     width, height, head = 600, 300, 40
     rows_n = math.ceil(len(panels) / 2)
     image = Image.new("RGB", (2 * width, head + rows_n * height), "white")
@@ -212,20 +300,44 @@ def write_png(rows: Sequence[dict], path: str | Path, title: str = "") -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (trainer.run_dir) holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="PNG path; default RUN_DIR/report.png")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a run directory (trainer.run_dir) holding metrics.jsonl; several (the seeds of one "
+                             "recipe): one row per run and the range of their validation gains")
+    parser.add_argument("--out", default=None, help="PNG path; default RUN_DIR/report.png, with several runs "
+                                                    "report_runs.png in the folder that holds them")
     parser.add_argument("--columns", type=int, default=6, help="columns (stretches of steps) of the terminal table")
+    parser.add_argument("--min-gain", type=float, default=None, metavar="G",
+                        help=f"exit 1 when a run's {VAL_KEY} gains less than G from its first validation to its last "
+                             "(e.g. 0.15), naming each such run")
 
 
 def run(args: argparse.Namespace) -> int:
+    dirs = [str(d) for d in args.run_dirs]
     try:
-        rows = read_metrics(args.run_dir)
-        path = write_png(rows, args.out or Path(args.run_dir) / "report.png", title=str(args.run_dir))
+        runs = [(d, read_metrics(d), read_seed(d)) for d in dirs]
+        if len(runs) == 1:
+            rows = runs[0][1]
+            path = write_png(rows, args.out or Path(dirs[0]) / "report.png", title=dirs[0])
+            lines = table_lines(rows, args.columns)
+        else:
+            try:
+                folder = os.path.commonpath(dirs)
+            except ValueError:  # relative and absolute paths mixed
+                folder = os.path.commonpath([os.path.abspath(d) for d in dirs])
+            default = Path(folder) / "report_runs.png"
+            path = write_compare_png(runs, args.out or default, title=f"{len(runs)} runs")
+            lines = compare_lines(runs)
     except (FileNotFoundError, ValueError) as exc:
         print(f"megarl report: {exc}", file=sys.stderr)
         return 1
-    for line in table_lines(rows, args.columns):
+    for line in lines:
         print(line)
     print(f"report: {path}")
+    if args.min_gain is not None:
+        problems = gain_problems(runs, args.min_gain)
+        for problem in problems:
+            print(f"megarl report: {problem}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"every run gained at least {args.min_gain:+.3f}")
     return 0
-

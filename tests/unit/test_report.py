@@ -119,3 +119,60 @@ def test_sparse_logging_reports_the_first_step_past_each_mark(tmp_path, capsys):
     logger.close()
     err = capsys.readouterr().err.splitlines()
     assert [int(line.split()[1].split("/")[0]) for line in err] == [1, 28, 56, 77, 105, 126, 150]
+
+
+def _seed_run(root: Path, name: str, seed, vals: dict[int, float]) -> Path:
+    """A run directory with validation at the given steps, a train reward at every step, and (seed not None) the
+    config.resolved.yaml the trainer writes."""
+    run = root / name
+    run.mkdir()
+    rows = [{"step": s, "train/reward_mean": 0.1 * s} for s in range(1, max(vals) + 1)]
+    rows.insert(0, {"step": 0})
+    for step, value in vals.items():
+        rows[step]["val/reward_mean"] = value
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if seed is not None:
+        (run / "config.resolved.yaml").write_text(f"trainer: {{run_dir: {run}, seed: {seed}, total_steps: 4}}\n")
+    return run
+
+
+def test_several_runs_side_by_side_and_their_range(tmp_path, capsys):
+    a = _seed_run(tmp_path, "s1", 1, {0: 0.5, 2: 0.75, 4: 0.625})
+    b = _seed_run(tmp_path, "s2", 2, {0: 0.25, 2: 0.5, 4: 0.5})
+    c = _seed_run(tmp_path, "s3", None, {0: 0.25})  # one validation only: no gain, left out of the range
+    assert cli.main(["report", str(a), str(b), str(c)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in out[1:4]}
+    # first, last, best (the earliest of the highest), last - first
+    assert rows[str(a)] == ["1", "0.500", "(0)", "0.625", "(4)", "0.750", "(2)", "+0.125"]
+    assert rows[str(b)] == ["2", "0.250", "(0)", "0.500", "(4)", "0.500", "(2)", "+0.250"]
+    assert rows[str(c)] == ["-"] * 5
+    assert out[4] == ("val/reward_mean over 2 of 3 runs: gain +0.125 to +0.250 (mean +0.188); "
+                      "last 0.500 to 0.625")
+    png = tmp_path / "report_runs.png"  # the folder that holds the runs
+    assert out[5] == f"report: {png}"
+    with Image.open(png) as image:
+        assert image.size == (1200, 40 + 300)  # two panels: validation and train reward, one curve per run
+        colors = {c for _, c in image.getcolors(maxcolors=1 << 16)}
+    assert {report.COLORS[0], report.COLORS[1], report.COLORS[2]} <= colors
+
+
+def test_min_gain_names_each_run_below_it(tmp_path, capsys):
+    a = _seed_run(tmp_path, "s1", 1, {0: 0.5, 4: 0.625})
+    b = _seed_run(tmp_path, "s2", 2, {0: 0.25, 4: 0.5})
+    assert cli.main(["report", str(a), str(b), "--min-gain", "0.2", "--out", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"megarl report: {a}: val/reward_mean 0.500 -> 0.625 is a gain of +0.125, below --min-gain +0.200"]
+    assert cli.main(["report", str(a), str(b), "--min-gain", "0.125", "--out", str(tmp_path / "x.png")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "every run gained at least +0.125"
+    # one run, and a run without two validations: the check cannot pass
+    c = _seed_run(tmp_path, "s3", 3, {0: 0.25})
+    assert cli.main(["report", str(c), "--min-gain", "0"]) == 1
+    assert "fewer than two val/reward_mean values" in capsys.readouterr().err
+
+
+def test_seed_read_from_the_resolved_config(tmp_path):
+    assert report.read_seed(_seed_run(tmp_path, "a", 7, {0: 0.1})) == 7
+    assert report.read_seed(_seed_run(tmp_path, "b", None, {0: 0.1})) is None
+    (tmp_path / "b" / "config.resolved.yaml").write_text("trainer: [unclosed\n")
+    assert report.read_seed(tmp_path / "b") is None
