@@ -69,3 +69,23 @@ def test_two_seeds_run_fresh_and_are_reported_side_by_side(tmp_path):
     assert table[3].startswith("val/reward_mean over 2 of 2 runs: gain ")
     assert table[4] == f"report: {root / 'report_runs.png'}" and (root / "report_runs.png").is_file()
     assert table[5] == "every run gained at least -1.000"
+
+
+def test_ctrl_c_stops_the_sweep_after_the_running_seed(tmp_path):
+    """Ctrl-C reaches the whole process group: the running seed gets it too and stops on its own (not killed by the
+    sweep), and no later seed starts."""
+    import os
+    import signal
+    import time
+
+    root = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "tools/seed_range.py", DEMO, "--seeds", "1", "2", "--run-root",
+                             str(root), "trainer.total_steps=1", "sft.total_steps=12"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().startswith("== seed 1 (1 of 2): megarl train ")
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "seed_range: SIGINT during seed 1" in err and "the 1 seed(s) after it were not run" in err
+    assert "== seed 2" not in out and not (root / "s2").exists()
