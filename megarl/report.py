@@ -97,12 +97,12 @@ def summary_lines(rows: Sequence[dict], seconds: Optional[float] = None) -> list
         took = f" in {seconds:.0f} s" if seconds is not None else ""
         split = f" ({', '.join(parts)})" if parts else ""
         lines.append(f"{len(steps)} steps{took}: {per_step:.3f} s/step{split}")
-    val = series(rows, "val/reward_mean")
+    val = val_gain(rows)
     train = series(rows, "train/reward_mean")
     trend = []
-    if len(val) > 1:
-        (s0, v0), (s1, v1) = val[0], val[-1]
-        trend.append(f"val/reward_mean {v0:.3f} at step {s0} -> {v1:.3f} at step {s1} ({v1 - v0:+.3f})")
+    if val is not None:
+        (s0, v0), (s1, v1) = val["start"], val["end"]
+        trend.append(f"{VAL_KEY} {v0:.3f} at step {s0} -> {v1:.3f} at step {s1} ({val['gain']:+.3f})")
     if len(train) > 1:
         tenth = max(1, len(train) // 10)
         first, last = fmean(v for _, v in train[:tenth]), fmean(v for _, v in train[-tenth:])

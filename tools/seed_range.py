@@ -34,10 +34,6 @@ from megarl.config import ConfigError, parse_config  # noqa: E402
 from megarl.validate import load_config  # noqa: E402
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+")
-
-
 def seed_overrides(recipe: str, seed: int, run_dir: Path, overrides: Sequence[str]) -> list[str]:
     """The overrides of one seed's run: trainer.seed and trainer.run_dir, the paths the run creates moved into
     run_dir (where the recipe creates them and `overrides` does not set them), then `overrides` with {seed} filled in.
@@ -46,7 +42,7 @@ def seed_overrides(recipe: str, seed: int, run_dir: Path, overrides: Sequence[st
     cfg, _ = parse_config(recipe, mine)
     if cfg is None:  # the schema refused the recipe as a whole: load_config below says why
         return [f"trainer.seed={seed}", f"trainer.run_dir={run_dir}"] + mine
-    given = {_key(o) for o in mine}
+    given = {o.split("=", 1)[0].strip() for o in mine}  # the key as megarl.config's apply_overrides reads it
     moved = {}
     if cfg.model.create_tiny is not None:
         moved["model.path"] = run_dir / "init_model"
