@@ -105,29 +105,57 @@ def kill_tree(pid: int, timeout_s: float = 5.0) -> None:
 
     try:
         root = psutil.Process(pid)
-        root.suspend()
     except psutil.NoSuchProcess:
         return
+    procs = _stopped_tree(root)
+    if not procs:
+        return
+    _kill(procs)
+    try:
+        root.wait(timeout=timeout_s)  # reaps it when it is our child
+    except (psutil.TimeoutExpired, psutil.NoSuchProcess, ChildProcessError):
+        pass
+    _wait_gone(procs, timeout_s)
+
+
+def _stopped_tree(root) -> list:
+    """root and its descendants, each stopped (SIGSTOP) before the next pass lists what it forked; [] when root is
+    gone (killed and reaped by another thread meanwhile: exit_now's, say)."""
+    import psutil
+
+    try:
+        root.suspend()
+    except psutil.NoSuchProcess:
+        return []
     procs = [root]
     for _ in range(2):  # a second pass finds what was forked while the first one stopped the tree
-        for p in root.children(recursive=True):
+        try:
+            children = root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            break
+        for p in children:
             try:
                 p.suspend()
             except psutil.NoSuchProcess:
                 continue
             if p not in procs:
                 procs.append(p)
+    return procs
+
+
+def _kill(procs: list) -> None:
+    """SIGKILL stopped processes (a stopped process keeps its pid: no other process can have taken it). os.kill, not
+    psutil's kill, which reads /proc first and so lets other threads run between two kills."""
     for p in procs:
         try:
-            p.kill()
-        except psutil.NoSuchProcess:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-    try:
-        root.wait(timeout=timeout_s)  # reaps it when it is our child
-    except (psutil.TimeoutExpired, psutil.NoSuchProcess, ChildProcessError):
-        pass
+
+
+def _wait_gone(procs: list, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_running(p) for p in procs) and time.monotonic() < deadline:  # orphans are reaped by init, or not at all
+    while time.monotonic() < deadline and any(_running(p) for p in procs):  # orphans are reaped by init, or not at all
         time.sleep(0.02)
 
 
@@ -141,18 +169,29 @@ def _running(p) -> bool:
 
 
 def kill_children(timeout_s: float = 5.0) -> None:
-    """SIGKILL every descendant of this process (before this process ends abruptly with os._exit)."""
+    """SIGKILL every descendant of this process (before this process ends abruptly with os._exit), then wait up to
+    timeout_s for them to be gone. All are stopped before the first is killed: while this runs on one thread, the
+    others see no helper die."""
     import psutil
 
-    for child in psutil.Process().children():
-        kill_tree(child.pid, timeout_s)
+    procs = [p for child in psutil.Process().children() for p in _stopped_tree(child)]
+    _kill(procs)
+    _wait_gone(procs, timeout_s)
 
 
 def exit_now(code: int, message: str) -> None:
-    """End this process at once from any thread: print `message`, kill its descendants, os._exit(code)."""
+    """End this process at once from any thread: print `message` (in the process's log and, where its output is
+    captured, on the terminal too), kill its descendants, os._exit(code).
+
+    It does not wait for the killed ones to be gone: meanwhile the main thread would see its helpers die and raise
+    errors of its own, whose tracebacks would bury the message. Each child dies by its SIGKILL alone."""
+    from megarl import console
+
     try:
         print(message, file=sys.stderr, flush=True)
-        kill_children()
+        if console.terminal() is not sys.stderr:
+            console.say(message)
+        kill_children(timeout_s=0)
     finally:
         os._exit(code)
 

@@ -144,3 +144,43 @@ def test_without_a_save_the_first_signal_ends_at_once():
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 128 + signal.SIGTERM
     assert "no checkpoint.save_on_sigterm" in proc.stderr.read()
+
+
+def test_a_second_signal_is_said_on_the_terminal_of_a_captured_run_and_its_helpers_dying_add_nothing(tmp_path):
+    """A run whose output goes to its log (megarl.console.captured) gets a second SIGINT while its main thread waits
+    on a helper, as rank 0 waits on its reward workers: the terminal shows why it stopped, in one line, and the main
+    thread, seeing the helper die, adds no traceback of its own before the process ends."""
+    proc = _python(f"""
+        import multiprocessing as mp, os, time
+        from megarl import console
+        from megarl.lifecycle import SignalWatcher, kill_tree
+
+        def helper(conn):
+            conn.recv()  # never answers
+
+        os.environ[console.LOG_DIR_ENV] = {str(tmp_path)!r}
+        os.environ[console.VERBOSE_ENV] = "0"
+        with console.captured("rank0"):
+            mine, theirs = mp.Pipe()
+            child = mp.get_context("fork").Process(target=helper, args=(theirs,))
+            child.start()
+            theirs.close()
+            SignalWatcher(on_first=lambda s: print("stop requested", flush=True))
+            console.say(f"ready {{child.pid}}")
+            try:
+                mine.recv()  # EOF once the helper is killed
+            except EOFError:
+                kill_tree(child.pid)  # what the reward pool does with a dead worker
+                raise RuntimeError("the helper died")
+    """)
+    ready = proc.stderr.readline().split()
+    assert ready[0] == "ready", ready
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(10) == 128 + signal.SIGINT
+    terminal = proc.stderr.read()
+    assert terminal.strip() == "megarl: SIGINT received (a second signal): stopping now", terminal
+    log = (tmp_path / "rank0.log").read_text()
+    assert "stop requested" in log and "SIGINT received (a second signal): stopping now" in log, log
+    assert _gone(int(ready[1]))
