@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -184,6 +185,7 @@ class StopRequest:
 
     def __init__(self, enabled: bool):
         self.requested = False
+        self.handled = threading.Event()  # set once the watcher thread has acted on the first signal
         self._watcher = None
         try:
             self._watcher = SignalWatcher(on_first=self._handle if enabled else None)
@@ -192,6 +194,7 @@ class StopRequest:
 
     def _handle(self, signum: int) -> None:
         self.requested = True
+        self.handled.set()
         log.warning("%s received: saving a checkpoint at the end of this step, then stopping (send it again to stop "
                     "now, without saving)", signal.Signals(signum).name)
 
@@ -290,6 +293,9 @@ class Checkpointer:
         """Collective, once per step: save when due (save_freq, the last step, a SIGTERM). True: stop the run now."""
         if self.rt.is_rank0 and _test_hook("MEGARL_TEST_SIGTERM_AT_STEP", step):
             os.kill(os.getpid(), signal.SIGTERM)
+            # a scheduler's signal comes during the step; this one comes just before the check below, and the watcher
+            # thread acts on it asynchronously: wait for it, or the stop lands a step late wherever that thread is slow
+            self.stop.handled.wait(10)
         if _test_hook("MEGARL_TEST_RAISE_AT_STEP", step, self.rt.rank):
             raise RuntimeError(f"MEGARL_TEST_RAISE_AT_STEP: injected fault at step {step} on rank {self.rt.rank}")
         stopping = self.stop.agreed()
