@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.e2e.test_checkpoint_resume import _assert_same_steps
-from tests.e2e.test_fault_matrix import Run
+from tests.e2e.test_fault_matrix import SLOW_REWARD, Run
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the run's processes through /proc")
 
@@ -53,9 +53,14 @@ def test_engine_killed_during_generation_and_during_a_weight_update_is_restarted
     assert "engine replica 0 lost during generation (the vLLM engine process died" in out, out[-3000:]
 
 
+# The faults below are sent from outside once step 1 is logged. They must land while the run goes on, whatever the
+# machine's speed: the small settings' steps take 0.1 s where the CPU is fast, and SLOW_REWARD's sleeps give each step
+# 2 s of scoring (the engine idle meanwhile).
+
+
 @pytest.mark.slow
 def test_engine_killed_while_idle_is_restarted(tmp):
-    run = Run(tmp, "kill-idle", ["trainer.total_steps=3"])
+    run = Run(tmp, "kill-idle", ["trainer.total_steps=3"], reward=SLOW_REWARD)
     run.wait_for_step(1)
     os.kill(run.engine_pid(), signal.SIGKILL)
     _assert_recovered(run, 3, 1)
@@ -63,7 +68,7 @@ def test_engine_killed_while_idle_is_restarted(tmp):
 
 @pytest.mark.slow
 def test_hung_engine_is_restarted_after_the_timeout(tmp):
-    run = Run(tmp, "stopped", ["trainer.total_steps=3", "rollout.engine_timeout_s=20"])
+    run = Run(tmp, "stopped", ["trainer.total_steps=3", "rollout.engine_timeout_s=20"], reward=SLOW_REWARD)
     run.wait_for_step(1)
     os.kill(run.engine_pid(), signal.SIGSTOP)  # alive, but answers nothing
     _assert_recovered(run, 3, 1)

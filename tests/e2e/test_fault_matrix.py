@@ -98,8 +98,10 @@ class Run:
         return found
 
     def engine_pid(self) -> int:
-        """The vLLM engine child: the spawned multiprocessing child of the rank that hosts it."""
-        engines = [pid for pid, cmd in self.processes().items() if "spawn_main" in cmd and _parent_is_marked(pid, self)]
+        """The vLLM engine child: the spawned multiprocessing child of the rank that hosts it whose output goes to the
+        engine's log (the rank spawns another child once it has saved a checkpoint: the writer's queue server)."""
+        engines = [pid for pid, cmd in self.processes().items() if "spawn_main" in cmd and _parent_is_marked(pid, self)
+                   and "vllm-engine" in _output_file(pid)]
         assert len(engines) == 1, self.processes()
         return engines[0]
 
@@ -139,6 +141,14 @@ def _env(pid: int) -> dict:
     except OSError:
         return {}
     return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+def _output_file(pid: int) -> str:
+    """Where the process's stdout goes ("" when it cannot be read)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/1")
+    except OSError:
+        return ""
 
 
 def _parent_is_marked(pid: int, run: Run) -> bool:

@@ -167,7 +167,9 @@ def test_judge_scores_fails_times_out_and_sleeps_between_calls(tmp_path):
         assert scores == [-1.0] * 4 and metrics["reward/judge_parse_failures"] == 4.0
 
         judge.parse = make_parser("number")
-        judge.cfg = judge.cfg.model_copy(update={"timeout_s": 0.2})  # 16 verdicts of 48 tokens take longer
+        # 16 verdicts of 48 tokens are 48 decode steps one after the other, each a scheduler round trip in the engine
+        # process (well over 20 us on any CPU): 1 ms is too little on every machine (0.2 s was not on a fast one)
+        judge.cfg = judge.cfg.model_copy(update={"timeout_s": 0.001})
         scores, metrics, _ = judge.grade(questions * 4, samples * 4)
         assert metrics["reward/judge_timeouts"] >= 1, metrics
         assert scores.count(-1.0) == metrics["reward/judge_timeouts"]
