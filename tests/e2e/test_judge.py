@@ -167,8 +167,9 @@ def test_judge_scores_fails_times_out_and_sleeps_between_calls(tmp_path):
         assert scores == [-1.0] * 4 and metrics["reward/judge_parse_failures"] == 4.0
 
         judge.parse = make_parser("number")
-        # 16 verdicts of 48 tokens are 48 decode steps one after the other, each a scheduler round trip in the engine
-        # process (well over 20 us on any CPU): 1 ms is too little on every machine (0.2 s was not on a fast one)
+        # 16 verdicts of 48 tokens are 48 decode steps one after the other, each a vLLM scheduler step and a forward
+        # (well over 100 us on any CPU), after the request crossed into the engine process: 1 ms is too little on every
+        # machine (0.2 s was not on a fast one)
         judge.cfg = judge.cfg.model_copy(update={"timeout_s": 0.001})
         scores, metrics, _ = judge.grade(questions * 4, samples * 4)
         assert metrics["reward/judge_timeouts"] >= 1, metrics

@@ -151,7 +151,7 @@ def test_a_second_signal_is_said_on_the_terminal_of_a_captured_run_and_its_helpe
     on a helper, as rank 0 waits on its reward workers: the terminal shows why it stopped, in one line, and the main
     thread, seeing the helper die, adds no traceback of its own before the process ends."""
     proc = _python(f"""
-        import multiprocessing as mp, os, time
+        import multiprocessing as mp, os
         from megarl import console
         from megarl.lifecycle import SignalWatcher, kill_tree
 
