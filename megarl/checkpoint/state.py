@@ -184,8 +184,7 @@ class StopRequest:
     ends at once (see megarl.lifecycle.SignalWatcher: this works also while a rank is blocked in a collective)."""
 
     def __init__(self, enabled: bool):
-        self.requested = False
-        self.handled = threading.Event()  # set once the watcher thread has acted on the first signal
+        self.requested = threading.Event()  # set by the watcher thread when it acts on the first signal
         self._watcher = None
         try:
             self._watcher = SignalWatcher(on_first=self._handle if enabled else None)
@@ -193,8 +192,7 @@ class StopRequest:
             log.warning("not in the main thread: SIGTERM/SIGINT keep the application's handling")
 
     def _handle(self, signum: int) -> None:
-        self.requested = True
-        self.handled.set()
+        self.requested.set()
         log.warning("%s received: saving a checkpoint at the end of this step, then stopping (send it again to stop "
                     "now, without saving)", signal.Signals(signum).name)
 
@@ -204,7 +202,7 @@ class StopRequest:
 
         from megarl.distributed import all_reduce, compute_device
 
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=compute_device())
+        flag = torch.tensor([1.0 if self.requested.is_set() else 0.0], device=compute_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
@@ -295,7 +293,7 @@ class Checkpointer:
             os.kill(os.getpid(), signal.SIGTERM)
             # a scheduler's signal comes during the step; this one comes just before the check below, and the watcher
             # thread acts on it asynchronously: wait for it, or the stop lands a step late wherever that thread is slow
-            self.stop.handled.wait(10)
+            self.stop.requested.wait(10)
         if _test_hook("MEGARL_TEST_RAISE_AT_STEP", step, self.rt.rank):
             raise RuntimeError(f"MEGARL_TEST_RAISE_AT_STEP: injected fault at step {step} on rank {self.rt.rank}")
         stopping = self.stop.agreed()
