@@ -1,8 +1,13 @@
-"""`megarl validate` rules of rewards: the reward function, and the learned rewards (reward.reward_model, reward.judge,
-reward.components, and `megarl rm`)."""
+"""`megarl validate` rules of rewards: the reward function (and, routed by data_source, one for every row of the
+prompt files), and the learned rewards (reward.reward_model, reward.judge, reward.components, and `megarl rm`)."""
 from __future__ import annotations
 
+import json
+import os
+import re
+from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 from megarl.config.issues import Issue
 
@@ -47,9 +52,93 @@ def _fn_issue(key: str, spec: str, file_only: bool = False) -> list[Issue]:
 
 
 def check_reward_fn(cfg) -> list[Issue]:
-    """A named reward must exist and a file reward must import (caught here, before any process starts)."""
+    """A named reward must exist and a file reward must import (caught here, before any process starts); without one,
+    every row's data_source must route to a registered reward (at run time the first unknown one stops the run only
+    after the first validation pass or rollout, minutes into a real model's run)."""
     spec = cfg.reward.reward_fn
-    return [] if spec is None else _fn_issue("reward.reward_fn", spec)
+    return _data_source_issues(cfg) if spec is None else _fn_issue("reward.reward_fn", spec)
+
+
+def data_source_counts(path: str, key: str) -> Optional[Counter]:
+    """{data_source: rows} of a .parquet or .jsonl prompt file, reading that column only (parquet) or parsing only
+    the lines that mention it (jsonl); None where the file cannot say (no such column, unreadable, another type):
+    the data loader names those problems when it reads the file at start."""
+    counts: Counter = Counter()
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+            if key not in pf.schema_arrow.names:
+                return None
+            column = pf.read(columns=[key]).column(0)
+        except Exception:  # noqa: BLE001 - pyarrow raises several types for a damaged file; the loader names it
+            return None
+        import pyarrow.compute as pc
+
+        for item in pc.value_counts(column).to_pylist():
+            if item["values"] is not None:
+                counts[str(item["values"])] += item["counts"]
+        return counts
+    if not path.endswith(".jsonl"):
+        return None
+    needle = json.dumps(key, ensure_ascii=False).encode()
+    # the key first on its line (as megarl's synthetic rows have it) is the row's own: its string is read alone
+    first = re.compile(rb'\s*\{\s*' + re.escape(needle) + rb'\s*:\s*("(?:[^"\\]|\\.)*")\s*[,}]')
+    with open(path, "rb") as f:
+        for line in f:
+            found = line.count(needle)
+            if not found:  # no such key on this row: nothing to parse
+                continue
+            try:
+                m = first.match(line) if found == 1 else None
+                row = {key: json.loads(m.group(1))} if m else json.loads(line)
+            except ValueError:
+                return None
+            value = row.get(key) if isinstance(row, dict) else None
+            if value is not None:
+                counts[str(value)] += 1
+    return counts
+
+
+def _rows_routed(cfg) -> tuple[bool, bool]:
+    """(train rows, val rows) scored by routing on data_source, with reward.reward_fn unset."""
+    r = cfg.reward
+    # the step's reward: a rule component without its own fn, or the rule alone (megarl.reward.combine)
+    rule = (any(c.type == "rule" and not c.fn for c in r.components.values()) if r.components
+            else not (r.reward_model.enable or r.judge.enable))
+    pairs = cfg.rm.policy_pairs.enable  # `megarl rm` scores the policy's samples on both splits' prompts
+    # validation is always scored by the rule (steps.validate)
+    return rule or pairs, cfg.trainer.val_before_train or bool(cfg.trainer.test_freq) or pairs
+
+
+def _data_source_issues(cfg) -> list[Issue]:
+    from megarl.reward.registry import ALIASES, REGISTRY, RewardError, RewardRouter
+
+    router, key, issues = RewardRouter(), cfg.data.data_source_key, []
+    for section, files, routed in zip(("data.train_files", "data.val_files"), (cfg.data.train_files,
+                                                                               cfg.data.val_files), _rows_routed(cfg)):
+        for i, path in enumerate(files if routed else ()):
+            counts = data_source_counts(path, key) if os.path.isfile(path) else None  # missing: paths.py says so
+            unknown = []
+            for source, n in sorted((counts or {}).items()):
+                try:
+                    router.resolve(source)
+                except RewardError:
+                    unknown.append((source, n))
+            if not unknown:
+                continue
+            shown = ", ".join(f"{s!r} ({n} row{'s' if n != 1 else ''})" for s, n in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+            aliases = sorted(a for a, name in ALIASES.items() if a != name)
+            issues.append(Issue(
+                f"{section}[{i}]", path, f"no reward function for {key} {shown}{more}: reward.reward_fn is unset, so "
+                f"each row is scored by the reward its {key} names; registered: {sorted(REGISTRY)}, aliases: "
+                f"{aliases}", "set reward.reward_fn to a registered name or 'path/to/file.py:function' (it scores "
+                "every row and is passed each row's data_source), or register the name with megarl.reward."
+                f"register_reward(NAME, fn, aliases=[{unknown[0][0]!r}]), or fix the column (data.data_source_key="
+                f"{key!r})", keys=(f"{section}[{i}]", "reward.reward_fn", "data.data_source_key")))
+    return issues
 
 
 def check_learned_rewards(cfg) -> list[Issue]:

@@ -7,7 +7,8 @@ A missing input names the megarl command that writes it, found among this recipe
 `megarl rm recipes/rm_tiny_cpu.yaml`). With model.config_path set the recipe may be validated for another machine,
 so missing inputs are warnings there. A model directory that exists is opened as the loaders open it
 (megarl.bridge.hf_config.load_spec): a config.json that does not parse, an index naming a missing shard or a truncated
-safetensors file is refused naming the file, on any machine.
+safetensors file is refused naming the file, on any machine; so is one whose tokenizer a command reads when it has
+none, and a GGUF file (or a directory of one) in place of a Hugging Face directory.
 """
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ FILE = "file"
 CHECKPOINT = "checkpoint"
 HF_DIR_FIX = ("point it at a local Hugging Face model directory (config.json, *.safetensors, tokenizer), e.g. "
               "`huggingface-cli download NAME --local-dir DIR`")
+# What AutoTokenizer finds a tokenizer by, looked for by name only: a directory with none of them is the case to
+# catch, where transformers falls back to a slow tokenizer class and fails inside sentencepiece on rank 0.
+TOKENIZER_FILES = "tokenizer.json, tokenizer.model, or tokenizer_config.json with vocab.json + merges.txt"
+COPY_TOKENIZER = "copy the tokenizer files (e.g. tokenizer.json, tokenizer_config.json) from the original model into it"
+GGUF_RULE = "megarl needs a Hugging Face directory (config.json, safetensors, tokenizer)"
+
+
+def gguf_fix(gguf: Path) -> str:
+    return ("convert it into a directory DIR and point the key at DIR: `megarl get-model smollm2-135m-instruct --out "
+            "DIR` for SmolLM2-135M-Instruct; any model with transformers: AutoModelForCausalLM.from_pretrained("
+            f"{str(gguf.parent)!r}, gguf_file={gguf.name!r}) and AutoTokenizer the same way, then save_pretrained(DIR) "
+            "on both")
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,7 @@ class Input:
     value: str
     kind: str
     fix: str  # what to do when it is missing and no megarl command is known to write it
+    tokenizer_fix: str = ""  # a model directory whose tokenizer a command loads: what to do when it has none
 
 
 def _data_inputs(cfg: MegarlConfig) -> list[Input]:
@@ -64,6 +78,17 @@ def _data_inputs(cfg: MegarlConfig) -> list[Input]:
 def inputs(cfg: MegarlConfig) -> list[Input]:
     """Every path the recipe's commands read, where its settings make them read it."""
     r, found = cfg.reward, []
+    # Whose tokenizer is loaded from the directory itself. model.path's always: the rollout engine (vLLM) is given
+    # model.path alone and loads its tokenizer there, and `megarl sft` copies model.path's tokenizer files (not
+    # model.tokenizer_path's) into the model RL then starts from. The critic and the teacher use the policy's tokenizer.
+    own_tokenizer = {
+        "model.path": COPY_TOKENIZER + "; model.tokenizer_path does not replace them: the rollout engine loads the "
+                      "tokenizer from model.path",
+        "reward.reward_model.path": COPY_TOKENIZER + " (the reward model reads with its own tokenizer)",
+        "rm.model_path": "" if cfg.model.tokenizer_path else COPY_TOKENIZER + ", or set model.tokenizer_path to a "
+                         "directory that has them",
+        "sft.output_dir": COPY_TOKENIZER,
+    }
     models = (
         ("model.path", cfg.model.path, True, HF_DIR_FIX + ", or add model.create_tiny to create a tiny random model "
          "there" + ("" if cfg.model.config_path else "; to validate for another machine set model.config_path to "
@@ -79,9 +104,10 @@ def inputs(cfg: MegarlConfig) -> list[Input]:
          "else model.path)"),
         ("sft.output_dir", str(sft_output_dir(cfg)), cfg.sft.enable, ""),  # read back when it exists
     )
-    found += [Input(key, value, MODEL, fix) for key, value, read, fix in models if value and read]
+    found += [Input(key, value, MODEL, fix, own_tokenizer.get(key, "")) for key, value, read, fix in models
+              if value and read]
     if r.judge.enable and r.judge.path:
-        found.append(Input("reward.judge.path", r.judge.path, ENGINE_MODEL, HF_DIR_FIX))
+        found.append(Input("reward.judge.path", r.judge.path, ENGINE_MODEL, HF_DIR_FIX, COPY_TOKENIZER))
     if cfg.model.tokenizer_path:
         found.append(Input("model.tokenizer_path", cfg.model.tokenizer_path, TOKENIZER, "point it at a tokenizer "
                            "directory (tokenizer.json, tokenizer_config.json), or unset it (model.path's tokenizer)"))
@@ -201,11 +227,34 @@ def _missing(item: Input, cfg: MegarlConfig) -> Issue:
                      keys=(item.key,))
 
 
-def model_dir_problem(path: Path, kind: str):
-    """None, or (file, what is wrong, fix) of a model directory as the loaders would open it."""
+def has_tokenizer(path: Path) -> bool:
+    names = {p.name for p in path.iterdir()}
+    if names & {"tokenizer.json", "tokenizer.model", "vocab.txt"} or {"vocab.json", "merges.txt"} <= names:
+        return True
+    # other sentencepiece/tiktoken file names, and tokenizers of their own code (auto_map) that name their own files
+    if any(n.endswith((".model", ".tiktoken")) for n in names):
+        return True
+    if "tokenizer_config.json" in names:
+        try:
+            return "auto_map" in read_config_json(path / "tokenizer_config.json")
+        except ModelFileError:
+            return False
+    return False
+
+
+def model_dir_problem(path: Path, kind: str, tokenizer_fix: str = ""):
+    """None, or (file, what is wrong, fix) of a model directory as the loaders would open it. tokenizer_fix: the
+    directory's own tokenizer is loaded, and this is what to do when it has none."""
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path] if path.suffix.lower() == ".gguf" else []
+    if path.is_file() and ggufs:
+        return path, f"is a GGUF file; {GGUF_RULE}", gguf_fix(path)
     if not path.is_dir():
         return path, "is a file, not a model directory", "point it at the directory that holds config.json"
+    # a model downloaded as GGUF (a llama.cpp package): megarl's loaders and the engine read HF directories only
+    gguf = f"holds a GGUF file ({ggufs[0].name}) and {{}}; {GGUF_RULE}" if ggufs else ""
     if not (path / CONFIG_FILE).is_file():
+        if gguf:
+            return path, gguf.format("no config.json"), gguf_fix(ggufs[0])
         return path, "not a Hugging Face model directory: it has no config.json", HF_DIR_FIX
     try:
         read_config_json(path / CONFIG_FILE)
@@ -213,15 +262,19 @@ def model_dir_problem(path: Path, kind: str):
     except ModelFileError as exc:
         return exc.file, exc.problem, exc.fix
     if kind == MODEL and not (path / INDEX_FILE).is_file() and not any(path.glob("*.safetensors")):
+        if gguf:
+            return path, gguf.format("no *.safetensors weights"), gguf_fix(ggufs[0])
         return path, "has no *.safetensors weights (megarl loads safetensors checkpoints only)", (
             "download the model's safetensors files, or convert its weights to safetensors")
+    if tokenizer_fix and not has_tokenizer(path):
+        return path, f"has config.json and weights but no tokenizer (expected {TOKENIZER_FILES})", tokenizer_fix
     return None
 
 
 def _present(item: Input, cfg: MegarlConfig, made: set) -> Optional[Issue]:
     path = Path(item.value)
     if item.kind in (MODEL, ENGINE_MODEL):
-        problem = model_dir_problem(path, item.kind)
+        problem = model_dir_problem(path, item.kind, item.tokenizer_fix)
         if problem is None:
             return None
         file, what, fix = problem

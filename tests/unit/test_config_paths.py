@@ -109,7 +109,7 @@ def test_the_command_that_writes_a_missing_input_is_named(tmp_path, monkeypatch)
     assert issue.render() == (f"reward.reward_model.path = 'runs/rm_run/rm_model': no such directory (relative paths "
                               f"start at {os.getcwd()}), and this run does not create it -> first run `megarl rm "
                               "recipes/rm_first.yaml`, which writes it; or fix the path")
-    rm = make_tiny_model("qwen2", tmp_path / "runs" / "rm_run" / "rm_model", head="value", tokenizer=False)
+    rm = make_tiny_model("qwen2", tmp_path / "runs" / "rm_run" / "rm_model", head="value")  # as `megarl rm` writes
     load_config("recipes/ppo_rm.yaml")
     (rm / "config.json").write_text("{")
     issue = _refusal_of("recipes/ppo_rm.yaml", "reward.reward_model.path")

@@ -117,8 +117,9 @@ def _problems(overrides, tmp_path):
 def test_validate_accepts_reward_model_judge_and_components(tmp_path):
     from tests.helpers.tiny_models import make_tiny_model
 
-    make_tiny_model("qwen2", tmp_path / "rm", head="value", tokenizer=False)
-    make_tiny_model("qwen2", tmp_path / "judge", tokenizer=False)
+    # with their tokenizers: the reward model's scorer and the judge each load their own
+    make_tiny_model("qwen2", tmp_path / "rm", head="value")
+    make_tiny_model("qwen2", tmp_path / "judge")
     (tmp_path / "parse.py").write_text("def parse(text):\n    return 1.0\n")
     (tmp_path / "mix.py").write_text("def mix(c):\n    return c['rm']\n")
     cfg = load_config("recipes/grpo_tiny_cpu.yaml", [
