@@ -24,7 +24,7 @@ FLOORS = [
     ("checkpoints", {"checkpoint", "doctor"}),
     ("run start-up", {"runtime"}),
     ("loop stages", {"steps", "sft", "validate"}),
-    ("commands", {"trainer", "rm", "plan", "convert_verl"}),
+    ("commands", {"trainer", "rm", "plan", "convert_verl", "get_model"}),
     ("entry points", {"cli", "__main__"}),
 ]
 FLOOR = {unit: i for i, (_, units) in enumerate(FLOORS) for unit in units}
