@@ -24,6 +24,10 @@ from typing import Iterator, Optional, TextIO
 LOG_DIR_ENV = "MEGARL_LOG_DIR"
 VERBOSE_ENV = "MEGARL_VERBOSE"
 
+# Loggers under this name write to the process output (the rank's log file when captured) but never to the terminal
+# of a quiet run: lines a user reads in the log, not as the run goes (validation generations).
+LOG_ONLY = "megarl.log_only"
+
 # The terminal of a captured, quiet process (a dup of its original stderr); None when output is not captured.
 _terminal: Optional[TextIO] = None
 _engine_redirect = None  # holds the engine process's tee, if any, for the life of the process
@@ -151,7 +155,8 @@ class _TerminalHandler(logging.Handler):
     """megarl's own messages, and errors from anywhere, on the terminal of a quiet, captured rank 0."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _terminal is not None and (record.name.startswith("megarl") or record.levelno >= logging.ERROR)
+        ours = record.name.startswith("megarl") and not record.name.startswith(LOG_ONLY)
+        return _terminal is not None and (ours or record.levelno >= logging.ERROR)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

@@ -16,7 +16,10 @@ from megarl.config import MegarlConfig
 from megarl.rollout.protocol import Deferred
 from megarl.data import PromptRecord, val_batches
 from megarl.metrics import combine_round_metrics
+from megarl.report import pick_samples
+from megarl.reward import rules
 from megarl.reward.compute import RewardInput, compute_rewards
+from megarl.reward.registry import RewardError, RewardRouter
 from megarl.rollout.replicas import broadcast_rollout, combine
 from megarl.distributed import all_gather_objects, broadcast_object, compute_device
 from megarl.runtime import Runtime
@@ -293,20 +296,114 @@ def actor_summary(metrics: dict) -> dict:
     return {k: metrics[v] for k, v in aliases.items() if v in metrics}
 
 
-def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime) -> dict:
+def sample_rows(records: Sequence[PromptRecord], rollout: RolloutBatch, scores: torch.Tensor, tokenizer,
+                picks: Sequence[tuple[int, str]], per_sample: Optional[dict] = None) -> list[dict]:
+    """The samples `picks` ((row, label) pairs) of a scored batch as plain dicts for the run's sample files: label,
+    prompt and response text, score, ground truth, data_source, response length in tokens, whether it hit the length
+    cap, and the reward functions' extra per-sample values (per_sample: name -> [N] tensor, e.g. acc) where known.
+    scores: [N]."""
+    rows = []
+    for i, label in picks:
+        rec = records[int(rollout.prompt_index[i])]
+        row = {"label": label, "prompt": tokenizer.decode(list(rollout.prompt_ids[i]), skip_special_tokens=True),
+               "response": tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True),
+               "score": float(scores[i]), "ground_truth": rec.ground_truth, "data_source": rec.data_source,
+               "response_length": int(rollout.response_lengths[i]), "truncated": bool(rollout.truncated[i])}
+        for name, values in (per_sample or {}).items():
+            value = float(values[i])
+            if not math.isnan(value):
+                row[name] = value
+        rows.append(row)
+    return rows
+
+
+def train_samples(records: Sequence[PromptRecord], rollout: RolloutBatch, scores: torch.Tensor, tokenizer,
+                  per_sample: Optional[dict] = None) -> list[dict]:
+    """A step's samples for `megarl report`: one correct and one wrong where the reward tells (an "acc" value per
+    sample), else the highest and the lowest scored (megarl.report.pick_samples). Rank 0 (it decodes)."""
+    acc = per_sample.get("acc") if per_sample else None
+    picks = pick_samples(scores.tolist(), None if acc is None else acc.tolist())
+    return sample_rows(records, rollout, scores, tokenizer, picks, per_sample)
+
+
+def _rule_of(reward_fn, data_source: str):
+    """The reward function a row's data_source is scored by (a RewardRouter routes by it); None where unknown."""
+    if isinstance(reward_fn, RewardRouter):
+        try:
+            return reward_fn.resolve(data_source)
+        except RewardError:
+            return None
+    return reward_fn
+
+
+def answer_checks(reward_fn, samples: Sequence[RewardInput], reward_kwargs: dict) -> dict[str, list[float]]:
+    """Accuracy apart from format for the rows the gsm8k rule scores (reward.reward_fn=gsm8k, or data_source routed
+    to it: megarl.reward.registry.ALIASES), whose reward mixes the two (a wrong answer may earn format_score, and
+    without strict any last number counts): "acc" 1.0 when the final answer (as the rule reads it, with the recipe's
+    strict) is correct, "format" 1.0 when a '####' answer is present. Other rows: NaN. Returns name -> [N] values."""
+    strict = bool(reward_kwargs.get("strict", False))
+    acc, fmt = [], []
+    for s in samples:
+        if _rule_of(reward_fn, s.data_source) is not rules.gsm8k:
+            acc.append(float("nan"))
+            fmt.append(float("nan"))
+            continue
+        # score 1, format_score 0: the rule's own answer reading, without the recipe's reward shaping
+        acc.append(float(rules.gsm8k(s.data_source, s.solution_str, s.ground_truth, s.extra_info, strict=strict)))
+        fmt.append(float(rules.extract_hash_answer(s.solution_str) is not None))
+    return {"acc": acc, "format": fmt}
+
+
+def _fill_missing(extras: dict, checks: Optional[dict[str, torch.Tensor]]) -> None:
+    """Add the answer checks to the reward functions' per-sample extras: where a function gave no value (NaN, or no
+    such name) the check's value is used; a value the function gave wins."""
+    for name, values in (checks or {}).items():
+        if bool(values.isnan().all()):
+            continue
+        if name in extras:
+            extras[name] = torch.where(extras[name].isnan(), values, extras[name])
+        else:
+            extras[name] = values
+
+
+def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime,
+             generations: Optional[list] = None) -> dict:
     """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
     val/reward_mean, per data_source means, the reward functions' extra values (val/<name>_mean, e.g. acc) and, for
-    multi-turn rollouts, the tool rates (val/tool/use_rate, ...)."""
+    multi-turn rollouts, the tool rates (val/tool/use_rate, ...). For rows the gsm8k rule scores also val/acc_mean
+    (correct final answer) and val/format_mean (a '####' answer present) apart (`answer_checks`).
+
+    generations, if given, receives on rank 0 the first trainer.log_val_generations prompts of the set, one response
+    each (the first of val_kwargs.n), as `sample_rows` dicts."""
     if not records:
         return {}
     reward_fn = getattr(reward_fn, "rule", reward_fn)  # a learned reward trains; the rule measures (combine.py)
     parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
+    shown = cfg.trainer.log_val_generations if generations is not None and rt.is_rank0 else 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
         rollout = generate(engine, chunk, rt, validate=True, seed=cfg.trainer.seed + start * cfg.rollout.val_kwargs.n,
                            multi_turn=cfg.rollout.multi_turn.enable)
         per_sample: dict = {}
-        parts.append(score(reward_fn, rollout, chunk, tokenizer, cfg, rt, per_sample=per_sample)[0])
+        scores = score(reward_fn, rollout, chunk, tokenizer, cfg, rt, per_sample=per_sample)[0]
+        parts.append(scores)
+        checks = None
+        # rank 0 decodes (only where a row is the gsm8k rule's); every rank gets the values, as it gets the scores
+        if rt.is_rank0 and any(_rule_of(reward_fn, r.data_source) is rules.gsm8k for r in chunk):
+            samples = [RewardInput(chunk[int(k)].data_source,
+                                   tokenizer.decode(list(rollout.response(i)), skip_special_tokens=True),
+                                   chunk[int(k)].ground_truth, chunk[int(k)].extra_info)
+                       for i, k in enumerate(rollout.prompt_index)]
+            checks = {k: torch.tensor(v, dtype=torch.float32)
+                      for k, v in answer_checks(reward_fn, samples, cfg.reward.reward_kwargs).items()}
+        _fill_missing(per_sample, broadcast_object(checks))
+        if start < shown:  # the first row of each prompt of the set's first `shown`
+            first = {}
+            for i, k in enumerate(rollout.prompt_index.tolist()):
+                if start + k < shown:
+                    first.setdefault(k, i)
+            generations += sample_rows(chunk, rollout, scores, tokenizer,
+                                       [(first[k], f"prompt {start + k}") for k in sorted(first)], per_sample)
         for name, values in per_sample.items():
             extras.setdefault(name, []).append(values)
         for key in TOOL_COUNT_KEYS:

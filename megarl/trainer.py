@@ -185,7 +185,9 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
     schedule.resumed(start_step)
     logger = MetricsLogger.for_run(cfg, enabled=rt.is_rank0, resume_step=start_step)
     if cfg.trainer.val_before_train and val_records and not start_step:
-        logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
+        generations: list = []
+        logger.log(0, steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt, generations))
+        logger.log_val_generations(0, generations)
 
     metrics: dict = {}
     for step in range(start_step + 1, cfg.trainer.total_steps + 1):
@@ -242,11 +244,15 @@ def _train(cfg: MegarlConfig, rt: Runtime, cleanups) -> dict:
                    **adv_metrics, **train_metrics, **steps.actor_summary(train_metrics), **sync_metrics,
                    **rollout.metrics, "train/epoch": loader.epoch,
                    **(ref.replay_metrics if ref is not None else {})}
+        generations = []  # the validation's first few, when this step validates (trainer.log_val_generations)
         if cfg.trainer.test_freq and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_steps):
             with timer("val"):  # with the actor's weights: the engines finish what they generate ahead, then sync
                 metrics.update(schedule.settle())
-                metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt))
+                metrics.update(steps.validate(engine, reward_fn, val_records, tokenizer, cfg, rt, generations))
         logger.log(step, {**metrics, **offload.metrics(), **timer.metrics()})
+        logger.log_val_generations(step, generations)
+        if rt.is_rank0:  # `megarl report` shows the first and the latest step's
+            logger.log_samples(step, steps.train_samples(records, rollout, scores, tokenizer, per_sample))
         if cfg.logging.save_rollouts and rt.is_rank0:
             write_rollouts(rt.run_dir / "rollouts" / f"step_{step}.jsonl", records, rollout, batch, scores, tokenizer)
         was_offloaded = offload.offloaded

@@ -648,6 +648,11 @@ class TrainerConfig(_Section):
     seed: int = Field(1, description="Seed for data order, sampling and initialisation.")
     test_freq: int = Field(0, ge=0, description="Validate every N steps; 0: never.")
     val_before_train: bool = Field(True, description="Validate once before the first step.")
+    log_val_generations: int = Field(
+        4, ge=0, description="At each validation, the first N prompts of the validation set with their response (the "
+        "first of val_kwargs.n), score and ground truth go to run_dir/val_generations.jsonl and a line each to the "
+        "run's log (logs/rank0.log), and `megarl report` shows them; 0: none. verl's key (its default 0); 4 here, "
+        "since decoding a few responses costs nothing next to a validation.")
     nnodes: int = Field(1, ge=1, description="Number of nodes.")
     n_gpus_per_node: int = Field(1, ge=1, description="Ranks per node (GPUs, or processes on CPU).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available, else CPU; cpu "

@@ -130,7 +130,7 @@ RULES: dict[str, Rule] = {
     "trainer.max_actor_ckpt_to_keep": to("checkpoint.keep_last_k"),
     "trainer.balance_batch": no_effect("a throughput option; megarl has no equivalent and results do not depend "
                                        "on it"),
-    "trainer.log_val_generations": no_effect("megarl saves rollouts with logging.save_rollouts"),
+    "trainer.log_val_generations": to("trainer.log_val_generations"),
     "trainer.total_epochs": to("trainer.total_epochs"),
     "trainer.total_training_steps": steps_or_unset("trainer.total_steps", "unset: the run length comes from "
                                                    "trainer.total_epochs"),
