@@ -366,11 +366,18 @@ def _fill_missing(extras: dict, checks: Optional[dict[str, torch.Tensor]]) -> No
             extras[name] = values
 
 
+def val_file_of(record: PromptRecord) -> str:
+    """The stem of the file a record came from ('val_unseen' for uid 'val_unseen.parquet#12')."""
+    name = record.uid.rsplit("#", 1)[0]
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
 def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg: MegarlConfig, rt: Runtime,
              generations: Optional[list] = None) -> dict:
     """Greedy (val_kwargs) rollouts on the validation set, data.val_batch_size prompts at a time (None: all at once);
     val/reward_mean, per data_source means, the reward functions' extra values (val/<name>_mean, e.g. acc) and, for
-    multi-turn rollouts, the tool rates (val/tool/use_rate, ...). For rows the gsm8k rule scores also val/acc_mean
+    multi-turn rollouts, the tool rates (val/tool/use_rate, ...); with several val files, val/<file stem>/reward_mean
+    and its extra values per file. For rows the gsm8k rule scores also val/acc_mean
     (correct final answer) and val/format_mean (a '####' answer present) apart (`answer_checks`).
 
     generations, if given, receives on rank 0 the first trainer.log_val_generations prompts of the set, one response
@@ -378,7 +385,7 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
     if not records:
         return {}
     reward_fn = getattr(reward_fn, "rule", reward_fn)  # a learned reward trains; the rule measures (combine.py)
-    parts, sources, extras, tool_counts, start = [], [], {}, {}, 0
+    parts, sources, files, extras, tool_counts, start = [], [], [], {}, {}, 0
     shown = cfg.trainer.log_val_generations if generations is not None and rt.is_rank0 else 0
     for chunk in val_batches(records, cfg.data.val_batch_size):
         # prompt i of the whole set keeps the seeds it would have in one batch (seed + i * n + j)
@@ -410,16 +417,24 @@ def validate(engine, reward_fn, records: Sequence[PromptRecord], tokenizer, cfg:
             if key in rollout.metrics:
                 tool_counts[key] = tool_counts.get(key, 0.0) + rollout.metrics[key]
         sources += [chunk[int(i)].data_source for i in rollout.prompt_index]
+        files += [val_file_of(chunk[int(i)]) for i in rollout.prompt_index]
         start += len(chunk)
     scores = torch.cat(parts)
     metrics = {"val/reward_mean": scores.mean().item()}
     for source in sorted(set(sources)):
         picked = torch.tensor([s == source for s in sources])
         metrics[f"val/{source}/reward_mean"] = scores[picked].mean().item()
+    extras = {name: torch.cat(values) for name, values in extras.items()}
     for name, values in extras.items():
-        values = torch.cat(values)
         if not values.isnan().all():
             metrics[f"val/{name}_mean"] = values.nanmean().item()
+    # several val files (e.g. seen and held-out templates of one task) share a data_source: each file apart too
+    for file in sorted(set(files)) if len(set(files)) > 1 else ():
+        picked = torch.tensor([f == file for f in files])
+        metrics[f"val/{file}/reward_mean"] = scores[picked].mean().item()
+        for name, values in extras.items():
+            if not values[picked].isnan().all():
+                metrics[f"val/{file}/{name}_mean"] = values[picked].nanmean().item()
     if tool_counts:
         metrics.update({"val/" + k: v for k, v in tool_rates(tool_counts).items()})
     return metrics

@@ -240,3 +240,27 @@ def test_verls_log_val_generations_carries_over():
 
     c = convert({"trainer.log_val_generations": 10})
     assert c.recipe["trainer"]["log_val_generations"] == 10 and not c.refused and not c.dropped
+
+
+def test_validation_reports_each_val_file_apart(rt):
+    """Two val files of one data_source (seen and held-out templates): each file's reward and accuracy on its own."""
+    from megarl import steps
+    from megarl.data import PromptRecord
+    from megarl.validate import load_config
+    from tests.unit.test_steps_rounds_remax import TINY
+
+    cfg = load_config(data=TINY, overrides=["rollout.n=2"])
+    # prompts 1, 2 from val.parquet ('#### 42' right, 'so 42' right by the last number); 3, 4 from val_unseen.parquet
+    # ('#### 41' wrong, 'so' no answer)
+    records = [PromptRecord(index=i, uid=f"{name}.parquet#{i}", prompt="", data_source="openai/gsm8k",
+                            ground_truth="42", prompt_ids=[i + 1])
+               for i, name in enumerate(["val", "val", "val_unseen", "val_unseen"])]
+    metrics = steps.validate(ScriptedEngine(), RewardRouter(), records, WordTokenizer(), cfg, rt)
+    assert metrics["val/val/reward_mean"] == pytest.approx(1.0)
+    assert metrics["val/val_unseen/reward_mean"] == pytest.approx(0.0)
+    assert metrics["val/val/acc_mean"] == pytest.approx(1.0) and metrics["val/val_unseen/acc_mean"] == 0.0
+    assert metrics["val/val/format_mean"] == pytest.approx(0.5) and metrics["val/val_unseen/format_mean"] == 0.5
+    assert metrics["val/acc_mean"] == pytest.approx(0.5)
+    # one file: no per-file keys
+    one = steps.validate(ScriptedEngine(), RewardRouter(), records[:2], WordTokenizer(), cfg, rt)
+    assert not any(k.startswith("val/val/") for k in one)
