@@ -8,7 +8,7 @@ RECIPE ?= recipes/grpo_tiny_cpu.yaml
 RUN_DIR ?= runs/grpo_tiny_cpu
 PYTEST_ARGS ?=
 
-.PHONY: env demo seeds test test-slow test-gpu gpu-check clean-env
+.PHONY: env demo seeds test test-slow test-gpu gpu-check clean-env bench-trl
 
 env: $(STAMP)
 
@@ -37,6 +37,15 @@ SEEDS ?= 1 2 3
 MIN_GAIN ?=
 seeds: env
 	@$(PY) tools/seed_range.py $(RECIPE) --seeds $(SEEDS) $(if $(MIN_GAIN),--min-gain $(MIN_GAIN)) $(ARGS)
+
+# megarl beside TRL's GRPOTrainer (CPU, no vLLM on TRL's side) on one recipe, over seeds (bench/bench_trl.py,
+# docs/results.md); installs the `trl` extra into $(VENV) once (it adds packages, moves no pin):
+#   make bench-trl [TRL_RECIPE=recipes/grpo_smollm2_cpu.yaml] [STEPS=N] [SEEDS="1 2 3"] [ARGS="k=v ... --val-limit K"]
+TRL_RECIPE ?= recipes/grpo_smollm2_cpu.yaml
+STEPS ?=
+bench-trl: env
+	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -qq -c constraints-cpu.txt -e '.[trl]'
+	$(PY) bench/bench_trl.py --recipe $(TRL_RECIPE) $(if $(STEPS),--steps $(STEPS)) --seeds $(SEEDS) $(ARGS)
 
 # The default test suite (CPU, 2 cores). Exit code 5 (no tests collected) is an error, not a pass.
 test: env

