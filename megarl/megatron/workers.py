@@ -225,6 +225,13 @@ class OffloadAroundRollout:
         return dict(self._metrics)
 
 
+def run_optimizer_steps(cfg: MegarlConfig, epochs: int) -> int:
+    """Optimizer steps of a whole RL run for a model updated `epochs` times per mini-batch: the LR schedule steps once
+    per optimizer step, so its decay must span all of them, not trainer.total_steps (with several mini-batches per
+    step it would otherwise reach min_lr a fraction of the way into the run)."""
+    return cfg.trainer.total_steps * epochs * (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size)
+
+
 class PolicyWorker(_Worker):
     """The actor (trainable; with actor.lora, a frozen base plus adapters unless use_lora=False) or the frozen
     reference policy."""
@@ -233,7 +240,8 @@ class PolicyWorker(_Worker):
                  total_steps: Optional[int] = None, use_lora: bool = True,
                  log_prob_micro_batch_size: Optional[int] = None):
         super().__init__(hf_dir, cfg, False, (optim or cfg.actor.optim) if trainable else None,
-                         total_steps or cfg.trainer.total_steps, lora_settings(cfg) if trainable and use_lora else None)
+                         total_steps or run_optimizer_steps(cfg, cfg.actor.ppo_epochs),
+                         lora_settings(cfg) if trainable and use_lora else None)
         self.cfg = cfg
         self.log_prob_micro_batch_size = log_prob_micro_batch_size  # None: the actor's or the reference's setting
         self.loss_settings = PolicyLossSettings.from_config(cfg, self.spec.vocab_size)
@@ -318,7 +326,7 @@ class ReferenceView:
 
 class CriticWorker(_Worker):
     def __init__(self, hf_dir: str, cfg: MegarlConfig):
-        super().__init__(hf_dir, cfg, True, cfg.critic.optim, cfg.trainer.total_steps)
+        super().__init__(hf_dir, cfg, True, cfg.critic.optim, run_optimizer_steps(cfg, cfg.critic.ppo_epochs))
         self.cfg = cfg
 
     def values(self, batch: dict, rt: DataParallelRank) -> torch.Tensor:

@@ -229,3 +229,15 @@ def test_trainer_device_is_applied_at_start(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="trainer.device=cuda but no CUDA device"):
             use_device("cuda")
+
+
+def test_lr_schedule_spans_every_optimizer_step_of_the_run():
+    """4 mini-batches per step x 2 epochs = 8 optimizer steps per RL step, 10 steps: the decay spans 80 (the critic's
+    own epochs count for its schedule)."""
+    from megarl.megatron.workers import run_optimizer_steps
+    from megarl.validate import load_config
+
+    cfg = load_config(data=TINY, overrides=["rollout.n=2", "data.train_batch_size=32", "actor.ppo_mini_batch_size=8",
+                                            "actor.ppo_epochs=2", "critic.ppo_epochs=3", "trainer.total_steps=10"])
+    assert run_optimizer_steps(cfg, cfg.actor.ppo_epochs) == 80
+    assert run_optimizer_steps(cfg, cfg.critic.ppo_epochs) == 120
