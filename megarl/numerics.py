@@ -19,6 +19,8 @@ summation (every CPU and GPU kernel) only lowers it. Through the network:
   vocabulary-wide sum of exponentials (positive terms: partial sums grow linearly, relative error u * sqrt(V / 3));
 - two implementations each err this much: their difference has sqrt(2) times the spread;
 - the largest of n such errors (n = positions x vocabulary) is at most sqrt(2 ln n) standard deviations.
+
+bf16 builds (below): one rounding of at most 2**-8 per stored tensor dominates; bf16_logprob_spread.
 """
 from __future__ import annotations
 
@@ -105,3 +107,29 @@ def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = F
     if score:
         return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
     return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions)
+
+
+# bfloat16 builds. A bf16 value keeps 8 significant bits (7 stored), so one rounding to nearest errs by at most
+# u = 2**-8 relative. Matrix products and reductions accumulate in float32 (oneDNN on CPU, tensor cores on GPU), so
+# their summation error is float32-sized; what a bf16 forward adds is the rounding of every tensor it stores in bf16.
+# Counted along one value's path through a dense decoder layer (the weights once each: a bf16 build holds them rounded):
+BF16_UNIT = 2.0 ** -8
+BF16_LAYER_ROUNDINGS = ("input norm", "q/k/v weights", "q/k/v", "rotary q/k", "scores", "probabilities",
+                        "attention values", "output projection weight", "attention output", "residual add",
+                        "MLP norm", "gate/up weights", "gate/up", "SiLU", "SiLU * up", "down projection weight",
+                        "MLP output", "residual add")
+BF16_HEAD_ROUNDINGS = ("final norm", "LM head weight", "logits")
+
+
+def bf16_logit_relative_error(layers: int) -> float:
+    """Spread of a bf16 build's logits relative to their RMS, against exact arithmetic: the roundings of every layer
+    and the head, independent and of random sign (each at most BF16_UNIT), add as the square root of their count."""
+    count = len(BF16_LAYER_ROUNDINGS) * max(int(layers), 1) + len(BF16_HEAD_ROUNDINGS)
+    return BF16_UNIT * math.sqrt(count)
+
+
+def bf16_logprob_spread(layers: int, logits_rms: float) -> float:
+    """Spread of the per-token logprob error of a bf16 build against float32 (whose own error is negligible beside
+    it): z_t - logsumexp(z) errs by at most twice the logit error. Two bf16 implementations (the trainer and the
+    engine) differ by sqrt(2) times this; the largest of n tokens' errors stays below tail_factor(n) times it."""
+    return 2.0 * bf16_logit_relative_error(layers) * logits_rms

@@ -11,6 +11,7 @@ from megarl.bridge.tiny import TINY_SOURCE
 from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
+from megarl.distributed import cpu_bf16
 from megarl.layout import Layout
 
 P = "parallelism."
@@ -143,9 +144,10 @@ def check_warmup(cfg: MegarlConfig) -> list[Issue]:
     return issues
 
 
-def check_device(cfg: MegarlConfig) -> list[Issue]:
-    """trainer.device=cuda where no CUDA is visible (a warning: validate may run on a laptop for a cluster), and the
-    settings that need CUDA when the run is on CPU."""
+def check_device(cfg: MegarlConfig, cpu_flags=None) -> list[Issue]:
+    """trainer.device=cuda where no CUDA is visible (a warning: validate may run on a laptop for a cluster), the
+    settings that need CUDA when the run is on CPU, and the training dtype the CPU allows (cpu_dtype_issues; cpu_flags:
+    another CPU's feature flags, None: this machine's)."""
     issues = []
     device = resolved_device(cfg.trainer.device)
     if device == "cuda" and not torch.cuda.is_available():
@@ -160,12 +162,41 @@ def check_device(cfg: MegarlConfig) -> list[Issue]:
         issues.append(Issue(P + "use_distributed_optimizer", True, "megatron's distributed optimizer needs CUDA and "
                             "the run is on CPU", "set it to false on CPU",
                             keys=(P + "use_distributed_optimizer", "trainer.device")))
-    if device == "cpu" and cfg.model.dtype in ("bfloat16", "float16"):
-        issues.append(Issue("model.dtype", cfg.model.dtype, "the CPU training path is built and tested in float32 "
-                            "only (and in bf16 the CPU engine's logprobs differ from the trainer's by tenths of a nat)",
-                            "use auto or float32 on CPU",
-                            keys=("model.dtype", "trainer.device")))
+    if device == "cpu":
+        issues += cpu_dtype_issues(cfg, cpu_flags)
     return issues
+
+
+# what bf16 does to the engine-trainer logprob gap, measured with bench/bench_cpu_bf16.py (docs/engines.md)
+BF16_GAP = ("the engine's logprobs differ from the trainer's by about 0.05 nats per sampled token on average and up "
+            "to about 0.2 (SmolLM2-135M in bf16 on both sides: mean 0.050, max 0.18 over 64 tokens; float32: 1e-5); "
+            "the trainer's own old-logprob pass does not see it, rollout correction and use_rollout_log_probs do")
+
+
+def cpu_dtype_issues(cfg: MegarlConfig, cpu_flags=None) -> list[Issue]:
+    """model.dtype on CPU: float32 (auto) always; bfloat16 where the CPU computes bf16 natively (bf16 parameters, fp32
+    main params in megatron's optimizer; a warning names the logprob gap to expect), refused where torch would emulate
+    it; float16 never (no CPU kernels for it, and megatron's fp16 needs a loss scaler). cpu_flags: another CPU's
+    feature flags (megarl.distributed.cpu_bf16); None: this machine's."""
+    dtype, keys = cfg.model.dtype, ("model.dtype", "trainer.device")
+    if dtype == "float16":
+        return [Issue("model.dtype", dtype, "float16 training has no CPU path (CPUs have no float16 matrix kernels "
+                      "worth the name, and megatron's fp16 needs a dynamic loss scaler)", "use auto (float32) on CPU, "
+                      "or bfloat16 on a CPU with native bf16 (avx512_bf16 or amx_bf16)", keys=keys)]
+    if dtype != "bfloat16":
+        return []
+    bf16 = cpu_bf16(cpu_flags)
+    if not bf16.native:
+        return [Issue("model.dtype", dtype, f"this CPU has {bf16.describe()}: torch emulates bf16 by converting to "
+                      "float32 around every kernel, slower than float32 itself (on an AVX-512 CPU without "
+                      "avx512_bf16: a 1024^3 matrix product 4x, a forward of SmolLM2-135M 3x slower)",
+                      "use auto or float32 here; bfloat16 on a CPU with avx512_bf16 or amx_bf16 (Xeon Cooper Lake, "
+                      "Sapphire Rapids and later; AMD Zen 4 and later) or aarch64's bf16 (Graviton3 and later)",
+                      keys=keys)]
+    return [Issue("model.dtype", dtype, f"bf16 on a CPU with {bf16.describe()}: parameters in bf16, fp32 main "
+                  f"params in the optimizer; {BF16_GAP}", "use float32 where the engine's logprobs must equal the "
+                  "trainer's (bench/bench_cpu_bf16.py measures the gap and the speed-up for a model)", keys=keys,
+                  warning=True)]
 
 
 def check_virtual_pipeline(cfg: MegarlConfig) -> list[Issue]:

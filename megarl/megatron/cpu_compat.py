@@ -222,6 +222,38 @@ def _patch_cp_pos_emb():
     yarn.get_pos_emb_on_this_cp_rank = on_this_cp_rank
 
 
+def _patch_float16_optimizer_on_cpu():
+    """bf16/fp16 training keeps fp32 main params in megatron's Float16OptimizerWithFloat16Params, whose __init__ sorts
+    parameters by their CUDA type names (param.type() in 'torch.cuda.BFloat16Tensor' / 'torch.cuda.HalfTensor' /
+    'torch.cuda.FloatTensor') and raises TypeError on any other. While it runs, each CPU parameter answers type()
+    (without arguments) with its CUDA name; nothing else changes: the fp32 copies, the step and the copy back are
+    megatron's own, on the CPU."""
+    import megatron.core.optimizer.optimizer as mo
+
+    cls = mo.Float16OptimizerWithFloat16Params
+    original = cls.__init__
+    if getattr(original, "_megarl_cpu", False):
+        return
+
+    def init(self, optimizer, *args, **kwargs):
+        shimmed = []
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor) and p.device.type == "cpu" and "type" not in p.__dict__:
+                    cuda_name = torch.Tensor.type(p).replace("torch.", "torch.cuda.", 1)
+                    p.type = (lambda name, t: lambda *a, **k: name if not a and not k
+                              else torch.Tensor.type(t, *a, **k))(cuda_name, p)
+                    shimmed.append(p)
+        try:
+            original(self, optimizer, *args, **kwargs)
+        finally:
+            for p in shimmed:
+                del p.type
+
+    init._megarl_cpu = True
+    cls.__init__ = init
+
+
 PATCHES: tuple[_Patch, ...] = (
     _Patch("current_device", "AssertionError: Torch not compiled with CUDA enabled (torch.cuda.current_device() "
            "as a tensor device in ~175 places)", (), _patch_current_device),
@@ -254,6 +286,9 @@ PATCHES: tuple[_Patch, ...] = (
            ("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
             "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:get_pos_emb_on_this_cp_rank"),
            _patch_cp_pos_emb),
+    _Patch("float16_optimizer", "bf16/fp16 parameters with fp32 main params: Float16OptimizerWithFloat16Params raises "
+           "'TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ... Received torch.BFloat16Tensor'",
+           ("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params",), _patch_float16_optimizer_on_cpu),
 )
 
 

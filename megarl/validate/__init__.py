@@ -26,8 +26,9 @@ from megarl.megatron.checks import (check_batches, check_device, check_expert_ba
                                     check_model_layout, check_parallel_options, check_router_replay,
                                     check_virtual_pipeline, check_warmup)
 from megarl.reward.checks import check_learned_rewards, check_reward_fn
-from megarl.rollout.checks import (check_engine_failure, check_engine_layout, check_lengths, check_quantization,
-                                   check_rollout_logprobs, check_sampling, check_trainer_mode, cpu_engine_issues)
+from megarl.rollout.checks import (check_engine_dtype, check_engine_failure, check_engine_layout, check_lengths,
+                                   check_quantization, check_rollout_logprobs, check_sampling, check_trainer_mode,
+                                   cpu_engine_issues)
 from megarl.rollout.hf_checks import check_engine_available, check_hf_engine
 from megarl.validate.paths import check_paths
 
@@ -97,7 +98,7 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_paths, check_distillation,
     check_engine_available, check_hf_engine,
     check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_engine_failure,
-    cpu_engine_issues,
+    cpu_engine_issues, check_engine_dtype,
     check_batches,
     check_lengths, check_warmup,
     check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,

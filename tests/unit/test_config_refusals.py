@@ -122,7 +122,7 @@ def test_sequence_parallel_needs_tensor_parallelism():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU rules")
-@pytest.mark.parametrize("override,key", [("model.dtype=bfloat16", "model.dtype"),
+@pytest.mark.parametrize("override,key", [("model.dtype=float16", "model.dtype"),
                                           ("model.use_transformer_engine=true", "model.use_transformer_engine"),
                                           ("parallelism.use_distributed_optimizer=true",
                                            "parallelism.use_distributed_optimizer")])
