@@ -317,9 +317,6 @@ def unequal_notes(cfg) -> list[str]:
         if a.loss_agg_mode == "token-mean":
             notes.append("token-mean with several mini-batches: megarl divides each mini-batch's loss by its own "
                          "token count, TRL's dapo by the batch's tokens / number of mini-batches")
-        if a.optim.lr_decay_style != "constant":
-            notes.append("LR decay length: megarl's scheduler decays over trainer.total_steps but steps once per "
-                         f"optimizer step ({updates_per_step(cfg)} per RL step), TRL over max_steps optimizer steps")
     if cfg.data.truncation in ("left", "right"):
         notes.append(f"data.truncation={cfg.data.truncation}: megarl cuts long prompts to rollout.prompt_length; "
                      "TRL 1.16 has no prompt limit and sees them whole")
