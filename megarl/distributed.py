@@ -128,17 +128,21 @@ class CpuBf16:
         return f"no native bfloat16 (none of {', '.join(_X86_BF16_FLAGS)} or aarch64's bf16)"
 
 
-def _proc_cpu_flags() -> frozenset:
-    """The feature flags of the first processor in /proc/cpuinfo (x86 'flags', aarch64 'Features'); empty elsewhere."""
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
+def parse_cpu_flags(cpuinfo: str) -> frozenset:
+    """The feature flags of the first processor in /proc/cpuinfo's text (x86 'flags', ARM 'Features')."""
+    for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return frozenset(value.split())
     return frozenset()
+
+
+def _proc_cpu_flags() -> frozenset:
+    """parse_cpu_flags of this machine's /proc/cpuinfo; empty where there is none."""
+    try:
+        return parse_cpu_flags(open("/proc/cpuinfo").read())
+    except OSError:
+        return frozenset()
 
 
 def _isa_cap() -> str:

