@@ -204,6 +204,7 @@ def test_a_reward_model_is_counted_from_its_own_config(tmp_path):
               num_attention_heads=32, num_key_value_heads=8, intermediate_size=f)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     save_file({"score.weight": np.zeros((1, h), np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "tokenizer.json").write_text("{}")  # validate refuses a reward model without its tokenizer files
     _, base = _plan("ppo_llama3_70b.yaml", 16, 8, 80)
     _, with_rm = _plan("ppo_llama3_70b.yaml", 16, 8, 80, ("reward.reward_model.enable=true",
                                                            f"reward.reward_model.path={tmp_path}"))
