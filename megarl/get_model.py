@@ -92,6 +92,7 @@ def _require_gguf() -> None:
 def tensor_checksum(model_dir: Path) -> tuple[int, int, str]:
     """(tensors, parameters, sha256 over every tensor's name and bytes in name order) of a safetensors directory:
     the same weights give the same checksum on every machine."""
+    import torch
     from safetensors import safe_open
 
     digest, tensors, params = hashlib.sha256(), 0, 0
@@ -100,7 +101,7 @@ def tensor_checksum(model_dir: Path) -> tuple[int, int, str]:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key).contiguous()
                 digest.update(key.encode())
-                digest.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+                digest.update(t.view(-1).view(dtype=torch.uint8).numpy().tobytes())
                 tensors += 1
                 params += t.numel()
     return tensors, params, digest.hexdigest()
