@@ -51,6 +51,21 @@ def test_random_ragged_rollout_with_empty_responses_matches_a_row_by_row_build()
         assert b["token_level_scores"][i].tolist() == expected.tolist()
 
 
+def test_eos_that_ends_a_response_is_learned_even_when_it_is_also_the_pad_token():
+    # "#### 21 </s>" (EOS = 2, also the pad id) and a sample cut at the cap without EOS: the EOS logprob position is in
+    # the response mask and carries the reward, so the advantage reaches the choice to end (as verl's response_mask)
+    eos = 2
+    rollout = RolloutBatch(
+        prompt_ids=[[5, 6], [5, 6]], response_ids=torch.tensor([[9, 21, eos, eos], [9, 21, 21, 21]]),
+        response_lengths=torch.tensor([3, 4]), rollout_logprobs=-torch.ones(2, 4), finish_reasons=["stop", "length"],
+        truncated=torch.tensor([False, True]), prompt_index=torch.tensor([0, 0]),
+        prompt_truncated=torch.tensor([False, False]))
+    b = build_train_batch(rollout, torch.tensor([1.0, 0.0]), pad_token_id=eos)
+    assert b["input_ids"].tolist() == [[5, 6, 9, 21, eos, eos], [5, 6, 9, 21, 21, 21]]
+    assert b["response_mask"].tolist() == [[False, True, True, True, False], [False, True, True, True, True]]
+    assert b["token_level_scores"][0].tolist() == [0, 0, 0, 1.0, 0]  # on the EOS position (it scores token 4)
+
+
 def test_scores_must_be_one_per_sample():
     with pytest.raises(ValueError, match="one reward per sample"):
         build_train_batch(_rollout(), torch.tensor([1.0]), pad_token_id=0)
