@@ -177,8 +177,10 @@ def health_flags(rows: Sequence[dict], response_length: Optional[int]) -> list[F
             "length_cap", stretch[0][0], stretch[-1][0], "responses hit the length cap",
             f"{', '.join(parts)}{cap} (flagged: truncated share > {TRUNCATED_FRAC} or mean length >= "
             f"{CAP_SHARE} of the cap, {len(stretch)} steps in a row)",
-            "Responses stopped ending: check that the tokenizer's eos token ends the responses and is kept in the "
-            "response mask, lower actor.optim.lr, or raise rollout.response_length if answers need more room"))
+            "Responses stopped ending: check that the reward gives nothing for text after the answer (a rule "
+            "that reads the answer and ignores what follows pays as much for running to the cap as for ending), "
+            "that the tokenizer's eos token ends the responses and is kept in the response mask, lower "
+            "actor.optim.lr, or raise rollout.response_length if answers need more room"))
     entropy = [(r["step"], r) for r in rows if isinstance(r.get(ENTROPY_KEY), (int, float))]
     if len(entropy) > ENTROPY_EARLY_STEPS:
         early = fmean(r[ENTROPY_KEY] for _, r in entropy[:ENTROPY_EARLY_STEPS])

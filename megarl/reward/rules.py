@@ -195,15 +195,25 @@ def format_think_answer(data_source: str, solution_str: str, ground_truth: Any =
 # The synthetic arithmetic task (megarl.data.synthetic)
 
 
+# the one '#### N' of a response, ending it (see `arithmetic`)
+_FINAL_HASH_ANSWER = re.compile(r"####\s*(-?[$\d,.]*\d)$")
+
+
 def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
                format_score: float = 0.0) -> dict[str, float]:
-    """1.0 if the answer ('#### N', else a response that is only a number) equals the ground truth.
+    """1.0 if the answer equals the ground truth: the response's one '#### N', which must end it (what comes before
+    is free: the worked and chain answers restate the sum first), else a response that is only a number.
 
-    Anything else (extra words, no number) scores 0, so RL cannot game it by listing numbers. format_score is given
-    to a well-formed but wrong answer. Metrics: acc (1/0) and formatted (1 if an answer could be read).
+    Anything else (extra words, no number, a second '####', anything after the answer) scores 0, so RL cannot game
+    it by listing numbers. Reading the last '####' and ignoring the rest scored "#### 1 #### 2 #### 1 #### 3" (four
+    guesses cut at rollout.response_length, no EOS) and "#### 21 21 21" as right: going on past an answer instead of
+    ending it cost nothing and gave another guess, so GRPO on the tiny demo drifted to responses at the length cap,
+    EOS lost and entropy rising (docs/results.md, the demo). format_score is given to a well-formed but wrong
+    answer. Metrics: acc (1/0) and formatted (1 if an answer could be read).
     """
     text = solution_str.strip()
-    answer = extract_hash_answer(text)
+    found = _FINAL_HASH_ANSWER.search(text) if text.count("####") == 1 else None
+    answer = found.group(1) if found else None
     if answer is None and re.fullmatch(r"-?\d+", text):
         answer = text
     if answer is None:

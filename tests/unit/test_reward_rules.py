@@ -92,6 +92,14 @@ def test_format_rules():
     ("#### 20", (0.0, 0.0, 1.0)),
     ("20 21 22", (0.0, 0.0, 0.0)),                           # listing numbers is not an answer
     ("What is", (0.0, 0.0, 0.0)),
+    # one answer, ending the response: a sample that runs on past its answer, or lists guesses, to the length cap (no
+    # EOS) is not an answer, else GRPO has no reason to keep EOS (the demo drifted to responses at the cap)
+    ("#### 1 #### 2 #### 1 #### 21", (0.0, 0.0, 0.0)),
+    ("#### #### 21", (0.0, 0.0, 0.0)),
+    ("#### 21 21 21 21 21 21 21", (0.0, 0.0, 0.0)),
+    ("#### 21 32", (0.0, 0.0, 0.0)),
+    ("#### 21 ####", (0.0, 0.0, 0.0)),
+    ("#### 21 What is", (0.0, 0.0, 0.0)),
 ])
 def test_arithmetic(response, expected):
     out = rules.arithmetic("arithmetic", response, "21")
