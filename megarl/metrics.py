@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from megarl.console import LOG_ONLY, say, terminal
-from megarl.report import (ENTROPY_KEY, LENGTH_KEY, SAMPLES_FILE, TRUNCATED_KEY, VAL_GENERATIONS_FILE, health_flags,
-                           read_jsonl, shorten, summary_lines)
+from megarl.report import (ENTROPY_KEY, HEALTH_KINDS, LENGTH_KEY, SAMPLES_FILE, TRUNCATED_KEY, VAL_GENERATIONS_FILE,
+                           health_flags, read_jsonl, shorten, summary_lines)
 
 if TYPE_CHECKING:
     from megarl.config.schema import WandbConfig
@@ -164,6 +164,8 @@ class MetricsLogger:
 
     def _warn_health(self) -> None:
         """A warning (log and terminal) for each health flag the first step it fires; never again for its kind."""
+        if len(self._flagged) == len(HEALTH_KINDS):  # all said: no need to scan the whole history again each step
+            return
         for flag in health_flags(self._history, self.response_length):
             if flag.kind not in self._flagged:
                 self._flagged.add(flag.kind)

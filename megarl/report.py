@@ -113,6 +113,9 @@ ENTROPY_EARLY_STEPS = 5  # the early level: the mean over the first this many st
 PATIENCE = 3  # consecutive flagged steps before a flag is raised: one noisy step is not a trend
 
 
+HEALTH_KINDS = ("length_cap", "entropy")  # every kind of Flag health_flags reports
+
+
 @dataclass(frozen=True)
 class Flag:
     """A response-health problem of a run: `kind` ("length_cap" or "entropy"), its first stretch of at least PATIENCE

@@ -59,6 +59,8 @@ def test_both_flags_in_one_run():
     rows = _set(_healthy(), range(7, 21), train__truncated_frac=0.6)
     rows = _set(rows, range(12, 21), actor__entropy=2.5)
     assert [(f.kind, f.step) for f in report.health_flags(rows, CAP)] == [("length_cap", 7), ("entropy", 12)]
+    # the logger stops scanning once it has warned of every kind: HEALTH_KINDS must name them all
+    assert {f.kind for f in report.health_flags(rows, CAP)} == set(report.HEALTH_KINDS)
 
 
 def test_short_noisy_blips_do_not_fire():
