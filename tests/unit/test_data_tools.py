@@ -265,3 +265,12 @@ def test_word_problems_script_runs_from_any_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "20 train rows (20 with 3 steps)" in r.stdout
     assert {rec.extra_info["steps"] for rec in load_prompts(str(tmp_path / "wp" / "train.jsonl"))} == {3}
+
+
+def test_validate_names_the_data_command_demo_real_runs():
+    """The command validate prints for missing word-problem files is the one `make demo-real` runs."""
+    from megarl.config.sources import WORD_PROBLEMS_COMMAND
+
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    args = re.search(r"^WORD_PROBLEMS \?= (.*)$", makefile, re.M).group(1).strip()
+    assert WORD_PROBLEMS_COMMAND == f"python tools/data/word_problems.py --out-dir data/word_problems {args}"

@@ -53,3 +53,15 @@ def test_checksum_depends_on_tensors_not_on_how_files_split_them(tmp_path):
     assert gm.tensor_checksum(one)[:2] == (2, 10)
     save_file({"a": a + 1, "b": b}, str(one / "model.safetensors"))
     assert gm.tensor_checksum(one)[2] != gm.tensor_checksum(two)[2]
+
+
+def test_validate_knows_every_model_get_model_fetches():
+    """A recipe whose model.path is missing at get-model's default place is told to run get-model first: the names
+    validate knows (megarl.config.sources) are get-model's."""
+    from megarl.config.sources import GET_MODEL_NAMES, maker_of
+    from megarl.get_model import KNOWN, default_out
+
+    assert sorted(GET_MODEL_NAMES) == sorted(KNOWN)
+    for name in KNOWN:
+        assert maker_of(str(default_out(name))) == f"`megarl get-model {name}`"
+    assert maker_of("models/some-other-model") is None
