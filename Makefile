@@ -75,7 +75,7 @@ test-gpu:
 	 bash scripts/gpu_tests.sh $(PYTEST_ARGS)
 
 # Every GPU acceptance measurement in one command (tests with and without TE, verify, bench, offload, doctor): the
-# quick form (about 8 minutes on one H100), or FULL=1 for the long one; summary.txt and logs.tgz in OUT:
+# quick form (its steps within 480 s without TE), or FULL=1 for the long one; summary.txt and logs.tgz in OUT:
 #   make gpu-check [WHEELS=DIR] [OUT=gpu-check] [FULL=1]
 gpu-check:
 	@GPU_PYTHON="$(if $(filter command line environment,$(origin PYTHON)),$(PYTHON))" \

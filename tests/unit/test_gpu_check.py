@@ -1,6 +1,10 @@
 """`make gpu-check` (scripts/gpu_check.sh) on a machine without a usable CUDA Python stops in one line with a non-zero
-exit before writing anything; its wheels folder installs Transformer Engine only together with TE's core library."""
+exit before writing anything; its wheels folder installs Transformer Engine only together with TE's core library.
+Its own logic (caps, budget, n/a steps, summary, exit code) runs here with the machine's probes and the steps'
+commands played by a stub (GPU_CHECK_STUB)."""
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +73,110 @@ def test_with_te_core_library_every_te_wheel_is_installed(tmp_path):
     installed, note, _ = _install(tmp_path, ["megarl_probe_pkg", "transformer_engine_cu13"] + TE)
     assert installed == {"megarl_probe_pkg", "transformer_engine_cu13", *TE}, installed
     assert note == "NOTE="
+
+
+# The machine and the steps, played: no CUDA, TE as STUB_TE says, every step passes but those named in STUB_FAIL; each
+# step's log records the command the check would have run.
+STUB = """
+find_python() { GPU_PY=$STUB_PY; }
+describe_machine() { say "gpu: simulated"; }
+probe_te() { echo "$STUB_TE"; }
+execute() { echo "$*" > "$LOGS/$1.log"; case " ${STUB_FAIL:-} " in *" $1 "*) return 3;; esac; }
+"""
+TE_ABSENT = "not installed; the TE steps are n/a"
+TE_PRESENT = "2.11.0, imports"
+PRESENT_WITHOUT_TE = ["tests-no-te", "models", "verify-fp32-no-te", "bench-train", "bench-ipc", "doctor"]
+
+
+def _played(tmp_path, te=TE_ABSENT, fail="", *args, **env_extra):
+    stub = tmp_path / "stub.sh"
+    stub.write_text(STUB)
+    r = _check(tmp_path, *args, GPU_CHECK_STUB=str(stub), STUB_PY=sys.executable, STUB_TE=te, STUB_FAIL=fail,
+               **env_extra)
+    summary = (tmp_path / "out" / "summary.txt").read_text().splitlines()
+    return r, summary
+
+
+def _verdicts(summary):
+    return {m.group(2): m.group(1) for m in map(re.compile(r"^(PASS|FAIL|SKIP|n/a) +([\w-]+)").match, summary) if m}
+
+
+def test_without_te_its_steps_are_na_and_the_check_passes_when_every_present_step_does(tmp_path):
+    r, summary = _played(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _verdicts(summary) == {**{name: "PASS" for name in PRESENT_WITHOUT_TE},
+                                  "tests-te": "n/a", "verify-fp32-te": "n/a"}, summary
+    assert "n/a   tests-te (TE not installed)" in summary
+    assert "n/a   verify-fp32-te (TE not installed)" in summary
+    assert ("not shown: tests-te (TE not installed); verify-fp32-te (TE not installed); bench-train's megarl TE row "
+            "(TE not installed)") in summary
+    assert summary[-1].startswith("result: all 6 steps that could run here passed in "), summary[-1]
+
+
+def test_a_te_that_does_not_import_makes_its_steps_na_with_that_reason(tmp_path):
+    r, summary = _played(tmp_path, te="does not import (libtransformer_engine.so: cannot open shared object file)")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "n/a   tests-te (TE does not import)" in summary
+
+
+def test_a_present_step_that_fails_fails_the_check(tmp_path):
+    r, summary = _played(tmp_path, fail="bench-ipc")
+    assert r.returncode == 1
+    assert _verdicts(summary)["bench-ipc"] == "FAIL"
+    assert "FAIL  bench-ipc: exit code 3 after 0 s (logs.tgz: logs/bench-ipc.log)" in summary
+    assert summary[-1].startswith("result: 1 of 6 steps failed or were not run (bench-ipc) in "), summary[-1]
+
+
+def test_with_te_its_steps_run_and_a_failure_there_fails_the_check(tmp_path):
+    r, summary = _played(tmp_path, te=TE_PRESENT, fail="tests-te")
+    assert r.returncode == 1
+    assert _verdicts(summary) == {**{name: "PASS" for name in PRESENT_WITHOUT_TE},
+                                  "tests-te": "FAIL", "verify-fp32-te": "PASS"}, summary
+    assert not any(line.startswith("not shown:") for line in summary)
+
+
+def _caps(stdout):
+    """{step: its cap} from the check's '..    NAME (at most N s)' lines, and the budget its plan line names."""
+    caps = {m.group(1): int(m.group(2)) for m in re.finditer(r"^\.\.    ([\w-]+) \(at most (\d+) s\)$", stdout, re.M)}
+    planned = re.search(r"^plan: .* = (\d+) s of the (\d+) s budget$", stdout, re.M)
+    return caps, int(planned.group(1)), int(planned.group(2))
+
+
+def test_without_te_the_step_caps_leave_a_fifth_of_the_budget_spare(tmp_path):
+    r, _ = _played(tmp_path)
+    caps, planned, budget = _caps(r.stdout)
+    assert sorted(caps) == sorted(PRESENT_WITHOUT_TE)
+    assert budget == 480  # GPU_CHECK_BUDGET_S's default, docs/gpu.md
+    assert planned == sum(caps.values())
+    assert sum(caps.values()) <= 384, caps  # 0.8 x 480: a step at its cap still leaves the later ones theirs
+
+
+def test_with_te_its_steps_bring_their_share_of_the_budget(tmp_path):
+    r, _ = _played(tmp_path, te=TE_PRESENT)
+    caps, planned, budget = _caps(r.stdout)
+    assert {"tests-te", "verify-fp32-te"} <= set(caps)
+    assert planned == sum(caps.values()) and sum(caps.values()) <= 0.8 * budget, (caps, budget)
+
+
+def test_a_spent_budget_leaves_steps_not_run_and_says_so(tmp_path):
+    r, summary = _played(tmp_path, GPU_CHECK_BUDGET_S="20")
+    assert r.returncode == 1
+    assert _verdicts(summary)["doctor"] == "SKIP"
+    assert "doctor (not run: the budget was spent)" in [line for line in summary if line.startswith("not shown:")][0]
+
+
+def test_the_tests_step_leaves_the_benchmark_and_doctor_to_their_own_steps(tmp_path):
+    """No step runs twice: the gpu-marked tests that run bench_train.py at 1.1B and megarl doctor are deselected there
+    (and still exist: pytest ignores a --deselect that names no test)."""
+    _played(tmp_path)
+    logs = tmp_path / "logs"
+    subprocess.run(["tar", "-xzf", str(tmp_path / "out" / "logs.tgz"), "-C", str(tmp_path)], check=True)
+    command = (logs / "tests-no-te.log").read_text()
+    deselected = re.findall(r"--deselect (\S+)", command)
+    assert sorted(deselected) == [
+        "tests/e2e/test_doctor.py::test_doctor_passes_on_the_gpu",
+        "tests/gpu/test_gpu_training.py::test_bench_train_reports_tokens_per_second_and_mfu_for_a_1b_model"]
+    for node in deselected:
+        path, name = node.split("::")
+        tree = ast.parse((ROOT / path).read_text())
+        assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, node
