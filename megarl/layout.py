@@ -1,11 +1,11 @@
 """The trainer's Megatron parallel layout, computed once: model-parallel size (TP*PP*CP), data-parallel size, expert
-tensor/data-parallel sizes; and where colocated engine replicas run over the trainer's ranks (EngineTopology). Pure
-(no torch.distributed): config checks, resolve, runtime, plan, verify, import and the weight sync use them, before or
-without any process group."""
+tensor/data-parallel sizes; where colocated engine replicas run over the trainer's ranks (EngineTopology); and which
+node and GPUs each engine replica computes on (engine_devices). Pure (no torch.distributed, no CUDA): config checks,
+resolve, runtime, plan, verify, import and the weight sync use them, before or without any process group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,112 @@ class EngineTopology:
         base, extra = divmod(num_prompts, self.replicas)
         start = replica * base + min(replica, extra)
         return slice(start, start + base + (replica < extra))
+
+
+class DeviceShortage(ValueError):
+    """A layout that asks a node for more GPUs than it has; key, value, rule and fix as `megarl validate` reports
+    them."""
+
+    def __init__(self, key: str, value: Any, rule: str, fix: str):
+        super().__init__(f"{key} = {value!r}: {rule} -> {fix}")
+        self.key, self.value, self.rule, self.fix = key, value, rule, fix
+
+
+def _gpu_list(devices: Sequence[str]) -> str:
+    """'0-7' for a run of three or more consecutive indices, else '2,3' (UUIDs as they are)."""
+    if len(devices) >= 3 and all(d.isdigit() for d in devices) \
+            and [int(d) for d in devices] == list(range(int(devices[0]), int(devices[0]) + len(devices))):
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(devices)
+
+
+@dataclass(frozen=True)
+class EngineDevices:
+    """The GPUs of one engine replica. parts: (node, its GPUs there) in rank order; the first part is on the node of
+    the trainer rank that starts the replica, and its GPUs are what the replica's process is given to see
+    (CUDA_VISIBLE_DEVICES); a replica whose TP group runs on past that node has more parts. A Ray-hosted replica has no
+    parts: Ray picks a node and num_gpus GPUs of it."""
+
+    replica: int
+    num_gpus: int
+    parts: tuple = ()
+
+    @property
+    def node(self) -> Optional[int]:
+        return self.parts[0][0] if self.parts else None
+
+    @property
+    def devices(self) -> Optional[tuple]:
+        """The GPUs the replica's process sees, as CUDA_VISIBLE_DEVICES names them (None: Ray assigns them)."""
+        return self.parts[0][1] if self.parts else None
+
+    def describe(self) -> str:
+        """'replica 1: node 0, GPUs 2,3' (one line per replica in `megarl validate` and the engine's start line)."""
+        if not self.parts:
+            return (f"replica {self.replica}: {self.num_gpus} GPU{'s' if self.num_gpus > 1 else ''} of one node, "
+                    f"placed by Ray (num_gpus={self.num_gpus})")
+        if len(self.parts) == 1:
+            return f"replica {self.replica}: node {self.node}, GPUs {_gpu_list(self.devices)}"
+        if len({devices for _, devices in self.parts}) == 1:
+            return (f"replica {self.replica}: nodes {self.parts[0][0]}-{self.parts[-1][0]}, GPUs "
+                    f"{_gpu_list(self.devices)} of each")
+        return f"replica {self.replica}: " + "; ".join(f"node {n}, GPUs {_gpu_list(d)}" for n, d in self.parts)
+
+    def check_assigned(self, gpu_ids: Sequence) -> None:
+        """A Ray-hosted replica's GPUs as Ray assigned them (ray.get_gpu_ids()) against the layout; ValueError unless
+        there are num_gpus of them (its TP group would not have a GPU per worker)."""
+        if len(gpu_ids) != self.num_gpus:
+            raise ValueError(f"Ray gave engine replica {self.replica} {len(gpu_ids)} GPU(s) ({list(gpu_ids)}); the "
+                             f"layout gives it {self.num_gpus}, one per engine TP worker: see that the Ray nodes "
+                             "advertise their GPUs (ray start --num-gpus) and nothing overrides Ray's "
+                             "CUDA_VISIBLE_DEVICES")
+
+
+def engine_devices(*, ranks_per_node: int, engine_tp: int, replicas: int, placement: str,
+                   visible: Optional[Sequence[str]] = None) -> list:
+    """Each engine replica's node and GPUs (EngineDevices), on nodes whose GPUs are `visible` (as CUDA_VISIBLE_DEVICES
+    names them; default: ranks_per_node GPUs, "0" ...). Trainer rank k of a node computes on the node's k-th GPU
+    (LOCAL_RANK -> device) and nodes hold consecutive ranks, as torchrun places them.
+
+    placement:
+      colocated  replica r spans trainer ranks [r*TP, (r+1)*TP) and computes on their GPUs: on an 8-GPU node at TP2,
+                 replica 1 gets GPUs 2,3 (and replica 5, on the next node, its GPUs 2,3 again).
+      separate   trainer rank r starts replica r (engine processes on GPUs of their own): on its node, after the
+                 trainer ranks' GPUs, the node's j-th replica gets the j-th TP of the GPUs left.
+      ray        Ray-hosted: each replica is one placement-group bundle of TP GPUs, which Ray puts on one node; Ray
+                 picks the GPUs (and sets CUDA_VISIBLE_DEVICES itself).
+    Raises DeviceShortage where a node would need more GPUs than it has."""
+    visible = tuple(str(d) for d in (visible if visible is not None else range(ranks_per_node)))
+    gpus, tp = len(visible), engine_tp
+    where = f"a node has {gpus} GPUs (trainer.n_gpus_per_node)"
+    if placement == "ray":
+        if tp > gpus:
+            raise DeviceShortage("rollout.tensor_model_parallel_size", tp, f"a Ray-hosted engine replica is one "
+                                 f"placement-group bundle of {tp} GPUs, which Ray places on one node, and {where}; the "
+                                 "Ray nodes are taken to be of the trainer's kind, so Ray could never place it",
+                                 f"use an engine TP of at most {gpus}")
+        return [EngineDevices(r, tp) for r in range(replicas)]
+    if ranks_per_node > gpus:
+        raise DeviceShortage("trainer.n_gpus_per_node", ranks_per_node, f"each trainer rank of a node computes on a "
+                             f"GPU of its own, and the node shows {gpus} ({','.join(visible)})",
+                             f"set it to at most {gpus}, or make every GPU of the node visible")
+    if placement == "colocated":
+        out = []
+        for r in range(replicas):
+            parts: dict = {}
+            for rank in range(r * tp, (r + 1) * tp):
+                parts.setdefault(rank // ranks_per_node, []).append(visible[rank % ranks_per_node])
+            out.append(EngineDevices(r, tp, tuple((n, tuple(d)) for n, d in parts.items())))
+        return out
+    if placement != "separate":
+        raise ValueError(f"placement={placement!r}: expected colocated, separate or ray")
+    own = visible[ranks_per_node:]  # the GPUs the node's trainer ranks leave
+    busiest = min(replicas, ranks_per_node)  # replicas started on one node (node 0 has the most)
+    if busiest * tp > len(own):
+        raise DeviceShortage("rollout.placement", "separate", f"engines placed separately compute on GPUs of their "
+                             f"own beside the trainer's: node 0 holds {ranks_per_node} trainer ranks and starts "
+                             f"{busiest} engine replica(s) of TP {tp}, {ranks_per_node + busiest * tp} GPUs, and "
+                             f"{where}", "host the engines on nodes of their own (rollout.mode=ray), or colocate them "
+                             "(rollout.placement=colocated)")
+    return [EngineDevices(r, tp, ((r // ranks_per_node, own[(r % ranks_per_node) * tp:(r % ranks_per_node + 1) * tp]),))
+            for r in range(replicas)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from megarl.config.schema import MegarlConfig
-from megarl.layout import Layout
+from megarl.layout import DeviceShortage, Layout
 
 
 def resolved_device(setting: str) -> str:
@@ -19,12 +19,36 @@ def resolved_device(setting: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class _Lines(list):
+    """A list written one item a line in the YAML (the engine replicas' GPUs read as a table)."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_Lines, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data,
+                                                                                flow_style=False))
+
+
+def engine_device_lines(cfg: MegarlConfig) -> list:
+    """Each engine replica's node and GPUs, one line each, on GPU runs ([] on CPU: the engines take cores there)."""
+    if resolved_device(cfg.trainer.device) != "cuda":
+        return []
+    try:
+        return _Lines(d.describe() for d in cfg.engine_devices())
+    except DeviceShortage as exc:  # validate refuses the recipe for it; the resolved copy of one says so
+        return _Lines([str(exc)])
+
+
 def derived(cfg: MegarlConfig) -> dict:
-    """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts."""
+    """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts, the engine
+    replicas' GPUs."""
     p, a, n = cfg.parallelism, cfg.actor, cfg.rollout.n
     dp = max(1, cfg.world_size // Layout.of(p).model_parallel_size)
     seqs = cfg.data.train_batch_size * n
     mini_per_rank = a.ppo_mini_batch_size * n // dp
+    devices = engine_device_lines(cfg)
     return {
         "world_size": cfg.world_size,
         "data_parallel_size": dp,
@@ -39,6 +63,7 @@ def derived(cfg: MegarlConfig) -> dict:
         "max_model_len": cfg.rollout.resolved_max_model_len,
         "engine_replicas": cfg.engine_replicas,
         "engine_placement": cfg.engine_placement,
+        **({"engine_devices": devices} if devices else {}),
         "critic_enabled": cfg.critic_enabled,
         "ref_enabled": cfg.ref_enabled,
         "return_routed_experts": cfg.routes_from_engine,
@@ -52,7 +77,7 @@ def resolved_dict(cfg: MegarlConfig) -> dict:
 
 
 def to_yaml(cfg: MegarlConfig) -> str:
-    return yaml.safe_dump(resolved_dict(cfg), sort_keys=False, default_flow_style=None, width=120)
+    return yaml.dump(resolved_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=120)
 
 
 def write_resolved(cfg: MegarlConfig, run_dir: str | Path | None = None) -> Path:

@@ -831,6 +831,17 @@ class MegarlConfig(_Section):
         r = self.rollout
         return "separate" if r.mode == "ray" else r.placement or "colocated"
 
+    def engine_devices(self, visible=None) -> list:
+        """Each engine replica's node and GPUs for this layout (megarl.layout.engine_devices; DeviceShortage where a
+        node has too few). visible: one node's GPUs as CUDA_VISIBLE_DEVICES names them (default: trainer.n_gpus_per_node
+        of them, "0" ...)."""
+        from megarl.layout import engine_devices
+
+        r = self.rollout
+        return engine_devices(ranks_per_node=self.trainer.n_gpus_per_node, engine_tp=r.tensor_model_parallel_size,
+                              replicas=self.engine_replicas, visible=visible,
+                              placement="ray" if r.mode == "ray" else self.engine_placement)
+
     @property
     def routes_from_engine(self) -> bool:
         """rollout.return_routed_experts, resolved: None follows actor.router_replay.mode == R3."""

@@ -10,6 +10,7 @@ from megarl.config.issues import Issue
 from megarl.config.resolve import resolved_device
 from megarl.config.schema import MegarlConfig
 from megarl.distributed import cpu_bf16
+from megarl.layout import DeviceShortage
 from megarl.megatron.checks import BF16_GAP
 from megarl.rollout.cpu_engine import CpuInfo, Refusal, host_cpu
 from megarl.rollout.engine_args import cpu_choice, language_config
@@ -131,6 +132,8 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
             issues.append(Issue(R + "data_parallel_size", r.data_parallel_size, f"{r.data_parallel_size} replicas x "
                                 f"engine TP {tp} need {r.data_parallel_size * tp} ranks, the trainer has {world}",
                                 f"at most {world // tp} replicas (the default)", keys=(R + "data_parallel_size",)))
+    if not issues:  # a layout the rules above refuse has no devices to speak of
+        issues += _device_issues(cfg)
     found = model_spec(cfg)
     if found is not None:
         spec, source = found
@@ -144,6 +147,20 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                                 f"whose {spec.num_experts} experts it divides ({source})", "set it to 1",
                                 keys=(R + "expert_model_parallel_size",)))
     return issues
+
+
+def _device_issues(cfg: MegarlConfig) -> list[Issue]:
+    """GPU runs: every engine replica gets GPUs of its node (megarl.layout.engine_devices), none asks a node for more
+    than trainer.n_gpus_per_node."""
+    if resolved_device(cfg.trainer.device) != "cuda":
+        return []
+    try:
+        cfg.engine_devices()
+    except DeviceShortage as exc:
+        return [Issue(exc.key, exc.value, exc.rule, exc.fix,
+                      keys=(exc.key, "trainer.n_gpus_per_node", "rollout.tensor_model_parallel_size",
+                            "rollout.data_parallel_size", "rollout.placement", "rollout.mode"))]
+    return []
 
 
 def _placement_issues(cfg: MegarlConfig) -> list[Issue]:
