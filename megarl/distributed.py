@@ -20,7 +20,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Iterable, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,16 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def node_gpus(environ: Optional[Mapping[str, str]] = None, count: Optional[int] = None) -> list[str]:
+    """This node's GPUs as a child process must be told them in CUDA_VISIBLE_DEVICES: the entries of this process's
+    own CUDA_VISIBLE_DEVICES where it is set (a child's list names the node's GPUs, not this process's renumbering of
+    them), else "0" .. count - 1 (count: torch.cuda.device_count()). Trainer rank k of the node computes on the k-th."""
+    listed = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
+    if listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count() if count is None else count)]
 
 
 def init_distributed(backend: Optional[str] = None, timeout_minutes: int = 30) -> None:

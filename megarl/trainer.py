@@ -20,7 +20,7 @@ from megarl.metrics import MetricsLogger, write_rollouts
 from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
 from megarl.rollout.threads import keep_trainer_on
-from megarl.distributed import barrier, compute_device
+from megarl.distributed import barrier, compute_device, node_gpus
 from megarl.runtime import Runtime, start, stop
 
 log = logging.getLogger("megarl")
@@ -68,7 +68,8 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
             return None
         from megarl.rollout.ray_engine import RayEngine
 
-        return RayEngine(rollout, model_path, seed=seed)
+        return RayEngine(rollout, model_path, seed=seed,
+                         devices=cfg.engine_devices() if compute_device().type == "cuda" else None)
     if not rt.engines.owns(rt.rank):
         return None
     if cfg.engine_placement == "separate" and compute_device().type == "cuda":
@@ -88,9 +89,11 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
     replica = rt.engines.replica_of(rt.rank)
     name = f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else "")
+    # on GPU each replica sees its own GPUs only: the engine would otherwise compute on the node's first ones
+    devices = cfg.engine_devices(node_gpus())[replica] if compute_device().type == "cuda" else None
 
     def start():
-        return EngineProcess(rollout, model_path, seed=seed, cores=cores, name=name,
+        return EngineProcess(rollout, model_path, seed=seed, cores=cores, name=name, devices=devices,
                              lora=engine_lora(cfg, model_path), reply_timeout_s=cfg.rollout.engine_timeout_s)
 
     from megarl.rollout.supervisor import EngineSupervisor, engine_failure_policy

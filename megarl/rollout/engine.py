@@ -146,6 +146,8 @@ class VLLMEngine:
         lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
             `load_adapter` then installs each new adapter and every request carries it.
         cpu: the CPU a CPU engine's kernels are chosen for (megarl.rollout.cpu_engine); None: this machine's.
+        where: the replica's node and GPUs as its placement gave them (megarl.layout.EngineDevices.describe), for the
+            start line.
     """
 
     weight_version: int  # 0 = the weights loaded at start; +1 per update
@@ -153,7 +155,7 @@ class VLLMEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
-                 lora: Optional[dict] = None, cpu: Optional[CpuInfo] = None):
+                 lora: Optional[dict] = None, cpu: Optional[CpuInfo] = None, where: str = ""):
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
@@ -229,8 +231,8 @@ class VLLMEngine:
                      info["top_k"])
         if self._tied:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
-        log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)", self.start_seconds,
-                 self.dtype, self.block_size, cfg.resolved_max_model_len)
+        log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)%s", self.start_seconds,
+                 self.dtype, self.block_size, cfg.resolved_max_model_len, f"; {where}" if where else "")
 
     def _cpu_choice(self) -> Optional[CpuEngineChoice]:
         """The CPU engine's kernels (megarl.rollout.engine_args.cpu_choice), logged; a model no setting runs here

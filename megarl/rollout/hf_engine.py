@@ -50,7 +50,7 @@ class HFEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
-                 lora: Optional[dict] = None, cpu: Any = None):
+                 lora: Optional[dict] = None, cpu: Any = None, where: str = ""):
         from megarl.rollout.engine import PROMPT_OVERFLOW_CHOICES
 
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
@@ -90,8 +90,8 @@ class HFEngine:
         unused = [k for k in VLLM_ONLY_KEYS if k in config.model_fields_set]
         if unused:
             log.info("rollout.name=hf: %s are vLLM settings this engine has no use for", ", ".join(unused))
-        log.info("hf engine started in %.1fs (%s, %s, %d parameters)", self.start_seconds, type(self.model).__name__,
-                 self.dtype, sum(p.numel() for p in self.model.parameters()))
+        log.info("hf engine started in %.1fs (%s, %s, %d parameters)%s", self.start_seconds, type(self.model).__name__,
+                 self.dtype, sum(p.numel() for p in self.model.parameters()), f"; {where}" if where else "")
 
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:

@@ -3,9 +3,13 @@ the same methods.
 
 Why: vLLM's in-process engine initialises torch.distributed. Inside a trainer rank the default process group already
 spans the trainer's world, and vLLM would build its groups on it, a collective the other ranks never join (a hang).
-The child starts without the torchrun variables, so vLLM sees a world of its own. Large tensors cross the pipe through
-torch.multiprocessing's pickler, i.e. in shared memory, not as copies of bytes; small ones (a rollout batch of short
-responses) as bytes in the message, which costs a tenth of setting up a shared-memory segment and passing its file.
+The child starts without the torchrun variables, so vLLM sees a world of its own. On GPU it also starts with
+CUDA_VISIBLE_DEVICES naming its replica's GPUs only (megarl.layout.engine_devices): vLLM's workers and the HF engine
+take devices 0 .. TP-1, which would otherwise be the node's first GPUs for every replica.
+
+Large tensors cross the pipe through torch.multiprocessing's pickler, i.e. in shared memory, not as copies of bytes;
+small ones (a rollout batch of short responses) as bytes in the message, which costs a tenth of setting up a
+shared-memory segment and passing its file.
 
 Every call carries an id that its reply repeats, so a reply can never be taken for another call's. Weights do not
 cross the pipe: the trainer ranks write each engine worker's shard into shared-memory bucket files and the call
@@ -13,6 +17,7 @@ names the files (megarl.sync.delivery).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -21,13 +26,14 @@ import threading
 import traceback
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
+from megarl.layout import EngineDevices
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal
 from megarl.rollout.threads import apply_engine_threads, available_cores
@@ -36,6 +42,30 @@ from megarl.console import LOG_DIR_ENV, capture_engine_output, log_tail
 # torchrun / launch_local variables that would make vLLM join the trainer's process group
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
               "ROLE_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def child_environment(parent: Mapping[str, str], devices: Optional[Sequence[str]] = None) -> dict:
+    """The engine process's environment: the trainer rank's, without the torchrun variables (vLLM would join the
+    trainer's process group), and where `devices` are given (GPU runs) with CUDA_VISIBLE_DEVICES naming exactly them."""
+    env = {k: v for k, v in parent.items() if k not in _DIST_VARS}
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    return env
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]):
+    """os.environ is `env` while the block runs (a spawned child takes it), then what it was."""
+    saved = dict(os.environ)
+    for key in set(saved) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
 
 
 class EngineProcessError(RuntimeError):
@@ -55,7 +85,7 @@ class EngineStartFailed(EngineProcessError, lifecycle.Explained):
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
            cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None,
-           cpu=None) -> None:
+           cpu=None, where: str = "") -> None:
     # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
@@ -70,7 +100,7 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             from megarl.rollout.engine import VLLMEngine as Engine
 
         engine = Engine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
-                            abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu)
+                        abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu, where=where)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send((0, "error", start_failure_line(exc, _output_file())))
         return
@@ -174,9 +204,11 @@ class EngineProcess:
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
                  name: str = "megarl-vllm-engine", lora: Optional[dict] = None, cpu=None,
-                 reply_timeout_s: Optional[float] = None):
+                 reply_timeout_s: Optional[float] = None, devices: Optional[EngineDevices] = None):
         """cpu: the CPU the engine's kernels are chosen for (megarl.rollout.cpu_engine.CpuInfo; None: this
-        machine's). reply_timeout_s: a call with no reply for that long means a hung engine (EngineDied)."""
+        machine's). reply_timeout_s: a call with no reply for that long means a hung engine (EngineDied).
+        devices: the replica's node and GPUs (GPU runs): the engine sees only those, and its start line names them;
+        None: the GPUs this process sees."""
         self.model_path = str(model_path)
         self.reply_timeout_s = reply_timeout_s
         self._config = config
@@ -188,17 +220,15 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         # abort() must reach a generate that is running, while the child is not reading the pipe: a shared counter
         self._abort = AbortSignal(ctx.Value("q", 0))
-        saved = {k: os.environ.pop(k) for k in _DIST_VARS if k in os.environ}
-        try:
+        with _environment(child_environment(os.environ, devices.devices if devices is not None else None)):
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
-                                                          os.getpid(), cores, self._abort.shared, lora, cpu),
+                                                          os.getpid(), cores, self._abort.shared, lora, cpu,
+                                                          devices.describe() if devices is not None else ""),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name=name)
             self._proc.start()
             lifecycle.kill_at_exit(self._proc)
-        finally:
-            os.environ.update(saved)
         child.close()
         if not self._conn.poll(start_timeout_s):
             self._proc.kill()

@@ -30,6 +30,7 @@ import torch
 from megarl import lifecycle
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
+from megarl.layout import EngineDevices
 from megarl.rollout.process import _DIST_VARS, EngineProcessError
 from megarl.rollout.protocol import Deferred
 from megarl.types import RolloutBatch
@@ -92,13 +93,21 @@ class _EngineHost:
     """Runs inside a Ray actor: one VLLMEngine, which receives its weights over the transfer group. Not used
     directly; see RayEngine."""
 
-    def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str):
+    def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str,
+                 expected: Optional[EngineDevices] = None):
         for key in _DIST_VARS:
             os.environ.pop(key, None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from megarl.rollout.engine import VLLMEngine
 
-        self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow)
+        where = ""
+        if expected is not None:  # Ray chose the node and the GPUs: as many as the layout gives the replica?
+            import ray
+
+            expected.check_assigned(ray.get_gpu_ids())
+            where = (f"replica {expected.replica}: Ray node {ray.util.get_node_ip_address()}, GPUs "
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}")
+        self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow, where=where)
 
     def ready(self) -> float:
         return float(self.engine.start_seconds)
@@ -160,10 +169,13 @@ class RayEngine:
         address: a Ray cluster to join (default: $RAY_ADDRESS); None and no RAY_ADDRESS: start a local Ray instance.
         num_cpus: CPUs of a local Ray instance (default: one per replica).
         start_timeout_s: how long the engines may take to start.
+        devices: each replica's GPUs as the layout gives them (MegarlConfig.engine_devices; GPU runs): Ray places
+            num_gpus of one node for each, and each actor checks what Ray gave it. None: engine TP GPUs each on GPU.
     """
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
-                 address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600):
+                 address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600,
+                 devices: Optional[Sequence[EngineDevices]] = None):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -176,7 +188,11 @@ class RayEngine:
         self._pg = None
         self._remove_pg = remove_placement_group
         on_gpu = torch.cuda.is_available()
-        gpus = int(config.tensor_model_parallel_size) if on_gpu else 0
+        if devices is None:
+            devices = [None] * self.replicas
+            gpus = [int(config.tensor_model_parallel_size) if on_gpu else 0] * self.replicas
+        else:
+            gpus = [d.num_gpus for d in devices]
         address = address or os.environ.get("RAY_ADDRESS") or None
 
         t0 = time.perf_counter()
@@ -187,16 +203,15 @@ class RayEngine:
                     if address:
                         ray.init(address=address, namespace="megarl", log_to_driver=True)
                     else:
-                        ray.init(num_cpus=num_cpus or self.replicas, num_gpus=gpus * self.replicas if gpus else None,
+                        ray.init(num_cpus=num_cpus or self.replicas, num_gpus=sum(gpus) or None,
                                  include_dashboard=False, namespace="megarl", log_to_driver=True)
                     self._started_ray = True
                 finally:
                     os.environ.update(saved)
-            bundle = {"CPU": 1, **({"GPU": gpus} if gpus else {})}
-            self._pg = placement_group([dict(bundle) for _ in range(self.replicas)], strategy="PACK",
-                                       name=f"megarl-engines-{os.getpid()}")
+            bundles = [{"CPU": 1, **({"GPU": g} if g else {})} for g in gpus]
+            self._pg = placement_group(bundles, strategy="PACK", name=f"megarl-engines-{os.getpid()}")
             if not self._wait(self._pg.ready(), start_timeout_s):
-                raise RayEngineError(f"Ray could not place {self.replicas} engine replica(s) of {bundle} within "
+                raise RayEngineError(f"Ray could not place {self.replicas} engine replica(s) of {bundles[0]} within "
                                      f"{start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}. Fix: add "
                                      "nodes to the Ray cluster or lower rollout.data_parallel_size / "
                                      f"rollout.tensor_model_parallel_size. {lifecycle.see('engine-ray-placement')}")
@@ -207,11 +222,11 @@ class RayEngine:
                 strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                             placement_group_bundle_index=r)
                 self._actors.append(host.options(
-                    num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, runtime_env=runtime_env,
+                    num_cpus=1, num_gpus=gpus[r], scheduling_strategy=strategy, runtime_env=runtime_env,
                     name=f"megarl-engine-{os.getpid()}-{r}",
                     # two threads: abort() must run while generate() does; the driver makes every other call in turn
                     max_concurrency=2,
-                ).remote(config, str(model_path), int(seed), prompt_overflow))
+                ).remote(config, str(model_path), int(seed), prompt_overflow, devices[r]))
             starts = self._get([a.ready.remote() for a in self._actors], start_timeout_s, "start")
         except BaseException:
             self.shutdown()

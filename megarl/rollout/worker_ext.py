@@ -254,9 +254,9 @@ class MegarlWorkerExtension(RouteCapture):
         (meta["device"]) the bucket is a buffer in the host rank's device memory, opened over CUDA IPC; the last
         ones stay open, as slot files stay mapped."""
         if "device" in meta:
-            import pickle
+            from megarl.sync.pull import open_shared
 
-            buf = pickle.loads(meta["device"])
+            buf = open_shared(meta["device"])
             kept = self.__dict__.setdefault("_megarl_device_buckets", {})
             kept[meta["slot"]] = buf
             return buf

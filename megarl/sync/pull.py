@@ -20,6 +20,8 @@ The same code runs on CPU tensors (torch shares them through shared memory), whi
 """
 from __future__ import annotations
 
+import inspect
+import io
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from typing import Optional, Sequence
@@ -69,6 +71,38 @@ class PullSources:
         self.storages.clear()
 
 
+_CUDA_REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+
+
+class _OnThisDevice(pickle.Unpickler):
+    """Unpickles torch.multiprocessing's tensors, opening CUDA ones on `device` instead of the sender's index."""
+
+    def __init__(self, blob: bytes, device: Optional[int]):
+        super().__init__(io.BytesIO(blob))
+        self.device = device
+
+    def find_class(self, module: str, name: str):
+        found = super().find_class(module, name)
+        if (module, name) != _CUDA_REBUILD:
+            return found
+        at = list(inspect.signature(found).parameters).index("storage_device")
+
+        def rebuild(*args):
+            args = list(args)
+            args[at] = torch.cuda.current_device() if self.device is None else self.device
+            return found(*args)
+        return rebuild
+
+
+def open_shared(blob: bytes, device: Optional[int] = None) -> torch.Tensor:
+    """A tensor another process shared with torch.multiprocessing's pickler (CUDA IPC for a device tensor, shared
+    memory for a host one), opened here. A CUDA tensor opens on this process's current device (`device`: that index
+    instead): the handle names its GPU by the sender's index, and an engine process that CUDA_VISIBLE_DEVICES gives
+    only its replica's GPUs (megarl.layout.engine_devices) numbers them from 0. The pull reads its host rank's memory,
+    which is on the worker's own GPU."""
+    return _OnThisDevice(blob, device).load()
+
+
 class PulledWrites:
     """Worker side: this worker's placement records and the sizes of the parameter storages they were recorded in.
 
@@ -108,7 +142,7 @@ class PulledWrites:
         return written
 
     def _open(self, blob: bytes) -> torch.Tensor:
-        t = pickle.loads(blob)
+        t = open_shared(blob)
         self._kept[(t.device, t.data_ptr(), t.numel())] = t
         return t
 
