@@ -172,6 +172,7 @@ class VLLMEngine:
         self._llm = None
         self.lora = lora
         self._lora_request = None  # the adapter every request carries (None: the base weights)
+        self.where = where
         self._start(seed)
         self._driver = RequestDriver(self._llm.llm_engine, lambda: self.weight_version, abort_signal,
                                      lambda: self._lora_request)
@@ -232,7 +233,7 @@ class VLLMEngine:
         if self._tied:
             log.info("engine parameters tied (alias -> canonical): %s", self._tied)
         log.info("vLLM engine started in %.1fs (%s, block size %d, max_model_len %d)%s", self.start_seconds,
-                 self.dtype, self.block_size, cfg.resolved_max_model_len, f"; {where}" if where else "")
+                 self.dtype, self.block_size, cfg.resolved_max_model_len, f"; {self.where}" if self.where else "")
 
     def _cpu_choice(self) -> Optional[CpuEngineChoice]:
         """The CPU engine's kernels (megarl.rollout.engine_args.cpu_choice), logged; a model no setting runs here
