@@ -36,7 +36,7 @@ demo: env
 # GRPO, then the report. Any step can be run alone; docs/getting-started.md.
 REAL_RECIPE ?= recipes/grpo_smollm2_cpu.yaml
 REAL_RUN_DIR ?= runs/grpo_smollm2_cpu
-WORD_PROBLEMS ?= --num-train 2000 --num-val 64 --steps 1 --max-number 20 --seed 0
+WORD_PROBLEMS ?= --num-train 2000 --num-val 64 --steps 1 --max-number 10 --seed 0
 demo-real: env
 	@$(VENV)/bin/megarl get-model smollm2-135m-instruct
 	@$(PY) tools/data/word_problems.py --out-dir data/word_problems $(WORD_PROBLEMS)

@@ -13,7 +13,7 @@ from typing import Optional
 GET_MODEL_NAMES = ("smollm2-135m-instruct",)
 WORD_PROBLEMS_DIR = Path("data") / "word_problems"
 WORD_PROBLEMS_COMMAND = ("python tools/data/word_problems.py --out-dir data/word_problems --num-train 2000 "
-                         "--num-val 64 --steps 1 --max-number 20 --seed 0")
+                         "--num-val 64 --steps 1 --max-number 10 --seed 0")
 
 
 def get_model_out(name: str) -> Path:
