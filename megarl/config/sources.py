@@ -21,16 +21,17 @@ def get_model_out(name: str) -> Path:
     return Path("models") / name
 
 
-def _abs(path) -> Path:
+def absolute(path) -> Path:
+    """`path` with ~ expanded, made absolute (not resolving links): how inputs and outputs of recipes are compared."""
     return Path(os.path.abspath(os.path.expanduser(str(path))))
 
 
 def maker_of(path: str) -> Optional[str]:
     """The command that writes `path` at its default place ("`megarl get-model smollm2-135m-instruct`"), or None."""
-    target = _abs(path)
+    target = absolute(path)
     for name in GET_MODEL_NAMES:
-        if target == _abs(get_model_out(name)):
+        if target == absolute(get_model_out(name)):
             return f"`megarl get-model {name}`"
-    if target.parent == _abs(WORD_PROBLEMS_DIR) and target.stem in ("train", "val", "val_unseen"):
+    if target.parent == absolute(WORD_PROBLEMS_DIR) and target.stem in ("train", "val", "val_unseen"):
         return f"`{WORD_PROBLEMS_COMMAND}`"
     return None

@@ -27,7 +27,7 @@ from megarl.config.loader import read_recipe
 from megarl.config.outputs import (pair_paths, policy_pair_paths, rm_output_dir, sft_output_dir,
                                    synthetic_paths)
 from megarl.config.schema import MegarlConfig
-from megarl.config.sources import maker_of
+from megarl.config.sources import absolute as _abs, maker_of
 
 MODEL = "model"  # a Hugging Face model directory megarl loads into megatron: config.json and safetensors weights
 ENGINE_MODEL = "engine model"  # a model directory only the vLLM engine loads (the judge): config.json
@@ -151,10 +151,6 @@ def made_by_run(cfg: MegarlConfig) -> set[Path]:
         if cfg.rm.policy_pairs.enable:
             made += list(policy_pair_paths(cfg).values())
     return {_abs(p) for p in made}
-
-
-def _abs(path) -> Path:
-    return Path(os.path.abspath(os.path.expanduser(str(path))))
 
 
 def recipe_dirs() -> list[Path]:
