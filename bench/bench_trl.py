@@ -300,6 +300,9 @@ def unequal_notes(cfg) -> list[str]:
         "TRL has none (acts only where the ratio exceeds it, never in a single on-policy update)",
         "reward: the same function (megarl's RewardRouter); megarl scores in reward.num_workers="
         f"{cfg.reward.num_workers} worker processes with a timeout (their memory counts in its peak), TRL inline",
+        "host memory: megarl's trainer keeps freed large blocks in its heap (megarl.distributed."
+        "reuse_freed_host_memory, on by default on CPU); TRL runs with glibc's malloc as users get it, unless "
+        "--trl-host-malloc megarl gives it the same setting",
         "process layout: megarl = launcher + trainer rank(s) + a vLLM engine process (+ reward workers); TRL = one "
         "process; megarl also syncs weights into its engine every step (timing/sync_s)",
         "TRL shuffles the sequences of a generation batch before cutting micro-batches; megarl keeps their order "
@@ -617,7 +620,8 @@ def run_trl(ns, seed: int, run_dir: Path) -> dict:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     cmd = [ns.trl_python, str(Path(__file__).resolve()), "--trl-runner", "--recipe", ns.recipe, "--seed", str(seed),
-           "--steps", str(ns.steps), "--run-dir", str(run_dir), *ns.overrides]
+           "--steps", str(ns.steps), "--run-dir", str(run_dir), "--trl-host-malloc", ns.trl_host_malloc,
+           *ns.overrides]
     memory, _, _, start_wall = run_watched(cmd, run_dir / "train.log", env=child_env(CUDA_VISIBLE_DEVICES=""))
     report = json.loads((run_dir / "trl_steps.json").read_text())
     ends = [s["end"] for s in report["steps"]]
@@ -746,7 +750,7 @@ def bench(ns) -> int:
     print("val accuracy: greedy HF generate of each final model (megarl: merged from its last checkpoint) on the "
           f"recipe's val files ({before['prompts']} prompts), scored by megarl's reward code; the same scorer for both")
     report = {"recipe": ns.recipe, "overrides": ns.overrides, "steps": ns.steps, "seeds": ns.seeds,
-              "trl_version": TRL_VERSION, "parameters": params, "bf16": {"used": use_bf16, "why": bf16_why},
+              "trl_version": TRL_VERSION, "trl_host_malloc": ns.trl_host_malloc, "parameters": params, "bf16": {"used": use_bf16, "why": bf16_why},
               "flop_formula": FLOP_FORMULA, "matmul_before": matmul_before, "matmul_after": matmul_after,
               "settings": [{"trl": n, "value": str(v), "megarl": s} for n, v, s in table],
               "grpo_config_kwargs": kwargs, "unequal": notes, "val_initial": before,
@@ -774,6 +778,10 @@ def trl_runner(ns) -> int:
     from megarl.reward.registry import reward_fn_from_config
 
     transformers.logging.set_verbosity_warning()
+    if ns.trl_host_malloc == "megarl":
+        from megarl.distributed import reuse_freed_host_memory
+
+        print(f"host malloc: megarl's reuse_freed_host_memory -> {reuse_freed_host_memory()}", flush=True)
     run_dir = Path(ns.run_dir)
     cfg = load_cfg(ns.recipe, ns.overrides, ns.steps, ns.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
@@ -922,6 +930,9 @@ def parse_args(argv=None):
     ap.add_argument("--megarl-own-val", action="store_true", help="keep the recipe's in-run validation on the megarl "
                     "side (its val/reward_mean at the last step is reported too; step time then from timing/step_s)")
     ap.add_argument("--keep-checkpoints", action="store_true", help="keep megarl's checkpoints after the merge")
+    ap.add_argument("--trl-host-malloc", choices=("default", "megarl"), default="default",
+                    help="TRL's process with glibc's malloc as it is (default) or with megarl's "
+                         "reuse_freed_host_memory (megarl: the same host-memory setting on both sides)")
     ap.add_argument("--trl-python", default=sys.executable, help="Python that has trl (default: this one)")
     ap.add_argument("overrides", nargs="*", help="recipe overrides for both sides (section.key=value), anywhere on "
                     "the line")
