@@ -4,7 +4,7 @@ measured peak beside the planned one.
 The model: the recipe's own architecture and widths (hidden, heads, FFN, experts, vocabulary) with its layers cut to
 --layers (a random model made with the project's tiny-model helpers: model.create_tiny's, or transformers' from the
 recipe's config.json), so state per layer is the real model's while the run fits a laptop. The plan compared is the
-planner's for that same cut model and layout (megarl.plan.plan_steps), so both sides describe one run.
+planner's for that same cut model and layout (megarl.plan.planner.plan_steps), so both sides describe one run.
 
 The steps: every rank builds the actor (and reference, critic) as the trainer does, then per step, as the trainer
 orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at full length (prompt + response tokens,
@@ -379,9 +379,9 @@ CPU_GLU = "unfused gated unit's stored activations (CPU)"
 
 
 def measured_plan(cfg, hf: dict):
-    """The planner's steps (megarl.plan.plan_steps) for the measured run's own layout and cut model: what
+    """The planner's steps (megarl.plan.planner.plan_steps) for the measured run's own layout and cut model: what
     planned_per_stage and calibration_record both read."""
-    from megarl.plan import plan_steps
+    from megarl.plan.planner import plan_steps
 
     return plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf)
 

@@ -23,7 +23,8 @@ def device_memory_bytes() -> Optional[int]:
 def plan_check(cfg, device_bytes: Optional[int], search_on_refusal: bool = True) -> Optional[str]:
     """None when the plan fits (or there is no device to plan for); else one line: the failing phase, the planned
     peak, the first reason and, when the search finds one, the overrides of a layout that fits."""
-    from megarl.plan import PlanError, plan_recipe
+    from megarl.plan.model import PlanError
+    from megarl.plan.planner import plan_recipe
 
     if device_bytes is None:
         return None
@@ -47,7 +48,7 @@ def plan_check(cfg, device_bytes: Optional[int], search_on_refusal: bool = True)
 
 
 def suggestion(cfg, nodes: int, gpus_per_node: int, mem_gib: float) -> str:
-    from megarl.plan import DEFAULT_HOST_MEM_GIB, DEFAULT_LINK_GBPS
+    from megarl.plan.planner import DEFAULT_HOST_MEM_GIB, DEFAULT_LINK_GBPS
     from megarl.plan.search import overrides, search
 
     res = search(cfg, nodes, gpus_per_node, mem_gib, DEFAULT_LINK_GBPS, DEFAULT_HOST_MEM_GIB, top=1)

@@ -237,7 +237,7 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     engine of the recipe's shape); (2) the `pool` fastest of those are planned with every engine option. The
     recipe's own layout is always among the ranked, so the best is never worse on these figures."""
     from megarl.bridge.hf_config import spec_from_dict
-    from megarl.plan import plan_steps
+    from megarl.plan.planner import plan_steps
     from megarl.plan.counts import counted_weights
     from megarl.plan.model import read_model_config
     from megarl.validate import run_checks

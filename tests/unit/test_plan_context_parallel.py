@@ -144,11 +144,11 @@ def test_search_enumerates_cp_that_divides_the_world():
 
 
 def test_search_plans_the_smallest_cp_that_fits(monkeypatch):
-    import megarl.plan
+    import megarl.plan.planner
     from megarl.plan.search import search
 
     planned = collections.defaultdict(set)  # layout without CP -> the CPs the search planned it at
-    real = megarl.plan.plan_steps
+    real = megarl.plan.planner.plan_steps
 
     def recording(c, *args, **kwargs):
         p = c.parallelism
@@ -156,7 +156,7 @@ def test_search_plans_the_smallest_cp_that_fits(monkeypatch):
                  p.expert_model_parallel_size, p.expert_tensor_parallel_size)].add(p.context_parallel_size)
         return real(c, *args, **kwargs)
 
-    monkeypatch.setattr(megarl.plan, "plan_steps", recording)
+    monkeypatch.setattr(megarl.plan.planner, "plan_steps", recording)
     cfg = load_config(ROOT / "recipes" / "gspo_qwen3_30b_a3b.yaml", LONG[:2])  # 2 nodes
     res = search(cfg, 2, 8, 80, 50, 2048, top=3)
     # TP4 PP2 EP1 ETP4: a whole 34,816-token row per rank does not fit in any knob setting; CP2 does, so CP4 and

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from megarl.plan import PlanError, place
+from megarl.plan import PlanError
 from megarl.plan.counts import counted_weights
-from megarl.plan.model import Cluster, model_weights
+from megarl.plan.model import Cluster, model_weights, place
 from megarl.plan.search import search, stage_splits, with_settings, write_recipe
 from megarl.validate import load_config, run_checks
 
