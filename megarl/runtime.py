@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +43,6 @@ class Runtime:
 
 def layout_of(cfg: MegarlConfig) -> Layout:
     return Layout.of(cfg.parallelism)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def use_device(setting: str) -> None:

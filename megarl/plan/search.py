@@ -344,11 +344,6 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     return res
 
 
-def _knob_label(k: dict) -> str:
-    micro = k.get(A + "ppo_micro_batch_size_per_gpu", k.get(A + "ppo_max_token_len_per_gpu"))
-    return f"micro {micro}, recompute {k['model.recompute']}"
-
-
 def _value(cfg, key: str):
     node = cfg
     for part in key.split("."):

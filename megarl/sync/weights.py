@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 
-import math
 from typing import Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -290,7 +289,3 @@ def describe_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n}"  # unreachable
-
-
-def ceil_to(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
