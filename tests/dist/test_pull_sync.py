@@ -31,7 +31,7 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
     from megarl.layout import EngineTopology
     from megarl.sync.factory import build_sync
-    from megarl.rollout.standin import StandInEngine, expected_parameters
+    from tests.helpers.standin import StandInEngine, expected_parameters
     from tests.helpers.sync_builds import counting_sync_builds
     from tests.helpers.tiny_models import sample_tokens
 
@@ -74,14 +74,14 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
 @pytest.mark.slow  # starts a vLLM engine (about a minute on 2 cores); run it after upgrading vLLM
 def test_recorded_layout_is_current(tmp_path):
     """The committed layout (what the GPU tests use, where vLLM cannot run) is what this vLLM's worker reports."""
-    from megarl.rollout.standin import record_worker_layout
+    from tests.helpers.standin import record_worker_layout
 
     committed = json.loads(FIXTURE.read_text())
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     fresh = json.loads(json.dumps(record_worker_layout(str(hf_dir))))
     assert fresh["config"] == committed["config"], "tiny llama config changed: re-record the fixture"
     for key in ("vllm", "layout", "regions", "params", "placed", "refused"):
-        assert fresh[key] == committed[key], f"{key} differs: re-record with `python -m megarl.rollout.standin`"
+        assert fresh[key] == committed[key], f"{key} differs: re-record with `python -m tests.helpers.standin`"
 
 
 def test_pulled_writes_equal_the_actor_after_update_and_sleep_wake(tmp_path):

