@@ -61,4 +61,6 @@ def kv_cache_reason(e: EngineMemory, r, cluster: Cluster) -> Optional[str]:
             f"{e.reserve / GIB:.1f} GiB minus weights {e.weights / GIB:.1f} GiB and activations "
             f"{e.activations / GIB:.1f} GiB leaves {max(0, e.kv_budget) / GIB:.1f} GiB = {e.kv_tokens} tokens, "
             f"less than one max_model_len={e.max_len} sequence; raise rollout.gpu_memory_utilization or "
-            "rollout.tensor_model_parallel_size")
+            + ("rollout.tensor_model_parallel_size" if r.tensor_model_parallel_size < cluster.gpus_per_node else
+               # a replica must fit in one node (megarl.rollout.checks.ONE_NODE_RULE): TP cannot grow past it
+               "use GPUs with more memory (the engine TP already fills a node)"))

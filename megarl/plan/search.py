@@ -4,8 +4,9 @@ with a margin, ranked by planned step time.
 The space: trainer TP (powers of two up to a node), PP (powers of two and the recipe's, uneven first/last stages where
 the layers do not split), CP 1/2/4/8 (where TP*PP*CP divides the trainer's ranks; of each layout only the smallest CP
 that fits is planned, and none past a CP at which every setting is over without its per-token bytes), VPP 1/2, EP and
-expert TP (MoE), micro-batch or token budget, recompute, offload, the distributed optimizer; engine TP/EP and
-replicas, colocated or on nodes of their own (the trainer/engine node split).
+expert TP (MoE), micro-batch or token budget, recompute, offload, the distributed optimizer; engine TP/EP (up to
+a node: validate refuses a replica wider than one) and replicas, colocated or on nodes of their own (the
+trainer/engine node split).
 The rules are validate's own (megarl.validate.CHECKS' layout rules, called on each candidate's config): a family of
 layouts that one of them refuses is reported once with that rule ("TP 16: must divide num_key_value_heads = 8").
 Memory and time are the planner's (plan_steps with megarl.plan.counts standing in for the sync plan;
@@ -146,17 +147,21 @@ def _without_cp(settings: dict) -> tuple:
 
 
 def engine_options(cfg, spec, nodes: int, gpus_per_node: int) -> list:
-    """(label, settings, trainer nodes) of every engine layout: colocated over all nodes, or on nodes of their own."""
+    """(label, settings, trainer nodes) of every engine layout that can start: engine TP up to a node's GPUs (an engine
+    replica must fit in one node, megarl.rollout.checks.ONE_NODE_RULE), colocated over all nodes, or on nodes of
+    their own."""
     out = []
     # colocated engines sleep where the recipe's do, or where it had them on nodes of their own
     sleep = cfg.rollout.enable_sleep_mode or cfg.engine_placement == "separate"
-    for etp in _pow2(min(nodes * gpus_per_node, 8 * gpus_per_node)):
+    for etp in _pow2(gpus_per_node):
         for eep in (sorted({1, etp}) if spec.is_moe else [1]):
             base = {R + "tensor_model_parallel_size": etp, R + "expert_model_parallel_size": eep}
             out.append((f"engine TP {etp} EP {eep}, colocated",
                         {**base, R + "mode": "colocated", R + "placement": None, R + "data_parallel_size": None,
                          R + "enable_sleep_mode": sleep, "trainer.nnodes": nodes}, nodes))
-            for t in sorted({max(1, nodes * k // 4) for k in (1, 2, 3)}):
+            # the recipe's own split too: a quarter's node counts rarely divide a batch as a recipe's do
+            own = {cfg.trainer.nnodes} if cfg.engine_placement == "separate" else set()
+            for t in sorted({max(1, nodes * k // 4) for k in (1, 2, 3)} | own):
                 engine_gpus = (nodes - t) * gpus_per_node
                 if t >= nodes or engine_gpus < etp:
                     continue

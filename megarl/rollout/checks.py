@@ -108,10 +108,62 @@ def check_quantization(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
+ONE_NODE_RULE = "an engine replica must fit in one node: vLLM's multi-node executor is not started by megarl"
+
+
+def _heads_fit(spec, tp: int) -> bool:
+    """vLLM's split of the attention: TP divides the heads, and divides or is a multiple of the KV heads."""
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    return not heads % tp and not (kv % tp and tp % kv)
+
+
+def _one_node_issue(cfg: MegarlConfig, found) -> Optional[Issue]:
+    """GPU runs: an engine TP wider than a node, with the largest engine TP that can start as the fix (it also passes
+    the TP rules of check_engine_layout, so the one report is all a user has to act on)."""
+    r, R = cfg.rollout, "rollout."
+    tp, gpus = r.tensor_model_parallel_size, cfg.trainer.n_gpus_per_node
+    # EP is formed from the TP ranks and engine PP is refused, so a replica's GPUs are its TP
+    if resolved_device(cfg.trainer.device) != "cuda" or tp <= gpus:
+        return None
+    spec = found[0] if found is not None else None
+    ep = r.expert_model_parallel_size > 1
+    colocated, world = cfg.engine_placement == "colocated", cfg.world_size
+
+    def starts(x: int) -> bool:
+        if spec is not None and not _heads_fit(spec, x):
+            return False
+        if ep and spec is not None and spec.num_experts and spec.num_experts % x:
+            return False
+        if colocated:
+            return not world % x if r.data_parallel_size is None else r.data_parallel_size * x <= world
+        return True
+
+    best = next(x for x in range(gpus, 0, -1) if starts(x))
+    bounds = []
+    if spec is not None:
+        bounds.append(f"suits num_attention_heads = {spec.num_attention_heads} and num_key_value_heads = "
+                      f"{spec.num_key_value_heads}")
+    if ep and spec is not None and spec.num_experts:
+        bounds.append(f"divides the {spec.num_experts} experts")
+    if colocated:
+        bounds.append(f"divides the world size {world}" if r.data_parallel_size is None else
+                      f"gives {r.data_parallel_size} replicas room on {world} ranks")
+    ray = (" (a Ray-hosted replica is one placement-group bundle, which Ray puts on one node)"
+           if r.mode == "ray" else "")
+    fix = (f"set {R}tensor_model_parallel_size={best}" + (f" and {R}expert_model_parallel_size={best}" if ep else "")
+           + f": the largest engine TP within a node's {gpus} GPUs" + (f" that {' and '.join(bounds)}" if bounds else "")
+           + "; `megarl plan` says whether the model's weights fit that many GPUs")
+    return Issue(R + "tensor_model_parallel_size", tp, f"{ONE_NODE_RULE}{ray}; engine TP {tp} needs {tp} GPUs and a "
+                 f"node has {gpus} (trainer.n_gpus_per_node)", fix,
+                 keys=(R + "tensor_model_parallel_size", "trainer.n_gpus_per_node"))
+
+
 def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
     """Engine replicas over the trainer's ranks (colocated) and the engine's TP/EP against the model."""
     r, R = cfg.rollout, "rollout."
     tp, issues = r.tensor_model_parallel_size, []
+    found = model_spec(cfg)
+    wide = _one_node_issue(cfg, found)
     if r.pipeline_model_parallel_size > 1:
         issues.append(Issue(R + "pipeline_model_parallel_size", r.pipeline_model_parallel_size, "engine pipeline "
                             "parallelism is not supported (weights are delivered per engine tensor-parallel rank)",
@@ -122,6 +174,8 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                             f"rollout.tensor_model_parallel_size = {tp}", f"set it to {tp} (or 1: experts split over TP)",
                             keys=(R + "expert_model_parallel_size", R + "tensor_model_parallel_size")))
     issues += _placement_issues(cfg)
+    if wide is not None:  # its fix is a TP the TP rules below accept: they would only repeat the key
+        return issues + [wide] + _expert_issues(cfg, found)
     if cfg.engine_placement == "colocated":
         world = cfg.world_size
         if r.data_parallel_size is None and world % tp:
@@ -134,19 +188,25 @@ def check_engine_layout(cfg: MegarlConfig) -> list[Issue]:
                                 f"at most {world // tp} replicas (the default)", keys=(R + "data_parallel_size",)))
     if not issues:  # a layout the rules above refuse has no devices to speak of
         issues += _device_issues(cfg)
-    found = model_spec(cfg)
     if found is not None:
         spec, source = found
-        heads, kv = spec.num_attention_heads, spec.num_key_value_heads
-        if heads % tp or (kv % tp and tp % kv):
+        if not _heads_fit(spec, tp):
             issues.append(Issue(R + "tensor_model_parallel_size", tp, f"vLLM needs it to divide num_attention_heads = "
-                                f"{heads} and to divide or be a multiple of num_key_value_heads = {kv} ({source})",
-                                "pick another engine TP", keys=(R + "tensor_model_parallel_size",)))
-        if r.expert_model_parallel_size > 1 and (not spec.num_experts or spec.num_experts % r.expert_model_parallel_size):
-            issues.append(Issue(R + "expert_model_parallel_size", r.expert_model_parallel_size, f"needs an MoE model "
-                                f"whose {spec.num_experts} experts it divides ({source})", "set it to 1",
-                                keys=(R + "expert_model_parallel_size",)))
-    return issues
+                                f"{spec.num_attention_heads} and to divide or be a multiple of num_key_value_heads = "
+                                f"{spec.num_key_value_heads} ({source})", "pick another engine TP",
+                                keys=(R + "tensor_model_parallel_size",)))
+    return issues + _expert_issues(cfg, found)
+
+
+def _expert_issues(cfg: MegarlConfig, found) -> list[Issue]:
+    ep = cfg.rollout.expert_model_parallel_size
+    if found is None or ep == 1:
+        return []
+    spec, source = found
+    if spec.num_experts and not spec.num_experts % ep:
+        return []
+    return [Issue("rollout.expert_model_parallel_size", ep, f"needs an MoE model whose {spec.num_experts} experts it "
+                  f"divides ({source})", "set it to 1", keys=("rollout.expert_model_parallel_size",))]
 
 
 def _device_issues(cfg: MegarlConfig) -> list[Issue]:

@@ -1,16 +1,19 @@
 """Which node and GPUs each engine replica computes on (megarl.layout.engine_devices), on simulated 8-GPU nodes: no
 CUDA needed. Expected devices are written out by hand from the rule: trainer rank k of a node computes on the node's
 k-th GPU; a colocated replica takes its ranks' GPUs; a separate one the GPUs the node's ranks leave; Ray picks its
-own. Also the engine child's environment, `megarl validate`'s refusal and its listing, and CUDA IPC handles opened on
-the engine's own device numbering."""
+own. Also the engine child's environment, `megarl validate`'s refusals (an engine replica must fit in one node) and
+its listing, `megarl plan --search`'s engine candidates, and CUDA IPC handles opened on the engine's own device
+numbering."""
 import io
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
 
 from megarl.distributed import node_gpus
 from megarl.layout import DeviceShortage, EngineDevices, engine_devices
+from megarl.rollout.checks import ONE_NODE_RULE
 from megarl.rollout.process import _DIST_VARS, _environment, child_environment
 from megarl.validate import load_config
 
@@ -149,7 +152,78 @@ def test_validate_refuses_a_ray_replica_wider_than_a_node():
                                           "trainer.n_gpus_per_node=1"])
     [issue] = caught.value.issues
     assert issue.key == "rollout.tensor_model_parallel_size"
-    assert issue.value == 2 and issue.fix == "use an engine TP of at most 1"
+    assert issue.value == 2 and issue.rule.startswith(ONE_NODE_RULE) and "placement-group bundle" in issue.rule
+    assert issue.fix.startswith("set rollout.tensor_model_parallel_size=1: the largest engine TP")
+
+
+def _refusal(overrides, model=None):
+    from megarl.config import ConfigError
+
+    data = {**TINY, "model": {**TINY["model"], "create_tiny": model or TINY["model"]["create_tiny"]},
+            "trainer": {"device": "cuda", "nnodes": 2, "n_gpus_per_node": 8}}
+    with pytest.raises(ConfigError) as caught:
+        load_config(data=data, overrides=overrides)
+    return caught.value
+
+
+def test_validate_refuses_engine_tp16_over_two_8_gpu_nodes_with_the_largest_tp_that_starts():
+    err = _refusal(["rollout.tensor_model_parallel_size=16"],
+                   {"num_attention_heads": 16, "num_key_value_heads": 8})
+    [issue] = err.issues  # one report: the TP rules the fix satisfies do not repeat the key
+    assert (issue.key, issue.value) == ("rollout.tensor_model_parallel_size", 16)
+    assert issue.rule == (f"{ONE_NODE_RULE}; engine TP 16 needs 16 GPUs and a node has 8 "
+                          "(trainer.n_gpus_per_node)")
+    assert issue.fix.startswith("set rollout.tensor_model_parallel_size=8: the largest engine TP within a node's 8 GPUs")
+    assert issue.error_id == "config-engine-layout" and "must fit in one node" in str(err)
+
+
+def test_the_suggested_tp_also_suits_the_heads_and_the_world():
+    # 12 heads / 4 KV heads on 8-GPU nodes: 8 and 6 do not split them, 4 does (and divides the 16 ranks); 16 would not
+    # suit the heads either, yet the report is still one line
+    [issue] = _refusal(["rollout.tensor_model_parallel_size=16"],
+                       {"hidden_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4}).issues
+    assert issue.fix.startswith("set rollout.tensor_model_parallel_size=4:")
+    assert "num_attention_heads = 12 and num_key_value_heads = 4 and divides the world size 16" in issue.fix
+    load_config(data={**TINY, "model": {"path": "unused", "create_tiny": {"hidden_size": 96, "num_attention_heads": 12,
+                                                                          "num_key_value_heads": 4}},
+                      "trainer": {"device": "cuda", "nnodes": 2, "n_gpus_per_node": 8}},
+                overrides=["rollout.tensor_model_parallel_size=4"])
+
+
+def test_an_expert_parallel_engine_is_told_to_move_ep_with_tp():
+    [issue] = _refusal(["rollout.tensor_model_parallel_size=16", "rollout.expert_model_parallel_size=16"],
+                       {"architecture": "qwen3_moe", "num_attention_heads": 16, "num_key_value_heads": 8,
+                        "num_experts": 16, "num_experts_per_tok": 2}).issues
+    assert issue.fix.startswith("set rollout.tensor_model_parallel_size=8 and rollout.expert_model_parallel_size=8:")
+
+
+def test_engine_tp8_on_8_gpu_nodes_starts():
+    cfg = load_config(data={**TINY, "model": {"path": "unused", "create_tiny": {"num_attention_heads": 16,
+                                                                                "num_key_value_heads": 8}},
+                            "trainer": {"device": "cuda", "nnodes": 2, "n_gpus_per_node": 8}},
+                      overrides=["rollout.tensor_model_parallel_size=8"])
+    assert [d.describe() for d in cfg.engine_devices()] == ["replica 0: node 0, GPUs 0-7", "replica 1: node 1, GPUs 0-7"]
+
+
+def test_a_cpu_recipe_is_not_held_to_a_gpu_node():
+    # engines take cores on CPU: n_gpus_per_node is the ranks of a machine, not a bound on the engine's TP
+    cpu = {**TINY, "trainer": {"device": "cpu", "nnodes": 2, "n_gpus_per_node": 1}}
+    load_config(data=cpu, overrides=["rollout.tensor_model_parallel_size=2"])
+
+
+def test_plan_search_proposes_engine_tps_up_to_a_node_only():
+    from megarl.bridge.checks import model_spec
+    from megarl.plan.search import engine_options, with_settings
+    from megarl.rollout.checks import check_engine_layout
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "recipes" / "grpo_qwen3_235b_a22b.yaml")
+    spec, _ = model_spec(cfg)
+    options = engine_options(cfg, spec, nodes=12, gpus_per_node=8)
+    tps = {settings["rollout.tensor_model_parallel_size"] for _, settings, _ in options}
+    assert tps == {1, 2, 4, 8}  # 12 nodes of 8: TP 16 and 32 would span nodes
+    for label, settings, _ in options:
+        assert not [i for i in check_engine_layout(with_settings(cfg, settings)) if ONE_NODE_RULE in i.rule], label
+    assert {s["rollout.tensor_model_parallel_size"] for _, s, _ in engine_options(cfg, spec, 2, 4)} == {1, 2, 4}
 
 
 def test_validate_lists_each_replicas_node_and_gpus():

@@ -1,5 +1,6 @@
-"""`megarl plan` for DeepSeek-V3 671B (recipes/grpo_deepseek_v3_671b.yaml on 64 x 8 H100 80 GiB), checked against a
-hand calculation from the published config: MLA's latent KV cache, uneven pipeline stages, the expert layout."""
+"""`megarl plan` for DeepSeek-V3 671B (recipes/grpo_deepseek_v3_671b.yaml on 64 trainer + 8 Ray engine nodes x 8 B200
+179 GiB), checked against a hand calculation from the published config: MLA's latent KV cache, uneven pipeline stages,
+the expert layout."""
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ GIB = 1024 ** 3
 
 def test_deepseek_v3_671b_fits_and_matches_hand_calculation():
     cfg = load_config(ROOT / "recipes" / "grpo_deepseek_v3_671b.yaml")
-    report = plan_recipe(cfg, 64, 8, 80)
+    report = plan_recipe(cfg, 72, 8, 179)
     assert report.fits, report.text
     # DeepSeek-V3: h 7168, 61 layers (3 dense), 128 heads, q_lora 1536, kv_lora 512, nope 128 / rope 64 / v 128,
     # 256 experts of 2048 (+1 shared), vocab 129280
@@ -25,17 +26,20 @@ def test_deepseek_v3_671b_fits_and_matches_hand_calculation():
     dense = 4 * (attn + shared + router) + vocab * h
     local_experts = 4 * (experts // 32) * expert
     states = (dense + local_experts) * (2 + 4) + dense * 12 / dp + local_experts * 12 / edp
-    engine = 0.5 * 80 * GIB  # the colocated engine's share while it generates (generate phase)
-    hand = states * 1.05 + engine + 1 * GIB  # allocator reserve over the trainer's bytes, CUDA context
-    assert abs(report.per_gpu_bytes - hand) / hand < 0.01, (report.per_gpu_bytes / GIB, hand / GIB)
-    # engine TP64 EP64: 4 experts per MoE layer, the q/kv down projections whole on every rank (vLLM fuses them,
-    # replicated), the up/out projections, shared experts, dense MLPs and vocabulary split 64 ways
-    shard = (58 * (experts // 64) * expert + 61 * (h * (ql + kl + rope) + router * 58 / 61)
-             + (61 * (attn - h * (ql + kl + rope)) + 58 * shared + 3 * 3 * h * 18432 + 2 * vocab * h) / 64) * 2
+    hand = states * 1.05 + 1 * GIB  # allocator reserve over the trainer's bytes, CUDA context; no engine beside them
+    assert abs(report.phases["generate"] - hand) / hand < 0.01, (report.phases["generate"] / GIB, hand / GIB)
+    # engine TP8 EP8 (one node: an engine replica must fit in one): 32 experts per MoE layer, the q/kv down projections
+    # whole on every rank (vLLM fuses them, replicated), the up/out projections, shared experts, dense MLPs and
+    # vocabulary split 8 ways
+    shard = (58 * (experts // 8) * expert + 61 * (h * (ql + kl + rope) + router * 58 / 61)
+             + (61 * (attn - h * (ql + kl + rope)) + 58 * shared + 3 * 3 * h * 18432 + 2 * vocab * h) / 8) * 2
     assert abs(report.sync_bytes_per_engine_rank - shard) / shard < 0.01, (report.sync_bytes_per_engine_rank, shard)
     # MLA caches the 512 + 64 latent per token and layer (bf16), whole on each rank: no KV heads
+    engine = 0.95 * 179 * GIB  # the engine's share of its own GPU
     kv_per_token = 61 * (kl + rope) * 2
-    activations = 8192 * 2 * (4 * h + 2 * 8 * fe // 64) + 256 * vocab // 64 * 4
+    activations = 8192 * 2 * (4 * h + 2 * 8 * fe // 8) + 256 * vocab // 8 * 4
     tokens = int((engine - report.sync_bytes_per_engine_rank - activations) // kv_per_token)
     shown = int(re.search(r"KV cache [\d.]+ GiB = ([\d,]+) tokens", report.text).group(1).replace(",", ""))
     assert abs(shown - tokens) / tokens < 0.01, (shown, tokens)
+    # bf16 weights of one TP8 replica do not leave an H200 room for a sequence's KV cache
+    assert not plan_recipe(cfg, 72, 8, 141).fits
