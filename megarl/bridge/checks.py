@@ -45,7 +45,7 @@ def model_spec(cfg: MegarlConfig) -> Optional[tuple[ArchSpec, str]]:
     try:
         if hf is not None:
             return spec_from_dict(hf.get("text_config", hf), source), source
-        if tiny is not None:
+        if tiny is not None and not tiny_shape_issues(tiny):  # transformers refuses such a config with a traceback
             return tiny_spec(tiny, len(_tiny_vocab(cfg))), TINY_SOURCE
     except BridgeError:
         return None
@@ -72,11 +72,31 @@ def check_model_source(cfg: MegarlConfig) -> list[Issue]:
     return []  # whether it exists: check_paths
 
 
+def tiny_shape_issues(tiny) -> list[Issue]:
+    """model.create_tiny's head sizes: every query head gets hidden_size / heads dimensions and every KV head serves a
+    whole group of query heads (transformers' own config refuses anything else)."""
+    k, heads, kv = "model.create_tiny.", tiny.num_attention_heads, tiny.num_key_value_heads
+    out = []
+    if tiny.hidden_size % heads:
+        fit = max(heads * 32, tiny.hidden_size // heads * heads)
+        out.append(Issue(k + "hidden_size", tiny.hidden_size, f"must be a multiple of num_attention_heads = {heads} "
+                         "(each head gets hidden_size / heads dimensions)", f"set {k}hidden_size={fit}, or "
+                         f"{k}num_attention_heads to a divisor of {tiny.hidden_size}",
+                         keys=(k + "hidden_size", k + "num_attention_heads")))
+    if heads % kv:
+        out.append(Issue(k + "num_key_value_heads", kv, f"must divide num_attention_heads = {heads} (each KV head "
+                         "serves a group of query heads)", f"set {k}num_key_value_heads to one of "
+                         f"{[d for d in range(1, heads + 1) if heads % d == 0]}",
+                         keys=(k + "num_key_value_heads", k + "num_attention_heads")))
+    return out
+
+
 def check_architecture(cfg: MegarlConfig) -> list[Issue]:
-    """The checkpoint's architecture and features must be ones megarl's bridge converts exactly (megarl.bridge)."""
+    """The checkpoint's architecture and features must be ones megarl's bridge converts exactly (megarl.bridge); a
+    model.create_tiny's head sizes must make a valid config."""
     hf, source = model_config(cfg)
     if hf is None:
-        return []
+        return tiny_shape_issues(cfg.model.create_tiny) if cfg.model.create_tiny is not None else []
     key = "model.config_path" if cfg.model.config_path else "model.path"
     try:
         spec = spec_from_dict(hf.get("text_config", hf), source)

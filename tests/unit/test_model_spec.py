@@ -34,3 +34,19 @@ def test_no_spec_where_the_model_is_unknown_or_the_bridge_cannot_read_it(tmp_pat
     cfg = load_unchecked(data={"model": {"path": str(tmp_path / "absent"),
                                          "config_path": str(tmp_path / "config.json")}})
     assert model_spec(cfg) is None
+
+
+def test_tiny_head_sizes_that_make_no_config_are_one_report_each_not_a_traceback(tmp_path):
+    from megarl.bridge.checks import check_architecture
+
+    cfg = load_unchecked(data={"model": {"path": str(tmp_path / "model"), "create_tiny": {
+        "hidden_size": 128, "num_attention_heads": 12, "num_key_value_heads": 5}}})
+    assert model_spec(cfg) is None  # the layout rules stay silent instead of building transformers' config
+    issues = {i.key: i for i in check_architecture(cfg)}
+    assert set(issues) == {"model.create_tiny.hidden_size", "model.create_tiny.num_key_value_heads"}
+    # 128 / 12 is not whole; the suggestion keeps head_dim >= 32 (vLLM's CPU attention): 12 * 32
+    assert "hidden_size=384" in issues["model.create_tiny.hidden_size"].fix
+    assert "[1, 2, 3, 4, 6, 12]" in issues["model.create_tiny.num_key_value_heads"].fix
+    ok = load_unchecked(data={"model": {"path": str(tmp_path / "model"), "create_tiny": {
+        "hidden_size": 384, "num_attention_heads": 12, "num_key_value_heads": 4}}})
+    assert check_architecture(ok) == [] and model_spec(ok) is not None
