@@ -9,8 +9,10 @@ pack's), so the model needs nothing else to know where its tokens sit.
 
 Two gathers over the CP group, both exact:
 - keys and values in every attention layer without Transformer Engine (`attend`): a rank's queries attend to the
-  whole segment's keys up to their own position. The backward sums every rank's gradient of a key or value on the
-  rank that holds it. (With Transformer Engine its own CP attention passes K/V chunks around a ring instead.)
+  whole segment's keys up to their own position, block by block over the chunks (`blockwise`: only the blocks a
+  query chunk may see, merged by their log-sum-exp), so the work is the causal minimum, not the dense [L / CP, L].
+  The backward sums every rank's gradient of a key or value on the rank that holds it. (With Transformer Engine its
+  own CP attention passes K/V chunks around a ring instead.)
 - per-token outputs (logprobs, entropy, values) before they are read per row (`gather_tokens`): every rank of the
   replica then computes the same loss over whole rows. The backward keeps the rank's own tokens' gradient only:
   megatron's schedule multiplies a micro-batch's loss by CP and DDP averages gradients over the data-parallel x CP
@@ -109,36 +111,135 @@ def gather_tokens(x: torch.Tensor, segments) -> torch.Tensor:
     return _Gather.apply(x[0], tuple(segments), cp, rank(), False).unsqueeze(0)
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments,
-           core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, core: Callable) -> torch.Tensor:
     """Causal attention of this rank's queries within their segments, keys and values gathered over the CP group.
 
-    query [t, nq, hq], key [t, ng, hk], value [t, ng, hv]: this rank's t = P / CP tokens of a pack of `segments`.
-    core(q [g, m, nq, hq], k [g, L, ng, hk], v [g, L, ng, hv], allowed [m, L] bool, True = may attend) ->
-    [g, m, nq, hv] for g segments of length L, m = L / CP of whose queries this rank holds. Returns [t, nq, hv].
-    Work per segment m * L = L^2 / CP; the gathered keys and values are the pack's, one layer at a time."""
+    query [t, nq, hq], key [t, ng, hk], value [t, ng, hv]: this rank's t = P / CP tokens of a pack of `segments`;
+    core(q [g, m, nq, hq], k [g, n, ng, hk], v [g, n, ng, hv], causal) -> (out [g, m, nq, hv], lse [g, m, nq]): the
+    attention of g blocks and its log-sum-exp per query, float32 or wider (`block_attention` at the layer's scale).
+    Returns [t, nq, hv] (`blockwise`). The gathered keys and values are the pack's, one layer at a time."""
     cp, r = size(), rank()
     segments = tuple(int(n) for n in segments)
-    k = _Gather.apply(key, segments, cp, r, True)
-    v = _Gather.apply(value, segments, cp, r, True)
-    device = query.device
-    full_starts, local_starts, groups = [], [], {}
-    at_full = at_local = 0
-    for i, n in enumerate(segments):
-        full_starts.append(at_full)
-        local_starts.append(at_local)
-        groups.setdefault(n, []).append(i)
-        at_full += n
-        at_local += n // cp
-    pieces: list = [None] * len(segments)
-    for n, members in groups.items():
-        m, c = n // cp, n // (2 * cp)
-        # the segment positions of this rank's queries: chunks r and 2*CP-1-r
-        q_pos = torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
-        allowed = (torch.arange(n).unsqueeze(0) <= q_pos.unsqueeze(1)).to(device)  # [m, n]
-        q_idx = (torch.tensor([local_starts[i] for i in members]).unsqueeze(1) + torch.arange(m)).to(device)
-        k_idx = (torch.tensor([full_starts[i] for i in members]).unsqueeze(1) + torch.arange(n)).to(device)
-        out = core(query[q_idx], k[k_idx], v[k_idx], allowed)
-        for j, i in enumerate(members):
-            pieces[i] = out[j]
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if cp > 1:
+        key = _Gather.apply(key, segments, cp, r, True)
+        value = _Gather.apply(value, segments, cp, r, True)
+    return blockwise(query, key, value, segments, cp, r, core)
+
+
+# The diagonal of a segment is cut into at least this many causal tiles (a chunk into ceil(16 / (2 * CP))): a tile
+# computes its masked upper half in vain, so the work is the causal minimum plus at most 1/16 of it.
+DIAGONAL_TILES = 16
+
+
+class _Plan:
+    """The blocks CP rank r computes for a pack of `segments`, blocks of one shape as one call.
+
+    calls: (causal, q [g, m] rank-local query rows, k [g, n] pack positions of the keys); rows [N]: every call's q
+    flattened, in call order (where each block's results go)."""
+
+    def __init__(self, segments: tuple, cp: int, r: int, device):
+        shapes: dict = {}
+
+        def block(q0, k0, m, n, causal):
+            shapes.setdefault((causal, m, n), ([], []))
+            shapes[(causal, m, n)][0].append(q0)
+            shapes[(causal, m, n)][1].append(k0)
+
+        start = local = 0
+        for n in segments:
+            c = n // (2 * cp)
+            if not c:
+                continue
+            tiles = min(c, -(-DIAGONAL_TILES // (2 * cp)))
+            cut = [c * j // tiles for j in range(tiles + 1)]
+            for j, i in enumerate((r, 2 * cp - 1 - r)):
+                rows, keys = local + j * c, start + i * c  # chunk i: this rank's rows, its keys in the pack
+                if i:  # the earlier chunks: every key visible to every query of the chunk
+                    block(rows, start, c, i * c, False)
+                for a in range(tiles):
+                    m = cut[a + 1] - cut[a]
+                    block(rows + cut[a], keys + cut[a], m, m, True)
+                    for b in range(a):  # the chunk's own earlier tiles, whole
+                        block(rows + cut[a], keys + cut[b], m, cut[b + 1] - cut[b], False)
+            start += n
+            local += n // cp
+        self.calls = []
+        for (causal, m, n), (q0, k0) in shapes.items():
+            self.calls.append((causal, (torch.tensor(q0).unsqueeze(1) + torch.arange(m)).to(device),
+                               (torch.tensor(k0).unsqueeze(1) + torch.arange(n)).to(device)))
+        self.rows = torch.cat([q.reshape(-1) for _, q, _ in self.calls])
+
+
+@lru_cache(maxsize=256)
+def _plan(segments: tuple, cp: int, r: int, device) -> _Plan:
+    _positions(segments, cp, r)  # the segments' check, with its message
+    return _Plan(segments, cp, r, device)
+
+
+def blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, cp: int, r: int,
+              core: Callable) -> torch.Tensor:
+    """Causal attention of CP rank r's queries [t, nq, hq] to the whole pack's keys [P, ng, hk] and values
+    [P, ng, hv] within each segment (no communication: `attend` gathers first) -> [t, nq, hv].
+
+    Query chunk i of a segment (chunks r and 2*CP-1-r here) sees the chunks before it whole and its own causally:
+    the earlier chunks are one block without a mask, the own chunk is cut into tiles, each tile causal over itself and
+    whole over the chunk's earlier tiles; later chunks are never touched. core (see `attend`) computes the blocks,
+    blocks of one shape in one call, and the results merge per query by their log-sum-exp, exactly: the work is the
+    causal minimum plus the tiles' upper halves (DIAGONAL_TILES). Under autograd each block is recomputed in backward,
+    as a fused attention kernel does."""
+    plan = _plan(tuple(int(n) for n in segments), cp, r, query.device)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
+    outs, lses = [], []
+    for causal, q, k in plan.calls:
+        if recompute:
+            # backward recomputes the block from the tensors kept anyway: kept, its scores would be L^2 / (2 * CP)
+            # floats per head and layer and its key and value copies about the pack's K/V again
+            from torch.utils.checkpoint import checkpoint
+
+            out, lse = checkpoint(_block, core, query, key, value, q, k, causal, use_reentrant=False)
+        else:
+            out, lse = _block(core, query, key, value, q, k, causal)
+        outs.append(out.reshape(-1, *out.shape[2:]))
+        lses.append(lse.reshape(-1, lse.shape[-1]))
+    out, lse, rows = torch.cat(outs), torch.cat(lses), plan.rows
+    t, heads = query.shape[0], lse.shape[-1]
+    # softmax over a query's blocks with weights exp(lse - peak); the peak only keeps exp in range, so no gradient
+    peak = lse.detach().new_full((t, heads), float("-inf")).scatter_reduce_(
+        0, rows.unsqueeze(1).expand(-1, heads), lse.detach(), "amax")
+    weight = torch.exp(lse - peak[rows])
+    total = weight.new_zeros(t, heads).index_add(0, rows, weight)
+    merged = out.new_zeros(t, heads, out.shape[-1]).index_add(0, rows, weight.unsqueeze(-1) * out)
+    return (merged / total.unsqueeze(-1)).to(value.dtype)
+
+
+def _block(core, query, key, value, q, k, causal):
+    return core(query[q], key[k], value[k], causal)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    dropout: float = 0.0) -> tuple:
+    """softmax(scale * q k^T) v of g blocks and its log-sum-exp: the core `attend` takes, softmax in float32 (or the
+    inputs' wider type).
+
+    q [g, m, nq, hq], k [g, n, ng, hk], v [g, n, ng, hv] (GQA: query head j reads group j // (nq / ng); keys and values
+    are never repeated); causal: m = n and query a sees keys 0..a. -> (out [g, m, nq, hv], lse [g, m, nq]) in the
+    softmax's type. dropout: the probability of dropping an attention weight (training)."""
+    g, m, nq, hq = q.shape
+    n, ng, hv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = nq // ng
+    acc = torch.promote_types(q.dtype, torch.float32)  # the softmax's precision: float32 at least
+    # [g, ng, rep * m, hq]: the queries of a KV group as one matrix, so keys and values need no repeat
+    qg = q.reshape(g, m, ng, rep, hq).permute(0, 2, 3, 1, 4).reshape(g, ng, rep * m, hq)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).to(acc) * scale  # [g, ng, rep * m, n]
+    if causal:
+        hidden = torch.ones(m, n, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.view(g, ng, rep, m, n).masked_fill(hidden, float("-inf")).view(g, ng, rep * m, n)
+    peak = scores.detach().amax(-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(-1, keepdim=True)
+    if dropout:
+        weights = torch.nn.functional.dropout(weights, dropout)
+    out = torch.matmul(weights.to(v.dtype), v.permute(0, 2, 1, 3)).to(acc) / total  # [g, ng, rep * m, hv]
+    lse = (peak + total.log()).view(g, ng, rep, m)
+    return (out.view(g, ng, rep, m, hv).permute(0, 3, 1, 2, 4).reshape(g, m, nq, hv),
+            lse.permute(0, 3, 1, 2).reshape(g, m, nq))

@@ -14,6 +14,7 @@ every other module (linear layers, MLP, MoE, rope) is megatron's, so parameter n
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -126,25 +127,26 @@ class SDPAttention(_module_base()):
 
         dropout = self.dropout if self.training else 0.0
 
-        def attend(q, k, v, allowed=None):
-            """q [g, m, np, hn], k/v [g, L, ng, hn] -> [g, m, np, hn]; allowed [m, L] (True = may attend) under CP,
-            else m = L and causal by the kernel."""
+        def attend(q, k, v):
+            """q [g, L, np, hn], k/v [g, L, ng, hn] -> [g, L, np, hn], causal by the kernel."""
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-            causal = self.causal and allowed is None
+            return self._sdpa(q, k, v, None, self.causal, dropout).transpose(1, 2)
+
+        segments = segment_lengths(packed_seq_params)
+        with contextlib.ExitStack() as stack:
             if dropout:
                 from megatron.core import tensor_parallel
 
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    return self._sdpa(q, k, v, allowed, causal, dropout).transpose(1, 2)
-            return self._sdpa(q, k, v, allowed, causal, 0.0).transpose(1, 2)
+                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())
+            if self.cp > 1:
+                from megarl.megatron import context_parallel
 
-        segments = segment_lengths(packed_seq_params)
-        if self.cp > 1:
-            from megarl.megatron.context_parallel import attend as cp_attend
+                def block(q, k, v, causal):
+                    return context_parallel.block_attention(q, k, v, causal, self.softmax_scale, dropout)
 
-            out = cp_attend(query, key, value, segments, attend)
-        else:
-            out = by_segment(segments, attend, query, key, value)
+                out = context_parallel.attend(query, key, value, segments, block)
+            else:
+                out = by_segment(segments, attend, query, key, value)
         return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, mask, causal, dropout):

@@ -6,9 +6,9 @@ from `kv_channels`. Its math needs neither: scores and context are computed from
 subclass takes the two arguments and sizes the output [sq, b, heads_per_partition * v_channels]; everything else
 (causal mask, fp32 softmax, the given softmax_scale with YaRN's mscale) is megatron's. Packed sequences (THD,
 megarl.megatron.packing) run megatron's math per segment, segments of one length as one batch. Under context
-parallelism each rank's queries attend to keys and values gathered over the CP group
-(megarl.megatron.context_parallel.attend); megatron's local attention refuses CP only because it gathers nothing
-itself, so it is built from a copy of the config that says CP 1.
+parallelism each rank's queries attend to keys and values gathered over the CP group, block by block with the same
+scale, float32 softmax and dropout (megarl.megatron.context_parallel.attend); megatron's local attention refuses CP
+only because it gathers nothing itself, so it is built from a copy of the config that says CP 1.
 """
 from __future__ import annotations
 
@@ -45,21 +45,41 @@ class MLADotProductAttention(DotProductAttention):
 
         from megarl.megatron.packing import by_segment, segment_lengths
 
-        def attend(q, k, v, allowed=None):
-            """q [g, m, np, hk], k/v [g, L, np, h] -> [g, m, np * hv]; allowed [m, L] (True = may attend) under CP,
-            else m = L and causal."""
-            if allowed is None:
-                n = q.shape[1]
-                allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            masked = (~allowed).view(1, 1, *allowed.shape)
+        def attend(q, k, v):
+            """q [g, L, np, hk], k/v [g, L, np, h] -> [g, L, np * hv], causal."""
+            n = q.shape[1]
+            masked = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1).view(1, 1, n, n)
             out = super(MLADotProductAttention, self).forward(
                 *(x.transpose(0, 1).contiguous() for x in (q, k, v)), masked, attn_mask_type=attn_mask_type,
                 attention_bias=attention_bias)
             return out.transpose(0, 1)
 
         if self.cp > 1:
-            from megarl.megatron.context_parallel import attend as cp_attend
-
-            return cp_attend(query, key, value, segment_lengths(packed_seq_params), attend)
+            return self._context_parallel(query, key, value, segment_lengths(packed_seq_params))
         return by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
+
+    def _context_parallel(self, query, key, value, segments):
+        """megatron's math (its scale, float32 softmax, attention dropout) block by block over the CP chunks
+        (megarl.megatron.context_parallel.attend), which needs each block's log-sum-exp: [t, np * hv]."""
+        import contextlib
+
+        from megatron.core import tensor_parallel
+
+        from megarl.megatron import context_parallel
+
+        if self.softmax_offset is not None:
+            raise ValueError(f"megarl's MLA core attention at context_parallel_size {self.cp} supports vanilla "
+                             f"softmax only (softmax_type={self.config.softmax_type!r})")
+        # megatron divides the scale by the layer number here and multiplies it back inside its softmax
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        dropout = self.attention_dropout.p if self.training else 0.0
+
+        def block(q, k, v, causal):
+            return context_parallel.block_attention(q, k, v, causal, scale, dropout)
+
+        # megatron draws attention dropout from the tracker's stream unless under sequence parallelism
+        fork = dropout and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
+            out = context_parallel.attend(query, key, value, segments, block)
+        return out.reshape(out.shape[0], -1)
 
