@@ -138,7 +138,7 @@ def _one_node_issue(cfg: MegarlConfig, found) -> Optional[Issue]:
             return not world % x if r.data_parallel_size is None else r.data_parallel_size * x <= world
         return True
 
-    best = next(x for x in range(gpus, 0, -1) if starts(x))
+    best = next((x for x in range(gpus, 0, -1) if starts(x)), 1)  # 1: the replica-count rule then says the rest
     bounds = []
     if spec is not None:
         bounds.append(f"suits num_attention_heads = {spec.num_attention_heads} and num_key_value_heads = "
