@@ -60,11 +60,11 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 HOST_MALLOC_ENV = "MEGARL_HOST_MALLOC"  # "default": leave malloc as it is
 
 
-def reuse_freed_host_memory(environ: Optional[Mapping[str, str]] = None) -> bool:
+def reuse_freed_host_memory() -> bool:
     """Serve large host allocations from the heap and keep up to 2 GiB of freed heap for the next ones, as the CUDA
     caching allocator does for device memory: the process keeps its peak heap instead of faulting it in again every
     micro-batch. True when set; False where malloc is not glibc's or MEGARL_HOST_MALLOC=default asks to leave it."""
-    if (os.environ if environ is None else environ).get(HOST_MALLOC_ENV, "").strip().lower() == "default":
+    if os.environ.get(HOST_MALLOC_ENV, "").strip().lower() == "default":
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

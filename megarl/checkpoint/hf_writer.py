@@ -18,8 +18,16 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model")
+_COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+
+
+def copy_files(source_dir: str | Path, out_dir: str | Path, names: Sequence[str] = _COPIED) -> None:
+    """Copy those of `names` that `source_dir` has into `out_dir`, verbatim."""
+    for fname in names:
+        if (Path(source_dir) / fname).exists():
+            shutil.copy2(Path(source_dir) / fname, Path(out_dir) / fname)
 
 
 def write_hf_model(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], source_dir: str | Path,
@@ -46,9 +54,7 @@ def write_hf_model(buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], source
         weight_map.update({n: final for n in names})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for fname in _COPIED:
-        if (Path(source_dir) / fname).exists():
-            shutil.copy2(Path(source_dir) / fname, tmp / fname)
+    copy_files(source_dir, tmp)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -101,21 +101,13 @@ def make_cut_model(cfg, layers: int, out: Path) -> tuple[Path, int, int]:
     if isinstance(hf.get("layer_types"), list):
         hf["layer_types"] = hf["layer_types"][:keep]
     random_hf_model(hf, out, cfg.trainer.seed)
-    _copy_tokenizer(cfg.model.tokenizer_path or cfg.model.path, out)
+    source = cfg.model.tokenizer_path or cfg.model.path
+    if source and Path(source).is_dir():
+        # the measured run validates its model directory like any other, and that needs the recipe's tokenizer
+        from megarl.checkpoint.hf_writer import TOKENIZER_FILES, copy_files
+
+        copy_files(source, out, TOKENIZER_FILES)
     return out, keep, total
-
-
-def _copy_tokenizer(source: str, out: Path) -> None:
-    """The recipe's tokenizer beside the cut model where there is one (a model made by an earlier run, a downloaded
-    one): the measured run validates its model directory like any other, and that needs a tokenizer."""
-    if not source or not Path(source).is_dir():
-        return
-    import transformers
-
-    try:
-        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(str(out))
-    except (OSError, ValueError):  # no tokenizer there: validate then names what is missing
-        return
 
 
 def random_hf_model(hf: dict, out: Path, seed: int) -> None:
