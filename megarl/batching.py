@@ -109,15 +109,17 @@ def sequence_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1) + 2
 
 
-def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int,
+                          bins: Optional[list[list[int]]] = None) -> list[dict[str, torch.Tensor]]:
     """Micro-batches of whole rows holding at most `max_tokens` real tokens each (a longer row goes alone).
 
     Rows go longest first into the first micro-batch with room (first-fit decreasing: deterministic); each
     micro-batch's tensors are cut to its longest row, and the forward runs it packed (rows end to end, no padding
-    computed: megarl.megatron.packing)."""
+    computed: megarl.megatron.packing). bins: the rows of each micro-batch, chosen by the caller (shared prefixes:
+    megarl.megatron.shared_prefix.budget_bins)."""
     lengths = sequence_lengths(batch).tolist()
     out = []
-    for rows in token_budget_groups(lengths, max_tokens):
+    for rows in bins if bins is not None else token_budget_groups(lengths, max_tokens):
         s = max(lengths[i] for i in rows)
         idx = torch.tensor(sorted(rows))
         out.append({k: _cut_columns(k, v[idx], s) for k, v in batch.items()})
@@ -143,15 +145,17 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor, max_tokens: int,
-                            width: int, on_rows=None) -> Optional[torch.Tensor]:
+                            width: int, on_rows=None, bins: Optional[list[list[int]]] = None
+                            ) -> Optional[torch.Tensor]:
     """A forward-only pass in token-budget micro-batches (rollout.log_prob_use_dynamic_bsz).
 
     forward(tokens [g, s], micro_batch_size, lengths [g]) -> [g, <= s, ...] per-position outputs (None off the last
     pipeline stage); tokens [N, S]; lengths [N] real tokens per row (prefix up to the last real token). Each group of
     rows holding at most max_tokens tokens runs as one (packed) micro-batch cut to its longest row; the rows come
     back in their order as [N, width, ...], zero past each group's cut (positions no loss reads). on_rows(idx [g]):
-    called with each group's row indices (into `tokens`) before its forward."""
-    groups = token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
+    called with each group's row indices (into `tokens`) before its forward. bins: the groups, chosen by the caller
+    (as in split_by_token_budget)."""
+    groups = bins if bins is not None else token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
     out = None
     for rows in groups:
         cut = min(tokens.shape[1], max(2, max(int(lengths[r]) for r in rows)))

@@ -104,6 +104,12 @@ class ModelConfig(_Section):
         None, description="If set and model.path does not exist, create a tiny random model and tokenizer there.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: none, selective (attention core) or full (whole layers).")
+    share_prefixes: bool = Field(
+        True, description="Rows of a micro-batch that begin with the same tokens (a group's prompt, rollout.n samples) "
+        "compute them once in every forward and backward of actor, reference and critic; exact (the same keys and "
+        "positions). Dynamic batch sizes keep a group in one micro-batch. Applies where megarl's own attention runs "
+        "(no Transformer Engine, no MLA, context-parallel size 1; off during routing replay); elsewhere rows are "
+        "packed whole.")
     moe_router_dtype: Optional[Literal["fp32", "fp64"]] = Field(
         None, description="MoE models: compute the router's logits, softmax and top-k in this precision (megatron's "
         "moe_router_dtype; fp32 keeps expert choices stable in bfloat16 training); None: the model dtype.")

@@ -2,7 +2,9 @@
 
 Batches are right-padded token ids [N, S] with each row's real length (None: every column is real). Every micro-batch
 runs packed (megarl.megatron.packing): its rows end to end as one sequence, positions restarting at every row,
-attention within each row, so no padding is computed and each real token's output is the padded batch's.
+attention within each row, so no padding is computed and each real token's output is the padded batch's. Where the
+model shares prefixes (`shares`), rows beginning with the same tokens compute them once
+(megarl.megatron.shared_prefix).
 
     logprobs[n, t] = log p(tokens[n, t+1] | tokens[n, :t+1])    shape [N, S-1]   (0 from t = length - 1 on)
     values[n, t]   = V(tokens[n, :t+1])                          shape [N, S]     (0 from t = length on)
@@ -52,18 +54,29 @@ def context_parallel_size(config) -> int:
     return int(getattr(config, "context_parallel_size", 1) or 1)
 
 
-def pack_for(config, tokens: torch.Tensor, lengths: torch.Tensor, size: Optional[int] = None) -> Pack:
-    """The pack of a micro-batch as the model of `config` computes it (sequence- and context-parallel sizes)."""
+def shares(model) -> bool:
+    """Whether `model`'s packs share their rows' common prefixes now (megarl.megatron.shared_prefix; routing replay
+    records routes per row and column, so its passes pack every row whole)."""
+    from megarl.megatron.shared_prefix import sharing
+
+    return sharing(model) and router_replay.STATE.action == "off"
+
+
+def pack_for(config, tokens: torch.Tensor, lengths: torch.Tensor, size: Optional[int] = None,
+             share: bool = False) -> Pack:
+    """The pack of a micro-batch as the model of `config` computes it (sequence- and context-parallel sizes; share:
+    common prefixes once)."""
     from megarl.megatron import context_parallel
 
     cp = context_parallel_size(config)
     return pack_rows(tokens, lengths, pack_multiple(config), size, cp=cp, cp_rank=context_parallel.rank() if cp > 1
-                     else 0)
+                     else 0, share=share)
 
 
-def pack_size_for(config, lengths) -> int:
-    """pack_size of a micro-batch's real lengths under `config`'s layout (as pack_for lays it out)."""
-    return pack_size(lengths, pack_multiple(config), context_parallel_size(config))
+def pack_size_for(config, lengths, tokens: Optional[torch.Tensor] = None) -> int:
+    """pack_size of a micro-batch's real lengths under `config`'s layout (as pack_for lays it out; tokens [b, S]:
+    with shared prefixes)."""
+    return pack_size(lengths, pack_multiple(config), context_parallel_size(config), tokens)
 
 
 def schedule_shapes(chunks: list, sizes: list[int]) -> tuple[list[int], dict]:
@@ -87,8 +100,13 @@ def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
     global ids, for routing replay."""
     if rows is not None and router_replay.STATE.action != "off":
         router_replay.micro_batch(*token_rows(pack, rows))
+    from megarl.megatron.shared_prefix import positions
+
     te = getattr(getattr(model, "module", model), "megarl_te", False)
-    return distributed.call_model(model, pack.model_ids, pack.model_positions, None, seq_params(pack, on_device=te))
+    # a shared pack's rows resume at their prefix's length: rope reads every token's own position
+    with positions(pack.positions[0] if pack.links else None):
+        return distributed.call_model(model, pack.model_ids, pack.model_positions, None,
+                                      seq_params(pack, on_device=te))
 
 
 def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[torch.Tensor]:
@@ -136,14 +154,17 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     if replay.action != "off":  # routing replay: each micro-batch's global row ids
         if replay.pass_rows is None or len(replay.pass_rows) != n:
             raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
-    sizes, shapes = schedule_shapes(chunks, agreed_sizes([pack_size_for(config, lengths[g]) for g in groups]))
+    share = shares(model)
+    host = tokens
+    sizes, shapes = schedule_shapes(chunks, agreed_sizes([
+        pack_size_for(config, lengths[g], host[g] if share else None) for g in groups]))
     items = [(g, replay.pass_rows.long()[g] if replay.action != "off" else None, size)
              for g, size in zip(groups, sizes)]
     tokens = tokens.to(device)
 
     def step(data_iterator, m):
         rows, global_rows, size = next(data_iterator)
-        pack = pack_for(config, tokens[rows.to(device)], lengths[rows], size)
+        pack = pack_for(config, tokens[rows.to(device)], lengths[rows], size, share)
         return packed_forward(m, pack, global_rows), partial(_collect, pack)
 
     def _collect(pack, output):

@@ -66,7 +66,8 @@ class SDPAttention(_module_base()):
     [b, np, sq, sk] with True = masked (padding masks included); a masked position gets the most negative finite
     score, as megatron's own masking does, so a fully masked row yields a uniform average instead of NaN.
     Packed sequences (packed_seq_params, THD: query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]) attend
-    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment). Under context
+    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment); a row continuing a
+    shared prefix attends to it as well (megarl.megatron.shared_prefix). Under context
     parallelism t is this rank's share of the pack and keys and values are gathered over the CP group
     (megarl.megatron.context_parallel.attend), exact."""
 
@@ -123,7 +124,7 @@ class SDPAttention(_module_base()):
     def _packed(self, query, key, value, packed_seq_params):
         """THD: query [t, np, hn], key/value [t, ng, hn] hold the pack's segments end to end (megarl.megatron.packing);
         each segment attends causally to itself only, segments of one length in one SDPA call. -> [t, np * hn]."""
-        from megarl.megatron.packing import by_segment, segment_lengths
+        from megarl.megatron.packing import LINKS_ATTR, by_segment, segment_lengths
 
         dropout = self.dropout if self.training else 0.0
 
@@ -133,6 +134,7 @@ class SDPAttention(_module_base()):
             return self._sdpa(q, k, v, None, self.causal, dropout).transpose(1, 2)
 
         segments = segment_lengths(packed_seq_params)
+        links = getattr(packed_seq_params, LINKS_ATTR, ())
         with contextlib.ExitStack() as stack:
             if dropout:
                 from megatron.core import tensor_parallel
@@ -145,6 +147,15 @@ class SDPAttention(_module_base()):
                     return context_parallel.block_attention(q, k, v, causal, self.softmax_scale, dropout)
 
                 out = context_parallel.attend(query, key, value, segments, block)
+            elif links:
+                from megarl.megatron import shared_prefix
+
+                def masked(q, k, v, allowed):
+                    """q [g, L, np, hn], k/v [g, a + L, ng, hn], allowed [L, a + L] -> [g, L, np, hn]."""
+                    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+                    return self._sdpa(q, k, v, allowed, False, dropout).transpose(1, 2)
+
+                out = shared_prefix.attend(query, key, value, segments, links, attend, masked)
             else:
                 out = by_segment(segments, attend, query, key, value)
         return out.reshape(out.shape[0], -1)

@@ -11,6 +11,11 @@ token's output is the one the padded batch computes there.
                                   the host: without TE only megatron's rope reads them, per layer)
     index             [b, S]      packed position of row r, column c; -1 at c >= l_r (no token computed there)
 
+Rows that begin with the same tokens (a GRPO group's prompt) can share them (share=True,
+megarl.megatron.shared_prefix): the pack then holds each group's prefix once, followed by each row's own tokens;
+`links` says which piece continues which, and `index` maps every row's columns into that layout, so everything read
+per row below is unchanged.
+
 Outputs come back per row with `unpack` (zeros where nothing was computed); logprobs use `packed_labels` (the next
 token of the same row) and `logprob_index` (columns 0 .. l_r - 2: the last real token predicts nothing in its row).
 
@@ -30,6 +35,7 @@ import torch
 # the host copy of the segment lengths rides on megatron's PackedSeqParams: attention cuts segments without reading
 # cu_seqlens back from the device in every layer
 SEGMENTS_ATTR = "megarl_segments"
+LINKS_ATTR = "megarl_links"  # and the shared-prefix links (Pack.links)
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Pack:
     segments: tuple          # segment lengths: the rows' (padded to 2*CP under CP), then the end padding's (if any)
     cp: int = 1              # context-parallel size and this rank's place in it: the model sees its share only
     cp_rank: int = 0
+    links: tuple = ()        # shared prefixes: per segment the index of the prefix piece it continues, -1 for none
 
     @property
     def size(self) -> int:
@@ -100,21 +107,23 @@ def _row_segment(n: int, cp: int) -> int:
 
 
 def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, multiple: int = 1,
-              size: Optional[int] = None, cp: int = 1, cp_rank: int = 0) -> Pack:
+              size: Optional[int] = None, cp: int = 1, cp_rank: int = 0, share: bool = False) -> Pack:
     """The pack of `tokens` [b, S] (right-padded) with real lengths `lengths` [b] (host values; None: all S), its
     size rounded up to a multiple of `multiple`, or exactly `size` (>= that: a size the expert-parallel ranks agreed
     on). cp > 1: each row's segment padded to a multiple of 2*cp, the model to see rank `cp_rank`'s share (the
     module doc); `multiple` must then be a multiple of 2*cp (megarl.megatron.forward.pack_multiple). The layout is
-    computed on the host from the lengths; tokens are gathered on their own device (no read-back from it)."""
+    computed on the host from the lengths; tokens are gathered on their own device (no read-back from it).
+    share (CP 1 only): rows with a common prefix compute it once (megarl.megatron.shared_prefix); the layout then
+    reads the tokens on the host too."""
     b, s = tokens.shape
     lens = [s] * b if lengths is None else [max(1, min(s, int(x))) for x in lengths.tolist()]
+    if share:
+        if cp > 1:
+            raise ValueError("shared prefixes need context-parallel size 1")
+        return _shared_pack(tokens, lens, multiple, size)
     rows = [_row_segment(n, cp) for n in lens]
     real = sum(rows)
-    pad = -real % max(1, multiple)
-    if size is not None:
-        if size < real + pad:
-            raise ValueError(f"pack size {size} is below the {real + pad} tokens of its rows")
-        pad = size - real
+    pad = _end_padding(real, multiple, size)
     if cp > 1 and pad % (2 * cp):
         raise ValueError(f"a pack's end padding of {pad} tokens does not split into 2*CP = {2 * cp} chunks; its "
                          f"size must be a multiple of {2 * cp}")
@@ -139,11 +148,68 @@ def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, mult
                 lengths=tuple(lens), segments=segments, cp=cp, cp_rank=cp_rank)
 
 
+def _end_padding(real: int, multiple: int, size: Optional[int]) -> int:
+    pad = -real % max(1, multiple)
+    if size is not None:
+        if size < real + pad:
+            raise ValueError(f"pack size {size} is below the {real + pad} tokens of its rows")
+        pad = size - real
+    return pad
+
+
+def _shared_pack(tokens: torch.Tensor, lens: list[int], multiple: int, size: Optional[int]) -> Pack:
+    """pack_rows with shared prefixes: per group its prefix piece (tokens 0 .. a-1 of its first row), then each row's
+    tokens a .. l_r - 1 at positions a .. l_r - 1; a row sharing nothing is one piece as in pack_rows."""
+    from megarl.megatron.shared_prefix import prefix_groups
+
+    b, s = tokens.shape
+    segments, links, src, positions = [], [], [], []
+    index = torch.full((b, s), -1, dtype=torch.long)
+    at = 0
+    for rows, a in prefix_groups(tokens, lens):
+        parent = -1
+        if a:
+            parent = len(segments)
+            segments.append(a)
+            links.append(-1)
+            src.append(rows[0] * s + torch.arange(a))
+            positions.append(torch.arange(a))
+            for r in rows:
+                index[r, :a] = at + torch.arange(a)
+            at += a
+        for r in rows:
+            n = lens[r] - a
+            segments.append(n)
+            links.append(parent)
+            src.append(r * s + a + torch.arange(n))
+            positions.append(a + torch.arange(n))
+            index[r, a:lens[r]] = at + torch.arange(n)
+            at += n
+    pad = _end_padding(at, multiple, size)
+    if pad:
+        segments.append(pad)
+        links.append(-1)
+        src.append(torch.full((pad,), -1))
+        positions.append(torch.arange(pad))
+    starts = [0]
+    for n in segments:
+        starts.append(starts[-1] + n)
+    device = tokens.device
+    flat = torch.cat(src).to(device)
+    ids = torch.where(flat >= 0, tokens.reshape(-1)[flat.clamp(min=0)], torch.zeros((), dtype=tokens.dtype,
+                                                                                    device=device))
+    return Pack(ids=ids.unsqueeze(0), positions=torch.cat(positions).to(device).unsqueeze(0),
+                cu_seqlens=torch.tensor(starts, dtype=torch.int32), index=index.to(device), lengths=tuple(lens),
+                segments=tuple(segments), links=tuple(links) if any(p >= 0 for p in links) else ())
+
+
 def packed_labels(pack: Pack) -> torch.Tensor:
     """[1, P]: the token after each packed position within its row (0 at a row's last token and in the padding).
     The whole pack's; `pack.local` gives this CP rank's share."""
     ends = torch.zeros(pack.size, dtype=torch.bool)
     ends[torch.tensor(pack.segments).cumsum(0) - 1] = True  # each segment's last token: nothing after it in its row
+    for piece in set(pack.links) - {-1}:  # except a shared prefix's: its rows go on with the next piece's token
+        ends[sum(pack.segments[:piece + 1]) - 1] = False
     nxt = torch.cat([pack.ids[:, 1:], pack.ids[:, :1]], dim=1)
     return torch.where(ends.to(nxt.device).unsqueeze(0), torch.zeros((), dtype=nxt.dtype, device=nxt.device), nxt)
 
@@ -181,6 +247,7 @@ def seq_params(pack: Pack, on_device: bool = False):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
                              cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     setattr(params, SEGMENTS_ATTR, pack.segments)
+    setattr(params, LINKS_ATTR, pack.links)
     return params
 
 
@@ -219,9 +286,16 @@ def by_segment(segments: list[int], fn, *tensors: torch.Tensor) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def pack_size(lengths, multiple: int = 1, cp: int = 1) -> int:
-    """P of pack_rows for real lengths `lengths` (host ints or a host tensor, already within 1 .. S)."""
-    real = sum(_row_segment(int(x), cp) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
+def pack_size(lengths, multiple: int = 1, cp: int = 1, tokens: Optional[torch.Tensor] = None) -> int:
+    """P of pack_rows for real lengths `lengths` (host ints or a host tensor, already within 1 .. S); tokens [b, S]:
+    with shared prefixes (pack_rows' share)."""
+    if tokens is not None:
+        from megarl.megatron.shared_prefix import groups_size, prefix_groups
+
+        real = groups_size(prefix_groups(tokens, lengths), lengths)
+    else:
+        real = sum(_row_segment(int(x), cp)
+                   for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths))
     return real + (-real % max(1, multiple))
 
 

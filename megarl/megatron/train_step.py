@@ -116,15 +116,16 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
 
     from megarl.megatron.parallel import schedule_args
 
-    from megarl.megatron.forward import pack_size_for, schedule_shapes
+    from megarl.megatron.forward import pack_size_for, schedule_shapes, shares
     from megarl.megatron.packing import agreed_sizes, row_lengths
 
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     scale = float(n_micro * dp)
     config = trainable.chunks[0].config
-    sizes, shapes = schedule_shapes(trainable.chunks,
-                                    agreed_sizes([pack_size_for(config, row_lengths(mb)) for mb in micro_batches]))
+    share = shares(trainable.chunks)
+    sizes, shapes = schedule_shapes(trainable.chunks, agreed_sizes([
+        pack_size_for(config, row_lengths(mb), mb["input_ids"] if share else None) for mb in micro_batches]))
     micro_batches = [{**mb, PACK_SIZE: size} for mb, size in zip(micro_batches, sizes)]
 
     for chunk in trainable.chunks:
@@ -147,13 +148,13 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     """Megatron's forward-step contract for one training micro-batch: (output, loss_func) with the loss scaled by
     `scale` (see the module docstring) and its metrics as float tensors. The micro-batch runs packed; the loss
     function finds the pack as mb["pack"] (megarl.megatron.packing)."""
-    from megarl.megatron.forward import pack_for, packed_forward
+    from megarl.megatron.forward import pack_for, packed_forward, shares
     from megarl.megatron.packing import row_lengths
 
     host = next(data_iterator)
     lengths = row_lengths(host)  # the pack's layout comes from the host copy: no read-back from the device
     mb = distributed.to_device(host)
-    pack = pack_for(getattr(model, "config", None), mb["input_ids"], lengths, host.get(PACK_SIZE))
+    pack = pack_for(getattr(model, "config", None), mb["input_ids"], lengths, host.get(PACK_SIZE), shares(model))
     # routing replay reads the rows' global ids (row_index)
     rows = mb["row_index"].cpu() if router_replay.STATE.action != "off" else None
     output = packed_forward(model, pack, rows)

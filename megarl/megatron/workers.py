@@ -14,7 +14,7 @@ from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_ro
                              split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
-from megarl.megatron import router_replay
+from megarl.megatron import router_replay, shared_prefix
 from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
 from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
 from megarl.megatron.model import build_and_load
@@ -62,10 +62,11 @@ def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, lengths: Optional[tor
 
 
 def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward, micro: int, width: int,
-                  trailing: tuple = ()) -> torch.Tensor:
+                  trailing: tuple = (), share: bool = False) -> torch.Tensor:
     """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
     of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz;
-    each runs packed, each row up to its last response token (megarl.batching.sequence_lengths).
+    each runs packed, each row up to its last response token (megarl.batching.sequence_lengths); share: token
+    budgets keep rows with a common prefix together (megarl.megatron.shared_prefix.budget_bins).
     forward(tokens [g, s], micro_batch_size, lengths [g] or None) -> [g, <= s, *trailing]."""
     r, ids = cfg.rollout, batch["input_ids"]
     all_lengths = sequence_lengths(batch).clamp(1, ids.shape[1]) if "response_mask" in batch else None
@@ -77,7 +78,8 @@ def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward,
             router_replay.STATE.pass_rows = idx + rows.start
 
         budget = per_micro_batch(cfg, r.log_prob_max_token_len_per_gpu)
-        local = forward_by_token_budget(forward, ids[rows], lengths, budget, width, on_rows=on_rows)
+        bins = shared_prefix.budget_bins(ids[rows], lengths, budget) if share else None
+        local = forward_by_token_budget(forward, ids[rows], lengths, budget, width, on_rows=on_rows, bins=bins)
         return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
     return _forward_rows(rt, ids, all_lengths, lambda x, lens: forward(x, _micro(x.shape[0], micro), lens),
                          (width, *trailing))
@@ -109,6 +111,7 @@ class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
                  total_steps: int, lora=None):
         self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
+        shared_prefix.enable(self.model, cfg.model.share_prefixes)
         self.replay_metrics: dict = {}  # router_replay/* of this worker's last passes
         if (cfg.actor.router_replay.mode != "none" or cfg.routes_from_engine) and not value_head and self.spec.is_moe:
             router_replay.install(self.model if isinstance(self.model, (list, tuple)) else [self.model])
@@ -156,6 +159,18 @@ class _Worker:
                                                          recorded=action == "record"))
         return out
 
+    def _shares(self) -> bool:
+        """Whether this pass shares common prefixes (megarl.megatron.forward.shares)."""
+        from megarl.megatron.forward import shares
+
+        return shares(self.model)
+
+    def _bins(self, ids: torch.Tensor, batch: dict, max_tokens: int) -> Optional[list]:
+        """Token-budget micro-batches that keep rows with a common prefix together, when the model shares them."""
+        if not self._shares():
+            return None
+        return shared_prefix.budget_bins(ids, sequence_lengths(batch).clamp(1, ids.shape[1]), max_tokens)
+
     def _update(self, batch: dict, rt: DataParallelRank, mini_batch_size: int, micro_batch_size: int, epochs: int,
                 shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
         """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or of up to `max_tokens`
@@ -168,8 +183,11 @@ class _Worker:
                 # routes stay in the batch: routing replay reads them by row_index
                 share = {**select_rows({k: v for k, v in batch.items() if k != "routed_experts"}, rows),
                          "row_index": rows}
-                micro = (split_by_token_budget(share, max_tokens) if max_tokens
-                         else split_micro(share, micro_batch_size))
+                if max_tokens:
+                    micro = split_by_token_budget(share, max_tokens, self._bins(share["input_ids"], share, max_tokens))
+                else:  # rows of one prompt side by side, so a micro-batch holds whole groups where it can
+                    micro = split_micro(select_rows(share, rows.argsort()) if self._shares() else share,
+                                        micro_batch_size)
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
                 out.append(train_mini_batch(self.trainable, micro, make_loss(denominator)))
         return _average(out)
@@ -265,11 +283,11 @@ class PolicyWorker(_Worker):
         if sum_pi_squared:  # beside each logprob, as a trailing pair
             both = self._replaying(batch, name, actor, lambda: _forward_only(
                 self.cfg, rt, batch, lambda x, mb, lens: token_logprobs_and_sum_pi_squared(self.chunks, x, mb, t, lengths=lens), micro,
-                ids.shape[1] - 1, trailing=(2,)))
+                ids.shape[1] - 1, trailing=(2,), share=self._shares()))
             return both[..., 0].contiguous(), both[..., 1].contiguous()
         return self._replaying(batch, name, actor, lambda: _forward_only(
             self.cfg, rt, batch, lambda x, mb, lens: token_logprobs(self.chunks, x, mb, t, lengths=lens), micro,
-            ids.shape[1] - 1))
+            ids.shape[1] - 1, share=self._shares()))
 
     def update(self, batch: dict, rt: DataParallelRank, step: int, on_policy: bool = False) -> dict:
         """PPO update(s) of the actor on the step's batch; returns actor/* metrics.
@@ -321,7 +339,7 @@ class ReferenceView:
         with adapters_disabled(a.chunks):  # the same forward as a reference model's: token budgets, routing replay
             return a._replaying(batch, "ref", False, lambda: _forward_only(
                 a.cfg, rt, batch, lambda x, mb, lens: token_logprobs(a.chunks, x, mb, t, lengths=lens), micro,
-                ids.shape[1] - 1))
+                ids.shape[1] - 1, share=a._shares()))
 
 
 class CriticWorker(_Worker):
@@ -335,7 +353,7 @@ class CriticWorker(_Worker):
         s = batch["input_ids"].shape[1]
         return _forward_only(self.cfg, rt, batch,
                              lambda x, mb, lens: _cut(token_values(self.chunks, x, mb, lengths=lens), x.shape[1] - 1),
-                             micro, s - 1)
+                             micro, s - 1, share=self._shares())
 
     def update(self, batch: dict, rt: DataParallelRank, step: int) -> dict:
         c, n = self.cfg.critic, self.cfg.rollout.n
