@@ -596,6 +596,7 @@ def run_megarl(ns, seed: int, run_dir: Path) -> dict:
         step["seconds"] = row.get("timing/step_s", wall) if ns.megarl_own_val else wall
         step["update_s"] = sum(row.get(f"timing/{p}_s", 0.0) for p in ("train", "old_log_prob", "ref"))
         step["response_length_mean"] = row.get("train/response_length_mean")
+        step["pack_tokens"] = row.get("actor/pack_tokens")  # tokens computed per optimizer step (shared prompts once)
         steps.append(step)
     out = {"memory": memory, "steps": steps, "rows": len(rows), "launch_to_first_step_end_s":
            (ends[0] - start) if ends else None, "log": str(run_dir / "train.log")}
@@ -661,6 +662,19 @@ def finish_side(cfg, res: dict, params: int, prompt_tokens: list[int], matmul: d
     summary["update_gflops"] = median(kept) / 1e9 if kept else None
     summary["update_of_matmul"] = (summary["update_gflops"] / matmul["best_gflops"]
                                    if summary["update_gflops"] else None)
+    # megarl computes a group's shared prompt once (model.share_prefixes): the FLOP/s of the tokens it computed
+    opt_steps = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+    shares, rates = [], []
+    for s, gen, prompt in zip(res["steps"], gen_tokens, prompt_tokens):
+        if s.get("pack_tokens") and s.get("update_s"):
+            t = s["pack_tokens"] * opt_steps
+            shares.append(t / (prompt + gen))
+            rates.append(update_flops(params, t, cfg.actor.ppo_epochs, forward_only_passes(cfg))["total"]
+                         / s["update_s"])
+    if rates:
+        summary["computed_token_share"] = median(after_first(shares))
+        summary["computed_gflops"] = median(after_first(rates)) / 1e9
+        summary["computed_of_matmul"] = summary["computed_gflops"] / matmul["best_gflops"]
     summary.update(res["memory"])
     summary["generated_tokens_per_step"] = median(after_first(gen_tokens)) if gen_tokens else None
     return summary
@@ -736,6 +750,10 @@ def bench(ns) -> int:
         print("\nmegarl phases (median s over steps after the first):")
         for seed, s in results["megarl"].items():
             print(f"  seed {seed}: " + ", ".join(f"{k[7:-2]} {s[k]:.3f}" for k in phases if k in s))
+    for seed, s in results["megarl"].items():
+        if s.get("computed_token_share") is not None:
+            print(f"  seed {seed}: computes {s['computed_token_share']:.1%} of the prompt + response tokens (shared "
+                  f"prompts once), at {s['computed_gflops']:.1f} GFLOP/s ({s['computed_of_matmul']:.1%} of matmul)")
     for seed, s in results["trl"].items():
         print(f"TRL seed {seed}: generate {s.get('generate_s', 0):.3f} s, reward {s.get('reward_s', 0):.3f} s, "
               f"update (the rest) {s.get('update_s', 0):.3f} s")

@@ -141,6 +141,7 @@ def train_mini_batch(trainable: Trainable, micro_batches: list[dict], loss_fn: L
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["update_skipped"] = float(not update_ok)
     metrics["lr"] = trainable.optimizer.param_groups[0]["lr"]
+    metrics["pack_tokens"] = float(sum(sizes))  # tokens this rank computed for the step (shared prefixes once)
     return metrics
 
 
