@@ -155,7 +155,8 @@ class SDPAttention(_module_base()):
                     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
                     return self._sdpa(q, k, v, allowed, False, dropout).transpose(1, 2)
 
-                out = shared_prefix.attend(query, key, value, segments, links, attend, masked)
+                out = shared_prefix.attend(query, key, value, segments, links,
+                                           lambda lengths, q, k, v: by_segment(lengths, attend, q, k, v), masked)
             else:
                 out = by_segment(segments, attend, query, key, value)
         return out.reshape(out.shape[0], -1)

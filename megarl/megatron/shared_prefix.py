@@ -28,6 +28,7 @@ import torch
 # the longest run of rows one group may hold: grouping is O(rows x RUN) on the host
 RUN = 256
 
+_logged: set = set()  # the reasons sharing was off, each logged once per process
 _POSITIONS: contextvars.ContextVar = contextvars.ContextVar("megarl_rope_positions", default=None)
 
 
@@ -143,7 +144,13 @@ def enable(model, on: bool) -> bool:
     Its rotary embedding then reads each packed token's own position while a shared pack runs (`positions`)."""
     from megarl.bridge.sharding import unwrap
 
-    ok = on and supported(model) is None
+    reason = supported(model)
+    ok = on and reason is None
+    if on and reason is not None and reason not in _logged:
+        import logging
+
+        _logged.add(reason)
+        logging.getLogger("megarl").info("model.share_prefixes: off for this model (%s); rows are packed whole", reason)
     for chunk in unwrap(model):
         chunk.megarl_share_prefixes = ok
         if ok:
@@ -190,15 +197,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments
            ) -> torch.Tensor:
     """Attention over a shared pack (module doc). query [t, np, hn], key/value [t, ng, hn]; segments: the pieces'
     lengths in pack order; links: per piece the index of the prefix piece it continues, -1 for none (prefix pieces,
-    rows alone, the end padding). causal_fn(q, k, v) over pieces [g, L, heads, hn] attends causally within each;
-    masked_fn(q [g, L, ...], k/v [g, a + L, ...], allowed [L, a + L] bool) attends where allowed. -> [t, np, hn]."""
-    from megarl.megatron.packing import by_segment
-
+    rows alone, the end padding). causal_fn(lengths, q, k, v) attends causally within each of the pieces laid end
+    to end in q, k, v [m, heads, hn] (megarl.megatron.packing.by_segment); masked_fn(q [g, L, ...],
+    k/v [g, a + L, ...], allowed [L, a + L] bool) attends where allowed. -> [t, np, hn]."""
     starts = np.concatenate([[0], np.cumsum(segments)]).astype(np.int64)
     device = query.device
     plain = [i for i, p in enumerate(links) if p < 0]  # never empty: a row's piece follows its prefix piece
     plain_idx = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in plain]).to(device)
-    parts = [by_segment([segments[i] for i in plain], causal_fn, query[plain_idx], key[plain_idx], value[plain_idx])]
+    parts = [causal_fn([segments[i] for i in plain], query[plain_idx], key[plain_idx], value[plain_idx])]
     where = [plain_idx]
     children: dict = {}
     for i, p in enumerate(links):

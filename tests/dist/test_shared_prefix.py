@@ -6,7 +6,8 @@ once, and nothing a row reads changes.
   (tests/helpers/bounds.py), and the shared pack computes fewer tokens than the rows hold.
 - One PPO update on those rows with prefixes shared equals the update with every row packed whole: loss, grad norm
   and every parameter within the bounds of tests.helpers.bounds.assert_same_ppo_step.
-Both in one launch (TP1, about a minute on 2 cores).
+Both in one launch (TP1, about a minute on 2 cores); TP2 with sequence parallelism (the pack padded to a multiple of
+TP) and PP2 (every stage lays out the same pack) in the slow tier.
 """
 import pytest
 import torch
@@ -39,7 +40,7 @@ def _rows(seed: int = 11):
     return tokens, torch.tensor([len(p) + len(r) for p, r in rows]), mask
 
 
-def shared_rank(hf_dir: str, batch: dict, lengths):
+def shared_rank(hf_dir: str, batch: dict, lengths, tp: int = 1, pp: int = 1):
     from megarl.config.schema import OptimConfig
     from megarl.megatron import shared_prefix, train_step
     from megarl.megatron.forward import token_logprobs
@@ -48,7 +49,7 @@ def shared_rank(hf_dir: str, batch: dict, lengths):
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.packing import pack_size
 
-    init_model_parallel(Layout(), seed=0)
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     out = {"sizes": (pack_size(lengths), pack_size(lengths, tokens=batch["input_ids"])), "shared_calls": 0}
     attend = shared_prefix.attend
 
@@ -58,7 +59,7 @@ def shared_rank(hf_dir: str, batch: dict, lengths):
 
     shared_prefix.attend = counted
     for share in (True, False):
-        model, spec = build_and_load(hf_dir, dtype=torch.float32)
+        model, spec = build_and_load(hf_dir, dtype=torch.float32, sequence_parallel=tp > 1 or None)
         assert shared_prefix.enable(model, share) == share
         model.eval()
         with torch.no_grad():
@@ -108,3 +109,26 @@ def test_shared_prefix_logprobs_equal_hf_and_compute_fewer_tokens(run):
 def test_shared_prefix_update_equals_the_update_of_rows_packed_whole(run):
     hf_dir, batch, _, result = run
     assert_same_ppo_step("shared vs whole rows", hf_dir, batch, [result["step_True"]], [result["step_False"]], LR)
+
+
+@pytest.mark.slow  # a launch of about a minute each
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2_sp", "pp2"])
+def test_shared_prefix_under_tensor_and_pipeline_parallelism(run, tp, pp):
+    hf_dir, batch, lengths, _ = run
+    results = run_ranks(f"{__name__}:shared_rank", tp * pp, {"hf_dir": hf_dir, "batch": batch, "lengths": lengths,
+                                                              "tp": tp, "pp": pp}, timeout=420)
+    tokens = batch["input_ids"]
+    valid = torch.arange(tokens.shape[1] - 1)[None, :] < (lengths[:, None] - 1)
+    ref, tol = hf_logprobs(hf_dir, tokens), logprob_bound(hf_dir, tokens, valid)
+    checked = 0
+    for r in results:
+        assert r["shared_calls"] > 0  # every rank holds layers that attended a shared pack
+        if r["logprobs_True"] is None:  # off the last pipeline stage
+            continue
+        diff = ((r["logprobs_True"] - ref).abs() * valid).max().item()
+        print(f"[measured] tp{tp} pp{pp} shared: logprobs vs HF {diff:.2e} (bound {tol:.2e})")
+        assert diff < tol
+        checked += 1
+    assert checked == tp
+    assert_same_ppo_step(f"tp{tp} pp{pp} shared vs whole rows", hf_dir, batch, [r["step_True"] for r in results],
+                         [r["step_False"] for r in results], LR, tp)
