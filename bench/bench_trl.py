@@ -308,6 +308,10 @@ def unequal_notes(cfg) -> list[str]:
         "TRL shuffles the sequences of a generation batch before cutting micro-batches; megarl keeps their order "
         f"(actor.shuffle={a.shuffle})",
     ]
+    if cfg.model.share_prefixes:
+        notes.append("shared prompts: megarl computes the prompt a group's n samples share once per micro-batch in "
+                     "its forward and backward (model.share_prefixes, the same math: see docs/long-sequences.md); "
+                     "TRL computes every row whole")
     if cfg.kl_loss_active:
         notes.append("KL k3: megarl's low_var_kl clamps the per-token value at 10, TRL does not")
     if a.use_dynamic_bsz:
