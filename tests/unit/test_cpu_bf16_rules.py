@@ -86,7 +86,8 @@ def test_validate_on_this_machine_follows_its_cpu():
     from megarl.config import ConfigError
     from megarl.validate import load_config
 
-    data = {"model": {**TINY, "dtype": "bfloat16"}, "trainer": {"device": "cpu"}}
+    # rollout.n=2: GRPO needs a group, and the dtype rule must be the only one that can speak here
+    data = {"model": {**TINY, "dtype": "bfloat16"}, "rollout": {"n": 2}, "trainer": {"device": "cpu"}}
     if cpu_bf16().native:
         cfg = load_config(data=data)
         assert "model.dtype" in {w.key for w in cfg._warnings}
