@@ -71,7 +71,6 @@ class Trainer:
     def __init__(self, cfg: MegarlConfig, rt: Runtime, cleanups):
         from transformers import AutoTokenizer  # lazy, as megatron's workers and sft: start-up time
 
-        from megarl.megatron import workers
         from megarl.sft import sft_model_path
 
         self.rt = rt
@@ -84,10 +83,10 @@ class Trainer:
                                                        trust_remote_code=self.cfg.model.trust_remote_code)
         self._build_data()  # the loader, then self.cfg capped at trainer.total_epochs, then the val records
         self._build_reward(cleanups)
-        self._build_models(workers)  # the actor; the reference, teacher and critic as scorers
+        self._build_models()  # the actor; the reference, teacher and critic as scorers
         self.kl_ctrl = make_kl_controller(self.cfg)
         self.schedule = steps.rollout_schedule(self.cfg, self.loader)  # trainer.mode: which batch is generated when
-        self._build_state(workers)  # checkpointer, resume (self.start_step), offload
+        self._build_state()  # checkpointer, resume (self.start_step), offload
         self._build_engine(cleanups)  # engine, weight sync, generation
         self.logger = MetricsLogger.for_run(self.cfg, enabled=rt.is_rank0, resume_step=self.start_step)
 
@@ -244,8 +243,10 @@ class Trainer:
             self.reward_fn = StepReward(cfg, self.tokenizer, self.reward_fn, self.rt.is_rank0)
             cleanups.callback(self.reward_fn.close)
 
-    def _build_models(self, workers) -> None:
+    def _build_models(self) -> None:
         """The actor and the frozen scorers of each step, in their order: reference, teacher, critic values."""
+        from megarl.megatron import workers
+
         cfg, path = self.cfg, self.model_path
         self.actor = actor = workers.PolicyWorker(path, cfg, trainable=True)
         self.ref = None
@@ -261,21 +262,26 @@ class Trainer:
                                  f"{self.teacher.spec.vocab_size} tokens, the student {actor.spec.vocab_size}: the "
                                  "teacher must share the student's tokenizer")
         self.critic = workers.CriticWorker(cfg.critic.model_path or path, cfg) if cfg.critic_enabled else None
-        self.scorers = [Scorer(name, key, getattr(model, method)) for name, key, model, method in (
-            ("ref", "ref_log_probs", self.ref, "log_probs"),
-            ("teacher", "teacher_log_probs", self.teacher, "log_probs"),
-            ("values", "values", self.critic, "values")) if model is not None]
+        self.scorers = []
+        if self.ref is not None:
+            self.scorers.append(Scorer("ref", "ref_log_probs", self.ref.log_probs))
+        if self.teacher is not None:
+            self.scorers.append(Scorer("teacher", "teacher_log_probs", self.teacher.log_probs))
+        if self.critic is not None:
+            self.scorers.append(Scorer("values", "values", self.critic.values))
 
-    def _build_state(self, workers) -> None:
+    def _build_state(self) -> None:
         """The checkpointer and the resume (self.start_step: 0 for a fresh run), then the offload of the states.
 
         actor/critic/ref.offload: states in host memory from each weight sync to the next forward (and from here to the
         first forward, so the engine starts with their memory free); a checkpoint brings them back to be written."""
+        from megarl.megatron.workers import OffloadAroundRollout
+
         self.ckpt = Checkpointer(self.cfg, self.rt, models={"actor": self.actor, "critic": self.critic},
                                  states={"loader": self.loader, "kl_ctrl": self.kl_ctrl,
                                          "schedule": self.schedule})  # schedule after loader
         self.start_step = self.ckpt.resume()
-        self.offload = workers.OffloadAroundRollout(self.cfg, self.actor, self.critic, self.ref)
+        self.offload = OffloadAroundRollout(self.cfg, self.actor, self.critic, self.ref)
         if self.offload.active:
             self.ckpt.before_save.append(self.offload.onload)
             self.offload.offload()
