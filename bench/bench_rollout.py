@@ -2,8 +2,8 @@
 
 1. weight sync as `megarl train` runs it, of a >= 100M-parameter Llama in rollout.update_weights_bucket_megabytes
    buckets: at engine TP T, T trainer ranks (processes over gloo, holding the model in Megatron's layout) each write
-   their own engine worker's shard into its bucket files (megarl.sync.delivery.WeightSync) and rank 0 owns the
-   engine process; against the floor: rank 0 copying the same bytes into preallocated in-memory buffers with every
+   their own engine worker's shard into its bucket files (megarl.sync.transports.colocated.WeightSync) and rank 0 owns
+   the engine process; against the floor: rank 0 copying the same bytes into preallocated in-memory buffers with every
    core's threads, between syncs. At engine TP1 and TP2, with vLLM's prepacked CPU weights
    (rollout.cpu_prepack_weights=true, the default: bucket files, each layer rebuilt and re-packed) and with plain
    weights (false: each trainer rank writes its shards straight into its engine worker's parameters,
@@ -59,16 +59,16 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
                  out) -> None:
     """One trainer rank of the engine-replica sync as `megarl train` runs it: ranks hold the model in Megatron's
     layout (trainer TP1, so every rank holds every tensor, as at data parallel 2), rank r hosts engine worker r and
-    writes that worker's shard of each tensor into its bucket files (megarl.sync.delivery.WeightSync); rank 0 owns
-    the engine process. Rank 0 times each sync and, between syncs (the other ranks waiting), the in-memory copy floor
-    of the same bytes at every core's thread, then decodes `prompts`; puts ([(metrics, floor seconds)], decoding
+    writes that worker's shard of each tensor into its bucket files (megarl.sync.transports.colocated.WeightSync); rank
+    0 owns the engine process. Rank 0 times each sync and, between syncs (the other ranks waiting), the in-memory copy
+    floor of the same bytes at every core's thread, then decodes `prompts`; puts ([(metrics, floor seconds)], decoding
     tokens/s) on `out`."""
     import torch.distributed as dist
 
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.bridge.sharding import LocalParam
-    from megarl.sync.delivery import plan_sync
+    from megarl.sync.transports.colocated import plan_sync
     from megarl.sync.holdings import gather_holdings
     from megarl.rollout.process import EngineProcess
     from megarl.layout import EngineTopology

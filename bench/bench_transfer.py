@@ -3,9 +3,9 @@
 Two trainer ranks (data parallel: both hold the whole model) and one vLLM engine process started by rank 0. The same
 engine receives the same weights both ways, alternately:
   colocated  rank 0 hosts the engine's worker: it copies its own pieces into the bucket files, rank 1 sends it
-             nothing (rank 0 holds everything): megarl.sync.delivery
+             nothing (rank 0 holds everything): megarl.sync.transports.colocated
   separate   the engine process is a member of the transfer group: both ranks send it their half of the pieces over
-             gloo, it writes them into the bucket files: megarl.sync.remote
+             gloo, it writes them into the bucket files: megarl.sync.transports.remote
 against the floor: copying the same bytes into preallocated buffers in one process. The best of --repeats each.
 
     .venv/bin/python bench/bench_transfer.py                     # ~60M params, fp32 (a few minutes on 2 cores)

@@ -363,7 +363,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
                if rt.engines.owns(r)]
     cores = replica_cores(engine_cores(cfg), on_node.index(rt.rank), len(on_node),
                           cfg.rollout.tensor_model_parallel_size)
-    from megarl.sync.adapters import engine_lora
+    from megarl.sync.transports.adapter import engine_lora
 
     replica = rt.engines.replica_of(rt.rank)
     name = f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else "")

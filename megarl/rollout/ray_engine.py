@@ -10,7 +10,7 @@ Layout
 * generate: the prompts are split into contiguous chunks, one per replica, generated concurrently and concatenated
   in prompt order. Seeds follow VLLMEngine's rule (prompt i's samples use seed + i*n + j) with the global prompt
   index, so the samples do not depend on the number of replicas.
-* weights: never through Ray's object store. Each actor joins the trainer's transfer group (megarl.sync.remote)
+* weights: never through Ray's object store. Each actor joins the trainer's transfer group (megarl.sync.transfer)
   and receives, after every update, exactly its workers' shards straight from the trainer ranks that hold them (gloo
   on CPU, NCCL on GPU); it writes them into its workers' shared-memory bucket files and loads them through megarl's
   worker extension, as a colocated engine does.
@@ -118,7 +118,7 @@ class _EngineHost:
     def rollout_agents(self, prompt_token_ids, **kwargs) -> RolloutBatch:
         return self.engine.rollout_agents(prompt_token_ids, **kwargs)
 
-    # -- weights over the transfer group (megarl.sync.remote) -----------------------------------------------------
+    # -- weights over the transfer group (megarl.sync.transports.remote) -----------------------------------------------
     def layouts(self) -> list:
         return self.engine.layouts
 
@@ -290,7 +290,7 @@ class RayEngine:
         """As generate (Ray engines generate only in trainer.mode=sync: the call returns when it is done)."""
         return Deferred.ready(self.generate(prompt_token_ids, **kwargs))
 
-    # -- weights over the transfer group: one engine host per replica (megarl.sync.remote) --------------------
+    # -- weights over the transfer group: one engine host per replica (megarl.sync.transports.remote) ------------------
     def transfer_layouts(self) -> list:
         return self._all("layouts")
 

@@ -79,7 +79,7 @@ class RequestDriver:
         version: returns the engine weight version (recorded per token).
         signal: the AbortSignal checked before every engine step.
         lora_request: returns the vllm LoRARequest every new request carries (None: the base model), read at each
-            add: the adapter sync (megarl.sync.adapters) replaces it between generations."""
+            add: the adapter sync (megarl.sync.transports.adapter) replaces it between generations."""
 
     def __init__(self, llm_engine, version: Callable[[], int], signal: Optional[AbortSignal] = None,
                  lora_request: Optional[Callable[[], Any]] = None):

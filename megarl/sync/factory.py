@@ -5,11 +5,13 @@ once, handed to the transport the recipe picks.
     metrics = sync.run(engine)                                                                 # every update
 
 Transports:
-* colocated (megarl.sync.delivery): engines on the trainer's ranks; each worker's pieces reach it through bucket files,
+* colocated (megarl.sync.transports.colocated): engines on the trainer's ranks; each worker's pieces reach it through
+bucket files,
   writes into its parameters (megarl.sync.placement) or its own pulls from the host's memory (megarl.sync.pull), as
   each worker reports at plan time.
-* remote (megarl.sync.remote): engines in processes of their own (Ray actors, rollout.placement=separate).
-* adapter (megarl.sync.adapters): only the LoRA adapters after each update; an engine started with dummy weights
+* remote (megarl.sync.transports.remote): engines in processes of their own (Ray actors, rollout.placement=separate).
+* adapter (megarl.sync.transports.adapter): only the LoRA adapters after each update; an engine started with dummy
+weights
   first gets the base once through the colocated transport.
 """
 from __future__ import annotations
@@ -47,13 +49,13 @@ class SyncFactory:
         return self._holdings
 
     def colocated(self, engine: Any, topology: EngineTopology, bucket_bytes: int):
-        from megarl.sync.delivery import plan_sync
+        from megarl.sync.transports.colocated import plan_sync
 
         return plan_sync(self.holdings, engine, topology, bucket_bytes)
 
     def remote(self, engine: Any, bucket_bytes: int, **kwargs):
         """kwargs: plan_remote_sync's (timeout_s, engine_dtype, delta_full_every)."""
-        from megarl.sync.remote import plan_remote_sync
+        from megarl.sync.transports.remote import plan_remote_sync
 
         return plan_remote_sync(self.holdings, engine, bucket_bytes, **kwargs)
 
@@ -61,7 +63,7 @@ class SyncFactory:
                  base_weights: bool = False):
         """base_weights: the engine started with dummy weights and gets the base once, through the colocated
         transport, before the first adapter (the holdings are built only then)."""
-        from megarl.sync.adapters import AdapterSync
+        from megarl.sync.transports.adapter import AdapterSync
 
         base = self.colocated(engine, topology, bucket_bytes) if base_weights else None
         return AdapterSync(self.chunks, topology, engine_dtype, base=base)

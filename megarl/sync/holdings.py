@@ -4,9 +4,9 @@
     holdings.boxes                                  # {hf name: [(rank, box)]}: where plan_moves takes each piece from
     holdings.piece(move, chunks)                    # this rank's piece of a move, cut from its own parameter
 
-Every transport that moves the trainer's own shards (the colocated delivery, megarl.sync.delivery; engines hosted
-elsewhere, megarl.sync.remote) plans from the same holdings and cuts its pieces with the same calls, so the mapping
-and the walk over the model's parameters happen once per run, whichever transport runs.
+Every transport that moves the trainer's own shards (the colocated delivery, megarl.sync.transports.colocated; engines
+hosted elsewhere, megarl.sync.transports.remote) plans from the same holdings and cuts its pieces with the same calls,
+so the mapping and the walk over the model's parameters happen once per run, whichever transport runs.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from megarl.bridge.mapping import Mapping
 from megarl.distributed import all_gather_objects
-from megarl.sync.shards import Move, relative_slices, trainer_holdings
+from megarl.sync.boxes import relative_slices
+from megarl.sync.moves import Move
+from megarl.sync.shards import trainer_holdings
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megarl.sync.shards import Box, box_numel, intersect, relative_slices
+from megarl.sync.boxes import Box, box_numel, intersect, relative_slices
 
 _ALIGN = 64
 _FILLS = {torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default}

@@ -1,6 +1,7 @@
 """The weight-sync plan of a trainer layout and an engine layout, from an HF config: pure, printable.
 
-It is the plan the live sync runs (megarl.sync.delivery), computed without processes: the trainer's holdings come
+It is the plan the live sync runs (megarl.sync.transports.colocated), computed without processes: the trainer's holdings
+come
 from the megatron layout (`shards.layout_owners`) and each engine worker's needs from `shards.predict_engine_modules`
 (the facts a live worker reports; a test compares the two). Both are derived from the bridge's one mapping per
 architecture, so there is no second tensor table. `megarl plan` takes its per-GPU bytes from here.
@@ -18,8 +19,9 @@ from typing import Any, Mapping as TMapping, Optional
 
 from megarl.bridge.hf_config import spec_from_dict
 from megarl.bridge.mapping import Mapping, padded_vocab_size
-from megarl.sync.shards import (box_numel, engine_needs, layout_owners, plan_moves, predict_engine_modules,
-                                trainer_holdings, traffic)
+from megarl.sync.boxes import box_numel
+from megarl.sync.moves import plan_moves, traffic
+from megarl.sync.shards import engine_needs, layout_owners, predict_engine_modules, trainer_holdings
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -95,7 +97,7 @@ def build_plan(hf_config: TMapping[str, Any], tp: int = 1, pp: int = 1, ep: int 
                last_stage: Optional[int] = None) -> SyncPlan:
     """The sync plan. Colocated engines: `replicas` (default world / engine_tp) replicas whose workers are hosted by
     the first ranks. separate: `replicas` (default 1) replicas on GPUs of their own, engine GPU i being receiver
-    world + i (megarl.sync.remote numbers them so)."""
+    world + i (megarl.sync.transports.remote numbers them so)."""
     world = world or tp * pp * ep
     replicas = replicas or (1 if separate else world // engine_tp)
     if not separate and replicas * engine_tp > world:

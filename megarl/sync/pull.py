@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megarl.sync.boxes import Box
 from megarl.sync.placement import parameter_regions, region_viewer, write_placed
-from megarl.sync.shards import Box
 
 
 def _storage_key(t: torch.Tensor) -> tuple:

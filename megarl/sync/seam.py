@@ -7,7 +7,7 @@ tested and changed without the other.
   process of a trainer rank): each worker's layout, where its parameters can be written in place, and an update
   opened, fed bucket by bucket and closed (or aborted).
 * `TransferTarget`: engines in processes of their own (Ray actors, rollout.placement=separate) that receive over a
-  transfer group of the trainer ranks and the engine hosts (megarl.sync.remote).
+  transfer group of the trainer ranks and the engine hosts (megarl.sync.transports.remote).
 """
 from __future__ import annotations
 

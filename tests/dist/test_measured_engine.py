@@ -1,8 +1,8 @@
 """`megarl plan --measure`'s engine (megarl.plan.measure.MeasuredEngine) receives what a real engine worker would: the
-trainer's own weight sync (megarl.sync.delivery) writes every piece each worker needs into its parameter file, and
-after the sync each worker's boxes equal the actor's exported HF tensors. At TP2 with two engine replicas of TP1 each
-rank holds half of every split weight and its worker needs the whole model: the pieces cross ranks, as they do in the
-measured MoE and CP runs' layouts."""
+trainer's own weight sync (megarl.sync.transports.colocated) writes every piece each worker needs into its parameter
+file, and after the sync each worker's boxes equal the actor's exported HF tensors. At TP2 with two engine replicas of
+TP1 each rank holds half of every split weight and its worker needs the whole model: the pieces cross ranks, as they do
+in the measured MoE and CP runs' layouts."""
 import pytest
 import torch
 

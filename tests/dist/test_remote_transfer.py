@@ -1,5 +1,5 @@
-"""The transfer group that delivers weights to engines in processes of their own (megarl.sync.remote), without
-vLLM: trainer ranks with a real megatron model send their pieces to engine host processes, whose stand-in engine
+"""The transfer group that delivers weights to engines in processes of their own (megarl.sync.transports.remote),
+without vLLM: trainer ranks with a real megatron model send their pieces to engine host processes, whose stand-in engine
 assembles what each worker's bucket files hold. Every worker must end with exactly its shard of every HF tensor as
 the checkpoint on disk has it (shards as vLLM lays them out at the engine's TP, predicted from the model's shapes),
 and the bytes each trainer rank sent and each host received must equal the plan's; with data-parallel copies both
@@ -56,7 +56,7 @@ class AssemblingEngine:
 
 
 def _host(conn, layouts, fail_at):
-    from megarl.sync.remote import WeightReceiver
+    from megarl.rollout.receiver import WeightReceiver
 
     receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
     while True:

@@ -270,9 +270,9 @@ def test_placed_weights_sleep_releases_the_arena(model_dir, hf_model, tmp_path):
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.rollout.hf_engine import HFEngine
-    from megarl.sync.delivery import worker_needs
+    from megarl.sync.shards import worker_needs
     from megarl.sync.placement import region_viewer, write_placed
-    from megarl.sync.shards import full_box
+    from megarl.sync.boxes import full_box
     from megarl.sync.wire import shm_dir
 
     eng = HFEngine(config(load_format="dummy", enable_sleep_mode=True), model_dir, seed=0, device="cpu")

@@ -1,8 +1,8 @@
 """rollout.placement=separate: the trainer's two ranks train while the engine runs in a process of its own, on cores
 of its own, and receives every update over the transfer group of the trainer ranks and the engine host
-(megarl.sync.remote). The tiny recipe's loop in sync mode: the engine samples from the actor's distribution at the
-first step and after every sync (logprob gap < 1e-4), and the bytes each rank sent and the engine host received are
-the plan's, the two data-parallel ranks sharing the sending."""
+(megarl.sync.transports.remote). The tiny recipe's loop in sync mode: the engine samples from the actor's distribution
+at the first step and after every sync (logprob gap < 1e-4), and the bytes each rank sent and the engine host received
+are the plan's, the two data-parallel ranks sharing the sending."""
 import json
 import os
 from pathlib import Path

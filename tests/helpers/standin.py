@@ -33,7 +33,7 @@ def record_worker_layout(hf_dir: str, dtype: str = "float32") -> dict:
     from megarl.bridge.mapping import Mapping
     from megarl.config.schema import RolloutConfig
     from megarl.rollout.process import EngineProcess
-    from megarl.sync.delivery import worker_needs
+    from megarl.sync.shards import worker_needs
     from megarl.rollout.worker_ext import PULL_ENV
 
     import vllm
@@ -260,8 +260,8 @@ def expected_parameters(record: dict, hf: dict) -> tuple:
     """(regions, covered): the worker's parameter storages as vLLM's loaders fill them from the HF tensors `hf`
     ({name: full tensor}), every recorded placement applied on the host, independently of any transport; and per
     storage the mask of the bytes a placement writes (the rest, e.g. padded vocabulary rows, is not compared)."""
+    from megarl.sync.boxes import full_box
     from megarl.sync.placement import region_viewer, write_placed
-    from megarl.sync.shards import full_box
 
     regions = [torch.zeros(n, dtype=torch.uint8) for n in record["regions"]]
     covered = [torch.zeros(n, dtype=torch.bool) for n in record["regions"]]

@@ -87,7 +87,7 @@ def test_the_checker_rejects_host_tensors_and_objects_on_the_nccl_group(nccl):
 
 
 def test_weight_sync_metrics_travel_as_objects_over_gloo(nccl):
-    from megarl.sync.delivery import WeightSync
+    from megarl.sync.transports.colocated import WeightSync
 
     sync = SimpleNamespace(buckets=[[], [], []], plan_sent={0: 8.0, 1: 4.0}, plan_received={1: 8.0},
                            plan_loaded={0: 12.0})

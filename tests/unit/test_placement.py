@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.sync import placement
-from megarl.sync.shards import full_box, relative_slices
+from megarl.sync.boxes import full_box, relative_slices
 
 HIDDEN, HEAD = 8, 2
 VOCAB, PADDED = 13, 16

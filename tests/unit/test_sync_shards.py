@@ -7,8 +7,9 @@ import pytest
 from megarl.bridge.hf_config import spec_from_dict
 from megarl.bridge.mapping import Mapping
 from megarl.sync.plan import build_plan, main
-from megarl.sync.shards import (Move, box_numel, bucket_moves, engine_needs, intersect, plan_moves,
-                                predict_engine_modules, split_rows)
+from megarl.sync.boxes import box_numel, intersect, split_rows
+from megarl.sync.moves import Move, bucket_moves, plan_moves
+from megarl.sync.shards import engine_needs, predict_engine_modules
 
 # hidden 8, 2 heads x head_dim 4, 2 KV heads, ffn 16, vocab 32, 2 layers, untied. Elements per layer:
 # q 64 + k 64 + v 64 + o 64 + gate 128 + up 128 + down 128 = 640 split, 2 norms x 8 = 16 replicated.

@@ -27,88 +27,25 @@ import contextlib
 import logging
 import os
 import secrets
-import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
 from megarl.layout import EngineTopology
-from megarl.bridge.mapping import Mapping
+from megarl.sync.boxes import box_shape, full_box, intersect, relative_slices
 from megarl.sync.holdings import Holdings
-from megarl.sync.shards import (EngineModule, Move, SyncTable, box_numel, box_shape, bucket_moves, engine_needs,
-                                full_box, intersect, plan_moves, relative_slices, traffic)
+from megarl.sync.moves import Move, bucket_moves, plan_moves, traffic
 from megarl.sync.placement import region_viewer, write_placed
 from megarl.sync.pull import PullSources
+from megarl.sync.shards import SyncTable, worker_needs
+from megarl.sync.transports.common import BackgroundLoad, SlotFiles
 from megarl.sync.weights import add_checksums, tensor_checksum
 from megarl.sync.wire import ALIGN, BucketFile, half_threads_during_sync, layout_bucket, region, shm_dir
 
 log = logging.getLogger(__name__)
-
-
-class SlotFiles:
-    """The shared-memory files one writer fills for its engine workers, kept mapped between buckets and syncs.
-
-    `file(path, size)` maps `path` (created at `size` bytes) the first time it is named and returns the same mapping
-    after; the worker unlinks the file once it mapped it, and both mappings stay valid."""
-
-    def __init__(self, device: Optional[torch.device] = None):
-        self.mapped: dict = {}
-        self.device = device  # a GPU: the "files" are device buffers its worker opens over CUDA IPC (megarl.sync.pull)
-
-    def file(self, path: str, size: int) -> torch.Tensor:
-        buf = self.mapped.get(path)
-        if buf is None or buf.numel() < size:
-            if self.device is not None:
-                buf = self.mapped[path] = torch.empty(size, dtype=torch.uint8, device=self.device)
-            else:
-                buf = self.mapped[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        return buf
-
-    def drop(self, paths: Optional[Iterable[str]] = None) -> None:
-        """Forget the mappings (of `paths`, default all) and remove their files where no worker unlinked them yet."""
-        for path in list(self.mapped) if paths is None else list(paths):
-            self.mapped.pop(path, None)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-class BackgroundLoad:
-    """engine.load_bucket in a thread, one bucket at a time, so that the next bucket is written (into the other slot)
-    while the engine loads this one. `wait()` before any other call to the engine: calls never overlap."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.seconds = 0.0
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-
-    def start(self, metas: list) -> None:
-        self.wait()
-
-        def load():
-            t0 = time.perf_counter()
-            try:
-                self.engine.load_bucket(metas)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
-                self._error = exc
-            self.seconds += time.perf_counter() - t0
-
-        self._thread = threading.Thread(target=load, name="megarl-bucket-load", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Until the load in flight ended; re-raises its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
 
 class WeightSync:
@@ -460,121 +397,3 @@ def plan_sync(holdings: Holdings, engine: Any, topology: EngineTopology, bucket_
     sync = WeightSync(holdings, layouts, topology, bucket_bytes, rank, tokens[0])
     sync.place(engine)
     return sync
-
-
-def write_worker_files(named: Iterable, layouts: Sequence[dict], mapping: Mapping, prefix: str,
-                       slots: Optional["FeedSlots"] = None) -> list:
-    """Single process: the bucket files of every worker of one engine for a bucket of full HF tensors [(name,
-    tensor)]; returns the metas for megarl_load (tests, `megarl verify`, engines fed from a whole-tensor stream).
-    With `slots`, the files are the engine's reused slot files (see FeedSlots); without, one new file per worker."""
-    named = list(named)
-    tensors = dict(named)
-    dtypes = {name: str(t.dtype).replace("torch.", "") for name, t in named}
-    shapes = {name: tuple(t.shape) for name, t in named}
-    metas = []
-    for w, lay in enumerate(layouts):
-        needs = slots.needs[w] if slots is not None else worker_needs(mapping, lay)
-        moves = [Move(name, 0, w, needs[name], full_box(t.shape), box_numel(needs[name]) * t.element_size())
-                 for name, t in named if name in needs]
-        if not moves:
-            metas.append(None)
-            continue
-        f = layout_bucket(moves, w, f"{prefix}-w{w}", shapes, dtypes, needs)
-        if slots is None:
-            buf = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
-        else:
-            f.path, f.size, buf = slots.file(w, f.size)
-            f.meta.update(path=f.path, size=f.size, slot=slots.slot_name(w))
-        for mv in moves:
-            offset, dtype, shape = f.regions[mv.hf]
-            sl = relative_slices(mv.box, full_box(shape))
-            region(buf, dtype, shape, offset)[sl].copy_(tensors[mv.hf][sl])
-        metas.append(f.meta)
-    return metas
-
-
-def worker_needs(mapping: Mapping, layout: dict) -> dict:
-    """{hf name: box} of what one engine worker (its reported layout) reads."""
-    return engine_needs(mapping, {k: EngineModule.from_dict(v) for k, v in layout["modules"].items()},
-                        layout.get("packed"))
-
-
-class FeedSlots:
-    """The reused slot files of the whole-tensor feed into one engine (two per worker, buckets alternate between
-    them; a slot grows, under a new file name, when a bucket needs more than it has). Kept on the engine handle."""
-
-    def __init__(self, layouts: Sequence[dict], mapping: Mapping):
-        self.prefix = os.path.join(shm_dir(), f"megarl-feed-{secrets.token_hex(4)}")
-        self.needs = [worker_needs(mapping, lay) for lay in layouts]
-        self.files = SlotFiles()
-        self.current: dict = {}  # (worker, slot) -> (path, size)
-        self.bucket = 0  # buckets written so far: picks the slot
-        self.grown = 0
-
-    def slot_name(self, w: int) -> str:
-        return f"{self.prefix}-w{w}-slot{self.bucket % 2}"
-
-    def file(self, w: int, size: int) -> tuple:
-        key = (w, self.bucket % 2)
-        path, have = self.current.get(key, (None, 0))
-        if have < size:
-            if path is not None:
-                self.files.drop([path])
-            self.grown += 1
-            path, have = self.current[key] = (f"{self.slot_name(w)}-g{self.grown}", size)
-        return path, have, self.files.file(path, have)
-
-
-def feed_full_tensors(engine: Any, buckets: Iterable, model_path: str, verify: bool = False) -> dict:
-    """Load a stream of buckets of FULL HF-named tensors [(name, tensor)] (the bridge's `export_hf_weights`, a state
-    dict) into an engine in one process: each worker still receives only its own shard of each tensor, through the
-    same bucket files and worker extension as the trainer's per-rank delivery. For `megarl verify`, tests, benches.
-    `engine` has layouts / begin_update / load_bucket / end_update / abort_update (VLLMEngine or EngineProcess)."""
-    from megarl.bridge.hf_config import load_spec
-
-    slots = getattr(engine, "_megarl_feed_slots", None)
-    if slots is None:
-        slots = FeedSlots(engine.layouts, Mapping(load_spec(model_path)))
-        setattr(engine, "_megarl_feed_slots", slots)
-    stats = {"bytes": 0, "buckets": 0, "max_bucket": 0, "source_s": 0.0, "write_s": 0.0}
-    t0 = time.perf_counter()
-    loading = BackgroundLoad(engine)
-    engine.begin_update(verify=verify)
-    try:
-        it = iter(buckets)
-        with half_threads_during_sync():
-            while True:
-                t_pull = time.perf_counter()
-                bucket = next(it, None)
-                stats["source_s"] += time.perf_counter() - t_pull
-                if bucket is None:
-                    break
-                size = sum(t.numel() * t.element_size() for _, t in bucket)
-                stats["bytes"] += size
-                stats["buckets"] += 1
-                stats["max_bucket"] = max(stats["max_bucket"], size)
-                t_write = time.perf_counter()  # while the engine loads the previous bucket from the other slot
-                metas = write_worker_files(bucket, engine.layouts, None, "", slots=slots)
-                stats["write_s"] += time.perf_counter() - t_write
-                loading.start(metas)  # waits for the previous load first
-                slots.bucket += 1
-            loading.wait()
-    except BaseException:
-        try:
-            loading.wait()  # the engine takes one call at a time
-        except BaseException:  # noqa: BLE001 - the first error is the one raised
-            pass
-        setattr(engine, "_megarl_feed_slots", None)
-        slots.files.drop()  # a worker unlinks what it maps; remove what a failed load left
-        engine.abort_update()
-        raise
-    metrics = engine.end_update()
-    seconds = time.perf_counter() - t0
-    metrics.update({"weight_sync/bytes": float(stats["bytes"]), "weight_sync/seconds": seconds,
-                    "weight_sync/source_seconds": stats["source_s"],
-                    "weight_sync/load_seconds": seconds - stats["source_s"],
-                    "weight_sync/write_seconds": stats["write_s"],
-                    "weight_sync/num_buckets": float(stats["buckets"]),
-                    "weight_sync/max_bucket_bytes": float(stats["max_bucket"]),
-                    "weight_sync/gbps": stats["bytes"] / seconds / 1e9 if seconds > 0 else 0.0})
-    return metrics

@@ -1,5 +1,6 @@
 """Weight delivery to engines that run in processes of their own: Ray actors (rollout.mode=ray) and
-rollout.placement=separate.
+rollout.placement=separate. The trainer's end; the engine host's end is megarl.rollout.receiver, and
+what both agree on (the transfer group, each host's ReceivePlan) is megarl.sync.transfer.
 
     trainer rank k ──(pieces of its own parameters the plan assigns to a replica's workers)──► engine host
                      over a transfer group (gloo on CPU, NCCL on GPU) formed beside the trainer's process group
@@ -24,270 +25,22 @@ the bucket files); only the gloo path is exercised on CPU.
 """
 from __future__ import annotations
 
-import os
 import secrets
-import socket
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
-from megarl.sync.delta import DENSE, apply_sparse, checksum, encode, index_dtype
+from megarl.sync.delta import DENSE, checksum, encode
 from megarl.sync.holdings import Holdings
-from megarl.sync.shards import (EngineModule, SyncTable, box_shape, bucket_moves, engine_needs, full_box, plan_moves,
-                                relative_slices, traffic)
-from megarl.sync.wire import layout_bucket, region, shm_dir
-
-DEFAULT_TIMEOUT_S = 1800.0
+from megarl.sync.moves import bucket_moves, plan_moves, traffic
+from megarl.sync.shards import EngineModule, SyncTable, engine_needs
+from megarl.sync.transfer import DEFAULT_TIMEOUT_S, TransferSpec, join_group, piece_key, receive_plan, serve_store
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The transfer group
-
-
-@dataclass(frozen=True)
-class TransferSpec:
-    """Where the transfer group meets and what it runs on (small and picklable: it travels to the engine hosts)."""
-
-    addr: str
-    port: int
-    prefix: str
-    size: int
-    backend: str = "gloo"  # "nccl" on GPU
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-
-def reachable_address() -> str:
-    """An address of this machine the engine hosts can reach: the interface that routes to the trainer's master (or
-    the Ray head), else loopback for a run on one machine."""
-    for var in ("MASTER_ADDR", "RAY_ADDRESS"):
-        peer = (os.environ.get(var) or "").split("://")[-1].rsplit(":", 1)[0]
-        if peer and peer not in ("localhost", "auto", "local") and not peer.startswith("127."):
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                    s.connect((peer, 1))  # no packet is sent: this only picks the outgoing interface
-                    return s.getsockname()[0]
-            except OSError:
-                continue
-    return "127.0.0.1"
-
-
-def serve_store(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple:
-    """A TCPStore for the transfer group's rendezvous, served by this process on a free port: (store, addr, port)."""
-    addr = reachable_address()
-    store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    return store, addr, store.port
-
-
-def join_group(spec: TransferSpec, rank: int, store: Optional[dist.Store] = None):
-    """This process's end of the transfer group (blocks until all `spec.size` ranks have joined)."""
-    timeout = timedelta(seconds=spec.timeout_s)
-    if store is None:
-        store = dist.TCPStore(spec.addr, spec.port, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(spec.prefix, store)
-    if spec.backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, spec.size, options)
-    return dist.ProcessGroupGloo(store, rank, spec.size, timeout)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The engine host's side
-
-
-@dataclass
-class ReceivePlan:
-    """What one engine host receives at every sync: for each bucket of the sync the moves to its workers (empty
-    where it has none), and how to lay them out in each worker's bucket file."""
-
-    token: str
-    workers: list  # receiver ids of the host's workers, in engine rank order
-    buckets: list  # [[Move]] per bucket of the sync
-    shapes: dict  # {hf_name: full shape}
-    dtypes: dict  # {hf_name: dtype name}
-    needs: dict  # {receiver id: {hf_name: box}}
-    device: str = "cpu"  # where pieces arrive first (NCCL: the GPU); on CPU straight into the files when contiguous
-    delta: bool = False  # each bucket opens with a header per sender; pieces arrive whole or as changes (sync.delta)
-
-
-@dataclass
-class _Posted:
-    files: dict
-    buffers: dict
-    works: list
-    copies: list = field(default_factory=list)
-    nbytes: int = 0
-    changes: list = field(default_factory=list)  # delta: (mirror, indices, values) to apply once received
-    arrivals: list = field(default_factory=list)  # delta over NCCL: (host tensor, device buffer received into)
-
-
-def piece_key(b: int, mv) -> tuple:
-    """A piece's name on both sides of a sync (bucket, tensor, receiver, box)."""
-    return b, mv.hf, mv.dst, tuple(tuple(side) for side in mv.box)
-
-
-class WeightReceiver:
-    """Receives the weights of one engine replica from the trainer ranks and loads them through the engine's worker
-    extension (begin_update / load_bucket / end_update; a failure aborts the update and the engine keeps its
-    previous weight version). Lives in the engine host, next to its VLLMEngine."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.group = None
-        self.plan: Optional[ReceivePlan] = None
-        self.mirror: dict = {}  # delta: {(bucket, move index): what the workers last received of the piece}
-
-    def join(self, spec: TransferSpec, rank: int) -> None:
-        self.group = join_group(spec, rank)
-
-    def receive(self, sync: int, verify: bool = False) -> dict:
-        """One sync: every bucket with pieces for this host, received while the previous one loads."""
-        if self.group is None or self.plan is None:
-            raise RuntimeError("receive_weights before the transfer group was joined and the receive plan was set")
-        t0 = time.perf_counter()
-        stats = {"received": 0, "receive_s": 0.0, "load_s": 0.0}
-        todo = [b for b, moves in enumerate(self.plan.buckets) if moves]
-        self.engine.begin_update(verify=verify)
-        try:
-            posted = self._post(sync, todo[0]) if todo else None
-            for i, b in enumerate(todo):
-                files = self._finish(posted, stats)
-                posted = self._post(sync, todo[i + 1]) if i + 1 < len(todo) else None
-                t1 = time.perf_counter()
-                self.engine.load_bucket([files[w].meta if w in files else None for w in self.plan.workers])
-                stats["load_s"] += time.perf_counter() - t1
-        except BaseException:
-            self.engine.abort_update()
-            self._remove_files(sync)
-            self._break_group()
-            raise
-        metrics = self.engine.end_update()
-        sums = ({piece_key(b, mv): checksum(self.mirror[(b, j)]) for b in todo
-                 for j, mv in enumerate(self.plan.buckets[b])} if self.plan.delta else {})
-        # loaded: what the workers report they loaded (their shards), counted apart from what arrived
-        return {"metrics": metrics, "received": stats["received"], "loaded": int(metrics["weight_sync/engine_bytes"]),
-                "receive_s": stats["receive_s"], "load_s": stats["load_s"], "seconds": time.perf_counter() - t0,
-                "sums": sums}
-
-    def _break_group(self) -> None:
-        """Close this end of the transfer group after a failed sync, so that trainer ranks waiting to send to this
-        host fail at once instead of at the group's timeout (the run stops; the group is not used again)."""
-        group, self.group = self.group, None
-        if group is not None:
-            try:
-                group.abort()
-            except Exception:  # noqa: BLE001 - best effort: the error being raised says what went wrong
-                pass
-
-    def _path(self, sync: int, b: int, worker: int) -> str:
-        return os.path.join(shm_dir(), f"megarl-{self.plan.token}-s{sync}-b{b}-w{worker}")
-
-    def _post(self, sync: int, b: int) -> _Posted:
-        plan = self.plan
-        moves = plan.buckets[b]
-        posted = _Posted({}, {}, [])
-        for w in plan.workers:
-            if any(mv.dst == w for mv in moves):
-                f = layout_bucket(moves, w, self._path(sync, b, w), plan.shapes, plan.dtypes, plan.needs[w])
-                posted.files[w] = f
-                posted.buffers[w] = torch.from_file(f.path, shared=True, size=f.size, dtype=torch.uint8)
-        if plan.delta:
-            self._post_delta(b, posted)
-            return posted
-        for mv in moves:
-            target = self._target(posted, mv)
-            into = target
-            if plan.device != "cpu" or not target.is_contiguous():
-                into = torch.empty(box_shape(mv.box), dtype=target.dtype, device=plan.device)
-                posted.copies.append((target, into))
-            posted.works.append(self.group.recv([into], mv.src, b))
-            posted.nbytes += mv.nbytes
-        return posted
-
-    def _target(self, posted: _Posted, mv) -> torch.Tensor:
-        """Where piece `mv` goes in its worker's bucket file."""
-        offset, dtype, shape = posted.files[mv.dst].regions[mv.hf]
-        return region(posted.buffers[mv.dst], dtype, shape, offset)[relative_slices(mv.box, full_box(shape))]
-
-    def _post_delta(self, b: int, posted: _Posted) -> None:
-        """Bucket b of a delta-capable sync: each sender's header first (one entry per piece it sends this host, in
-        bucket order: DENSE or the count of changed elements), then the pieces or their changes, received into the
-        mirror (host memory); _finish writes the mirror into the files."""
-        plan = self.plan
-        moves = list(enumerate(plan.buckets[b]))
-        senders = sorted({mv.src for _, mv in moves})
-        headers = {src: torch.empty(sum(1 for _, mv in moves if mv.src == src), dtype=torch.int64) for src in senders}
-        waiting = _Posted({}, {}, [])
-        for src in senders:
-            waiting.works.append(self._recv_into(headers[src], src, b, waiting))
-        self._finish_arrivals(waiting)
-        for src in senders:
-            for entry, (j, mv) in zip(headers[src].tolist(), [(j, mv) for j, mv in moves if mv.src == src]):
-                dtype = getattr(torch, plan.dtypes[mv.hf])
-                mirror = self.mirror.get((b, j))
-                if entry == DENSE:
-                    if mirror is None:
-                        mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype)
-                    posted.works.append(self._recv_into(mirror, src, b, posted))
-                    posted.nbytes += mirror.numel() * mirror.element_size()
-                elif mirror is None:
-                    raise RuntimeError(f"delta weight update of {mv.hf} (bucket {b}) without a full update before it "
-                                       f"on this engine host: the trainer must send a full update after a restart")
-                elif entry > 0:
-                    idx = torch.empty(entry, dtype=index_dtype(mirror.numel()))
-                    values = torch.empty(entry, dtype=dtype)
-                    posted.works += [self._recv_into(idx, src, b, posted), self._recv_into(values, src, b, posted)]
-                    posted.changes.append((mirror, idx, values))
-                    posted.nbytes += idx.numel() * idx.element_size() + values.numel() * values.element_size()
-                posted.copies.append((self._target(posted, mv), mirror))
-
-    def _recv_into(self, host: torch.Tensor, src: int, b: int, posted: _Posted):
-        """Receive into the host tensor `host`: directly over gloo; over NCCL into a device buffer copied to it once
-        the receive completed (_finish_arrivals)."""
-        if self.plan.device == "cpu":
-            return self.group.recv([host], src, b)
-        staging = torch.empty_like(host, device=self.plan.device)
-        posted.arrivals.append((host, staging))
-        return self.group.recv([staging], src, b)
-
-    @staticmethod
-    def _finish_arrivals(posted: _Posted) -> None:
-        for work in posted.works:
-            work.wait()
-        posted.works.clear()
-        for host, staging in posted.arrivals:
-            host.copy_(staging)
-        posted.arrivals.clear()
-
-    def _finish(self, posted: _Posted, stats: dict) -> dict:
-        t0 = time.perf_counter()
-        self._finish_arrivals(posted)
-        for mirror, idx, values in posted.changes:
-            apply_sparse(mirror, idx, values)
-        for target, piece in posted.copies:
-            target.copy_(piece)
-        posted.buffers.clear()  # the workers map the files themselves
-        stats["received"] += posted.nbytes
-        stats["receive_s"] += time.perf_counter() - t0
-        return posted.files
-
-    def _remove_files(self, sync: int) -> None:
-        """After a failed sync: the bucket files the workers never mapped (a worker unlinks each file it maps)."""
-        for b in range(len(self.plan.buckets)):
-            for w in self.plan.workers:
-                try:
-                    os.unlink(self._path(sync, b, w))
-                except FileNotFoundError:
-                    pass
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The trainer's side
 
 
 @dataclass(frozen=True)
@@ -541,12 +294,3 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int, timeout
         engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), dtypes, needs,
                                                device, delta=delta_full_every > 0) for h in mine])
     return RemoteSync(holdings, moves, buckets, hosts, group, rank, store, dtypes, delta_full_every)
-
-
-def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,
-                 device: str, delta: bool = False) -> ReceivePlan:
-    """The part of the sync plan one host receives: its workers' moves of every bucket, and their tensors' layout."""
-    parts = [[mv for mv in bucket if mv.dst in receivers] for bucket in buckets]
-    names = {mv.hf for part in parts for mv in part}
-    return ReceivePlan(token, receivers, parts, {n: tuple(shapes[n]) for n in names}, {n: dtypes[n] for n in names},
-                       {w: needs[w] for w in receivers}, device, delta)
