@@ -342,16 +342,6 @@ class Mapping:
             return [(entry.hf[0], gate), (entry.hf[1], up)]
         return [(h, t) for h, (_, t) in zip(entry.hf, self._split_qkv(shard, tp))]
 
-    def shard_to_hf_blocks(self, entry: Entry, shard: torch.Tensor, tp_rank: int, tp: int) -> list:
-        """As shard_to_hf, each chunk given as row blocks that are views of `shard`: [(hf_name, [(first row, end
-        row, view)])], rows counted from the chunk's start. shard_to_hf must copy q/k/v to join the rows of every
-        KV group; a writer that places rows anyway takes the groups' blocks as they lie."""
-        if entry.kind != QKV:
-            return [(h, [(0, int(t.shape[0]), t)]) for h, t in self.shard_to_hf(entry, shard, tp_rank, tp)]
-        g, parts = self._qkv_groups(shard, tp)
-        return [(h, [(i * (hi - lo), (i + 1) * (hi - lo), g[i, lo:hi]) for i in range(g.shape[0])])
-                for h, (lo, hi) in zip(entry.hf, parts)]
-
     def _qkv_groups(self, shard: torch.Tensor, tp: int) -> tuple:
         """A fused q/k/v shard as [KV groups, rows of a group, ...] (a view) and the (first, end) rows of q, k and v
         within a group."""

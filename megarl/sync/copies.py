@@ -8,9 +8,9 @@ the bridge mapping once on a tensor of element positions instead of weights and 
 the piece, so the cut is exactly what `Mapping.shard_to_hf` would give, for every architecture, without a second
 description of the layouts.
 
-    cut = compile_cut(mapping, entry, shape, tp_rank, tp, box, holding)     # plan time, once per move
-    for first, end, view in cut.blocks:                                     # every update
-        dst[first:end].copy_(view.of(param))                               # param: its storage as it is now
+    cuts = compile_cuts(mapping, pieces)              # plan time: {(hf name, box): Cut}, once per move
+    value = current_value(local, cut.param, values)   # every update: the parameter's storage as it is now
+    cut.piece(value, out=destination)                 # its row blocks copied (or cut.piece(value): a view if one)
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ class Cut:
     def piece(self, source: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
         """The piece from the parameter's current value `source`: a view where it is one block and no `out` is
         given, else copied into `out` (a fresh contiguous tensor of source's dtype when None)."""
+        if not source.is_contiguous():  # the blocks are views of the C layout
+            source = source.contiguous()
         if out is None and len(self.blocks) == 1:
             return self.blocks[0][2].of(source)
         if out is None:
@@ -53,6 +55,17 @@ class Cut:
         for first, end, view in self.blocks:
             out[first:end].copy_(view.of(source))
         return out
+
+
+def current_value(local: dict, name: str, values: dict) -> torch.Tensor:
+    """Parameter `name`'s value as it is now (local: {megatron name: LocalParam}; an offload may have moved it, LoRA
+    merges into it), resolved once per bucket (`values` caches it) and contiguous: the cuts are views of its C
+    layout."""
+    value = values.get(name)
+    if value is None:
+        value = local[name].value()
+        value = values[name] = value if value.is_contiguous() else value.contiguous()
+    return value
 
 
 def _fit(pos: torch.Tensor):
@@ -116,8 +129,9 @@ def compile_cuts(mapping, pieces) -> dict:
         numel = 1
         for n in shape:
             numel *= int(n)
-        # int64 positions of the parameter's elements, cut exactly as its weights are (megarl.bridge.mapping)
-        chunks = dict(mapping.shard_to_hf(entry, torch.arange(numel).view(tuple(shape)), tp_rank, tp))
+        # the positions of the parameter's elements, cut exactly as its weights are (megarl.bridge.mapping)
+        positions = torch.arange(numel, dtype=torch.int32 if numel < 2 ** 31 else torch.int64)  # half the memory
+        chunks = dict(mapping.shard_to_hf(entry, positions.view(tuple(shape)), tp_rank, tp))
         for hf, box, holding, *_ in group:
             pos = chunks[hf][relative_slices(box, holding)]
             cuts[(hf, box)] = Cut(entry.megatron, tuple(pos.shape), row_blocks(pos))

@@ -2,7 +2,7 @@
 
     holdings = model_holdings(chunks, spec)        # a collective, once per run (megarl.sync.factory builds it)
     holdings.boxes                                  # {hf name: [(rank, box)]}: where plan_moves takes each piece from
-    holdings.piece(move, chunks)                    # this rank's piece of a move, cut from its own parameter
+    holdings.cuts(moves)                            # where this rank's pieces lie in its parameters (compiled)
 
 Every transport that moves the trainer's own shards (the colocated delivery, megarl.sync.transports.colocated; engines
 hosted elsewhere, megarl.sync.transports.remote) plans from the same holdings and cuts its pieces with the same calls,
@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from megarl.bridge.mapping import Mapping
 from megarl.distributed import all_gather_objects
-from megarl.sync.boxes import relative_slices
-from megarl.sync.moves import Move
+from megarl.sync.copies import compile_cuts
 from megarl.sync.shards import trainer_holdings
 
 
@@ -53,25 +52,17 @@ class Holdings:
         """Where this rank's parameters live (the CPU where it holds none)."""
         return next((lp.param.device for lp in self.local.values()), torch.device("cpu"))
 
-    def piece(self, mv: Move, chunks: dict) -> torch.Tensor:
-        """The piece `mv` of this rank's own parameter, cut from its HF chunks; `chunks` caches the chunks of the
-        tensors already converted (one per bucket)."""
-        if mv.hf not in chunks:
-            chunks.update(self.mapping.shard_to_hf(*self._own_shard(mv.hf)))
-        return chunks[mv.hf][relative_slices(mv.box, mv.holding)]
-
-    def hf_blocks(self, mv: Move) -> dict:
-        """{hf name: [(first row, end row, view)]}: the row blocks of the HF chunks of `mv`'s parameter, as views of
-        it (Mapping.shard_to_hf_blocks)."""
-        return dict(self.mapping.shard_to_hf_blocks(*self._own_shard(mv.hf)))
-
-    def _own_shard(self, hf: str) -> tuple:
-        """(entry, shard, tp rank, tp size) of this rank's parameter holding HF tensor `hf`, as the mapping splits
-        it."""
-        entry = self.mapping.by_hf[hf]
-        lp = self.local[entry.megatron]
-        split = entry.tp_dim is not None and lp.tp_size > 1
-        return entry, lp.value(), lp.tp_rank if split else 0, lp.tp_size if split else 1
+    def cuts(self, moves) -> dict:
+        """{(hf name, box): Cut} of moves whose pieces this rank cuts from its own parameters (megarl.sync.copies):
+        compiled once, when a transport is planned, so that an update never asks the mapping again."""
+        pieces = []
+        for mv in moves:
+            entry = self.mapping.by_hf[mv.hf]
+            lp = self.local[entry.megatron]
+            split = entry.tp_dim is not None and lp.tp_size > 1
+            pieces.append((mv.hf, mv.box, mv.holding, entry, tuple(lp.param.shape), lp.tp_rank if split else 0,
+                           lp.tp_size if split else 1))
+        return compile_cuts(self.mapping, pieces)
 
 
 def model_holdings(chunks, spec) -> Holdings:

@@ -140,26 +140,32 @@ def test_to_hf_views_match_the_checkpoint_and_share_memory_where_they_can(tiny_d
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", [1, 2])
-def test_row_blocks_of_a_shard_are_views_holding_the_checkpoint_rows(tiny_dirs, arch, tp):
-    """shard_to_hf_blocks (what placed weight writes read): the blocks, put at their rows, are the checkpoint's part
-    of each HF tensor, and every block is a view of the shard (no copy)."""
+def test_compiled_cuts_of_a_shard_are_views_holding_the_checkpoint_rows(tiny_dirs, arch, tp):
+    """The weight sync's compiled cuts (megarl.sync.copies, what every update copies): each HF tensor's chunk that a
+    shard holds, cut as row blocks of strided views of the shard (no copy), is the checkpoint's part of it."""
+    from megarl.sync.boxes import range_box
+    from megarl.sync.copies import compile_cuts
+
     spec = load_spec(tiny_dirs[arch])
     m = Mapping(spec, padded_vocab=padded_vocab_size(spec.vocab_size, tp))
     ckpt = SafetensorsCheckpoint(tiny_dirs[arch])
+    shapes = m.hf_shapes()
     for entry in m.entries:
         n = tp if entry.tp_dim is not None else 1
         for r in range(n):
             ranges = [m.hf_chunk_range(entry, i, r, n) for i in range(len(entry.hf))]
-            shard = m.to_megatron(entry, [ckpt.read(h, rng) for h, rng in zip(entry.hf, ranges)], n)
-            for i, (name, blocks) in enumerate(m.shard_to_hf_blocks(entry, shard, r, n)):
-                want = ckpt.read(name, ranges[i])
-                got = torch.empty_like(want)
-                covered = 0
-                for start, stop, view in blocks:
-                    assert view.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(), name
-                    got[start:stop] = view
-                    covered += stop - start
-                assert covered == want.shape[0] and torch.equal(got, want), (name, r)
+            # contiguous, as a parameter is
+            shard = m.to_megatron(entry, [ckpt.read(h, rng) for h, rng in zip(entry.hf, ranges)], n).contiguous()
+            boxes = [range_box(shapes[h], rng) for h, rng in zip(entry.hf, ranges)]
+            pieces = [(h, box, box, entry, tuple(shard.shape), r, n) for h, box in zip(entry.hf, boxes)
+                      if all(b > a for a, b in box)]
+            cuts = compile_cuts(m, pieces)
+            for name, box, *_ in pieces:
+                want = ckpt.read(name, ranges[entry.hf.index(name)])
+                cut = cuts[(name, box)]
+                for _, _, view in cut.blocks:
+                    assert view.of(shard).untyped_storage().data_ptr() == shard.untyped_storage().data_ptr(), name
+                assert torch.equal(cut.piece(shard, out=torch.empty_like(want)), want), (name, r)
 
 
 def _rewrite(src, dst, drop=(), reshape=None, add=None):

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
+from megarl.sync.copies import current_value
 from megarl.sync.delta import DENSE, checksum, encode
 from megarl.sync.holdings import Holdings
 from megarl.sync.moves import bucket_moves, plan_moves, traffic
@@ -102,6 +103,7 @@ class RemoteSync:
         self.last: dict = {}  # delta: {(bucket, index in bucket): the piece as last sent}
         self.full_next = True  # the next update is a full one (the first; after an engine restart: force_full)
         self.since_full = 0
+        self._cuts = holdings.cuts([mv for bucket in buckets for mv in bucket if mv.src == rank])  # compiled once
 
     def force_full(self) -> None:
         """Make the next update a full one (an engine restarted and lost what it had received)."""
@@ -156,17 +158,21 @@ class RemoteSync:
         self.full_next, self.since_full = False, 0 if full else self.since_full + 1
         return full
 
-    def _piece(self, mv, chunks: dict) -> torch.Tensor:
+    def _piece(self, mv, values: dict) -> torch.Tensor:
         """This rank's piece `mv` in its wire dtype, contiguous."""
-        piece = self.holdings.piece(mv, chunks)
-        return piece.to(getattr(torch, self.wire_dtypes[mv.hf])).contiguous()
+        cut = self._cuts[(mv.hf, mv.box)]
+        value = current_value(self.holdings.local, cut.param, values)
+        dtype = getattr(torch, self.wire_dtypes[mv.hf])
+        if value.dtype == dtype:
+            return cut.piece(value).contiguous()
+        return cut.piece(value, out=torch.empty(cut.shape, dtype=dtype, device=value.device))
 
     def _send_bucket(self, b: int, moves: Sequence) -> int:
-        chunks: dict = {}
+        values: dict = {}  # each parameter's current value, resolved once per bucket
         works, pieces, nbytes = [], [], 0
         for mv in moves:
             if mv.src == self.rank:
-                piece = self._piece(mv, chunks)
+                piece = self._piece(mv, values)
                 pieces.append(piece)  # alive until its send completes
                 works.append(self.group.send([piece], self.host_rank[mv.dst], b))
                 nbytes += piece.numel() * piece.element_size()
@@ -177,7 +183,7 @@ class RemoteSync:
     def _send_bucket_delta(self, b: int, moves: Sequence, full: bool) -> tuple:
         """Per host: a header (one entry per piece this rank sends it, in bucket order), then each piece whole or its
         changes since the last update (megarl.sync.delta). Returns (bytes sent, elements changed)."""
-        chunks: dict = {}
+        values: dict = {}  # each parameter's current value, resolved once per bucket
         works, keep, nbytes, changed = [], [], 0, 0
         mine = [(j, mv) for j, mv in enumerate(moves) if mv.src == self.rank]
         for host in sorted({self.host_rank[mv.dst] for _, mv in mine}):
@@ -185,7 +191,7 @@ class RemoteSync:
             for j, mv in mine:
                 if self.host_rank[mv.dst] != host:
                     continue
-                piece = self._piece(mv, chunks)
+                piece = self._piece(mv, values)
                 # compared and kept in host memory (a copy: on CPU a piece can be a view of the parameter, which the
                 # next optimizer step changes in place)
                 kept = piece.to("cpu", copy=True)
