@@ -231,22 +231,13 @@ def remax_baselines(engine, reward_fn, records: Sequence[PromptRecord], rollout:
     return per_prompt[rollout.prompt_index], {"remax/baseline_reward_mean": greedy_scores.mean().item()}
 
 
-def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime):
-    """The live weight sync, planned once (a collective): the transport the recipe picks, over the mapping and
-    holdings built once (megarl.sync.factory)."""
-    from megarl.sync.factory import ADAPTER, REMOTE, build_sync, transport_of
+def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime, factory=None):
+    """The live weight sync, planned (a collective) by the transport the recipe picks (megarl.sync.factory); pass the
+    factory of an earlier plan to plan again over the same mapping and holdings (after an engine restart)."""
+    from megarl.sync.factory import SyncFactory
 
-    transport = transport_of(cfg)
-    dtype = None
-    if transport in (ADAPTER, REMOTE):  # adapters, and weights over the network, travel in the engine's dtype
-        from megarl.rollout.engine_args import resolve_dtype
-
-        dtype = getattr(torch, resolve_dtype(cfg.rollout, compute_device().type == "cuda"))
-    delta = cfg.rollout.delta_full_every if cfg.rollout.delta_updates else 0
-    # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
-    return build_sync(actor.chunks, actor.spec, engine, rt.engines, cfg.rollout.update_weights_bucket_megabytes << 20,
-                      transport, engine_dtype=dtype, base_weights=cfg.rollout.load_format == "dummy",
-                      delta_full_every=delta)
+    factory = factory or SyncFactory(actor.chunks, actor.spec)
+    return factory.for_recipe(cfg, engine, rt.engines)
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False,
@@ -495,8 +486,9 @@ def _results_or_lost(handles: list) -> tuple:
 class EngineGeneration:
     """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation)."""
 
-    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None):
+    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None, factory=None):
         self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
+        self.factory = factory  # the SyncFactory `sync` was planned by: a restart plans again over its holdings
         self.offload = offload  # the trainer's OffloadAroundRollout, or None
         self.restarts = 0  # engine restarts of the run so far (any replica), rollout/engine_restarts
         from megarl.rollout.supervisor import engine_failure_policy
@@ -535,7 +527,7 @@ class EngineGeneration:
         if lost_here is not None:
             self.engine.restart(lost_here)
         self.restarts += 1
-        self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt)
+        self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
         return self.sync()
 
     def sync(self) -> dict:

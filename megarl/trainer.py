@@ -26,6 +26,7 @@ from megarl.reward.registry import reward_fn_from_config
 from megarl.rollout.threads import keep_trainer_on
 from megarl.distributed import barrier, compute_device, node_gpus
 from megarl.runtime import Runtime
+from megarl.sync.factory import SyncFactory
 from megarl.types import RolloutBatch
 
 log = logging.getLogger("megarl")
@@ -294,10 +295,12 @@ class Trainer:
             keep_trainer_on(engine_cores(cfg, trainer_side=True))
         if self.engine is not None:
             cleanups.callback(self.engine.shutdown, timeout_s=5)  # after a failure; a no-op after the shutdown in train
-        sync = steps.weight_sync(self.actor, self.engine, cfg, rt)
+        factory = SyncFactory(self.actor.chunks, self.actor.spec)  # the mapping and holdings, once per run
+        sync = steps.weight_sync(self.actor, self.engine, cfg, rt, factory)
         # The engine holds the HF model's weights (or random ones with load_format=dummy): give it the actor's before
         # the first rollout and before val_before_train when they differ (a resume, or dummy weights).
-        self.generation = steps.EngineGeneration(self.engine, self.actor, sync, cfg, rt, offload=self.offload)
+        self.generation = steps.EngineGeneration(self.engine, self.actor, sync, cfg, rt, offload=self.offload,
+                                                 factory=factory)
         if self.start_step or cfg.rollout.load_format == "dummy":
             self.generation.sync()
         self.schedule.generation = self.generation

@@ -442,6 +442,10 @@ class RolloutConfig(_Section):
     def resolved_max_model_len(self) -> int:
         return self.max_model_len or self.prompt_length + self.response_length
 
+    def resolved_dtype(self, on_gpu: bool) -> str:
+        """The engine's dtype: dtype, or for "auto" bfloat16 on GPU and float32 on CPU (the trainer's logprobs)."""
+        return self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+
 
 class OverlongBufferConfig(_Section):
     enable: bool = Field(False, description="DAPO overlong reward shaping.")

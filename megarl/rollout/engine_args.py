@@ -100,8 +100,8 @@ def _packed_modules(architectures: Sequence[str]) -> Optional[dict]:
 
 
 def resolve_dtype(cfg: RolloutConfig, on_gpu: bool) -> str:
-    """The engine's dtype: rollout.dtype, or for "auto" bfloat16 on GPU and float32 on CPU (the trainer's logprobs)."""
-    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    """The engine's dtype (RolloutConfig.resolved_dtype: the weight sync reads the same rule from the config)."""
+    return cfg.resolved_dtype(on_gpu)
 
 
 def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None,

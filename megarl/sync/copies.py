@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.sync.boxes import relative_slices
+from megarl.sync.boxes import Box, box_shape, relative_slices
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,29 @@ class Cut:
         for first, end, view in self.blocks:
             out[first:end].copy_(view.of(source))
         return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a piece goes in a byte buffer (a bucket file): a strided view of the buffer read as `dtype`."""
+
+    dtype: torch.dtype
+    view: Strided
+
+    def of(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.view.of(buf.view(self.dtype))
+
+
+def region_target(offset: int, dtype: str, shape, box: Box) -> Target:
+    """Piece `box` of a full-`shape` tensor laid out in C order at byte `offset` of a buffer (a bucket file's
+    region, megarl.sync.wire), as a Target compiled once."""
+    dt = getattr(torch, dtype)
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.insert(0, step)
+        step *= int(n)
+    first = offset // torch.empty((), dtype=dt).element_size() + sum(lo * st for (lo, _), st in zip(box, strides))
+    return Target(dt, Strided(first, box_shape(box), tuple(strides)))
 
 
 def current_value(local: dict, name: str, values: dict) -> torch.Tensor:

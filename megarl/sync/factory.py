@@ -1,8 +1,9 @@
 """The weight sync of a run, built in one place: the bridge mapping and the trainer's holdings (megarl.sync.holdings)
-once, handed to the transport the recipe picks.
+once, handed to the transport the recipe picks; the only place that reads the recipe's sync settings.
 
-    sync = build_sync(actor.chunks, spec, engine, topology, bucket_bytes, transport_of(cfg))   # every rank
-    metrics = sync.run(engine)                                                                 # every update
+    factory = SyncFactory(actor.chunks, spec)                  # every rank, once per run
+    sync = factory.for_recipe(cfg, engine, topology)           # a collective: planned once (again after a restart)
+    metrics = sync.run(engine)                                 # every update
 
 Transports:
 * colocated (megarl.sync.transports.colocated): engines on the trainer's ranks; each worker's pieces reach it through
@@ -68,6 +69,13 @@ class SyncFactory:
         base = self.colocated(engine, topology, bucket_bytes) if base_weights else None
         return AdapterSync(self.chunks, topology, engine_dtype, base=base)
 
+    def for_recipe(self, cfg, engine: Any, topology: EngineTopology):
+        """The transport a recipe (a MegarlConfig) picks, with its settings (a collective)."""
+        delta = cfg.rollout.delta_full_every if cfg.rollout.delta_updates else 0
+        # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
+        return self.build(transport_of(cfg), engine, topology, cfg.rollout.update_weights_bucket_megabytes << 20,
+                          engine_dtype(cfg), base_weights=cfg.rollout.load_format == "dummy", delta_full_every=delta)
+
     def build(self, transport: str, engine: Any, topology: EngineTopology, bucket_bytes: int,
               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False, delta_full_every: int = 0):
         if transport == ADAPTER:
@@ -80,6 +88,16 @@ class SyncFactory:
         if transport == COLOCATED:
             return self.colocated(engine, topology, bucket_bytes)
         raise ValueError(f"weight sync transport {transport!r}: expected one of {COLOCATED}, {REMOTE}, {ADAPTER}")
+
+
+def engine_dtype(cfg) -> Optional[torch.dtype]:
+    """The dtype adapters and weights over the network travel in (the engine's); None for the colocated transport,
+    whose pieces keep the trainer's dtype."""
+    if transport_of(cfg) == COLOCATED:
+        return None
+    from megarl.distributed import compute_device
+
+    return getattr(torch, cfg.rollout.resolved_dtype(compute_device().type == "cuda"))
 
 
 def build_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int, transport: str = COLOCATED,

@@ -222,3 +222,31 @@ def test_a_circle_inside_one_package_is_caught(tmp_path):
     assert layering_problems(root) == [
         "megarl.sync.a <-> megarl.sync.b <-> megarl.sync.c: megarl/sync/a.py:1 imports megarl.sync.b, "
         "megarl/sync/b.py:2 imports megarl.sync.c, megarl/sync/c.py:1 imports megarl.sync.a"]
+
+
+# The weight sync's two sides: what runs beside an engine (its workers, the receiver of a separately placed one)
+# imports only what both sides agree on, never the trainer side's transports, plan or holdings.
+SHARED_SYNC = {"megarl.sync", "megarl.sync.wire", "megarl.sync.transfer", "megarl.sync.boxes", "megarl.sync.shards",
+               "megarl.sync.weights", "megarl.sync.placement", "megarl.sync.pull", "megarl.sync.delta",
+               "megarl.sync.seam"}
+ENGINE_SIDE = ("megarl.rollout.worker_ext", "megarl.rollout.receiver", "megarl.rollout.routes")
+
+
+def engine_side_problems(root: Path) -> list[str]:
+    graph = import_graph(root)
+    return [f"{module} imports {name} (the trainer side of the weight sync)" for module in ENGINE_SIDE
+            for name in sorted(graph.get(module, {})) if name.startswith("megarl.sync") and name not in SHARED_SYNC]
+
+
+def test_the_engine_side_imports_only_what_both_sides_share():
+    assert engine_side_problems(ROOT) == []
+
+
+def test_an_engine_side_import_of_a_transport_is_caught(tmp_path):
+    root = _tree(tmp_path, {"megarl/__init__.py": "", "megarl/sync/__init__.py": "", "megarl/sync/wire.py": "",
+                            "megarl/sync/transports/__init__.py": "", "megarl/sync/transports/remote.py": "",
+                            "megarl/rollout/__init__.py": "",
+                            "megarl/rollout/receiver.py": "from megarl.sync import wire\n"
+                                                          "from megarl.sync.transports.remote import RemoteSync\n"})
+    assert engine_side_problems(root) == ["megarl.rollout.receiver imports megarl.sync.transports.remote (the trainer "
+                                          "side of the weight sync)"]

@@ -25,3 +25,25 @@ def test_unknown_transport_and_adapters_without_a_dtype_are_refused_before_build
     with pytest.raises(ValueError, match="engine's dtype"):
         factory.build(ADAPTER, None, None, 1 << 20)
     assert factory._holdings is None
+
+
+@pytest.mark.parametrize("data,want", [
+    ({}, (COLOCATED, 512 << 20, None, False, 10)),  # defaults: delta_updates on, a full update every 10
+    ({"rollout": {"placement": "separate", "delta_updates": True, "delta_full_every": 4,
+                  "update_weights_bucket_megabytes": 64}}, (REMOTE, 64 << 20, "float32", False, 4)),
+    ({"rollout": {"placement": "separate", "delta_updates": False, "dtype": "bfloat16"}},
+     (REMOTE, 512 << 20, "bfloat16", False, 0)),
+    ({"actor": {"lora": {"rank": 8, "sync": "adapter"}}, "rollout": {"load_format": "dummy"}},
+     (ADAPTER, 512 << 20, "float32", True, 10)),
+])
+def test_the_recipe_settings_reach_the_transport(data, want, monkeypatch):
+    """for_recipe is the one reader of the recipe's sync settings: transport, bucket size, wire dtype (the engine's,
+    float32 for "auto" on CPU), dummy-weight base sync, delta cadence."""
+    factory = SyncFactory(chunks=None, spec=None)
+    seen = []
+    monkeypatch.setattr(factory, "build", lambda transport, engine, topology, bucket_bytes, engine_dtype,
+                        base_weights=False, delta_full_every=0: seen.append(
+                            (transport, bucket_bytes, engine_dtype, base_weights, delta_full_every)))
+    factory.for_recipe(MegarlConfig.model_validate(data), None, None)
+    transport, bucket, dtype, base, delta = seen[0]
+    assert (transport, bucket, None if dtype is None else str(dtype).replace("torch.", ""), base, delta) == want

@@ -3,16 +3,13 @@
     trainer rank k ──(its HF chunks, cut to the pieces each worker needs)──► rank hosting the worker (p2p, gloo)
     hosting rank ──(pieces written into a sparse shared-memory bucket file)──► its engine worker (megarl_load)
 
-The plan (megarl.sync.shards, megarl.sync.moves) is computed once from the bridge mapping, the trainer's parameters and the layout
-each engine worker reports; every rank derives the same moves and buckets from it, so no metadata travels per step.
+The plan (megarl.sync.shards, megarl.sync.moves) is computed once from the bridge mapping, the trainer's parameters
+and the layout each engine worker reports; every rank derives the same moves and buckets from it, so no metadata
+travels per step.
 A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing gathers whole
 tensors, nothing is broadcast to the world.
 
-Bucket files are reused: each receiving rank writes its buckets alternately into two shared-memory slot files, sized
-once from the plan, which it and its worker keep mapped for the whole run (the worker unlinks each file when it first
-maps it, so nothing is left in /dev/shm). A fresh file per bucket cost a page fault per 4 KiB written and a page free
-per 4 KiB released, several times the copy itself; a reused slot costs the copy alone. The worker copies out whatever
-vLLM still buffers from a slot (a layer whose tensors straddle buckets) before the slot is written again.
+Bucket files are reused slots (megarl.sync.transports.common).
 
 Where a CPU engine worker takes its weights in place, its host writes straight into the worker's parameters instead
 (megarl.sync.transports.placed): one copy per piece, no bucket file, no load call; on GPU the worker pulls them.
@@ -31,29 +28,29 @@ import contextlib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
 from megarl.layout import EngineTopology
-from megarl.sync.boxes import box_shape, full_box, relative_slices
-from megarl.sync.copies import current_value
+from megarl.sync.boxes import box_shape
+from megarl.sync.copies import current_value, region_target
 from megarl.sync.holdings import Holdings
 from megarl.sync.moves import bucket_moves, plan_moves, traffic
 from megarl.sync.shards import SyncTable, worker_needs
 from megarl.sync.transports.common import BackgroundLoad, BucketLayouts, SlotFiles, delivery_metrics
 from megarl.sync.transports.placed import PlacedWrites
-from megarl.sync.wire import BucketFile, half_threads_during_sync, region
+from megarl.sync.wire import BucketFile, half_threads_during_sync
 
 
 @dataclass
 class _Bucket:
     """This rank's part of one bucket, compiled at plan time: pieces of its parameters it sends [(Move, Cut)], pieces
-    for its worker from other ranks [(Move, dtype)], its own pieces for its worker [(Move, Cut, placed)], the
-    regions in its bucket file (None where all is placed) {Move: (offset, dtype, shape, slices)}, and whether its
-    replica's engine loads this bucket."""
+    for its worker from other ranks [(Move, dtype)], its own pieces for its worker [(Move, Cut, placed)], its bucket
+    file (None where all is placed) and each piece's place in it {Move: Target}, and whether its replica's engine
+    loads this bucket."""
 
     sends: list
     recvs: list
@@ -114,15 +111,13 @@ class WeightSync:
         replica = self.topology.replica_of(self.rank)
         hosts = set(self.topology.members(replica)) if replica is not None else set()
         self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.pull_hosts} for moves in self.buckets]
+        self._leftovers = self.layouts.paths(sorted(hosts))  # what a failed sync may leave of the replica's slots
         self.plan = []
         for b, moves in enumerate(self.buckets):
             own = [mv for mv in moves if mv.dst == self.rank]
             f = self.layouts.file(b, self.rank) if self.rank in self.layouts.hosts[b] else None
-            targets = {}
-            for mv in own:
-                if f is not None and not self.placed.is_placed(mv):
-                    offset, dtype, shape = f.regions[mv.hf]
-                    targets[mv] = (offset, dtype, shape, relative_slices(mv.box, full_box(shape)))
+            targets = {mv: region_target(*f.regions[mv.hf], mv.box) for mv in own  # f.regions: (offset, dtype, shape)
+                       if f is not None and not self.placed.is_placed(mv)}
             self.plan.append(_Bucket(
                 sends=[(mv, self._cuts[(mv.hf, mv.box)]) for mv in moves if mv.src == self.rank != mv.dst],
                 recvs=[(mv, getattr(torch, self.dtypes[mv.hf])) for mv in own if mv.src != self.rank],
@@ -160,11 +155,12 @@ class WeightSync:
                     pulls = self._pull_metas(b, group)  # with the barrier below, where any worker pulls
                     if group is not None and pulls is None:
                         dist.barrier(group=group)  # the replica's files are all written
+                    metas = self.metas(replica, b, pulls)
                     if loading is not None:
-                        loading.start(self.metas(replica, b, pulls))
+                        loading.start(metas)
                 if loading is not None:
                     loading.wait()
-            placed = self.placed.report(stats, group) if placing else None
+            placed = self._placed_report(stats, group) if placing else None
         except BaseException:
             if engine is not None:
                 try:
@@ -172,7 +168,7 @@ class WeightSync:
                 except BaseException:  # noqa: BLE001 - the first error is the one raised
                     pass
                 engine.abort_update()
-                self._remove_leftovers(self.topology.members(replica))
+                self._remove_leftovers()
             self._release_device_memory()
             raise
         if loading is not None:
@@ -181,7 +177,7 @@ class WeightSync:
         if engine is not None:
             result = engine.end_update(placed=placed) if placed else engine.end_update()
             if getattr(engine, "lost_in_update", None):  # a supervised engine lost on the way: synced again later
-                self._remove_leftovers(hosts)
+                self._remove_leftovers()
         if any(h in self.pull_hosts for h in hosts):
             if group is not None:
                 dist.barrier(group=group)  # the workers closed the update: they hold nothing of the hosts' memory
@@ -210,7 +206,7 @@ class WeightSync:
         for mv, cut, placed in bucket.own:
             value = current_value(self.holdings.local, cut.param, values)
             if not placed:
-                cut.piece(value, out=self._target(file, bucket.targets[mv]))
+                cut.piece(value, out=bucket.targets[mv].of(file))
                 continue
             row = mv.box[0][0]  # each row block of the piece where the worker's loader would put it
             for first, end, view in cut.blocks:
@@ -219,16 +215,22 @@ class WeightSync:
             req.wait()
         for mv, piece in received:
             if mv in bucket.targets:
-                self._target(file, bucket.targets[mv]).copy_(piece)
+                bucket.targets[mv].of(file).copy_(piece)
             else:
                 self.placed.write(mv.hf, mv.box, piece, stats)
         stats["loaded"] += sum(mv.nbytes for mv, *_ in bucket.own) + sum(mv.nbytes for mv, _ in bucket.recvs)
         stats["exchange_s"] += time.perf_counter() - t0
 
     @staticmethod
-    def _target(file: torch.Tensor, target: tuple) -> torch.Tensor:
-        offset, dtype, shape, slices = target
-        return region(file, dtype, shape, offset)[slices]
+    def _placed_report(stats: dict, group) -> list:
+        """Per host of this rank's replica: what it wrote in place (for the workers' counts and verification); every
+        host has finished writing when this returns."""
+        mine = {"tensors": len(stats["placed_tensors"]), "bytes": stats["placed"], "sums": stats["sums"]}
+        if group is None:
+            return [mine]
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        return every
 
     def _release_device_memory(self) -> None:
         """After a sync: nothing of this rank's device memory stays held for its worker (the handles' sources, the
@@ -270,10 +272,10 @@ class WeightSync:
         dist.all_gather_object(every, mine, group=group)
         return dict(zip(self.topology.members(replica), every))
 
-    def _remove_leftovers(self, hosts: Sequence[int]) -> None:
+    def _remove_leftovers(self) -> None:
         """After a failed sync: the slot files of a replica that its workers never opened (a worker unlinks each
         file it maps, so a successful sync leaves none)."""
-        self._files.drop(self.layouts.paths(hosts))
+        self._files.drop(self._leftovers)
 
     def _metrics(self, stats: dict, seconds: float) -> dict:
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}

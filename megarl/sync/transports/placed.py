@@ -15,7 +15,6 @@ import os
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
 from megarl.layout import EngineTopology
@@ -121,14 +120,3 @@ class PlacedWrites:
         """Nothing of this rank's device memory stays held for its worker after a sync."""
         for sources in self._sources:
             sources.release()
-
-    @staticmethod
-    def report(stats: dict, group) -> list:
-        """Per host of this rank's replica: what it wrote in place (for the workers' counts and verification); every
-        host has finished writing when this returns."""
-        mine = {"tensors": len(stats["placed_tensors"]), "bytes": stats["placed"], "sums": stats["sums"]}
-        if group is None:
-            return [mine]
-        every: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
-        return every

@@ -7,18 +7,15 @@ what both agree on (the transfer group, each host's ReceivePlan) is megarl.sync.
     engine host ──(each worker's pieces in its sparse shared-memory bucket file)──► its workers (megarl_load)
 
 The engine host is the process that runs one replica's VLLMEngine (a Ray actor, or the engine process a trainer rank
-starts for rollout.placement=separate); its workers run on the same machine. The transfer group holds the trainer's
-N ranks (transfer rank = trainer rank) and one rank per engine host (N, N+1, ...). It is formed once, when the sync
-is planned, over a TCPStore that trainer rank 0 serves, with `ProcessGroupGloo` / `ProcessGroupNCCL` built directly:
-the default group of a trainer rank spans the trainer only, and the one of an engine host belongs to vLLM's
-in-process engine. Neither one rank nor Ray's object store carries weights.
+starts for rollout.placement=separate); its workers run on the same machine. Neither one rank nor Ray's object store
+carries weights.
 
 The plan is the colocated sync's (megarl.sync.shards): every engine worker is a receiver of its own, numbered from
 N upward so that it is never a trainer rank; its needs come from the layout the live worker reports, and plan_moves
 takes each piece from the least-loaded trainer rank that holds it, so data-parallel copies share the sending and no
-rank sends what it does not hold. Every trainer rank derives the same moves and buckets; each host is given, once,
-the part of the plan it receives (`ReceivePlan`), so only a sync number travels per step. A host receives bucket b+1
-while its workers load bucket b.
+rank sends what it does not hold. Every trainer rank derives the same moves and buckets, and compiles where its
+pieces lie in its parameters (megarl.sync.copies); each host is given, once, the part of the plan it receives
+(`ReceivePlan`), so only a sync number travels per step. A host receives bucket b+1 while its workers load bucket b.
 
 On GPU the same code runs over NCCL (the trainer's parameters and the host's receive buffers on the GPU, copied into
 the bucket files); only the gloo path is exercised on CPU.
