@@ -103,7 +103,7 @@ def trainer_logprobs(trainable, seqs: torch.Tensor, prompt_len: int) -> torch.Te
 
 def time_update(trainable, spec, args) -> dict:
     """Seconds per PPO-clip update step (forward, backward, optimizer) on one micro-batch of random sequences."""
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
 
     g = torch.Generator().manual_seed(1)
@@ -111,7 +111,7 @@ def time_update(trainable, spec, args) -> dict:
     batch = {"input_ids": torch.randint(1, spec.vocab_size, (b, s), generator=g),
              "response_mask": torch.ones(b, s - 1, dtype=torch.bool),
              "old_log_probs": torch.full((b, s - 1), -5.0), "advantages": torch.randn(b, s - 1, generator=g)}
-    loss_fn = make_policy_loss_fn(PolicyLossSettings(vocab_size=spec.vocab_size),
+    loss_fn = PolicyLoss(PolicyLossSettings(vocab_size=spec.vocab_size),
                                   loss_denominator([batch["response_mask"]], "token-mean"))
     times = []
     for i in range(args.warmup + args.steps):

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     from megarl.distributed import init_distributed
     from megarl.megatron import shared_prefix, train_step
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_gpt_model
     from megarl.megatron.packing import pack_size
     from megarl.megatron.parallel import Layout, init_model_parallel
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         micro = sides[share][0]
         denominator = train_step.loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
         start = time.perf_counter()
-        train_step.train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+        train_step.train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
         return time.perf_counter() - start
 
     best = {False: float("inf"), True: float("inf")}

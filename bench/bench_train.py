@@ -95,7 +95,7 @@ def megarl_contender(cfg: dict, batch: dict, micro_batch: int, warmup: int, step
     one step, with `offload` the round trip of its parameters, gradients and optimizer states to host memory."""
     from megarl.bridge import spec_from_dict
     from megarl.config.schema import OptimConfig
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_gpt_model
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
@@ -113,7 +113,7 @@ def megarl_contender(cfg: dict, batch: dict, micro_batch: int, warmup: int, step
     micro = [{k: v[i:i + micro_batch] for k, v in batch.items()} for i in rows]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    loss_fn = make_policy_loss_fn(settings, denominator)
+    loss_fn = PolicyLoss(settings, denominator)
     step = lambda: train_mini_batch(trainable, micro, loss_fn)  # noqa: E731
     out = {"seconds": _timed(step, warmup, steps), "peak": _peak(), "detail": f"{attention}; fusions: {fusions}"}
     if profile:

@@ -156,7 +156,7 @@ def probe_rank(hf_dir: str, batch: dict) -> dict:
     """Rank body: megarl's forward and one update of the tiny model on this machine's device."""
     from megarl.config.schema import OptimConfig
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.precision import apply_precision
@@ -175,7 +175,7 @@ def probe_rank(hf_dir: str, batch: dict) -> dict:
     micro = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(TINY_BATCH)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    metrics = train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
     after = token_logprobs(trainable.chunks, batch["input_ids"], micro_batch_size=TINY_BATCH).cpu()
     return {"before": before, "after": after, "metrics": metrics, "attention": te, "forward_s": forward_s,
             "update_s": time.perf_counter() - t0, "device": str(next(model.parameters()).device)}

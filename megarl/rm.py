@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -87,18 +88,21 @@ def pair_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
     return {"input_ids": ids, "lengths": lengths}
 
 
-def make_bt_loss_fn(denominator: torch.Tensor, center_coef: float = 0.0):
-    """loss_fn(micro_batch, values [1, P, 1] of its pack) -> (Bradley-Terry loss share, metrics) for
-    train_mini_batch (center_coef: bt_loss's reward-centering weight)."""
-    from megarl.megatron.packing import row_values
-    from megarl.reward.model import bt_loss, last_token_scores
+@dataclass(frozen=True, eq=False)
+class BradleyTerryLoss:
+    """(micro_batch, values [1, P, 1] of its pack) -> (Bradley-Terry loss share, metrics) for train_mini_batch
+    (center_coef: bt_loss's reward-centering weight)."""
 
-    def loss_fn(mb: dict, out: torch.Tensor):
+    denominator: torch.Tensor
+    center_coef: float = 0.0
+
+    def __call__(self, mb: dict, out: torch.Tensor):
+        from megarl.megatron.packing import row_values
+        from megarl.reward.model import bt_loss, last_token_scores
+
         scores = last_token_scores(row_values(out, mb["pack"]), mb["lengths"])
-        loss, metrics = bt_loss(scores[0::2], scores[1::2], denominator, center_coef)
+        loss, metrics = bt_loss(scores[0::2], scores[1::2], self.denominator, self.center_coef)
         return loss, {"bt_loss": loss.detach(), **metrics}
-
-    return loss_fn
 
 
 def prompt_groups(pairs: list[tuple]) -> list[int]:
@@ -245,7 +249,7 @@ def run_rm(cfg: MegarlConfig, rt, policy_files: dict | None = None, init: str | 
         mine = {k: v[rows] for k, v in batch.items()}
         micro = _micro_batches(mine, min(r.micro_batch_size_per_gpu, per_rank))
         denominator = global_count(torch.tensor(per_rank))
-        m = train_mini_batch(worker.trainable, micro, make_bt_loss_fn(denominator, r.center_rewards_coefficient))
+        m = train_mini_batch(worker.trainable, micro, BradleyTerryLoss(denominator, r.center_rewards_coefficient))
         metrics = {"rm/loss": m["bt_loss"], "rm/accuracy": m["accuracy"], "rm/margin": m["margin"],
                    "rm/center": m["center"],
                    "rm/grad_norm": m["grad_norm"], "rm/lr": m["lr"]}

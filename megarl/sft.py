@@ -106,7 +106,7 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
 
     from megarl.batching import split_micro
     from megarl.checkpoint.hf_writer import write_hf_model
-    from megarl.megatron.losses import make_sft_loss_fn
+    from megarl.megatron.losses import SftLoss
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
     from megarl.megatron.workers import PolicyWorker
     from megarl.distributed import dp_row_range
@@ -136,7 +136,7 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
         micro_batches = split_micro(mine, min(micro, mine["input_ids"].shape[0]))
         denominator = loss_denominator([m["response_mask"] for m in micro_batches], "token-mean")
         metrics = train_mini_batch(worker.trainable, micro_batches,
-                                   make_sft_loss_fn(worker.spec.vocab_size, denominator))
+                                   SftLoss(worker.spec.vocab_size, denominator))
         losses.append(metrics["sft_loss"])
         done = _agreed(reached_target(losses, s.target_loss, s.target_loss_window))
         if step % max(1, total // 20) == 0 or step in (1, total) or done:

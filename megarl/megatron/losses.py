@@ -1,7 +1,8 @@
 """Loss functions on megatron outputs for train_step.train_mini_batch: policy (actor), value (critic) and SFT.
 
-Each binds settings and the mini-batch's global denominator to a pure loss from megarl.algo and returns
-loss_fn(micro_batch, model_output) -> (loss, metrics). The model ran on the micro-batch's pack (mb["pack"],
+Each is a named callable (PolicyLoss, ValueLoss, SftLoss) that binds settings and the mini-batch's global denominator
+to a pure loss from megarl.algo: loss(micro_batch, model_output) -> (loss, metrics), handed to Megatron's schedule as
+it is (train_step.forward_step). The model ran on the micro-batch's pack (mb["pack"],
 megarl.megatron.packing): its output [1, P, ...] comes back per row as [b, T] before any loss sees it. Tensors of a
 micro-batch (T = S - 1, aligned with logprobs: position t scores token t+1):
     input_ids [b, S], response_mask [b, T], old_log_probs [b, T], advantages [b, T],
@@ -52,9 +53,9 @@ class PolicyLossSettings:
                    loss_options={k: options[k] for k in algo.POLICY_LOSS_OPTIONS.get(a.policy_loss, ())})
 
 
-def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_response_length: Optional[int] = None,
-                        on_policy_log_probs: Optional[list] = None):
-    """loss_fn(micro_batch, logits [1, P, V/TP] of its pack) -> (loss, metrics) for train_mini_batch.
+@dataclass(frozen=True, eq=False)
+class PolicyLoss:
+    """(micro_batch, logits [1, P, V/TP] of its pack) -> (loss, metrics) for train_mini_batch.
 
     `denominator` is the global token or sequence count of the mini-batch (see train_step.loss_denominator), so the
     micro-batch losses add up to the mini-batch loss. pg_loss/kl_loss/entropy_loss metrics are such shares.
@@ -62,18 +63,24 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
     With `on_policy_log_probs` (a list) the weights are still those that sampled the batch (its only optimizer step):
     the old logprobs are this forward's own, detached (PPO ratio exactly 1), so micro-batches need no old_log_probs;
     each appends (mb["row_index"] [b], logprobs [b, T]) to the list for the caller."""
-    policy_loss = algo.POLICY_LOSSES[s.policy_loss]
 
-    def loss_fn(mb: dict, logits: torch.Tensor):
+    settings: PolicyLossSettings
+    denominator: torch.Tensor
+    max_response_length: Optional[int] = None
+    on_policy_log_probs: Optional[list] = None
+
+    def __call__(self, mb: dict, logits: torch.Tensor):
+        s = self.settings
         mask, pack = mb["response_mask"], mb["pack"]
         log_prob = row_logprobs(logits, pack, s.vocab_size, s.temperature)
-        if on_policy_log_probs is None:
+        if self.on_policy_log_probs is None:
             old_log_prob = mb["old_log_probs"]
         else:
             old_log_prob = log_prob.detach()
-            on_policy_log_probs.append((mb["row_index"], old_log_prob))
-        agg = dict(loss_agg_mode=s.loss_agg_mode, denominator=denominator, max_response_length=max_response_length)
-        pg_loss, pg_metrics = policy_loss(
+            self.on_policy_log_probs.append((mb["row_index"], old_log_prob))
+        agg = dict(loss_agg_mode=s.loss_agg_mode, denominator=self.denominator,
+                   max_response_length=self.max_response_length)
+        pg_loss, pg_metrics = algo.POLICY_LOSSES[s.policy_loss](
             old_log_prob, log_prob, mb["advantages"], mask, clip_ratio_low=s.clip_ratio_low,
             clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
             rollout_is_weights=mb.get("rollout_is_weights"), **s.loss_options, **agg)
@@ -97,31 +104,33 @@ def make_policy_loss_fn(s: PolicyLossSettings, denominator: torch.Tensor, max_re
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
 
-    return loss_fn
 
+@dataclass(frozen=True, eq=False)
+class ValueLoss:
+    """(micro_batch, values_out [1, P, 1] of its pack) -> (clipped value loss, metrics) for the critic."""
 
-def make_value_loss_fn(cliprange_value: float, loss_agg_mode: str, denominator: torch.Tensor,
-                       max_response_length: Optional[int] = None):
-    """loss_fn(micro_batch, values_out [1, P, 1] of its pack) -> (clipped value loss, metrics) for the critic."""
+    cliprange_value: float
+    loss_agg_mode: str
+    denominator: torch.Tensor
+    max_response_length: Optional[int] = None
 
-    def loss_fn(mb: dict, out: torch.Tensor):
+    def __call__(self, mb: dict, out: torch.Tensor):
         vpreds = row_values(out, mb["pack"])[:, : mb["input_ids"].shape[1] - 1]
         loss, metrics = algo.value_loss(vpreds=vpreds, returns=mb["returns"], values=mb["values"],
-                                        response_mask=mb["response_mask"], cliprange_value=cliprange_value,
-                                        loss_agg_mode=loss_agg_mode, denominator=denominator,
-                                        max_response_length=max_response_length)
+                                        response_mask=mb["response_mask"], cliprange_value=self.cliprange_value,
+                                        loss_agg_mode=self.loss_agg_mode, denominator=self.denominator,
+                                        max_response_length=self.max_response_length)
         return loss, {"vf_loss": loss.detach(), **metrics}
 
-    return loss_fn
 
+@dataclass(frozen=True, eq=False)
+class SftLoss:
+    """(micro_batch, logits) -> (token-mean NLL of the response tokens, metrics) for supervised fine-tuning."""
 
-def make_sft_loss_fn(vocab_size: int, denominator: torch.Tensor):
-    """loss_fn(micro_batch, logits) -> (token-mean NLL of the response tokens, metrics) for supervised fine-tuning."""
+    vocab_size: int
+    denominator: torch.Tensor
 
-    def loss_fn(mb: dict, logits: torch.Tensor):
-        mask = mb["response_mask"]
-        log_prob = row_logprobs(logits, mb["pack"], vocab_size)
-        nll = algo.agg_loss(-log_prob, mask, "token-mean", denominator=denominator)
+    def __call__(self, mb: dict, logits: torch.Tensor):
+        log_prob = row_logprobs(logits, mb["pack"], self.vocab_size)
+        nll = algo.agg_loss(-log_prob, mb["response_mask"], "token-mean", denominator=self.denominator)
         return nll, {"sft_loss": nll.detach()}
-
-    return loss_fn

@@ -5,6 +5,7 @@ see megarl.distributed) and return whole-batch results on every rank; internally
 """
 from __future__ import annotations
 
+from functools import partial
 from statistics import fmean
 from typing import Iterator, Optional
 
@@ -16,7 +17,7 @@ from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
 from megarl.megatron import router_replay, shared_prefix
 from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
-from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn, make_value_loss_fn
+from megarl.megatron.losses import PolicyLoss, PolicyLossSettings, ValueLoss
 from megarl.megatron.model import build_and_load
 from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
 from megarl.distributed import DataParallelRank, dp_row_range, gather_model_output
@@ -305,7 +306,8 @@ class PolicyWorker(_Worker):
         kept = [] if on_policy else None
         metrics = self._replaying(batch, "update", False, lambda: self._update(
             batch, rt, a.ppo_mini_batch_size * n, a.ppo_micro_batch_size_per_gpu, a.ppo_epochs, seed, a.loss_agg_mode,
-            lambda d: make_policy_loss_fn(self.loss_settings, d, self.cfg.rollout.response_length, kept),
+            partial(PolicyLoss, self.loss_settings, max_response_length=self.cfg.rollout.response_length,
+                    on_policy_log_probs=kept),
             per_micro_batch(self.cfg, a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None))
         if on_policy:
             device = next(self.chunks[0].parameters()).device
@@ -359,8 +361,8 @@ class CriticWorker(_Worker):
         c, n = self.cfg.critic, self.cfg.rollout.n
         metrics = self._update(batch, rt, self.cfg.actor.ppo_mini_batch_size * n, c.ppo_micro_batch_size_per_gpu,
                                c.ppo_epochs, None, c.loss_agg_mode,
-                               lambda d: make_value_loss_fn(c.cliprange_value, c.loss_agg_mode, d,
-                                                            self.cfg.rollout.response_length))
+                               partial(ValueLoss, c.cliprange_value, c.loss_agg_mode,
+                                       max_response_length=self.cfg.rollout.response_length))
         return {f"critic/{k}": v for k, v in metrics.items()}
 
 

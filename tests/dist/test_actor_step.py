@@ -39,7 +39,7 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None, recompu
     from megarl.megatron.forward import token_logprobs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
@@ -61,7 +61,7 @@ def actor_rank(hf_dir, batch, tp, pp, micro_batch_size, max_tokens=None, recompu
                  for i in range(0, per_rank, micro_batch_size)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    metrics = train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
     after = token_logprobs(trainable.chunks, mine["input_ids"], micro_batch_size=micro_batch_size)
     weights = export_to_dict(trainable.chunks, spec)
     import torch.distributed as dist

@@ -38,7 +38,7 @@ def ckpt_rank(hf_dir, run_dir, batch, tp, pp, mode, load_optimizer=True, vpp=Non
     from megarl.checkpoint.state import Checkpointer
     from megarl.config.schema import OptimConfig
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -59,7 +59,7 @@ def ckpt_rank(hf_dir, run_dir, batch, tp, pp, mode, load_optimizer=True, vpp=Non
 
     def train_step():
         denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-        return train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+        return train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
 
     def logprobs():
         return token_logprobs(trainable.chunks, batch["input_ids"], micro_batch_size=N)

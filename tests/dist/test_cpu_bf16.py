@@ -59,7 +59,7 @@ def update_rank(hf_dir, batch) -> dict:
     copies and their gradients before and after), then STEPS - 1 more steps (the losses)."""
     from megarl.config.schema import OptimConfig
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -72,7 +72,7 @@ def update_rank(hf_dir, batch) -> dict:
         trainable = make_trainable(model, OptimConfig(lr=LR, eps=ADAM_EPS, weight_decay=0.0, clip_grad=0.0),
                                    total_steps=10)
         settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP, clip_ratio_high=CLIP)
-        loss_fn = make_policy_loss_fn(settings, loss_denominator([m["response_mask"] for m in micro], "token-mean"))
+        loss_fn = PolicyLoss(settings, loss_denominator([m["response_mask"] for m in micro], "token-mean"))
         r = {"before": token_logprobs(trainable.chunks, batch["input_ids"], micro_batch_size=1).float(),
              "start": _snapshot(trainable),
              "optimizers": sorted({type(o).__name__ for o in getattr(trainable.optimizer, "chained_optimizers",

@@ -19,7 +19,7 @@ def count_rank(hf_dir, batch, micro_sizes):
     from collections import Counter
 
     from megarl.config.schema import OptimConfig
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -31,7 +31,7 @@ def count_rank(hf_dir, batch, micro_sizes):
     out = {}
     for size in [micro_sizes[0]] + list(micro_sizes):  # the first step creates optimizer state: not counted
         micro = [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, N, size)]
-        loss_fn = make_policy_loss_fn(settings, loss_denominator([m["response_mask"] for m in micro], "token-mean"))
+        loss_fn = PolicyLoss(settings, loss_denominator([m["response_mask"] for m in micro], "token-mean"))
         counts, originals = Counter(), {m: getattr(torch.Tensor, m) for m in METHODS}
 
         def patched(name):

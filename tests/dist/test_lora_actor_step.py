@@ -24,7 +24,7 @@ def lora_actor_rank(hf_dir, adapter_dir, batch, tp, pp):
     from megarl.lora.layers import adapters_disabled, apply_lora, gather_adapters, load_adapters
     from megarl.lora.peft_io import read_adapter, settings_from_peft
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -44,7 +44,7 @@ def lora_actor_rank(hf_dir, adapter_dir, batch, tp, pp):
     micro = [{k: v[i:i + 1] for k, v in mine.items()} for i in range(per_rank)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    metrics = train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
     with adapters_disabled(trainable.chunks):
         base_after = export_to_dict(trainable.chunks, spec, dst_rank=0)
     adapters = gather_adapters(trainable.chunks)

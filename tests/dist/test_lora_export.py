@@ -30,7 +30,7 @@ def save_lora_rank(hf_dir, adapter_dir, run_dir, batch, tp):
     from megarl.lora.layers import apply_lora, gather_adapters, load_adapters
     from megarl.lora.peft_io import read_adapter, settings_from_peft
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -52,7 +52,7 @@ def save_lora_rank(hf_dir, adapter_dir, run_dir, batch, tp):
     rt = Runtime(rank=rank, world_size=world, dp_rank=0, dp_size=1, run_dir=run_dir)
     loss = PolicyLossSettings(vocab_size=spec.vocab_size)
     denominator = loss_denominator([batch["response_mask"]], "token-mean")
-    train_mini_batch(actor, [batch], make_policy_loss_fn(loss, denominator))
+    train_mini_batch(actor, [batch], PolicyLoss(loss, denominator))
     Checkpointer(cfg, rt, models={"actor": actor}, states={}).save(1)
     return {"logprobs": token_logprobs(actor.chunks, batch["input_ids"], micro_batch_size=4),
             "adapters": gather_adapters(actor.chunks)}

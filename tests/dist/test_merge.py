@@ -26,7 +26,7 @@ def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False, vpp=No
     from megarl.config import MegarlConfig
     from megarl.config.schema import OptimConfig
     from megarl.megatron.forward import token_logprobs, token_values
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -56,7 +56,7 @@ def save_rank(hf_dir, run_dir, batch, tp, pp, ep, etp=None, critic=False, vpp=No
     mbs = N // pp if vpp else N
     micro = [{k: v[i:i + mbs] for k, v in batch.items()} for i in range(0, N, mbs)]
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    train_mini_batch(actor, micro, make_policy_loss_fn(settings, denominator))
+    train_mini_batch(actor, micro, PolicyLoss(settings, denominator))
     ckpt = Checkpointer(cfg, rt, models=models, states={})
     ckpt.save(1)
     out = {"logprobs": token_logprobs(actor.chunks, batch["input_ids"], micro_batch_size=N)}

@@ -171,7 +171,7 @@ def padded_forward_step(loss_fn, scale, data_iterator, model):
 def step_rank(hf_dir, batch, tp: int, padded: bool, cp: int = 1):
     from megarl.config.schema import OptimConfig
     from megarl.megatron import train_step
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
 
@@ -184,7 +184,7 @@ def step_rank(hf_dir, batch, tp: int, padded: bool, cp: int = 1):
     denominator = train_step.loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
     if padded:
         train_step.forward_step = padded_forward_step
-    metrics = train_step.train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    metrics = train_step.train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
     params = {n: p.detach().clone() for n, p in trainable.chunks[0].module.named_parameters()}
     return {"metrics": metrics, "params": params}
 

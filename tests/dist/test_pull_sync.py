@@ -25,7 +25,7 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
 
     from megarl.bridge.exporter import export_to_dict
     from megarl.config.schema import OptimConfig
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -51,7 +51,7 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
             batch = {"input_ids": tokens, "response_mask": torch.ones(2, 15, dtype=torch.bool),
                      "old_log_probs": torch.zeros(2, 15) - 5.0, "advantages": torch.randn(2, 15)}
             micro = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(2)]
-            train_mini_batch(trainable, micro, make_policy_loss_fn(PolicyLossSettings(vocab_size=spec.vocab_size),
+            train_mini_batch(trainable, micro, PolicyLoss(PolicyLossSettings(vocab_size=spec.vocab_size),
                                                                     loss_denominator([m["response_mask"] for m in micro],
                                                                                      "token-mean")))
             with counting_sync_builds(out["builds"]):

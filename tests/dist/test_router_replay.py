@@ -156,7 +156,7 @@ def update_rank(hf_dir: str, batch, routes, tp: int, ep: int):
     from megarl.config import load_unchecked
     from megarl.config.schema import OptimConfig
     from megarl.megatron import router_replay as rr
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -175,7 +175,7 @@ def update_rank(hf_dir: str, batch, routes, tp: int, ep: int):
     rr.begin("replay", N, S, routes=routes, need=rr.need_mask(lengths, S), num_layers=LAYERS, topk=TOPK)
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP, clip_ratio_high=CLIP)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    metrics = train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
     counts = rr.reduce_counts(rr.end())
     return {"metrics": metrics, "counts": counts}
 

@@ -44,7 +44,7 @@ def shared_rank(hf_dir: str, batch: dict, lengths, tp: int = 1, pp: int = 1):
     from megarl.config.schema import OptimConfig
     from megarl.megatron import shared_prefix, train_step
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.packing import pack_size
@@ -69,7 +69,7 @@ def shared_rank(hf_dir: str, batch: dict, lengths, tp: int = 1, pp: int = 1):
             model, OptimConfig(lr=LR, eps=ADAM_EPS, weight_decay=0.0, clip_grad=0.0), total_steps=10)
         settings = PolicyLossSettings(vocab_size=spec.vocab_size)
         denominator = train_step.loss_denominator([batch["response_mask"]], settings.loss_agg_mode)
-        metrics = train_step.train_mini_batch(trainable, [dict(batch)], make_policy_loss_fn(settings, denominator))
+        metrics = train_step.train_mini_batch(trainable, [dict(batch)], PolicyLoss(settings, denominator))
         out[f"step_{share}"] = {"metrics": metrics, "params": {
             n: p.detach().clone() for n, p in trainable.chunks[0].module.named_parameters()}}
     return out

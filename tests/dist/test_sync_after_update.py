@@ -49,7 +49,7 @@ def one_policy_step(trainable, spec) -> None:
     micro-batch: the weights move before a sync."""
     from megatron.core import parallel_state as ps
 
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
 
     tokens, _ = sample_tokens(4, 24, vocab_size=spec.vocab_size, seed=1, min_len=24)
@@ -60,7 +60,7 @@ def one_policy_step(trainable, spec) -> None:
     mine = {k: v[dp_rank * 4 // dp:(dp_rank + 1) * 4 // dp] for k, v in batch.items()}
     micro = [{k: v[i:i + 1] for k, v in mine.items()} for i in range(mine["input_ids"].shape[0])]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size)
-    train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
+    train_mini_batch(trainable, micro, PolicyLoss(settings, loss_denominator(
         [m["response_mask"] for m in micro], "token-mean")))
 
 

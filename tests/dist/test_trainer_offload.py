@@ -8,12 +8,12 @@ from tests.dist.test_actor_step import CLIP_HIGH, CLIP_LOW, LR, N, setup  # noqa
 
 
 def _update(trainable, spec, batch):
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
 
     micro = [{k: v[i:i + 2] for k, v in batch.items()} for i in range(0, N, 2)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
-    return train_mini_batch(trainable, micro, make_policy_loss_fn(settings, loss_denominator(
+    return train_mini_batch(trainable, micro, PolicyLoss(settings, loss_denominator(
         [m["response_mask"] for m in micro], settings.loss_agg_mode)))
 
 

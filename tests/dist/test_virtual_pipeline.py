@@ -90,7 +90,7 @@ def vpp_step_rank(hf_dir: str, batch: dict) -> dict:
     from megarl.bridge.exporter import export_to_dict
     from megarl.config.schema import OptimConfig
     from megarl.megatron.forward import token_logprobs
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import loss_denominator, make_trainable, train_mini_batch
@@ -105,7 +105,7 @@ def vpp_step_rank(hf_dir: str, batch: dict) -> dict:
         micro = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(N)]
         settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
         denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-        metrics = train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+        metrics = train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
         after = token_logprobs(trainable.chunks, batch["input_ids"], micro_batch_size=1)
         weights = export_to_dict(trainable.chunks, spec)
         out[name] = {"metrics": metrics, "after": after, "weights": weights if dist.get_rank() == 0 else None}

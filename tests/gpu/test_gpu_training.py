@@ -39,13 +39,13 @@ def float32_means_float32():
 
 
 def _update(trainable, spec, batch):
-    from megarl.megatron.losses import PolicyLossSettings, make_policy_loss_fn
+    from megarl.megatron.losses import PolicyLoss, PolicyLossSettings
     from megarl.megatron.train_step import loss_denominator, train_mini_batch
 
     micro = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(N)]
     settings = PolicyLossSettings(vocab_size=spec.vocab_size, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
     denominator = loss_denominator([m["response_mask"] for m in micro], settings.loss_agg_mode)
-    return train_mini_batch(trainable, micro, make_policy_loss_fn(settings, denominator))
+    return train_mini_batch(trainable, micro, PolicyLoss(settings, denominator))
 
 
 def _build(hf_dir, dtype, distributed_optimizer):

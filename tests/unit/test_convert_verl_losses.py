@@ -72,7 +72,7 @@ def _converted(loss: str, *extra: str):
 
 
 def _megarl(s: PolicyLossSettings, old, log_prob, adv, mask, denominator=None):
-    """The policy term as megarl.megatron.losses.make_policy_loss_fn calls it."""
+    """The policy term as megarl.megatron.losses.PolicyLoss calls it."""
     loss, _ = algo.POLICY_LOSSES[s.policy_loss](
         old, log_prob, adv, mask, clip_ratio_low=s.clip_ratio_low, clip_ratio_high=s.clip_ratio_high,
         clip_ratio_c=s.clip_ratio_c, rollout_is_weights=None, **s.loss_options, loss_agg_mode=s.loss_agg_mode,
