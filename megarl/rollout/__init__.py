@@ -17,7 +17,9 @@ request-level control of an engine (requests), the engine interface (protocol), 
 and when each step's batch is generated with which weights (schedule).
 """
 from megarl.rollout.engine import PromptTooLongError, VLLMEngine, apply_prompt_overflow
-from megarl.rollout.engine_args import EngineStartError, engine_kwargs, kv_cache_bytes_needed, sampling_kwargs
+from megarl.rollout.engine_args import engine_kwargs, kv_cache_bytes_needed
+from megarl.rollout.protocol import EngineStartError
+from megarl.rollout.sampling import sampling_kwargs
 
 __all__ = ["VLLMEngine", "EngineStartError", "PromptTooLongError", "apply_prompt_overflow", "engine_kwargs",
            "sampling_kwargs", "kv_cache_bytes_needed"]

@@ -30,15 +30,15 @@ import torch
 from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import Checksum, combine_rank_checksums, compare_checksums, fold_checksums, resolve_nested
 from megarl.rollout.cpu_engine import CpuEngineChoice, CpuInfo, describe_flags, host_cpu
-from megarl.rollout.engine_args import (EngineStartError, check_kv_cache_fits, cpu_choice, engine_block_size,
-                                        engine_kwargs, explain_start_failure, read_model_facts, resolve_dtype,
-                                        sampling_kwargs, switched_off)
-from megarl.rollout.protocol import Deferred
+from megarl.rollout.engine_args import (check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
+                                        explain_start_failure, read_model_facts, switched_off)
+from megarl.rollout.protocol import Deferred, EngineStartError
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
+from megarl.rollout.sampling import sampling_kwargs
 from megarl.rollout.start_errors import collecting_worker_errors
 from megarl.rollout.vllm_patches import PLAIN_CPU_WEIGHTS_ENV, keep_cpu_weights_plain
 from megarl.rollout.worker_ext import WORKER_EXTENSION
-from megarl.types import FINISH_REASONS, RolloutBatch, pad_rows
+from megarl.types import RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class VLLMEngine:
         self._feed = None  # megarl.sync.transports.feed, made by the first update_weights
         self.prompt_overflow = prompt_overflow
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
-        self.dtype = resolve_dtype(config, self.on_gpu)
+        self.dtype = config.resolved_dtype(self.on_gpu)
         self.weight_version = 0
         self.model_facts = read_model_facts(self.model_path, lora_enabled=bool(lora))
         self.cpu = None if self.on_gpu else (cpu or host_cpu())

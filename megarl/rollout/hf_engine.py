@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.engine_args import EngineStartError, resolve_dtype, sampling_kwargs
 from megarl.rollout.hf_decode import Row, decode, sequence_logprobs
 from megarl.rollout.hf_weights import (Arena, UnmappedTensor, copy_into_targets, drop_storages, parameter_bytes,
                                        restore_storages, tied_names, weight_targets)
-from megarl.rollout.protocol import Deferred
+from megarl.rollout.protocol import Deferred, EngineStartError
 from megarl.rollout.requests import AbortSignal, Completion
+from megarl.rollout.sampling import sampling_kwargs
 from megarl.sync.boxes import box_numel, full_box, relative_slices
 from megarl.sync.weights import Checksum, add_checksums, compare_checksums, tensor_checksum
 from megarl.sync.wire import open_bucket, region
@@ -62,7 +61,7 @@ class HFEngine:
         self.config, self.model_path, self.prompt_overflow = config, str(model_path), prompt_overflow
         self._feed = None  # megarl.sync.transports.feed, made by the first update_weights
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
-        self.dtype = resolve_dtype(config, self.on_gpu)
+        self.dtype = config.resolved_dtype(self.on_gpu)
         self.weight_version = 0
         self.events: list[str] = []
         self.lora = None

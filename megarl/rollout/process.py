@@ -184,7 +184,7 @@ def start_failure_line(exc: BaseException, log_file: Optional[str]) -> str:
     """One line for the console about an engine that failed to start, naming its log for the rest. A known cause
     (EngineStartError: the cause and the fix) leaves its traceback only in the log; any other error prints its
     traceback into this process's output (the log, or the terminal where there is none)."""
-    from megarl.rollout.engine_args import EngineStartError
+    from megarl.rollout.protocol import EngineStartError
     from megarl.rollout.start_errors import describe_exception, one_line
 
     known = isinstance(exc, EngineStartError)

@@ -9,8 +9,18 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequenc
 
 import torch
 
+from megarl import lifecycle
 from megarl.sync.seam import UpdateTarget
 from megarl.types import RolloutBatch
+
+
+class EngineStartError(RuntimeError, lifecycle.Explained):
+    """The engine could not start; the message names the cause and the config change that fixes it, and ends with its
+    troubleshooting entry: error_id, or the link an explain_* message already holds."""
+
+    def __init__(self, message: str, error_id: Optional[str] = None):
+        super().__init__(message if error_id is None else f"{message} {lifecycle.see(error_id)}")
+        self.error_id = error_id
 
 
 class Deferred:

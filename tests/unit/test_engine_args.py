@@ -11,7 +11,7 @@ from megarl.lora.vllm import lora_engine_settings
 from megarl.rollout.cpu_engine import CpuInfo
 from megarl.rollout.engine_args import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, EngineStartError, ModelFacts,
                                         check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
-                                        language_config, read_model_facts, resolve_dtype, switched_off)
+                                        language_config, read_model_facts, switched_off)
 
 AMX = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 AVX512 = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16"}))
@@ -33,10 +33,10 @@ def _args(cfg, hf, cpu, **kw):
 
 
 def test_dtype_auto_is_float32_on_cpu_and_bfloat16_on_gpu_and_a_set_dtype_stays():
-    assert resolve_dtype(RolloutConfig(dtype="auto"), on_gpu=False) == "float32"  # the trainer's logprobs on CPU
-    assert resolve_dtype(RolloutConfig(dtype="auto"), on_gpu=True) == "bfloat16"
-    assert resolve_dtype(RolloutConfig(dtype="bfloat16"), on_gpu=False) == "bfloat16"
-    assert resolve_dtype(RolloutConfig(dtype="float32"), on_gpu=True) == "float32"
+    assert RolloutConfig(dtype="auto").resolved_dtype(on_gpu=False) == "float32"  # the trainer's logprobs on CPU
+    assert RolloutConfig(dtype="auto").resolved_dtype(on_gpu=True) == "bfloat16"
+    assert RolloutConfig(dtype="bfloat16").resolved_dtype(on_gpu=False) == "bfloat16"
+    assert RolloutConfig(dtype="float32").resolved_dtype(on_gpu=True) == "float32"
 
 
 def test_mla_on_a_cpu_with_amx_names_the_reference_backend():

@@ -6,7 +6,8 @@ import torch
 from megarl.config.schema import RolloutConfig, ValKwargs
 from megarl.rollout.engine import PromptTooLongError, apply_prompt_overflow
 from megarl.rollout.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
-                                        kv_cache_bytes_needed, sampling_kwargs)
+                                        kv_cache_bytes_needed)
+from megarl.rollout.sampling import sampling_kwargs
 from megarl.sync.weights import (checksums_match, combine_rank_checksums, engine_name, fold_checksums,
                                  iter_buckets, tensor_checksum)
 from megarl.types import RolloutBatch
