@@ -125,7 +125,7 @@ def time_update(trainable, spec, args) -> dict:
 def run_engine(model_dir: str, dtype: str, prompts, args) -> dict:
     """Start an engine in `dtype` on the model's weights; one untimed generate, then --repeats timed ones."""
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     cfg = RolloutConfig(n=1, prompt_length=args.prompt_len, response_length=args.gen_tokens, ignore_eos=True,
                         temperature=1.0, dtype=dtype, max_num_seqs=max(8, args.prompts),

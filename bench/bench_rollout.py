@@ -70,7 +70,7 @@ def trainer_rank(rank: int, world: int, port: int, path: str, cfg, repeats: int,
     from megarl.bridge.sharding import LocalParam
     from megarl.sync.transports.colocated import plan_sync
     from megarl.sync.holdings import gather_holdings
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.layout import EngineTopology
     from safetensors.torch import load_file
 
@@ -182,7 +182,7 @@ def main() -> int:
 
         # -- 1. weight sync into engine processes vs the in-memory copy floor ----------------------------------------
         from megarl.distributed import free_port
-        from megarl.rollout.process import EngineProcess
+        from megarl.rollout.hosting.process import EngineProcess
 
         g = torch.Generator().manual_seed(1)
         prompts = torch.randint(2, args.vocab, (args.prompts, args.prompt_len), generator=g)

@@ -32,7 +32,7 @@ def measure(hf_dir: str, repeats: int, bucket_mb: int) -> dict:
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.sync.factory import SyncFactory
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.layout import EngineTopology
 
     init_model_parallel(Layout(), seed=0)

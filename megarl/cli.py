@@ -46,7 +46,7 @@ def _run_job(cfg, entry: str) -> int:
     from megarl.data import DataError
     from megarl.launch_local import RankFailure, run_ranks
     from megarl.reward.registry import RewardError
-    from megarl.rollout.process import EngineProcessError
+    from megarl.rollout.hosting.process import EngineProcessError
 
     module, fn = entry.split(":")
     from megarl.megatron.precision import apply_precision

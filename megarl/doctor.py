@@ -187,7 +187,7 @@ def engine_probe(hf_dir: str, reference_dir: str, name: str = "vllm") -> tuple[b
     from transformers import AutoModelForCausalLM
 
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     prompts = [[1, 5, 9, 13, 2], [3, 4, 6, 8]]
     cfg = RolloutConfig(name=name, prompt_length=8, response_length=6, dtype="float32", enable_prefix_caching=False,
@@ -251,7 +251,7 @@ def run_probes(skip_engine: bool = False, out=None) -> list[tuple[str, bool, str
             record("actor update vs torch", ok, f"loss diff {d_loss:.1e} (<= 1e-5), grad-norm rel diff {d_norm:.1e} "
                    f"(<= 1e-4), logprobs after the step {d_after:.1e} (<= {tol_after:.1e}, derived), "
                    f"{r['update_s']:.1f} s")
-        from megarl.rollout.hf_checks import vllm_importable
+        from megarl.rollout.hf.checks import vllm_importable
 
         # without vLLM, the engine recipes can still run: the transformers one (rollout.name=hf)
         name, label = ("vllm", "vLLM engine") if vllm_importable() else ("hf", "hf engine (vLLM does not import)")

@@ -72,7 +72,7 @@ def build_policy_pairs(cfg, model_path: str, split: str) -> tuple[list[dict], di
     from megarl.data import encode_prompts, load_prompts_from_config
     from megarl.reward.compute import RewardInput, compute_rewards
     from megarl.reward.registry import reward_fn_from_config
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     pp, r = cfg.rm.policy_pairs, cfg.reward
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path,

@@ -472,7 +472,7 @@ class _Started:
 
 def _results_or_lost(handles: list) -> tuple:
     """(this rank's results per replica, None), or ([], the cause) when this rank's replica was lost."""
-    from megarl.rollout.supervisor import EngineLost
+    from megarl.rollout.hosting.supervisor import EngineLost
 
     out = []
     for handle in handles:
@@ -491,12 +491,12 @@ class EngineGeneration:
         self.factory = factory  # the SyncFactory `sync` was planned by: a restart plans again over its holdings
         self.offload = offload  # the trainer's OffloadAroundRollout, or None
         self.restarts = 0  # engine restarts of the run so far (any replica), rollout/engine_restarts
-        from megarl.rollout.supervisor import engine_failure_policy
+        from megarl.rollout.hosting.supervisor import engine_failure_policy
 
         self.supervised = engine_failure_policy(cfg) == "restart"  # the same on every rank: a config's choice
 
     def start(self, records: Sequence[PromptRecord], seed: int) -> "_Started":
-        from megarl.rollout.supervisor import EngineLost
+        from megarl.rollout.hosting.supervisor import EngineLost
 
         try:
             handles = start_generate(self.engine, records, self.rt, seed=seed,
@@ -508,7 +508,7 @@ class EngineGeneration:
     def finish(self, started) -> RolloutBatch:
         """Wait for a started generation (collective). With rollout.on_engine_failure=restart (sync mode) a lost
         engine replica is restarted, given the actor's weights and asked for the same batch again (the same prompts
-        and seeds), until the batch is complete or the restarts run out (megarl.rollout.supervisor)."""
+        and seeds), until the batch is complete or the restarts run out (megarl.rollout.hosting.supervisor)."""
         if not isinstance(started, _Started):  # continuations (async abort_resume): no restart there
             return finish_generate(started, self.rt)
         while True:
@@ -532,7 +532,7 @@ class EngineGeneration:
 
     def sync(self) -> dict:
         """Deliver the actor's weights to the engines (collective). An engine replica lost during the delivery (its
-        update calls then return at once: megarl.rollout.supervisor) is restarted and the delivery repeated."""
+        update calls then return at once: megarl.rollout.hosting.supervisor) is restarted and the delivery repeated."""
         if self.offload is None or not self.offload.active:
             metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
         else:

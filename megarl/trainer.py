@@ -347,7 +347,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     if cfg.rollout.mode == "ray":
         if not rt.is_rank0:
             return None
-        from megarl.rollout.ray_engine import RayEngine
+        from megarl.rollout.hosting.ray import RayEngine
 
         return RayEngine(rollout, model_path, seed=seed,
                          devices=cfg.engine_devices() if compute_device().type == "cuda" else None)
@@ -356,7 +356,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
     if cfg.engine_placement == "separate" and compute_device().type == "cuda":
         raise RuntimeError("rollout.placement=separate with engine processes started by the trainer runs on CPU; on "
                            "GPU use rollout.mode=ray (engines as Ray actors on GPUs of their own)")
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.rollout.replicas import replica_cores
 
     # the replicas on this machine split the engines' cores (see engine_cores)
@@ -377,7 +377,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
         return EngineProcess(rollout, model_path, seed=seed, cores=cores, name=name, devices=devices,
                              lora=engine_lora(cfg, model_path), reply_timeout_s=cfg.rollout.engine_timeout_s)
 
-    from megarl.rollout.supervisor import EngineSupervisor, engine_failure_policy
+    from megarl.rollout.hosting.supervisor import EngineSupervisor, engine_failure_policy
 
     if engine_failure_policy(cfg) != "restart":
         return launch()

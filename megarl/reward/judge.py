@@ -97,7 +97,7 @@ class Judge:
 
         from megarl.config.schema import RolloutConfig
         from megarl.reward.registry import load_reward_fn
-        from megarl.rollout.process import EngineProcess
+        from megarl.rollout.hosting.process import EngineProcess
 
         self.cfg = j = cfg.reward.judge
         self.tokenizer = AutoTokenizer.from_pretrained(j.path, trust_remote_code=cfg.model.trust_remote_code)

@@ -12,8 +12,8 @@ from megarl.config.schema import MegarlConfig
 from megarl.distributed import cpu_bf16
 from megarl.layout import DeviceShortage
 from megarl.megatron.checks import BF16_GAP
-from megarl.rollout.cpu_engine import CpuInfo, Refusal, host_cpu
-from megarl.rollout.engine_args import cpu_choice, language_config
+from megarl.rollout.vllm.cpu_engine import CpuInfo, Refusal, host_cpu
+from megarl.rollout.vllm.engine_args import cpu_choice, language_config
 
 
 def check_lengths(cfg: MegarlConfig) -> list[Issue]:
@@ -309,7 +309,7 @@ def _config_source(cfg: MegarlConfig) -> tuple[Optional[dict], tuple]:
 
 def cpu_engine_refusals(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list[Refusal]:
     """The refusals of a recipe whose engine runs on this CPU (the engine start's own choice,
-    megarl.rollout.engine_args.cpu_choice): empty where the engine runs on a GPU or the model's config is not known
+    megarl.rollout.vllm.engine_args.cpu_choice): empty where the engine runs on a GPU or the model's config is not known
     yet."""
     if resolved_device(cfg.trainer.device) != "cpu" or cfg.rollout.name == "hf":  # hf: transformers' own kernels
         return []
@@ -348,8 +348,8 @@ def check_engine_dtype(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list
 
 
 def check_engine_failure(cfg: MegarlConfig) -> list[Issue]:
-    """rollout.on_engine_failure=restart only where restarts keep the batch exact (megarl.rollout.supervisor)."""
-    from megarl.rollout.supervisor import restart_refusal
+    """rollout.on_engine_failure=restart only where restarts keep the batch exact (megarl.rollout.hosting.supervisor)."""
+    from megarl.rollout.hosting.supervisor import restart_refusal
 
     why = restart_refusal(cfg) if cfg.rollout.on_engine_failure == "restart" else None
     if why is None:

@@ -18,8 +18,8 @@ The transports (transports/, one file each; factory picks one from the recipe):
 * adapter: only the LoRA adapters after each update; feed: a stream of full tensors (verify, tests, benches).
 
 What both sides agree on: wire (the bucket and adapter files), transfer (the transfer group, each host's
-ReceivePlan), placement and pull (the placed-write records). The engine side (megarl.rollout.worker_ext,
-megarl.rollout.receiver) imports those and nothing else of the trainer side. Checks (weights): checksums of what
+ReceivePlan), placement and pull (the placed-write records). The engine side (megarl.rollout.vllm.worker_ext,
+megarl.rollout.hosting.receiver) imports those and nothing else of the trainer side. Checks (weights): checksums of what
 each worker holds against what the trainer sent. What the sync needs from an engine is megarl.sync.seam.
 """
 from megarl.sync.weights import iter_buckets, tensor_checksum

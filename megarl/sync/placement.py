@@ -1,7 +1,7 @@
 """Placed weight writes: the trainer rank hosting an engine worker writes each received shard straight into the
 worker's live parameters, one copy instead of two (trainer -> bucket file -> parameter) and no loader walk per sync.
 
-Where a CPU engine takes its weights in place (plain weights: megarl.rollout.vllm_patches.direct_update_blockers), each
+Where a CPU engine takes its weights in place (plain weights: megarl.rollout.vllm.patches.direct_update_blockers), each
 worker, once, at plan time:
 1. moves its parameters into one shared-memory file, the arena (`share_parameters`): the same bytes, now mapped by
    the worker and by its hosting trainer rank;

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 class UpdateTarget(Protocol):
     @property
     def layouts(self) -> list:
-        """Every engine worker's parameter shards (megarl.rollout.worker_ext.megarl_layout), by worker rank."""
+        """Every engine worker's parameter shards (megarl.rollout.vllm.worker_ext.megarl_layout), by worker rank."""
 
     def place_weights(self, needs: Sequence[dict], prefix: str) -> list:
         """Per worker: its parameters moved into a shared-memory file its host writes directly, and where each HF

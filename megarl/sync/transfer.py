@@ -1,5 +1,5 @@
 """What both ends of a remote weight transfer agree on (megarl.sync.transports.remote sends, the engine host's
-megarl.rollout.receiver receives): the transfer group and the part of the plan each engine host receives.
+megarl.rollout.hosting.receiver receives): the transfer group and the part of the plan each engine host receives.
 
 The transfer group holds the trainer's N ranks (transfer rank = trainer rank) and one rank per engine host (N, N+1,
 ...). It is formed once, when the sync is planned, over a TCPStore that trainer rank 0 serves, with `ProcessGroupGloo`

@@ -1,7 +1,7 @@
 """What both sides of a weight sync agree on: the shared-memory files the trainer writes and the engine workers map.
 
 The trainer side (megarl.sync.transports.colocated, remote, adapters) writes these files; the engine side (the worker
-extension, megarl.rollout.worker_ext) reads them. Both import this module and neither imports the other, so either side
+extension, megarl.rollout.vllm.worker_ext) reads them. Both import this module and neither imports the other, so either side
 can change its own mechanics as long as the files stay as described here. Only file names and small metadata cross
 vLLM's RPC.
 

@@ -29,7 +29,7 @@ from megarl.reward.checks import check_learned_rewards, check_reward_fn
 from megarl.rollout.checks import (check_engine_dtype, check_engine_failure, check_engine_layout, check_lengths,
                                    check_quantization, check_rollout_logprobs, check_sampling, check_trainer_mode,
                                    cpu_engine_issues)
-from megarl.rollout.hf_checks import check_engine_available, check_hf_engine
+from megarl.rollout.hf.checks import check_engine_available, check_hf_engine
 from megarl.validate.paths import check_paths
 
 

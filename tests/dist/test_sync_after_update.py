@@ -71,7 +71,7 @@ def start_and_sync(trainable, spec, hf_dir, topology, engine_tp, prepack):
 
     from megarl.config.schema import RolloutConfig
     from megarl.sync.factory import build_sync
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     engine = None
     if dist.get_rank() == 0:

@@ -75,7 +75,7 @@ def test_continue_generate_resumes_aborted_samples_on_the_real_engine(tmp_path):
     """async_training.partial_rollout=abort_resume's engine side: samples an abort cut short continue from prompt +
     partial response for exactly the budget left, and the continuation's rollout logprobs are the engine's own
     logprobs of those tokens after that prefix (checked against a teacher-forced pass over the whole sequence)."""
-    from megarl.rollout.engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
     from tests.e2e.test_engine_requests import LONG, PROMPTS, config
     from tests.helpers.engine_abort import generate_aborted_at_step
     from tests.helpers.tiny_models import make_tiny_model

@@ -19,7 +19,7 @@ def test_predicted_shards_equal_the_engine_reported_ones_at_tp2(tmp_path):
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.sync.shards import EngineModule, engine_needs, predict_engine_modules
 
     hf_dir = make_tiny_model("llama", tmp_path / "llama", num_key_value_heads=1, vocab_size=307)
@@ -48,7 +48,7 @@ def sleep_order_and_failed_sync(hf_dir):
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.sync.factory import build_sync
-    from megarl.rollout.process import EngineProcess, EngineProcessError
+    from megarl.rollout.hosting.process import EngineProcess, EngineProcessError
     from megarl.layout import EngineTopology
     from megarl.runtime import Runtime
 

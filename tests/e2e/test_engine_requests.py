@@ -39,7 +39,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from megarl.rollout.engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(config(), model_dir, seed=0, device="cpu")
     yield eng
@@ -126,7 +126,7 @@ def test_abort_ends_coroutines_in_flight_with_their_partial_completions(engine):
 
 @pytest.mark.slow  # ~22 s decoding; abort itself: the in-process test above
 def test_abort_through_the_engine_process(model_dir):
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     long = 240  # long enough that an abort at a quarter of a warm run lands mid-generation, with 12 samples
     engine = EngineProcess(config(response_length=long), model_dir, seed=0)

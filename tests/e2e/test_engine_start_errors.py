@@ -1,4 +1,4 @@
-"""The engine starts on the CPU it runs on (kernels chosen per CPU, megarl.rollout.cpu_engine), and an engine that
+"""The engine starts on the CPU it runs on (kernels chosen per CPU, megarl.rollout.vllm.cpu_engine), and an engine that
 cannot start says why on the console in one line, naming its log for the rest; never a traceback for a known cause."""
 import json
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.cpu_engine import CpuInfo, host_cpu
+from megarl.rollout.vllm.cpu_engine import CpuInfo, host_cpu
 from tests.helpers.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_worker_failure_in_one_line(deepseek_v3, tmp_path, monkeypatch):
     # An engine set up for a CPU without AMX, started on this one: vLLM's workers take AMX_MLA, which cannot pack
     # float32 weights (the failure users saw). At engine TP2 it happens in a worker process, of which vLLM itself
     # says only "WorkerProc initialization failed"; the worker's exception reaches the message.
-    from megarl.rollout.process import EngineProcess, EngineProcessError
+    from megarl.rollout.hosting.process import EngineProcess, EngineProcessError
 
     monkeypatch.setenv("MEGARL_LOG_DIR", str(tmp_path / "logs"))
     cfg = RolloutConfig(prompt_length=16, response_length=8, load_format="dummy", tensor_model_parallel_size=2)

@@ -1,4 +1,4 @@
-"""The transformers engine (rollout.name=hf, megarl.rollout.hf_engine), as tests/e2e/test_vllm_engine.py,
+"""The transformers engine (rollout.name=hf, megarl.rollout.hf.engine), as tests/e2e/test_vllm_engine.py,
 test_engine_requests.py and test_engine_control.py check the vLLM engine:
 
 * n samples per prompt in groups, their logprobs equal HF's forward of the same tokens within the derived float32 bound
@@ -46,7 +46,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
 
     eng = HFEngine(config(), model_dir, seed=0, device="cpu")
     yield eng
@@ -66,7 +66,7 @@ def reference_logprobs(hf_model, batch, temperature=1.0):
 
 
 def test_protocol():
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
     from megarl.rollout.protocol import RolloutEngine
     from megarl.sync.seam import missing_members
 
@@ -85,7 +85,7 @@ def test_n_samples_groups_and_logprobs_match_hf(engine, hf_model):
 
 
 def test_processed_and_raw_logprobs_with_temperature_and_top_k(model_dir, hf_model):
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
 
     for mode, temp_of_ref in (("processed_logprobs", 0.7), ("raw_logprobs", 1.0)):
         eng = HFEngine(config(temperature=0.7, logprobs_mode=mode), model_dir, seed=0, device="cpu")
@@ -126,7 +126,7 @@ def test_seed_reproducibility(engine):
 
 
 def test_max_length_ignore_eos_and_stop_tokens(model_dir, engine):
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
 
     free = engine.generate(PROMPTS, seed=3)
     first = int(free.response(0)[2])  # the third token of row 0 becomes a stop token
@@ -142,8 +142,8 @@ def test_max_length_ignore_eos_and_stop_tokens(model_dir, engine):
 
 
 def test_prompt_overflow_policies(model_dir):
-    from megarl.rollout.engine import PromptTooLongError
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.vllm.engine import PromptTooLongError
+    from megarl.rollout.hf.engine import HFEngine
 
     long = list(range(3, 23))  # 20 tokens > prompt_length 16
     with pytest.raises(PromptTooLongError):
@@ -177,7 +177,7 @@ def generate_aborted_at_step(engine, at_step, *args, **kwargs):
 
 
 def test_abort_from_another_thread_returns_partial_samples_and_keeps_serving(model_dir, hf_model):
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
 
     eng = HFEngine(config(response_length=40), model_dir, seed=0, device="cpu")
     full = eng.generate(PROMPTS, seed=11)
@@ -213,7 +213,7 @@ def test_agenerate_in_flight_together_equal_generate(engine):
 
 @pytest.mark.slow  # an engine process and three generations of 120 tokens; in process: the abort test above
 def test_abort_through_the_engine_process(model_dir):
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
 
     engine = EngineProcess(config(response_length=120, max_num_seqs=16), model_dir, seed=0, name="megarl-hf-engine")
     try:
@@ -236,7 +236,7 @@ def test_abort_through_the_engine_process(model_dir):
 
 
 def test_update_verified_sleep_frees_weights_and_wake_restores(model_dir, hf_model):
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
 
     eng = HFEngine(config(load_format="dummy", enable_sleep_mode=True), model_dir, seed=0, device="cpu")
     state = {k: v for k, v in hf_model.state_dict().items()}
@@ -269,7 +269,7 @@ def test_placed_weights_sleep_releases_the_arena(model_dir, hf_model, tmp_path):
     gives the arena's pages back while both mappings stay valid; the next placed writes bring the same weights back."""
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
-    from megarl.rollout.hf_engine import HFEngine
+    from megarl.rollout.hf.engine import HFEngine
     from megarl.sync.shards import worker_needs
     from megarl.sync.placement import region_viewer, write_placed
     from megarl.sync.boxes import full_box

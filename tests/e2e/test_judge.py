@@ -105,7 +105,7 @@ def test_colocated_judge_engine_sleeps_outside_its_calls_so_the_update_phase_has
     dropped, weights offloaded) from its start, awake only inside grade(), asleep again after a call that failed; a
     separate judge never sleeps. The trainer calls the judge only while scoring a step (StepReward.total), so its
     engine is asleep during the update phase. The slow test below runs the same on a real vLLM engine."""
-    import megarl.rollout.process as process
+    import megarl.rollout.hosting.process as process
     from megarl.config import MegarlConfig
     from megarl.data import arithmetic_tokenizer
     from megarl.reward.compute import RewardInput

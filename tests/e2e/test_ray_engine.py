@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
-from megarl.rollout.ray_engine import concat_rollouts, split_prompts
+from megarl.rollout.hosting.ray import concat_rollouts, split_prompts
 from megarl.types import RolloutBatch
 from megarl.validate import load_config
 from tests.e2e.test_grpo_loop import PARITY_REWARD, RECIPE

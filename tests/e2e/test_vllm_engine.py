@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from megarl.config.schema import RolloutConfig  # noqa: E402
 from megarl.rollout import EngineStartError, PromptTooLongError, VLLMEngine  # noqa: E402
 from megarl.sync import iter_buckets  # noqa: E402
-from megarl.rollout.engine_args import explain_start_failure  # noqa: E402
+from megarl.rollout.vllm.engine_args import explain_start_failure  # noqa: E402
 from tests.helpers.bounds import rollout_bound  # noqa: E402
 
 # fp32 logprob agreement, vLLM vs HF transformers: within the bound derived from the model (tests/helpers/bounds.py)

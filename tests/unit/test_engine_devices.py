@@ -14,7 +14,7 @@ import torch
 from megarl.distributed import node_gpus
 from megarl.layout import DeviceShortage, EngineDevices, engine_devices
 from megarl.rollout.checks import ONE_NODE_RULE
-from megarl.rollout.process import _DIST_VARS, _environment, child_environment
+from megarl.rollout.hosting.process import _DIST_VARS, _environment, child_environment
 from megarl.validate import load_config
 
 NODE = [str(i) for i in range(8)]  # one 8-GPU node, CUDA_VISIBLE_DEVICES unset

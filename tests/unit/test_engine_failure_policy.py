@@ -4,7 +4,7 @@ import pytest
 
 from megarl.config.issues import ConfigError
 from megarl.rollout.checks import check_engine_failure
-from megarl.rollout.supervisor import engine_failure_policy
+from megarl.rollout.hosting.supervisor import engine_failure_policy
 from megarl.validate import load_config
 
 RECIPE = "recipes/grpo_tiny_cpu.yaml"

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from megarl.rollout.process import _BY_VALUE_BYTES, _ReplyPickler
+from megarl.rollout.hosting.process import _BY_VALUE_BYTES, _ReplyPickler
 
 
 @pytest.mark.parametrize("tensor", [

@@ -23,8 +23,8 @@ def test_the_sync_seam_is_narrow():
                                                            "end_update", "abort_update"}
 
 
-@pytest.mark.parametrize("where", ["megarl.rollout.engine:VLLMEngine", "megarl.rollout.process:EngineProcess",
-                                   "megarl.rollout.hf_engine:HFEngine"])
+@pytest.mark.parametrize("where", ["megarl.rollout.vllm.engine:VLLMEngine", "megarl.rollout.hosting.process:EngineProcess",
+                                   "megarl.rollout.hf.engine:HFEngine"])
 def test_engine_implements_the_protocol(where):
     import importlib
 
@@ -32,7 +32,7 @@ def test_engine_implements_the_protocol(where):
     assert missing_members(getattr(importlib.import_module(module), name), RolloutEngine) == []
 
 
-@pytest.mark.parametrize("where", ["megarl.rollout.process:EngineProcess", "megarl.rollout.ray_engine:RayEngine"])
+@pytest.mark.parametrize("where", ["megarl.rollout.hosting.process:EngineProcess", "megarl.rollout.hosting.ray:RayEngine"])
 def test_engine_hosts_implement_the_transfer_protocol(where):
     import importlib
 

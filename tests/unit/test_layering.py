@@ -229,7 +229,7 @@ def test_a_circle_inside_one_package_is_caught(tmp_path):
 SHARED_SYNC = {"megarl.sync", "megarl.sync.wire", "megarl.sync.transfer", "megarl.sync.boxes", "megarl.sync.shards",
                "megarl.sync.weights", "megarl.sync.placement", "megarl.sync.pull", "megarl.sync.delta",
                "megarl.sync.seam"}
-ENGINE_SIDE = ("megarl.rollout.worker_ext", "megarl.rollout.receiver", "megarl.rollout.routes")
+ENGINE_SIDE = ("megarl.rollout.vllm.worker_ext", "megarl.rollout.hosting.receiver", "megarl.rollout.vllm.routes")
 
 
 def engine_side_problems(root: Path) -> list[str]:
@@ -245,8 +245,8 @@ def test_the_engine_side_imports_only_what_both_sides_share():
 def test_an_engine_side_import_of_a_transport_is_caught(tmp_path):
     root = _tree(tmp_path, {"megarl/__init__.py": "", "megarl/sync/__init__.py": "", "megarl/sync/wire.py": "",
                             "megarl/sync/transports/__init__.py": "", "megarl/sync/transports/remote.py": "",
-                            "megarl/rollout/__init__.py": "",
-                            "megarl/rollout/receiver.py": "from megarl.sync import wire\n"
-                                                          "from megarl.sync.transports.remote import RemoteSync\n"})
-    assert engine_side_problems(root) == ["megarl.rollout.receiver imports megarl.sync.transports.remote (the trainer "
-                                          "side of the weight sync)"]
+                            "megarl/rollout/__init__.py": "", "megarl/rollout/hosting/__init__.py": "",
+                            "megarl/rollout/hosting/receiver.py": "from megarl.sync import wire\n"
+                                                                  "from megarl.sync.transports.remote import RemoteSync\n"})
+    assert engine_side_problems(root) == ["megarl.rollout.hosting.receiver imports megarl.sync.transports.remote (the "
+                                          "trainer side of the weight sync)"]

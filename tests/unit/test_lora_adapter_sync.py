@@ -7,7 +7,7 @@ import torch
 
 from megarl.config.schema import RolloutConfig
 from megarl.lora.targets import LoraSettings
-from megarl.rollout.engine_args import ModelFacts, engine_kwargs
+from megarl.rollout.vllm.engine_args import ModelFacts, engine_kwargs
 from megarl.lora.vllm import lora_engine_settings, vllm_max_lora_rank, vllm_target_modules
 from megarl.sync.wire import adapter_bytes, read_adapter_file, write_adapter_file
 from megarl.validate import load_config

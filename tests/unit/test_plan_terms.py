@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from megarl.bridge.hf_config import spec_from_dict, spec_kv_cache_bytes_per_token
-from megarl.rollout.engine_args import kv_bytes_per_token
+from megarl.rollout.vllm.engine_args import kv_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1024 ** 3

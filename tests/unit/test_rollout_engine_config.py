@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megarl.config.schema import RolloutConfig, ValKwargs
-from megarl.rollout.engine import PromptTooLongError, apply_prompt_overflow
-from megarl.rollout.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
+from megarl.rollout.vllm.engine import PromptTooLongError, apply_prompt_overflow
+from megarl.rollout.vllm.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
                                         kv_cache_bytes_needed)
 from megarl.rollout.sampling import sampling_kwargs
 from megarl.sync.weights import (checksums_match, combine_rank_checksums, engine_name, fold_checksums,

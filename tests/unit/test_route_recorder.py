@@ -1,11 +1,11 @@
-"""The routed-experts recorder of the V1 runner (megarl.rollout.routes.RouteRecorder), without vLLM: a stand-in capturer
+"""The routed-experts recorder of the V1 runner (megarl.rollout.vllm.routes.RouteRecorder), without vLLM: a stand-in capturer
 whose step buffer holds the value 100 * row + 10 * layer + k at [row, layer, k], so every expected route is written
 from its row, layer and slot by hand."""
 from types import SimpleNamespace
 
 import torch
 
-from megarl.rollout.routes import RouteRecorder
+from megarl.rollout.vllm.routes import RouteRecorder
 
 LAYERS, TOP_K = 3, 2
 MOE = torch.tensor([True, False, True])  # layer 1 is dense: the capturer never writes it

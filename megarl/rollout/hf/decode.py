@@ -1,6 +1,6 @@
 """The transformers engine's decoding: a batched decode loop over a HF causal LM with its own KV cache, and the
 sampler it runs at every step, written to compute what vLLM 0.32's v1 sampler computes for the SamplingParams megarl
-sends (megarl.rollout.engine_args.sampling_kwargs), so that the two engines' rollouts mean the same:
+sends (megarl.rollout.vllm.engine_args.sampling_kwargs), so that the two engines' rollouts mean the same:
 
     raw logits (float32) --[raw_logprobs]--> logprobs of the model at temperature 1
         -> repetition penalty (tokens of the prompt and of the output so far: positive logits / p, others * p)

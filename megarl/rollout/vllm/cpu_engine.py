@@ -7,8 +7,8 @@ the reference backend (CPU_MLA: float16, bfloat16 and float32; 16-token KV block
 caching). Its standard attention (CPU_ATTN) runs every dtype on every CPU.
 
 `cpu_engine_choice` is the one decision, a pure function of the model's config, the engine dtype and the CPU (its
-flags as an argument, so every CPU kind is testable on any machine); the engine start (megarl.rollout.engine) and
-`megarl verify --engine vllm` both start through it (megarl.rollout.engine_args.cpu_choice), and
+flags as an argument, so every CPU kind is testable on any machine); the engine start (megarl.rollout.vllm.engine) and
+`megarl verify --engine vllm` both start through it (megarl.rollout.vllm.engine_args.cpu_choice), and
 megarl.rollout.checks.cpu_engine_issues refuses at validate what no setting can run. float32 stays float32: the
 engine's logprobs must match the trainer's. MLA runs on CPU_MLA on every CPU: AMX_MLA packs its weights at load in a
 way megarl's weight sync cannot refill.

@@ -11,7 +11,7 @@ instead of appending to them. Every engine rank computes the same routing (the r
 TP, and under EP each rank routes all tokens before dispatch), so rank 0 keeps them.
 
 The worker methods (RouteCapture) are called through `collective_rpc`. vLLM takes one extension class, so megarl's
-weight-update extension (megarl.rollout.worker_ext) has RouteCapture as its base.
+weight-update extension (megarl.rollout.vllm.worker_ext) has RouteCapture as its base.
 """
 from __future__ import annotations
 

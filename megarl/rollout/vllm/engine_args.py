@@ -8,8 +8,8 @@ megarl's keys.
     vllm.LLM(**kwargs)
 
 Everything after `read_model_facts` is a pure function (cfg: megarl.config.schema.RolloutConfig; hf_config:
-config.json's dict; the machine: on_gpu and, on CPU, megarl.rollout.cpu_engine.CpuInfo), testable without vLLM:
-the engine (megarl.rollout.engine) starts with these arguments and validate (megarl.rollout.checks) refuses what the
+config.json's dict; the machine: on_gpu and, on CPU, megarl.rollout.vllm.cpu_engine.CpuInfo), testable without vLLM:
+the engine (megarl.rollout.vllm.engine) starts with these arguments and validate (megarl.rollout.checks) refuses what the
 same functions would refuse at start.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.bridge.hf_config import kv_cache_bytes_per_token
 from megarl.rollout.protocol import EngineStartError
-from megarl.rollout.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
+from megarl.rollout.vllm.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
                                        engine_hf_overrides, head_size, is_mla, mla_latent_size)
 from megarl.rollout.start_errors import one_line
 from megarl.sync.weights import describe_bytes
@@ -94,7 +94,7 @@ def _packed_modules(architectures: Sequence[str]) -> Optional[dict]:
 def cpu_choice(cfg: RolloutConfig, hf_config: Optional[Mapping[str, Any]], cpu: Optional[CpuInfo],
                source: tuple) -> Optional[CpuEngineChoice]:
     """The CPU engine's kernels for this model (config.json's dict) on `cpu` in the engine's CPU dtype, refusal
-    included (megarl.rollout.cpu_engine.cpu_engine_choice); None on GPU (cpu None) or without a config to read.
+    included (megarl.rollout.vllm.cpu_engine.cpu_engine_choice); None on GPU (cpu None) or without a config to read.
     source: the (key, value) a refusal names."""
     if cpu is None or hf_config is None:
         return None
@@ -138,7 +138,7 @@ def engine_kwargs(cfg: RolloutConfig, model: ModelFacts, seed: int, on_gpu: bool
     weights enter at any TP/EP). lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): vLLM's LoRA
     support for one adapter at a time of up to that rank, on the modules `lora_targets` names. cpu_choice: the CPU
     engine's kernels (`cpu_choice`). The model's config fields that config.json leaves to HF to derive are given as
-    hf_overrides (megarl.rollout.cpu_engine.engine_hf_overrides)."""
+    hf_overrides (megarl.rollout.vllm.cpu_engine.engine_hf_overrides)."""
     kw: dict[str, Any] = {
         "model": str(model.path),
         "dtype": cfg.resolved_dtype(on_gpu),

@@ -98,7 +98,7 @@ class EngineSupervisor:
         return self._guard(lambda: self.engine.rollout_agents(prompt_token_ids, **kwargs))
 
     def _guard(self, call: Callable[[], Any]) -> Any:
-        from megarl.rollout.process import EngineDied
+        from megarl.rollout.hosting.process import EngineDied
 
         try:
             return call()
@@ -116,7 +116,7 @@ class EngineSupervisor:
     def _update_call(self, name: str, *args, **kwargs) -> Any:
         """One call of a weight update; after the engine was lost (now or earlier in this update) it returns at once
         with UPDATE_CALLS' value and the cause is kept in `lost_in_update`."""
-        from megarl.rollout.process import EngineDied
+        from megarl.rollout.hosting.process import EngineDied
 
         if name == "begin_update":
             self.lost_in_update = None

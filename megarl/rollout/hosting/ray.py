@@ -31,7 +31,7 @@ from megarl import lifecycle
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
 from megarl.layout import EngineDevices
-from megarl.rollout.process import _DIST_VARS, EngineProcessError
+from megarl.rollout.hosting.process import _DIST_VARS, EngineProcessError
 from megarl.rollout.protocol import Deferred
 from megarl.types import RolloutBatch
 
@@ -98,7 +98,7 @@ class _EngineHost:
         for key in _DIST_VARS:
             os.environ.pop(key, None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from megarl.rollout.engine import VLLMEngine
+        from megarl.rollout.vllm.engine import VLLMEngine
 
         where = ""
         if expected is not None:  # Ray chose the node and the GPUs: as many as the layout gives the replica?

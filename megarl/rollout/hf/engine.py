@@ -1,12 +1,12 @@
 """The transformers rollout engine (`rollout.name: hf`): the RolloutEngine interface on a HF causal LM, for machines
 and models vLLM does not serve, and as an independent reference when an engine result looks wrong.
 
-It runs where a vLLM engine runs (megarl.rollout.process starts it in the engine's child process) and takes the
+It runs where a vLLM engine runs (megarl.rollout.hosting.process starts it in the engine's child process) and takes the
 same calls: `generate` (n samples per prompt, per-request seeds by VLLMEngine's rule, sampling logprobs computed as
-vLLM's sampler does: megarl.rollout.hf_decode), `agenerate` (the multi-turn tool loop's turns, batched as they come),
+vLLM's sampler does: megarl.rollout.hf.decode), `agenerate` (the multi-turn tool loop's turns, batched as they come),
 `abort`, `sleep` / `wake_up` (the weights released or kept on the host; its KV cache lives only inside a generate
 call), and the weight sync's UpdateTarget: one worker (TP1) whose layout reads every tensor whole, loading bucket
-files or taking placed writes straight into its parameters (megarl.rollout.hf_weights), verified by checksums.
+files or taking placed writes straight into its parameters (megarl.rollout.hf.weights), verified by checksums.
 
 What vLLM does that it does not (engine TP/PP/EP, LoRA adapters in the engine, routed-expert capture, fp8, stop
 strings) is refused by `megarl validate` (megarl.rollout.checks); vLLM's memory knobs (KV cache size, prefix caching,
@@ -22,8 +22,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from megarl.config.schema import RolloutConfig
-from megarl.rollout.hf_decode import Row, decode, sequence_logprobs
-from megarl.rollout.hf_weights import (Arena, UnmappedTensor, copy_into_targets, drop_storages, parameter_bytes,
+from megarl.rollout.hf.decode import Row, decode, sequence_logprobs
+from megarl.rollout.hf.weights import (Arena, UnmappedTensor, copy_into_targets, drop_storages, parameter_bytes,
                                        restore_storages, tied_names, weight_targets)
 from megarl.rollout.protocol import Deferred, EngineStartError
 from megarl.rollout.requests import AbortSignal, Completion
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # vLLM settings with no counterpart in this engine (its KV cache is transformers' own, per generate call)
 VLLM_ONLY_KEYS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "enforce_eager", "cpu_prepack_weights",
                   "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")
-_KEPT_SLOTS = 8  # slot files kept mapped (as megarl.rollout.worker_ext)
+_KEPT_SLOTS = 8  # slot files kept mapped (as megarl.rollout.vllm.worker_ext)
 
 
 class HFEngine:
@@ -50,7 +50,7 @@ class HFEngine:
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
                  lora: Optional[dict] = None, cpu: Any = None, where: str = ""):
-        from megarl.rollout.engine import PROMPT_OVERFLOW_CHOICES
+        from megarl.rollout.vllm.engine import PROMPT_OVERFLOW_CHOICES
 
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
@@ -136,7 +136,7 @@ class HFEngine:
         return int(self.eos_ids[0]) if self.eos_ids else 0
 
     def _prompts(self, prompt_token_ids, prompt_index):
-        from megarl.rollout.engine import apply_prompt_overflow
+        from megarl.rollout.vllm.engine import apply_prompt_overflow
 
         ids = list(range(len(prompt_token_ids))) if prompt_index is None else [int(i) for i in prompt_index]
         if len(ids) != len(prompt_token_ids):
@@ -190,7 +190,7 @@ class HFEngine:
                            time.perf_counter() - t0, len(rows))
 
     def _batch(self, rows: Sequence[Row], groups: list, pcut: list, cut: list, gen_s: float, num_prompts: int):
-        from megarl.rollout.engine import VLLMEngine
+        from megarl.rollout.vllm.engine import VLLMEngine
         from megarl.types import pad_rows
 
         resp = pad_rows([r.tokens for r in rows], self.pad_id, torch.long)
@@ -214,7 +214,7 @@ class HFEngine:
                         seed: Optional[int] = None) -> list[Completion]:
         """n continuations of one prompt (the j-th with seed + j); the calls in flight on this event loop are decoded
         together, one batch per round (a round starts once every ready coroutine has submitted)."""
-        from megarl.rollout.engine import PromptTooLongError
+        from megarl.rollout.vllm.engine import PromptTooLongError
 
         if len(prompt_ids) >= self.config.resolved_max_model_len:
             raise PromptTooLongError(f"agenerate: a prompt of {len(prompt_ids)} tokens exceeds the engine's "
@@ -248,18 +248,18 @@ class HFEngine:
                        validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
                        seed: Optional[int] = None, extra_infos: Optional[Sequence[Optional[dict]]] = None):
         """Multi-turn rollouts with tools through the same driver as the vLLM engine (megarl.agent.loop)."""
-        from megarl.rollout.engine import VLLMEngine
+        from megarl.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine.rollout_agents(self, prompt_token_ids, n=n, validate=validate, prompt_index=prompt_index,
                                          seed=seed, extra_infos=extra_infos)
 
     def _agent(self):
-        from megarl.rollout.engine import VLLMEngine
+        from megarl.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine._agent(self)
 
     def _rollout_batch(self, *args, **kwargs):
-        from megarl.rollout.engine import VLLMEngine
+        from megarl.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine._rollout_batch(self, *args, **kwargs)
 

@@ -28,7 +28,7 @@ def check_engine_available(cfg: MegarlConfig) -> list[Issue]:
 
 
 def check_hf_engine(cfg: MegarlConfig) -> list[Issue]:
-    """What rollout.name=hf refuses (megarl.rollout.hf_engine): one worker per replica at TP1, merged weights (engine
+    """What rollout.name=hf refuses (megarl.rollout.hf.engine): one worker per replica at TP1, merged weights (engine
     pipeline stages are refused for every engine by validate)."""
     r = cfg.rollout
     if r.name != "hf":
