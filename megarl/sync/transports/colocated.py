@@ -155,8 +155,8 @@ class WeightSync:
                     pulls = self._pull_metas(b, group)  # with the barrier below, where any worker pulls
                     if group is not None and pulls is None:
                         dist.barrier(group=group)  # the replica's files are all written
-                    metas = self.metas(replica, b, pulls)
                     if loading is not None:
+                        metas = self.metas(replica, b, pulls)
                         loading.start(metas)
                 if loading is not None:
                     loading.wait()
