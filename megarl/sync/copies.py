@@ -3,7 +3,7 @@ time so that an update only resolves each parameter's current storage and copies
 
 A piece of an HF tensor (a move's box) is, in the megatron parameter it is cut from, a few row blocks, each a plain
 strided view: the whole piece for plain, vocabulary and gate/up tensors; one block per KV group for q/k/v, whose rows
-interleave in megatron's fused layout; one per row run for a rotary permutation. `compile_cut` finds them by running
+interleave in megatron's fused layout; one per row run for a rotary permutation. `compile_cuts` finds them by running
 the bridge mapping once on a tensor of element positions instead of weights and reading back which positions land in
 the piece, so the cut is exactly what `Mapping.shard_to_hf` would give, for every architecture, without a second
 description of the layouts.
@@ -15,6 +15,7 @@ description of the layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -43,7 +44,7 @@ class Cut:
     shape: tuple
     blocks: tuple
 
-    def piece(self, source: torch.Tensor, out: torch.Tensor = None) -> torch.Tensor:
+    def piece(self, source: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The piece from the parameter's current value `source`: a view where it is one block and no `out` is
         given, else copied into `out` (a fresh contiguous tensor of source's dtype when None)."""
         if not source.is_contiguous():  # the blocks are views of the C layout

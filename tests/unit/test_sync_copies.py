@@ -7,8 +7,8 @@ import torch
 
 from megarl.bridge import Mapping, spec_from_dict
 from megarl.bridge.mapping import padded_vocab_size
-from megarl.sync.boxes import relative_slices
-from megarl.sync.copies import Strided, compile_cuts, row_blocks
+from megarl.sync.boxes import full_box, relative_slices
+from megarl.sync.copies import Strided, compile_cuts, region_target, row_blocks
 from megarl.sync.shards import SyncTable
 
 GQA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 8,
@@ -91,3 +91,19 @@ def test_row_blocks_of_a_permutation_and_refusals():
     assert torch.equal(torch.cat([s.of(base) for _, _, s in blocks]), base[torch.tensor([0, 1, 2, 5, 4, 3])])
     with pytest.raises(ValueError, match="rows are not alike"):
         row_blocks(torch.tensor([[0, 1], [2, 4]]))  # the second row is laid out otherwise
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_region_targets_are_the_wire_formats_regions(dtype):
+    """A compiled file target is the same view of a bucket file as the wire format's region sliced to the box (the
+    view both sides read), for boxes of rows, columns and the whole tensor, at a region past the file's start."""
+    from megarl.sync.wire import region
+
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    shape, offset = (6, 10), 128
+    region(buf, dtype, shape, offset).copy_(torch.arange(60).view(shape))  # distinct values, no NaN bit patterns
+    for box in (full_box(shape), ((2, 5), (0, 10)), ((0, 6), (3, 7)), ((4, 5), (9, 10))):
+        want = region(buf, dtype, shape, offset)[relative_slices(box, full_box(shape))]
+        got = region_target(offset, dtype, shape, box).of(buf)
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride()
+        assert got.data_ptr() == want.data_ptr() and torch.equal(got, want)
