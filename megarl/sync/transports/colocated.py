@@ -5,9 +5,8 @@
 
 The plan (megarl.sync.shards, megarl.sync.moves) is computed once from the bridge mapping, the trainer's parameters
 and the layout each engine worker reports; every rank derives the same moves and buckets from it, so no metadata
-travels per step.
-A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing gathers whole
-tensors, nothing is broadcast to the world.
+travels per step. A rank sends only pieces of its own parameters and receives only pieces its worker loads; nothing
+gathers whole tensors, nothing is broadcast to the world.
 
 Bucket files are reused slots (megarl.sync.transports.common).
 
@@ -83,7 +82,6 @@ class WeightSync:
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
         self._cuts = holdings.cuts([mv for moves in self.buckets for mv in moves if mv.src == rank])
-        self.plan: list = []
         self._compile()
 
     @property
