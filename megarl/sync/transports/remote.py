@@ -1,14 +1,13 @@
 """Weight delivery to engines that run in processes of their own: Ray actors (rollout.mode=ray) and
-rollout.placement=separate. The trainer's end; the engine host's end is megarl.rollout.hosting.receiver, and
-what both agree on (the transfer group, each host's ReceivePlan) is megarl.sync.transfer.
+rollout.placement=separate. The trainer's end; the engine host's end is megarl.rollout.hosting.receiver, and what both
+agree on (the transfer group, each host's ReceivePlan) is megarl.sync.transfer.
 
     trainer rank k ──(pieces of its own parameters the plan assigns to a replica's workers)──► engine host
                      over a transfer group (gloo on CPU, NCCL on GPU) formed beside the trainer's process group
     engine host ──(each worker's pieces in its sparse shared-memory bucket file)──► its workers (megarl_load)
 
-The engine host is the process that runs one replica's VLLMEngine (a Ray actor, or the engine process a trainer rank
-starts for rollout.placement=separate); its workers run on the same machine. Neither one rank nor Ray's object store
-carries weights.
+The engine host runs one replica's VLLMEngine (a Ray actor, or the engine process a trainer rank starts for
+rollout.placement=separate), its workers on the same machine. Neither one rank nor Ray's object store carries weights.
 
 The plan is the colocated sync's (megarl.sync.shards): every engine worker is a receiver of its own, numbered from
 N upward so that it is never a trainer rank; its needs come from the layout the live worker reports, and plan_moves
@@ -95,6 +94,7 @@ class RemoteSync:
         self.plan_sent, self.plan_received, self.plan_loaded = host_traffic(moves, hosts)
         self.syncs = 0
         self.wire_dtypes = wire_dtypes or holdings.hf_dtypes  # {hf name: dtype name} the pieces travel in
+        self._torch_dtypes = {h: getattr(torch, dt) for h, dt in self.wire_dtypes.items()}
         # delta updates (megarl.sync.delta): 0 = off; else a full update first and every `delta_full_every` updates
         self.delta_full_every = delta_full_every
         self.last: dict = {}  # delta: {(bucket, index in bucket): the piece as last sent}
@@ -159,7 +159,7 @@ class RemoteSync:
         """This rank's piece `mv` in its wire dtype, contiguous."""
         cut = self._cuts[(mv.hf, mv.box)]
         value = current_value(self.holdings.local, cut.param, values)
-        dtype = getattr(torch, self.wire_dtypes[mv.hf])
+        dtype = self._torch_dtypes[mv.hf]
         if value.dtype == dtype:
             return cut.piece(value).contiguous()
         return cut.piece(value, out=torch.empty(cut.shape, dtype=dtype, device=value.device))
