@@ -1,10 +1,10 @@
 """The weight-sync plan of a trainer layout and an engine layout, from an HF config: pure, printable.
 
-It is the plan the live sync runs (megarl.sync.transports.colocated), computed without processes: the trainer's holdings
-come
-from the megatron layout (`shards.layout_owners`) and each engine worker's needs from `shards.predict_engine_modules`
-(the facts a live worker reports; a test compares the two). Both are derived from the bridge's one mapping per
-architecture, so there is no second tensor table. `megarl plan` takes its per-GPU bytes from here.
+One plan object for both uses: `build_plan` computes it without processes (the trainer's holdings from the megatron
+layout, `shards.layout_owners`; each engine worker's needs from `shards.predict_engine_modules`, the facts a live
+worker reports, a test compares the two), and the live transports build theirs with `live_plan` from the holdings
+the trainer ranks gathered and the layouts the live workers reported. Both are derived from the bridge's one mapping
+per architecture, so there is no second tensor table. `megarl plan` takes its per-GPU bytes from here.
 
     python -m megarl.sync.plan --hf-config config.json --tp 8 --pp 2 --world 128 --engine-tp 8
     python -m megarl.sync.plan --hf-config config.json --tp 8 --world 64 --engine-tp 8 --replicas 4 --separate
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping as TMapping, Optional
 
@@ -21,22 +22,24 @@ from megarl.bridge.hf_config import spec_from_dict
 from megarl.bridge.mapping import Mapping, padded_vocab_size
 from megarl.sync.boxes import box_numel
 from megarl.sync.moves import plan_moves, traffic
-from megarl.sync.shards import engine_needs, layout_owners, predict_engine_modules, trainer_holdings
+from megarl.sync.shards import SyncTable, engine_needs, layout_owners, predict_engine_modules, trainer_holdings
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
 @dataclass
 class SyncPlan:
-    """Who sends which piece of which HF tensor to which engine worker's host rank, and the bytes that makes."""
+    """Who sends which piece of which HF tensor to which engine worker's host rank, and the bytes that makes. A live
+    plan (`live_plan`) leaves tp, pp, ep and engine_ep None: its holdings and needs are what the ranks and workers
+    reported."""
 
     mapping: Mapping
-    tp: int
-    pp: int
-    ep: int
+    tp: Optional[int]
+    pp: Optional[int]
+    ep: Optional[int]
     world: int
     engine_tp: int
-    engine_ep: int
+    engine_ep: Optional[int]
     replicas: int
     element_bytes: int
     holdings: dict
@@ -71,8 +74,10 @@ class SyncPlan:
         sent, received, loaded = self.traffic()
         engines = self.replicas * self.engine_tp
         where = f"on {engines} GPUs of their own" if self.separate else f"({engines} trainer ranks generate)"
-        lines = [f"weight sync plan: trainer TP{self.tp} PP{self.pp} EP{self.ep} on {self.world} ranks -> "
-                 f"{self.replicas} engine replica(s) of TP{self.engine_tp} EP{self.engine_ep} {where}; model "
+        trainer = f"TP{self.tp} PP{self.pp} EP{self.ep} " if self.tp is not None else ""
+        engine = f"TP{self.engine_tp}" + (f" EP{self.engine_ep}" if self.engine_ep is not None else "")
+        lines = [f"weight sync plan: trainer {trainer}on {self.world} ranks -> "
+                 f"{self.replicas} engine replica(s) of {engine} {where}; model "
                  f"{self.total_bytes / gib:.3f} GiB ({self.element_bytes} bytes/element), {len(self.moves)} pieces"]
         ranks = self.world + (engines if self.separate else 0)
         busiest = max(range(ranks), key=lambda r: received.get(r, 0))
@@ -154,3 +159,13 @@ def main(argv: Optional[list] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def live_plan(mapping: Mapping, holdings: dict, needs: dict, element_bytes: dict, world: int, engine_tp: int,
+              replicas: int, separate: bool = False) -> SyncPlan:
+    """The plan of a live sync (a transport, at start): holdings {hf name: [(rank, box)]} as the trainer ranks
+    gathered them, needs {receiver: {hf name: box}} from the layouts the live workers reported, element_bytes {hf
+    name: bytes} of what travels."""
+    moves = plan_moves(SyncTable.of(mapping).order, needs, holdings, element_bytes)
+    common = Counter(element_bytes.values()).most_common(1)[0][0] if element_bytes else 0
+    return SyncPlan(mapping, None, None, None, world, engine_tp, None, replicas, common, holdings, moves, separate)

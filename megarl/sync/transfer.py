@@ -20,8 +20,6 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-
-
 @dataclass(frozen=True)
 class TransferSpec:
     """Where the transfer group meets and what it runs on (small and picklable: it travels to the engine hosts)."""
@@ -69,7 +67,6 @@ def join_group(spec: TransferSpec, rank: int, store: Optional[dist.Store] = None
     return dist.ProcessGroupGloo(store, rank, spec.size, timeout)
 
 
-
 @dataclass
 class ReceivePlan:
     """What one engine host receives at every sync: for each bucket of the sync the moves to its workers (empty
@@ -88,7 +85,6 @@ class ReceivePlan:
 def piece_key(b: int, mv) -> tuple:
     """A piece's name on both sides of a sync (bucket, tensor, receiver, box)."""
     return b, mv.hf, mv.dst, tuple(tuple(side) for side in mv.box)
-
 
 
 def receive_plan(token: str, receivers: list, buckets: list, shapes: dict, dtypes: dict, needs: dict,

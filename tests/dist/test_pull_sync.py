@@ -45,7 +45,7 @@ def train_then_sync(hf_dir: str, record: dict, device: str) -> dict:
     try:
         with counting_sync_builds(out["builds"]):  # the plan and each sync below, not the training and exports between
             sync = build_sync(trainable.chunks, spec, engine, EngineTopology(dist.get_world_size(), 1, 1), 64 << 10)
-        assert sync.pull_hosts == {0}, sync.not_placed
+        assert sync.placed.pull_hosts == {0}, sync.placed.not_placed
         for step in range(2):
             tokens, _ = sample_tokens(2, 16, vocab_size=spec.vocab_size, seed=step, min_len=16)
             batch = {"input_ids": tokens, "response_mask": torch.ones(2, 15, dtype=torch.bool),
@@ -115,7 +115,7 @@ def pulled_sync_into_vllm(hf_dir: str, prepack: bool) -> dict:
     trainable = make_trainable(model, OptimConfig(lr=1e-2, weight_decay=0.0, clip_grad=0.0), total_steps=1)
     topology = EngineTopology(dist.get_world_size(), 1, 1)
     prepack, engine, delivery = after.start_and_sync(trainable, spec, hf_dir, topology, 1, prepack)
-    pulls, files = set(delivery.pull_hosts), delivery._files.device is not None
+    pulls, files = set(delivery.placed.pull_hosts), delivery._files.device is not None
     out = after.sync_and_sample(trainable, spec, prepack, engine, delivery)
     return {**out, "pull_hosts": pulls, "device_buckets": files}
 

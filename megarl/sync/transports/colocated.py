@@ -37,7 +37,8 @@ from megarl.layout import EngineTopology
 from megarl.sync.boxes import box_shape
 from megarl.sync.copies import current_value, region_target
 from megarl.sync.holdings import Holdings
-from megarl.sync.moves import bucket_moves, plan_moves, traffic
+from megarl.sync.moves import bucket_moves
+from megarl.sync.plan import live_plan
 from megarl.sync.shards import SyncTable, worker_needs
 from megarl.sync.transports.common import BackgroundLoad, BucketLayouts, SlotFiles, delivery_metrics
 from megarl.sync.transports.placed import PlacedWrites
@@ -68,12 +69,13 @@ class WeightSync:
     def __init__(self, holdings: Holdings, layouts: dict, topology: EngineTopology, bucket_bytes: int, rank: int,
                  token: str, group=None):
         self.holdings, self.topology, self.rank, self.group = holdings, topology, rank, group
-        table = SyncTable.of(holdings.mapping)
-        self.shapes, self.dtypes = table.shapes, holdings.hf_dtypes
+        self.shapes, self.dtypes = SyncTable.of(holdings.mapping).shapes, holdings.hf_dtypes
         self.needs = {host: worker_needs(holdings.mapping, lay) for host, lay in layouts.items()}
-        self.moves = plan_moves(table.order, self.needs, holdings.boxes, holdings.element_sizes)
-        self.buckets = bucket_moves(self.moves, bucket_bytes)
-        self.plan_sent, self.plan_received, self.plan_loaded = traffic(self.moves)
+        self.sync_plan = live_plan(holdings.mapping, holdings.boxes, self.needs, holdings.element_sizes,
+                                   dist.get_world_size() if dist.is_initialized() else 1, topology.engine_tp,
+                                   topology.replicas)  # megarl plan's own plan object
+        self.buckets = bucket_moves(self.sync_plan.moves, bucket_bytes)
+        self.plan_sent, self.plan_received, self.plan_loaded = self.sync_plan.traffic()
         self.token = token  # the same on every rank: it names the bucket files a host writes and its worker reads
         self.syncs = 0
         self.device = holdings.device
@@ -83,14 +85,6 @@ class WeightSync:
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
         self._cuts = holdings.cuts([mv for moves in self.buckets for mv in moves if mv.src == rank])
         self._compile()
-
-    @property
-    def pull_hosts(self) -> set:
-        return self.placed.pull_hosts
-
-    @property
-    def not_placed(self) -> dict:
-        return self.placed.not_placed
 
     def place(self, engine: Any) -> None:
         """Once, before the first sync (a collective): the workers that take their weights in place say which
@@ -108,7 +102,7 @@ class WeightSync:
                                                   for moves in self.buckets], self.shapes, self.dtypes, self.needs)
         replica = self.topology.replica_of(self.rank)
         hosts = set(self.topology.members(replica)) if replica is not None else set()
-        self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.pull_hosts} for moves in self.buckets]
+        self._pull_hosts = [{mv.dst for mv in moves if mv.dst in self.placed.pull_hosts} for moves in self.buckets]
         self._leftovers = self.layouts.paths(sorted(hosts))  # what a failed sync may leave of the replica's slots
         self.plan = []
         for b, moves in enumerate(self.buckets):
@@ -176,7 +170,7 @@ class WeightSync:
             result = engine.end_update(placed=placed) if placed else engine.end_update()
             if getattr(engine, "lost_in_update", None):  # a supervised engine lost on the way: synced again later
                 self._remove_leftovers()
-        if any(h in self.pull_hosts for h in hosts):
+        if any(h in self.placed.pull_hosts for h in hosts):
             if group is not None:
                 dist.barrier(group=group)  # the workers closed the update: they hold nothing of the hosts' memory
             self._release_device_memory()

@@ -33,11 +33,10 @@ from megarl.distributed import all_gather_objects
 from megarl.sync.copies import current_value
 from megarl.sync.delta import DENSE, checksum, encode
 from megarl.sync.holdings import Holdings
-from megarl.sync.moves import bucket_moves, plan_moves, traffic
-from megarl.sync.shards import EngineModule, SyncTable, engine_needs
+from megarl.sync.moves import bucket_moves, traffic
+from megarl.sync.plan import live_plan
+from megarl.sync.shards import EngineModule, engine_needs
 from megarl.sync.transfer import DEFAULT_TIMEOUT_S, TransferSpec, join_group, piece_key, receive_plan, serve_store
-
-
 
 
 @dataclass(frozen=True)
@@ -284,8 +283,8 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int, timeout
             needs[receiver] = engine_needs(mapping, modules, worker.get("packed"))
     dtypes = wire_dtypes(holdings, engine_dtype)
     sizes = {h: torch.empty((), dtype=getattr(torch, dt)).element_size() for h, dt in dtypes.items()}
-    moves = plan_moves(SyncTable.of(mapping).order, needs, holdings.boxes, sizes)
-    buckets = bucket_moves(moves, bucket_bytes)
+    plan = live_plan(mapping, holdings.boxes, needs, sizes, world, max(hosts.workers), len(per_host), separate=True)
+    moves, buckets = plan.moves, bucket_moves(plan.moves, bucket_bytes)
     backend = transfer_backend(holdings)
     tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)
     mine = hosts.owned_by(rank)
