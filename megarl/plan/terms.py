@@ -17,8 +17,8 @@ log-prob takes a clone).
 Routing replay (actor.router_replay.mode R2/R3, or rollout.return_routed_experts): routes [N, S, layers, top_k] int16
 (N rows of the rollout batch, S = prompt + response tokens, every decoder layer).
   host, every trainer process:        N * S * layers * k * 2 (the batch's routes, from the old-logprob pass on)
-  host, each replica's engine owner:  (N / replicas) * S * layers * k * 2 * 2 (megarl.rollout.vllm.routes.RouteRecorder grows
-      each request's rows by doubling: up to twice the positions it holds)
+  host, each replica's engine owner:  (N / replicas) * S * layers * k * 2 * 2 (megarl.rollout.vllm.routes
+      .RouteRecorder grows each request's rows by doubling: up to twice the positions it holds)
   device, each engine worker:         max_num_batched_tokens * layers * k * 4 (vLLM's capture buffer, int32)
   device, R2 old-logprob pass:        N * S * layers * k * 4 (megarl.megatron.router_replay.gather_recorded's int32
       all-reduce copy of the recorded routes)

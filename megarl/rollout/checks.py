@@ -348,7 +348,8 @@ def check_engine_dtype(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list
 
 
 def check_engine_failure(cfg: MegarlConfig) -> list[Issue]:
-    """rollout.on_engine_failure=restart only where restarts keep the batch exact (megarl.rollout.hosting.supervisor)."""
+    """rollout.on_engine_failure=restart only where restarts keep the batch exact
+    (megarl.rollout.hosting.supervisor)."""
     from megarl.rollout.hosting.supervisor import restart_refusal
 
     why = restart_refusal(cfg) if cfg.rollout.on_engine_failure == "restart" else None

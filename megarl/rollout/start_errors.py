@@ -3,8 +3,8 @@
 At engine TP > 1 vLLM's workers are processes of their own: one that fails to start logs its traceback ("WorkerProc
 failed to start.") into the engine's output and closes its pipe, and the engine raises only "WorkerProc
 initialization failed due to an exception in a background process". For the cause to reach the console in one line,
-the engine names a directory in WORKER_ERRORS_ENV while it starts; each worker (megarl.rollout.vllm.worker_ext installs the
-handler when vLLM imports it, before the worker builds its model) writes the exception it failed with there, and the
+the engine names a directory in WORKER_ERRORS_ENV while it starts; each worker (megarl.rollout.vllm.worker_ext installs
+the handler when vLLM imports it, before the worker builds its model) writes the exception it failed with there, and the
 engine reads the first one.
 """
 from __future__ import annotations

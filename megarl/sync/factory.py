@@ -5,15 +5,13 @@ once, handed to the transport the recipe picks; the only place that reads the re
     sync = factory.for_recipe(cfg, engine, topology)           # a collective: planned once (again after a restart)
     metrics = sync.run(engine)                                 # every update
 
-Transports:
-* colocated (megarl.sync.transports.colocated): engines on the trainer's ranks; each worker's pieces reach it through
-bucket files,
-  writes into its parameters (megarl.sync.placement) or its own pulls from the host's memory (megarl.sync.pull), as
-  each worker reports at plan time.
-* remote (megarl.sync.transports.remote): engines in processes of their own (Ray actors, rollout.placement=separate).
-* adapter (megarl.sync.transports.adapter): only the LoRA adapters after each update; an engine started with dummy
-weights
-  first gets the base once through the colocated transport.
+Transports (megarl.sync.transports, one file each):
+* colocated: engines on the trainer's ranks; each worker's pieces reach it through bucket files, writes into its
+  parameters (megarl.sync.placement) or its own pulls from the host's memory (megarl.sync.pull), as each worker
+  reports at plan time.
+* remote: engines in processes of their own (Ray actors, rollout.placement=separate).
+* adapter: only the LoRA adapters after each update; an engine started with dummy weights first gets the base once
+  through the colocated transport.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What both sides of a weight sync agree on: the shared-memory files the trainer writes and the engine workers map.
 
 The trainer side (megarl.sync.transports.colocated, remote, adapters) writes these files; the engine side (the worker
-extension, megarl.rollout.vllm.worker_ext) reads them. Both import this module and neither imports the other, so either side
-can change its own mechanics as long as the files stay as described here. Only file names and small metadata cross
+extension, megarl.rollout.vllm.worker_ext) reads them. Both import this module and neither imports the other, so either
+side can change its own mechanics as long as the files stay as described here. Only file names and small metadata cross
 vLLM's RPC.
 
 Bucket file (`layout_bucket`, read through `open_bucket` and `region`): every tensor of a bucket has a region shaped

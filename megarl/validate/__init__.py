@@ -22,9 +22,8 @@ from megarl.config.loader import config_or_error, parse_config
 from megarl.config.schema import MegarlConfig
 from megarl.data.checks import check_data_files, check_synthetic
 from megarl.lora.checks import check_lora
-from megarl.megatron.checks import (check_batches, check_device, check_expert_batches, check_layout,
-                                    check_model_layout, check_parallel_options, check_router_replay,
-                                    check_virtual_pipeline, check_warmup)
+from megarl.megatron.checks import (check_batches, check_device, check_expert_batches, check_layout, check_model_layout,
+                                    check_parallel_options, check_router_replay, check_virtual_pipeline, check_warmup)
 from megarl.reward.checks import check_learned_rewards, check_reward_fn
 from megarl.rollout.checks import (check_engine_dtype, check_engine_failure, check_engine_layout, check_lengths,
                                    check_quantization, check_rollout_logprobs, check_sampling, check_trainer_mode,

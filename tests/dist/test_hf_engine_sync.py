@@ -9,8 +9,7 @@ engine's transformers forward and megatron's round differently, the same math). 
 import pytest
 
 from megarl.launch_local import run_ranks
-from tests.dist.test_sync_after_update import (PROMPT_LEN, RESPONSE_LEN, one_policy_step, sampled_bound,
-                                               sync_and_sample)
+from tests.dist.test_sync_after_update import PROMPT_LEN, RESPONSE_LEN, one_policy_step, sampled_bound, sync_and_sample
 from tests.helpers.tiny_models import make_tiny_model
 
 pytestmark = [pytest.mark.parity]

@@ -1,6 +1,6 @@
 """rollout.on_engine_failure=restart (the default in sync mode): a lost engine costs a restart, not the run
-(megarl.rollout.hosting.supervisor). Each case runs the real CLI on the tiny recipe's small settings and checks that the run
-ends normally with every step's batch complete (the same number of samples as an undisturbed step), the engine vs
+(megarl.rollout.hosting.supervisor). Each case runs the real CLI on the tiny recipe's small settings and checks that the
+run ends normally with every step's batch complete (the same number of samples as an undisturbed step), the engine vs
 actor logprob gap after the restart as small as before (the restarted engine got the actor's weights), the restart
 named on the console and counted in the metrics, and no process left behind. A loss past rollout.max_engine_restarts
 stops the run as before."""

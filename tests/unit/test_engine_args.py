@@ -10,8 +10,8 @@ from megarl.lora.targets import LoraSettings
 from megarl.lora.vllm import lora_engine_settings
 from megarl.rollout.vllm.cpu_engine import CpuInfo
 from megarl.rollout.vllm.engine_args import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, EngineStartError, ModelFacts,
-                                        check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
-                                        language_config, read_model_facts, switched_off)
+                                             check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
+                                             language_config, read_model_facts, switched_off)
 
 AMX = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
 AVX512 = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16"}))

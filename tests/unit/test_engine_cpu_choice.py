@@ -9,10 +9,10 @@ import pytest
 from megarl.config import load_unchecked
 from megarl.config.schema import RolloutConfig
 from megarl.rollout.checks import cpu_engine_issues
-from megarl.rollout.vllm.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, engine_hf_overrides, host_cpu,
-                                       parse_cpu_flags)
+from megarl.rollout.vllm.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuInfo, cpu_engine_choice, engine_hf_overrides,
+                                            host_cpu, parse_cpu_flags)
 from megarl.rollout.vllm.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
-                                        kv_bytes_per_token)
+                                             kv_bytes_per_token)
 from megarl.rollout.start_errors import WORKER_ERRORS_ENV, VLLM_WORKER_LOGGER, record_worker_start_failures
 
 AMX = CpuInfo("x86_64", frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))

@@ -243,10 +243,10 @@ def test_the_engine_side_imports_only_what_both_sides_share():
 
 
 def test_an_engine_side_import_of_a_transport_is_caught(tmp_path):
+    receiver = "from megarl.sync import wire\nfrom megarl.sync.transports.remote import RemoteSync\n"
     root = _tree(tmp_path, {"megarl/__init__.py": "", "megarl/sync/__init__.py": "", "megarl/sync/wire.py": "",
                             "megarl/sync/transports/__init__.py": "", "megarl/sync/transports/remote.py": "",
                             "megarl/rollout/__init__.py": "", "megarl/rollout/hosting/__init__.py": "",
-                            "megarl/rollout/hosting/receiver.py": "from megarl.sync import wire\n"
-                                                                  "from megarl.sync.transports.remote import RemoteSync\n"})
+                            "megarl/rollout/hosting/receiver.py": receiver})
     assert engine_side_problems(root) == ["megarl.rollout.hosting.receiver imports megarl.sync.transports.remote (the "
                                           "trainer side of the weight sync)"]

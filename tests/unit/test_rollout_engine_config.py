@@ -6,10 +6,10 @@ import torch
 from megarl.config.schema import RolloutConfig, ValKwargs
 from megarl.rollout.vllm.engine import PromptTooLongError, apply_prompt_overflow
 from megarl.rollout.vllm.engine_args import (EngineStartError, ModelFacts, engine_kwargs, explain_start_failure,
-                                        kv_cache_bytes_needed)
+                                             kv_cache_bytes_needed)
 from megarl.rollout.sampling import sampling_kwargs
-from megarl.sync.weights import (checksums_match, combine_rank_checksums, engine_name, fold_checksums,
-                                 iter_buckets, tensor_checksum)
+from megarl.sync.weights import (checksums_match, combine_rank_checksums, engine_name, fold_checksums, iter_buckets,
+                                 tensor_checksum)
 from megarl.types import RolloutBatch
 
 LLAMA = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 128,

@@ -1,6 +1,6 @@
-"""The routed-experts recorder of the V1 runner (megarl.rollout.vllm.routes.RouteRecorder), without vLLM: a stand-in capturer
-whose step buffer holds the value 100 * row + 10 * layer + k at [row, layer, k], so every expected route is written
-from its row, layer and slot by hand."""
+"""The routed-experts recorder of the V1 runner (megarl.rollout.vllm.routes.RouteRecorder), without vLLM: a stand-in
+capturer whose step buffer holds the value 100 * row + 10 * layer + k at [row, layer, k], so every expected route is
+written from its row, layer and slot by hand."""
 from types import SimpleNamespace
 
 import torch

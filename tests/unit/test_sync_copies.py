@@ -86,7 +86,8 @@ def test_row_blocks_of_a_permutation_and_refusals():
     pos = torch.arange(12).view(6, 2)[torch.tensor([0, 1, 2, 5, 4, 3])]
     blocks = row_blocks(pos)
     # rows 5, 4, 3 run backwards: one block each (a strided view has no negative stride)
-    assert [(a, b) for a, b, _ in blocks] == [(0, 3), (3, 4), (4, 5), (5, 6)] and blocks[0][2] == Strided(0, (3, 2), (2, 1))
+    assert [(a, b) for a, b, _ in blocks] == [(0, 3), (3, 4), (4, 5), (5, 6)]
+    assert blocks[0][2] == Strided(0, (3, 2), (2, 1))
     base = torch.arange(12.0).view(6, 2)
     assert torch.equal(torch.cat([s.of(base) for _, _, s in blocks]), base[torch.tensor([0, 1, 2, 5, 4, 3])])
     with pytest.raises(ValueError, match="rows are not alike"):

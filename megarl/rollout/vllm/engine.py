@@ -31,7 +31,7 @@ from megarl.config.schema import RolloutConfig
 from megarl.sync.weights import Checksum, combine_rank_checksums, compare_checksums, fold_checksums, resolve_nested
 from megarl.rollout.vllm.cpu_engine import CpuEngineChoice, CpuInfo, describe_flags, host_cpu
 from megarl.rollout.vllm.engine_args import (check_kv_cache_fits, cpu_choice, engine_block_size, engine_kwargs,
-                                        explain_start_failure, read_model_facts, switched_off)
+                                             explain_start_failure, read_model_facts, switched_off)
 from megarl.rollout.protocol import Deferred, EngineStartError
 from megarl.rollout.requests import AbortSignal, Completion, RequestDriver
 from megarl.rollout.sampling import sampling_kwargs
@@ -336,7 +336,7 @@ class VLLMEngine:
                                    **fields)
 
     def _take_routes(self, engine_ids: Sequence[str], send: bool = True) -> Optional[list]:
-        """Each sample's routes from engine rank 0 (megarl.rollout.vllm.worker_ext.RouteRecorder), freed there; send=False
+        """Each sample's routes from engine rank 0 (megarl.rollout.vllm.routes.RouteRecorder), freed there; send=False
         only frees them (None)."""
         per_rank = self._llm.collective_rpc("megarl_take_routes", args=(list(engine_ids), send))
         return next(r for r in per_rank if r is not None) if send else None

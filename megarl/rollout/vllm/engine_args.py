@@ -9,8 +9,8 @@ megarl's keys.
 
 Everything after `read_model_facts` is a pure function (cfg: megarl.config.schema.RolloutConfig; hf_config:
 config.json's dict; the machine: on_gpu and, on CPU, megarl.rollout.vllm.cpu_engine.CpuInfo), testable without vLLM:
-the engine (megarl.rollout.vllm.engine) starts with these arguments and validate (megarl.rollout.checks) refuses what the
-same functions would refuse at start.
+the engine (megarl.rollout.vllm.engine) starts with these arguments and validate (megarl.rollout.checks) refuses what
+the same functions would refuse at start.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from megarl.config.schema import RolloutConfig
 from megarl.bridge.hf_config import kv_cache_bytes_per_token
 from megarl.rollout.protocol import EngineStartError
 from megarl.rollout.vllm.cpu_engine import (CPU_ATTN_HEAD_SIZES, CpuEngineChoice, CpuInfo, cpu_engine_choice,
-                                       engine_hf_overrides, head_size, is_mla, mla_latent_size)
+                                            engine_hf_overrides, head_size, is_mla, mla_latent_size)
 from megarl.rollout.start_errors import one_line
 from megarl.sync.weights import describe_bytes
 

