@@ -144,13 +144,19 @@ def _reads(planner: bool = False) -> tuple[set, set]:
         p, q = _module_reads(ast.parse(path.read_text()))
         plain |= p
         qualified |= q
+    # the schema's own properties and methods that such code reads (critic_enabled, resolved_dtype, ...) read their
+    # fields through `self`, which stands for the section of their class
+    sections = _sections()
     schema = ast.parse((ROOT / "megarl" / "config" / "schema.py").read_text())
-    for node in ast.walk(schema):
-        if isinstance(node, ast.FunctionDef) and any(_last_name(d) == "property" for d in node.decorator_list) \
-                and node.name in plain:
-            p, q = _module_reads(node)
-            plain |= p
-            qualified |= q
+    for cls in (n for n in ast.walk(schema) if isinstance(n, ast.ClassDef)):
+        for node in cls.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.name in plain:
+                visitor = _Reads(sections)
+                if cls.name in sections:
+                    visitor.aliases["self"] = {sections[cls.name].rsplit(".", 1)[-1]}
+                visitor.visit(node)
+                plain |= {attr for attr, _ in visitor.reads}
+                qualified |= {(section, attr) for attr, value in visitor.reads for section in visitor._names(value)}
     return plain, qualified
 
 
