@@ -64,10 +64,11 @@ class WeightSync:
     """The live weight sync of one trainer (every rank builds one, with the same arguments).
 
     holdings: the mapping and every rank's parameters (megarl.sync.holdings, built once per run); layouts: {hosting
-    rank: what its engine worker reported (megarl_layout)}."""
+    rank: what its engine worker reported (megarl_layout)}; engine: this rank's engine handle if it owns a replica.
+    Building it is a collective (the workers say what they take in place) that compiles every bucket once."""
 
     def __init__(self, holdings: Holdings, layouts: dict, topology: EngineTopology, bucket_bytes: int, rank: int,
-                 token: str, group=None):
+                 token: str, engine: Any, group=None):
         self.holdings, self.topology, self.rank, self.group = holdings, topology, rank, group
         self.shapes, self.dtypes = SyncTable.of(holdings.mapping).shapes, holdings.hf_dtypes
         self.needs = {host: worker_needs(holdings.mapping, lay) for host, lay in layouts.items()}
@@ -84,11 +85,11 @@ class WeightSync:
         self._replica_groups = [dist.new_group(topology.members(r), backend="gloo")
                                 for r in range(topology.replicas)] if dist.is_initialized() else []
         self._cuts = holdings.cuts([mv for moves in self.buckets for mv in moves if mv.src == rank])
-        self._compile()
+        self._place(engine)
 
-    def place(self, engine: Any) -> None:
+    def _place(self, engine: Any) -> None:
         """Once, before the first sync (a collective): the workers that take their weights in place say which
-        (megarl.sync.transports.placed); the buckets are compiled again for what is left to the files."""
+        (megarl.sync.transports.placed); the buckets are compiled for what is left to the files."""
         needs = {host: {h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box]) for h, box in need.items()}
                  for host, need in self.needs.items()}
         self.placed.place(engine, self.topology, needs, self.token)
@@ -287,6 +288,4 @@ def plan_sync(holdings: Holdings, engine: Any, topology: EngineTopology, bucket_
     for part, token in all_gather_objects((mine, secrets.token_hex(4))):
         layouts.update(part)
         tokens.append(token)
-    sync = WeightSync(holdings, layouts, topology, bucket_bytes, rank, tokens[0])
-    sync.place(engine)
-    return sync
+    return WeightSync(holdings, layouts, topology, bucket_bytes, rank, tokens[0], engine)
