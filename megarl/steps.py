@@ -5,7 +5,7 @@ import math
 import time
 from contextlib import contextmanager
 from statistics import fmean
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -47,21 +47,25 @@ def generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: boo
     """Sample responses on the engine replicas (each its contiguous share of the prompts); every rank returns the
     whole RolloutBatch, moved as tensors. Sampling seeds follow the global prompt index (replica-independent).
     greedy: one greedy response per prompt (ReMax baselines). multi_turn: each replica runs the agent loop
-    (rollout.multi_turn, megarl.agent) for its prompts."""
+    (rollout.multi_turn, megarl.agent) for its prompts. `engine` may be the run's EngineGeneration: a lost engine
+    replica is then restarted and its share generated again."""
+    if isinstance(engine, EngineGeneration):
+        return engine.generate(records, validate=validate, seed=seed, greedy=greedy, multi_turn=multi_turn)
     return finish_generate(start_generate(engine, records, rt, validate, seed, greedy, multi_turn), rt)
 
 
 def start_generate(engine, records: Sequence[PromptRecord], rt: Runtime, validate: bool = False,
-                   seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False) -> list:
+                   seed: Optional[int] = None, greedy: bool = False, multi_turn: bool = False,
+                   replicas: Optional[set] = None) -> list:
     """The first half of `generate`, not collective: this rank's engine (if it owns one) starts on its replica's
     share and generates while the caller goes on (multi-turn rollouts run to their end first). Returns one entry per
-    replica: this rank's handle, None elsewhere."""
+    replica: this rank's handle, None elsewhere. `replicas`: only these replicas start (a lost one's share again)."""
     topo = rt.engines
     shares = []
     for replica in range(topo.replicas):
         part = topo.prompt_slice(replica, len(records))
         handle = None
-        if engine is not None and topo.replica_of(rt.rank) == replica:
+        if engine is not None and topo.replica_of(rt.rank) == replica and (replicas is None or replica in replicas):
             prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
             if multi_turn:
                 handle = Deferred.ready(engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
@@ -241,14 +245,20 @@ def weight_sync(actor, engine, cfg: MegarlConfig, rt: Runtime, factory=None):
 
 
 def sync_weights(actor, engine, sync, cfg: MegarlConfig, rt: Runtime, verify: bool = False,
-                 before_kv_cache=None) -> dict:
+                 before_kv_cache=None, replicas: Optional[set] = None) -> dict:
     """Deliver the actor's weights to every engine worker (every rank takes part). With sleep mode the engine wakes
     its weights only, receives them, then wakes its KV cache. `before_kv_cache()` runs after the delivery, before the
-    KV cache wakes (the trainer offloads its states there)."""
+    KV cache wakes (the trainer offloads its states there). `replicas`: only these engine replicas need the weights
+    (restarted ones; the others keep theirs): the colocated transport delivers to them alone."""
+    if replicas is not None and not getattr(sync, "partial", False):
+        replicas = None  # a transport that delivers to every engine (remote: survivors take a delta of nothing)
+    if replicas is not None and rt.engines.replica_of(rt.rank) not in replicas:
+        engine = None  # this rank's replica keeps its weights: it only sends pieces to the others
     sleeping = engine is not None and getattr(engine, "sleeps", False)
     if sleeping:
         engine.wake_up(["weights"])
-    metrics = sync.run(engine, verify=verify)
+    metrics = sync.run(engine, verify=verify) if replicas is None else sync.run(engine, verify=verify,
+                                                                                  replicas=replicas)
     if before_kv_cache is not None:
         before_kv_cache()
     if sleeping:
@@ -464,99 +474,152 @@ def _correction_metrics(m: dict) -> dict:
 
 
 class _Started:
-    """A generation in flight (EngineGeneration.start): what to generate again if an engine is lost."""
+    """A generation in flight (EngineGeneration.start / resume): this rank's handle per replica, what each replica
+    returned so far (kept when another replica is lost), and how to start some replicas' shares again."""
 
-    def __init__(self, records, seed: int, handles: list, lost: Optional[str] = None):
-        self.records, self.seed, self.handles, self.lost = records, seed, handles, lost
+    def __init__(self, again: Callable[[Optional[set]], list], num_prompts: int):
+        self.again, self.num_prompts = again, num_prompts
+        self.done: dict = {}  # replica -> its batch (on its owner; None elsewhere)
+        self.handles: list = []
+        self.lost: Optional[str] = None  # the cause, when this rank's replica was lost starting (multi-turn)
+        self.start(None)
 
-
-def _results_or_lost(handles: list) -> tuple:
-    """(this rank's results per replica, None), or ([], the cause) when this rank's replica was lost."""
-    from megarl.rollout.hosting.supervisor import EngineLost
-
-    out = []
-    for handle in handles:
-        try:
-            out.append(None if handle is None else handle.result())
-        except EngineLost as exc:
-            return [], str(exc)
-    return out, None
-
-
-class EngineGeneration:
-    """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation)."""
-
-    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None, factory=None):
-        self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
-        self.factory = factory  # the SyncFactory `sync` was planned by: a restart plans again over its holdings
-        self.offload = offload  # the trainer's OffloadAroundRollout, or None
-        self.restarts = 0  # engine restarts of the run so far (any replica), rollout/engine_restarts
-        from megarl.rollout.hosting.supervisor import engine_failure_policy
-
-        self.supervised = engine_failure_policy(cfg) == "restart"  # the same on every rank: a config's choice
-
-    def start(self, records: Sequence[PromptRecord], seed: int) -> "_Started":
+    def start(self, replicas: Optional[set]) -> None:
         from megarl.rollout.hosting.supervisor import EngineLost
 
         try:
-            handles = start_generate(self.engine, records, self.rt, seed=seed,
-                                     multi_turn=self.cfg.rollout.multi_turn.enable)
+            self.handles, self.lost = self.again(replicas), None
         except EngineLost as exc:  # multi-turn rollouts run in start; a lost engine is recovered in finish
-            return _Started(records, seed, [], str(exc))
-        return _Started(records, seed, handles)
+            self.handles, self.lost = [], str(exc)
 
-    def finish(self, started) -> RolloutBatch:
-        """Wait for a started generation (collective). With rollout.on_engine_failure=restart (sync mode) a lost
-        engine replica is restarted, given the actor's weights and asked for the same batch again (the same prompts
-        and seeds), until the batch is complete or the restarts run out (megarl.rollout.hosting.supervisor)."""
-        if not isinstance(started, _Started):  # continuations (async abort_resume): no restart there
-            return finish_generate(started, self.rt)
+    def collect(self) -> tuple:
+        """(this rank's loss cause or None, whether only a replaced engine's stale handle failed): every handle's
+        result this rank waits for is kept in `done`."""
+        from megarl.rollout.hosting.supervisor import EngineLost
+
+        if self.lost is not None:
+            return self.lost, False
+        for replica, handle in enumerate(self.handles):
+            if handle is None or replica in self.done:
+                continue
+            try:
+                self.done[replica] = handle.result()
+            except EngineLost as exc:
+                return str(exc), exc.stale
+        return None, False
+
+
+class EngineGeneration:
+    """The engines as the rollout schedule drives them (megarl.rollout.schedule.Generation), with restarts of lost
+    replicas (rollout.on_engine_failure=restart, megarl.rollout.hosting.supervisor)."""
+
+    def __init__(self, engine, actor, sync, cfg: MegarlConfig, rt: Runtime, offload=None, factory=None):
+        from megarl.rollout.hosting.supervisor import RestartBudget, engine_failure_policy
+
+        self.engine, self.actor, self._sync, self.cfg, self.rt = engine, actor, sync, cfg, rt
+        self.factory = factory  # the SyncFactory `sync` was planned by: a restart plans again over its holdings
+        self.offload = offload  # the trainer's OffloadAroundRollout, or None
+        r = cfg.rollout
+        # every rank counts every restart of any replica alike: all stop together past a bound
+        self.budget = RestartBudget(r.max_engine_restarts, r.engine_restart_window_s, r.max_engine_restarts_per_run)
+        self.deliveries = 0  # weight deliveries to the engines so far: their weight version
+        self.kept_prompts = 0  # prompts whose samples survived another replica's loss (rollout/prompts_kept_on_loss)
+        self.redone_prompts = 0  # prompts generated again after their replica was lost (rollout/prompts_redone)
+        self.supervised = engine_failure_policy(cfg) == "restart"  # the same on every rank: a config's choice
+
+    @property
+    def restarts(self) -> int:
+        """Engine restarts of the run so far (any replica), rollout/engine_restarts."""
+        return len(self.budget)
+
+    def start(self, records: Sequence[PromptRecord], seed: Optional[int], **kwargs) -> _Started:
+        """kwargs: start_generate's (validate, greedy, multi_turn: by default rollout.multi_turn.enable)."""
+        kwargs.setdefault("multi_turn", self.cfg.rollout.multi_turn.enable)
+        return _Started(lambda replicas: start_generate(self.engine, records, self.rt, seed=seed, replicas=replicas,
+                                                        **kwargs), len(records))
+
+    def generate(self, records: Sequence[PromptRecord], **kwargs) -> RolloutBatch:
+        """As megarl.steps.generate (collective), with restarts: kwargs validate, seed, greedy, multi_turn."""
+        return self.finish(self.start(records, **kwargs))
+
+    def finish(self, started: _Started) -> RolloutBatch:
+        """Wait for a started generation (collective). With rollout.on_engine_failure=restart a lost replica is
+        restarted, given the actor's weights, and asked for its share again (the same prompts and seeds); the other
+        replicas' samples are kept. Until the batch is complete or the restarts run out."""
+        topo = self.rt.engines
+        mine = topo.replica_of(self.rt.rank) if self.engine is not None else None
         while True:
-            batches, lost = ([], started.lost) if started.lost is not None else _results_or_lost(started.handles)
-            causes = [c for c in all_gather_objects(lost) if c is not None]  # every rank learns of any loss
-            if not causes:
-                topo = self.rt.engines
-                return combine([broadcast_rollout(b, topo.owner(r), device=compute_device())
-                                for r, b in enumerate(batches)])
-            self.recover(lost)
-            started = self.start(started.records, started.seed)
+            cause, stale = started.collect()
+            every = all_gather_objects((mine, cause, stale))  # every rank learns of any loss
+            lost = {r: (c, st) for r, c, st in every if c is not None}
+            if not lost:
+                return combine([broadcast_rollout(started.done.get(r), topo.owner(r), device=compute_device())
+                                for r in range(topo.replicas)])
+            shares = {r: len(range(*topo.prompt_slice(r, started.num_prompts).indices(started.num_prompts)))
+                      for r in range(topo.replicas)}
+            self.redone_prompts += sum(shares[r] for r in lost)
+            self.kept_prompts += sum(n for r, n in shares.items() if r not in lost)
+            restart = {r for r, (_, st) in lost.items() if not st}
+            if restart:
+                self.recover(cause if mine in restart else None, restart)
+            for r in lost:
+                started.done.pop(r, None)
+            started.start(set(lost))
 
-    def recover(self, lost_here: Optional[str]) -> dict:
-        """Restart this rank's replica if it was the one lost, then plan the weight sync into the engines as they are
-        now and run it (every rank: both are collectives); the sync's metrics."""
+    def recover(self, lost_here: Optional[str], replicas: set) -> dict:
+        """Restart this rank's replica if it is one of the lost `replicas` (all ranks agree on them), then plan the
+        weight sync into the engines as they are now and deliver the weights to the restarted ones only (every rank:
+        both are collectives); the sync's metrics."""
+        for r in sorted(replicas):
+            self.budget.take(f"engine replica {r} was lost again")
         if lost_here is not None:
-            self.engine.restart(lost_here)
-        self.restarts += 1
+            self.engine.restart(lost_here, version=max(0, self.deliveries - 1),
+                                note=f"restart {len(self.budget)} of the run; at most {self.budget.max_restarts} within "
+                                     f"{self.budget.window_s:.0f} s")
         self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
-        return self.sync()
+        return self._deliver(replicas)
 
     def sync(self) -> dict:
         """Deliver the actor's weights to the engines (collective). An engine replica lost during the delivery (its
-        update calls then return at once: megarl.rollout.hosting.supervisor) is restarted and the delivery repeated."""
+        update calls then return at once: megarl.rollout.hosting.supervisor) is restarted and the delivery repeated
+        into it."""
+        self.deliveries += 1
+        return self._deliver(None)
+
+    def _deliver(self, replicas: Optional[set]) -> dict:
         if self.offload is None or not self.offload.active:
-            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt)
+            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt, replicas=replicas)
         else:
             self.offload.onload()  # the sync reads the actor's weights
             metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
-                                   before_kv_cache=self.offload.offload)
+                                   before_kv_cache=self.offload.offload, replicas=replicas)
         if not self.supervised:
             return metrics
+        topo = self.rt.engines
+        mine = topo.replica_of(self.rt.rank) if self.engine is not None else None
         lost = getattr(self.engine, "lost_in_update", None) if self.engine is not None else None
-        if any(c is not None for c in all_gather_objects(lost)):  # every rank learns of any loss
-            return self.recover(lost)
+        every = all_gather_objects((mine, lost))  # every rank learns of any loss
+        lost_replicas = {r for r, c in every if c is not None}
+        if lost_replicas:
+            return self.recover(lost, lost_replicas)
         return metrics
 
     def abort(self) -> None:
         if self.engine is not None:
             self.engine.abort()
 
-    def resume(self, batch: RolloutBatch, rows: list, num_prompts: int, seed: int) -> list:
+    def resume(self, batch: RolloutBatch, rows: list, num_prompts: int, seed: int) -> _Started:
         """Each replica continues the rows of its own share of the prompts (row order is prompt order)."""
+        return _Started(lambda replicas: self._continue(batch, rows, num_prompts, seed, replicas), num_prompts)
+
+    def _continue(self, batch: RolloutBatch, rows: list, num_prompts: int, seed: int,
+                  replicas: Optional[set]) -> list:
         topo, handles = self.rt.engines, []
         for replica in range(topo.replicas):
             part = topo.prompt_slice(replica, num_prompts)
             handle = None
-            if self.engine is not None and topo.replica_of(self.rt.rank) == replica:
+            if self.engine is not None and topo.replica_of(self.rt.rank) == replica and \
+                    (replicas is None or replica in replicas):
                 mine = [i for i in rows if part.start <= int(batch.prompt_index[i]) < part.stop]
                 handle = self.engine.start_continue([batch.prompt_ids[i] for i in mine],
                                                     [batch.response(i) for i in mine],

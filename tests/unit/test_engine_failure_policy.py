@@ -1,5 +1,6 @@
-"""rollout.on_engine_failure: restart by default where a restart keeps the step's batch exact (sync mode, engine
-processes the trainer starts), fail elsewhere; an explicit restart where it cannot be kept is refused by validate."""
+"""rollout.on_engine_failure: restart by default wherever the trainer starts the engine processes (every trainer
+mode: a lost replica's share is generated again, the others' samples kept), fail for Ray-hosted engines; an explicit
+restart there is refused by validate."""
 import pytest
 
 from megarl.config.issues import ConfigError
@@ -10,18 +11,20 @@ from megarl.validate import load_config
 RECIPE = "recipes/grpo_tiny_cpu.yaml"
 
 
-def test_the_default_restarts_in_sync_mode_and_fails_where_restarts_are_not_supported():
+def test_the_default_restarts_engine_processes_in_every_mode_and_fails_for_ray():
     assert engine_failure_policy(load_config(RECIPE)) == "restart"
-    assert engine_failure_policy(load_config(RECIPE, ["trainer.mode=one_step_off_policy"])) == "fail"
+    assert engine_failure_policy(load_config(RECIPE, ["trainer.mode=one_step_off_policy"])) == "restart"
+    assert engine_failure_policy(load_config(RECIPE, ["trainer.mode=async"])) == "restart"
     assert engine_failure_policy(load_config(RECIPE, ["rollout.mode=ray"])) == "fail"
     assert engine_failure_policy(load_config(RECIPE, ["rollout.on_engine_failure=fail"])) == "fail"
 
 
-def test_an_explicit_restart_where_the_batch_could_not_stay_exact_is_refused():
+def test_an_explicit_restart_of_ray_hosted_engines_is_refused():
     assert check_engine_failure(load_config(RECIPE, ["rollout.on_engine_failure=restart"])) == []
-    [issue] = check_engine_failure(load_config(RECIPE, ["trainer.mode=async"]).model_copy(update={"rollout": (
-        load_config(RECIPE).rollout.model_copy(update={"on_engine_failure": "restart"}))}))
+    assert check_engine_failure(load_config(RECIPE, ["rollout.on_engine_failure=restart", "trainer.mode=async"])) == []
+    [issue] = check_engine_failure(load_config(RECIPE, ["rollout.mode=ray"]).model_copy(update={"rollout": (
+        load_config(RECIPE, ["rollout.mode=ray"]).rollout.model_copy(update={"on_engine_failure": "restart"}))}))
     assert issue.key == "rollout.on_engine_failure" and "rollout.on_engine_failure=fail" in issue.fix
-    assert "older weights" in issue.rule
-    with pytest.raises(ConfigError, match="rollout.on_engine_failure = 'restart': trainer.mode=async"):
-        load_config(RECIPE, ["rollout.on_engine_failure=restart", "trainer.mode=async"])
+    assert "Ray-hosted" in issue.rule
+    with pytest.raises(ConfigError, match="rollout.on_engine_failure = 'restart': Ray-hosted"):
+        load_config(RECIPE, ["rollout.on_engine_failure=restart", "rollout.mode=ray"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -49,7 +49,8 @@ class HFEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
-                 lora: Optional[dict] = None, cpu: Any = None, where: str = ""):
+                 lora: Optional[dict] = None, cpu: Any = None, where: str = "",
+                 progress: Optional[Callable[[], None]] = None):
         from megarl.rollout.vllm.engine import PROMPT_OVERFLOW_CHOICES
 
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
@@ -67,6 +68,7 @@ class HFEngine:
         self.lora = None
         self.routes_shape = None
         self._signal = abort_signal or AbortSignal()
+        self._progress = progress or (lambda: None)  # the watchdog's tick (megarl.rollout.health), once per step
         self._generator = torch.Generator(device="cuda" if self.on_gpu else "cpu").manual_seed(int(seed))
         self._pending: list = []  # agenerate rows waiting for the next batch
         self._pump: Optional[asyncio.Task] = None
@@ -148,7 +150,11 @@ class HFEngine:
         if self._asleep is not None and self._asleep.get("weights") is not None:
             raise RuntimeError("the hf engine is asleep (its weights are released): wake_up() before generating")
         epoch = self._signal.epoch
-        aborted = lambda: self._signal.epoch != epoch  # noqa: E731
+
+        def aborted() -> bool:  # asked before every decode step: the watchdog's tick too
+            self._progress()
+            return self._signal.epoch != epoch
+
         step = int(self.config.max_num_seqs)
         for i in range(0, len(rows), step):
             decode(self.model, rows[i:i + step], self.eos_ids, self.pad_id, self._generator,
@@ -264,6 +270,10 @@ class HFEngine:
         return VLLMEngine._rollout_batch(self, *args, **kwargs)
 
     @property
+    def set_weight_version(self, version: int) -> None:
+        """As VLLMEngine.set_weight_version."""
+        self.weight_version = int(version)
+
     def abort_epoch(self) -> int:
         return self._signal.epoch
 

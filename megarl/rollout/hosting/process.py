@@ -23,6 +23,7 @@ import pickle
 import queue
 import sys
 import threading
+import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 from megarl import lifecycle
 from megarl.config.schema import RolloutConfig
 from megarl.layout import EngineDevices
+from megarl.rollout.health import EngineHealth, HealthSettings
 from megarl.rollout.protocol import Deferred
 from megarl.rollout.requests import AbortSignal
 from megarl.rollout.threads import apply_engine_threads, available_cores
@@ -74,8 +76,31 @@ class EngineProcessError(RuntimeError):
 
 
 class EngineDied(EngineProcessError):
-    """The engine process is gone (killed, crashed) or gave no reply within its reply timeout (hung): a restart can
-    replace it (megarl.rollout.hosting.supervisor), where a failed call's error cannot be cured that way."""
+    """The engine is lost and a restart can cure it (megarl.rollout.hosting.supervisor): its process is gone (killed,
+    crashed), hung or stopped (megarl.rollout.health), or a call failed inside the engine with an error of the engine's
+    own state (`EngineCrashed`). A failed call's other errors (a bad request, a configuration) are not cured that way."""
+
+
+class EngineCrashed(EngineDied):
+    """A call failed inside the engine with an error a fresh engine does not have: an OOM in the engine (its KV cache,
+    a CUDA allocation), a dead TP worker, a CUDA or NCCL error."""
+
+
+# what a failed call's error says when the engine's own state broke (a restart cures it); anything else (a value or
+# type error, a refused request) is the caller's and ends the run as before
+_CURABLE_TYPES = ("OutOfMemoryError", "EngineDeadError", "AcceleratorError", "CudaError", "NcclError")
+_CURABLE_TEXT = ("CUDA out of memory", "CUDA error", "NCCL error", "CUBLAS_STATUS", "cuDNN error", "illegal memory access",
+                 "Worker proc", "worker died", "died unexpectedly", "EngineCore encountered", "RPC call to")
+
+
+def curable(exc: BaseException) -> bool:
+    """Whether a call's error inside the engine (with its causes) is one a restarted engine would not have."""
+    seen = exc
+    while seen is not None:
+        if type(seen).__name__ in _CURABLE_TYPES or any(t in str(seen) for t in _CURABLE_TEXT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class EngineStartFailed(EngineProcessError, lifecycle.Explained):
@@ -85,7 +110,7 @@ class EngineStartFailed(EngineProcessError, lifecycle.Explained):
 
 def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str, parent: int,
            cores: Optional[Sequence[int]] = None, abort_counter=None, lora: Optional[dict] = None,
-           cpu=None, where: str = "") -> None:
+           cpu=None, where: str = "", health: Optional[EngineHealth] = None) -> None:
     # A scheduler's SIGTERM (or a terminal's SIGINT) to the whole process tree must not kill the engine mid-step: the
     # trainer finishes the step, saves, and shuts the engine down itself. If the trainer dies, even by SIGKILL, the
     # kernel kills this process (parent-death signal); if it only closes the pipe, this loop ends.
@@ -100,10 +125,13 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             from megarl.rollout.vllm.engine import VLLMEngine as Engine
 
         engine = Engine(config, model_path, seed=seed, prompt_overflow=prompt_overflow,
-                        abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu, where=where)
+                        abort_signal=AbortSignal(abort_counter), lora=lora, cpu=cpu, where=where,
+                        progress=health.progress if health is not None else None)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send((0, "error", start_failure_line(exc, _output_file())))
         return
+    if health is not None:
+        health.start_beating()
     conn.send((0, "ready", None))
     calls = _receive_continuously(conn)
     while True:
@@ -116,12 +144,17 @@ def _serve(conn, config: RolloutConfig, model_path: str, seed: int, prompt_overf
             engine.shutdown()
             conn.send((call_id, "ok", None))
             return
+        if health is not None:
+            health.busy(method)
         try:
             value = getattr(engine, method)
             reply = _ReplyPickler.dumps((call_id, "ok", value(*args, **kwargs) if callable(value) else value),
                                         pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # noqa: BLE001
-            reply = _ReplyPickler.dumps((call_id, "error", _describe(exc)), pickle.HIGHEST_PROTOCOL)
+            status = "lost" if curable(exc) else "error"
+            reply = _ReplyPickler.dumps((call_id, status, _describe(exc)), pickle.HIGHEST_PROTOCOL)
+        if health is not None:
+            health.idle()
         conn.send_bytes(reply)
 
 
@@ -218,13 +251,16 @@ class EngineProcess:
         self._replies: dict[int, tuple] = {}  # replies that arrived before their handle asked for them
         self._layouts = None
         ctx = mp.get_context("spawn")
+        settings = HealthSettings.of(config)
+        self._health = EngineHealth(ctx, settings) if settings is not None else None
         self._conn, child = ctx.Pipe()
         # abort() must reach a generate that is running, while the child is not reading the pipe: a shared counter
         self._abort = AbortSignal(ctx.Value("q", 0))
         with _environment(child_environment(os.environ, devices.devices if devices is not None else None)):
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
                                                           os.getpid(), cores, self._abort.shared, lora, cpu,
-                                                          devices.describe() if devices is not None else ""),
+                                                          devices.describe() if devices is not None else "",
+                                                          self._health),
                                      # vLLM's workers (engine TP > 1) are children of this process: a daemonic
                                      # process may not have any; the engine dies with the trainer either way
                                      daemon=config.tensor_model_parallel_size == 1, name=name)
@@ -246,16 +282,40 @@ class EngineProcess:
         return self._proc.pid
 
     def _recv(self):
+        """The next reply; while it does not come, the watchdog (megarl.rollout.health) and rollout.engine_timeout_s
+        are consulted every moment, and a lost engine raises EngineDied."""
         timeout = self.reply_timeout_s
-        if timeout is not None and not self._conn.poll(timeout):
-            raise EngineDied(f"the engine process gave no reply for {timeout:.0f} s (rollout.engine_timeout_s): "
-                             f"hung or stopped")
+        start = time.monotonic()
+        look = min(1.0, self._health.settings.interval_s) if self._health is not None else 1.0
+        while not self._conn.poll(look):
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise EngineDied(f"the engine process gave no reply for {timeout:.0f} s (rollout.engine_timeout_s): "
+                                 f"hung or stopped")
+            self.check_health()
         try:
             return self._conn.recv()
         except (EOFError, ConnectionResetError):  # the engine is gone (a reset when it died mid-reply)
-            self._proc.join(timeout=1)  # for its exit code
-            raise EngineDied(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
-                                     f"{log_tail(self._proc.name.removeprefix('megarl-')) or 'see its log above for the reason'}") from None
+            raise self._died() from None
+
+    def check_health(self) -> None:
+        """Raise EngineDied if the engine process is gone, stopped or hung (megarl.rollout.health); also asked before
+        new work is handed to an idle engine (the watchdog's ping)."""
+        if not self._proc.is_alive():
+            raise self._died()
+        cause = self._health.check() if self._health is not None else None
+        if cause is not None:
+            raise EngineDied(cause)
+
+    def _died(self) -> "EngineDied":
+        self._proc.join(timeout=1)  # for its exit code
+        return EngineDied(f"the vLLM engine process died (exit code {self._proc.exitcode}); "
+                         f"{log_tail(self._proc.name.removeprefix('megarl-')) or 'see its log above for the reason'}")
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (megarl.rollout.hosting.supervisor): the engine's next step raises an OOM ("oom") or hangs."""
+        if self._health is None:
+            raise RuntimeError("engine faults are injected through the watchdog: rollout.health.enable=false")
+        self._health.inject(kind)
 
     def _send(self, obj) -> None:
         try:
@@ -282,6 +342,8 @@ class EngineProcess:
             self._replies[got] = (status, payload)
         del self._waiting[call_id]
         status, payload = self._replies.pop(call_id)
+        if status == "lost":
+            raise EngineCrashed(f"the engine failed in a way a restart cures: {payload.splitlines()[0]}\n{payload}")
         if status == "error":
             raise EngineProcessError(payload)
         return payload
@@ -364,6 +426,9 @@ class EngineProcess:
     @property
     def weight_version(self) -> int:
         return self._call("weight_version")
+
+    def set_weight_version(self, version: int) -> None:
+        self._call("set_weight_version", version)
 
     @property
     def events(self) -> list:

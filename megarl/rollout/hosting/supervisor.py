@@ -1,25 +1,38 @@
 """One engine replica watched, and replaced when it is lost (rollout.on_engine_failure: restart).
 
-An engine process that dies (killed, crashed: its pipe closes) or hangs (no reply to a call within
-rollout.engine_timeout_s) raises EngineDied from whatever call met it. The supervisor stands where the engine stood
-(the same methods, by delegation) and turns that into `EngineLost` with the cause; the caller (megarl.steps'
-EngineGeneration, in sync mode) then has every rank agree, calls `restart` on the replica's owner, re-plans and runs
-the weight sync into the new engine (the normal path, checksummed as usual), and generates the step's batch again
-with the same prompts and seeds: the batch is the one an undisturbed run would have sampled with these weights.
+An engine is lost when its process dies (killed, crashed: its pipe closes), hangs or stops (the watchdog,
+megarl.rollout.health, or rollout.engine_timeout_s), or a call fails inside it with an error a fresh engine does not
+have (an OOM in the engine, a dead TP worker, a CUDA error: megarl.rollout.hosting.process.EngineCrashed). Whatever
+call met the loss raises EngineDied; the supervisor stands where the engine stood (the same methods, by delegation)
+and turns that into `EngineLost` with the cause. A failed call's other errors (a refused request, a configuration)
+end the run as before.
+
+The caller (megarl.steps' EngineGeneration) has every rank agree on which replicas were lost, calls `restart` on
+their owners (the lost process tree is killed first; nothing is asked of it), delivers the actor's weights to the
+restarted engines only, and generates again only the lost replicas' shares (the same prompts and seeds: the batch is
+the one an undisturbed run would have sampled with these weights); the other replicas' samples are kept.
 
 An engine lost during a weight update does not stop the update midway: the trainer ranks are inside collectives
 (gathers, barriers) that the engine's owner must finish with them. The update calls of a lost engine return at once
 (`UPDATE_CALLS`), the loss is kept in `lost_in_update`, and after the update every rank learns of it and the replica
-is restarted and synced again the same way (megarl.steps' EngineGeneration.sync).
+is restarted and synced again the same way.
 
-Restarts are bounded: at most `max_restarts` within any `window_s` seconds; past that the run stops as it did before
-(cleanly, and it resumes exactly from its last checkpoint). Each restart is logged on the console with its cause and
-counted (`rollout/engine_restarts`).
+The weight version is the trainer's: `restart(cause, version)` sets the new engine's to the number of deliveries it
+had received, and the resync makes it the current one. Handles of calls sent to an engine that was since replaced
+raise EngineLost at once (`stale`), so a batch queued on the old engine is generated again without a second restart.
 
-Test hooks: MEGARL_TEST_KILL_ENGINE_AT_GENERATION=k[,k2,...] kills the engine process (SIGKILL) right after the k-th
-generation call was sent to it (counted over the run and its restarts; validation rounds count too), as a machine
-losing it mid-rollout would; MEGARL_TEST_KILL_ENGINE_AT_UPDATE=k[,...] right after the k-th weight update began (the
-run's first sync is update 1).
+Restarts are bounded over all replicas (`RestartBudget`, kept by the caller on every rank alike): at most
+rollout.max_engine_restarts within any rollout.engine_restart_window_s seconds and at most
+rollout.max_engine_restarts_per_run in the run; past either the run stops (cleanly, and it resumes exactly from its
+last checkpoint). Each restart is logged on the console with its cause and counted (`rollout/engine_restarts`).
+
+Test hooks, each a list of k or k@r (the k-th call counted over the run and its restarts, validation rounds too; @r:
+replica r only):
+    MEGARL_TEST_KILL_ENGINE_AT_GENERATION  SIGKILL right after the k-th generation call was sent (a lost machine)
+    MEGARL_TEST_STOP_ENGINE_AT_GENERATION  SIGSTOP right after it (alive, answers nothing: the heartbeat stops)
+    MEGARL_TEST_OOM_ENGINE_AT_GENERATION   the engine's first step of that call raises an OOM (megarl.rollout.health)
+    MEGARL_TEST_HANG_ENGINE_AT_GENERATION  the engine's first step of that call never returns (it still beats)
+    MEGARL_TEST_KILL_ENGINE_AT_UPDATE      SIGKILL right after the k-th weight update began (the first sync is 1)
 """
 from __future__ import annotations
 
@@ -35,6 +48,9 @@ from megarl import lifecycle
 log = logging.getLogger("megarl")
 
 KILL_AT_GENERATION = "MEGARL_TEST_KILL_ENGINE_AT_GENERATION"
+STOP_AT_GENERATION = "MEGARL_TEST_STOP_ENGINE_AT_GENERATION"
+OOM_AT_GENERATION = "MEGARL_TEST_OOM_ENGINE_AT_GENERATION"
+HANG_AT_GENERATION = "MEGARL_TEST_HANG_ENGINE_AT_GENERATION"
 KILL_AT_UPDATE = "MEGARL_TEST_KILL_ENGINE_AT_UPDATE"
 
 # the engine calls of a weight update, each with what it returns once the engine is lost: the owner rank goes on
@@ -44,8 +60,8 @@ UPDATE_CALLS = {"begin_update": None, "load_bucket": None, "end_update": {}, "ab
 
 
 def engine_failure_policy(cfg) -> str:
-    """"restart" or "fail": rollout.on_engine_failure, or by default restart where it is supported (trainer.mode
-    sync, engine processes the trainer starts) and fail elsewhere."""
+    """"restart" or "fail": rollout.on_engine_failure, or by default restart where it is supported (engine processes
+    the trainer starts) and fail elsewhere."""
     r = cfg.rollout
     if r.on_engine_failure is not None:
         return r.on_engine_failure
@@ -54,48 +70,101 @@ def engine_failure_policy(cfg) -> str:
 
 def restart_refusal(cfg) -> Optional[str]:
     """Why engine restarts cannot serve this recipe (None: they can)."""
-    if cfg.trainer.mode != "sync":
-        return (f"trainer.mode={cfg.trainer.mode} generates batches ahead with older weights; a restarted engine "
-                f"gets the current ones, so the batch would not be the one the schedule recorded")
     if cfg.rollout.mode == "ray":
         return "Ray-hosted engines are not restarted yet"
     return None
 
 
+def hook_hits(hook: str, count: int, replica: int) -> bool:
+    """Whether test hook `hook` (a list of k or k@r) names call `count` of replica `replica`."""
+    for item in os.environ.get(hook, "").split(","):
+        k, _, r = item.strip().partition("@")
+        if k and int(k) == count and (not r or int(r) == replica):
+            return True
+    return False
+
+
 class EngineLost(RuntimeError):
-    """The engine replica was lost during a call; its message is the cause ("during generation (...)")."""
+    """The engine replica was lost during a call; its message is the cause ("during generation (...)"). `stale`: the
+    call was made to an engine that has since been replaced (nothing is left to restart)."""
+
+    def __init__(self, message: str, stale: bool = False):
+        super().__init__(message)
+        self.stale = stale
 
 
 class EngineRestartsExhausted(RuntimeError, lifecycle.Explained):
-    """More restarts than rollout.max_engine_restarts allows within the window: the run stops."""
+    """More restarts than rollout.max_engine_restarts allows within the window, or than
+    rollout.max_engine_restarts_per_run in the run: the run stops."""
+
+
+class RestartBudget:
+    """The restart bounds: at most `max_restarts` within any `window_s` seconds, at most `max_per_run` (None: no
+    limit) in the run."""
+
+    def __init__(self, max_restarts: int, window_s: float, max_per_run: Optional[int] = None):
+        self.max_restarts, self.window_s, self.max_per_run = max_restarts, window_s, max_per_run
+        self.times: list[float] = []  # every restart of the run
+
+    def take(self, what: str, now: Optional[float] = None) -> None:
+        """Count one restart of `what`, or raise EngineRestartsExhausted if a bound forbids it."""
+        now = time.monotonic() if now is None else now
+        recent = [t for t in self.times if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            raise EngineRestartsExhausted(
+                f"{what} after {len(recent)} restarts within {self.window_s:.0f} s "
+                f"(rollout.max_engine_restarts={self.max_restarts}): stopping; resume from the last checkpoint with "
+                f"checkpoint.resume=auto")
+        if self.max_per_run is not None and len(self.times) >= self.max_per_run:
+            raise EngineRestartsExhausted(
+                f"{what} after {len(self.times)} restarts in this run "
+                f"(rollout.max_engine_restarts_per_run={self.max_per_run}): stopping; resume from the last checkpoint "
+                f"with checkpoint.resume=auto")
+        self.times.append(now)
+
+    def __len__(self) -> int:
+        return len(self.times)
 
 
 class EngineSupervisor:
     """An engine handle (EngineProcess) that can be replaced: `start()` makes a new one with the run's settings."""
 
-    def __init__(self, start: Callable[[], Any], max_restarts: int, window_s: float, name: str = "engine"):
-        self._start, self.max_restarts, self.window_s, self.name = start, max_restarts, window_s, name
+    def __init__(self, start: Callable[[], Any], name: str = "engine", replica: int = 0):
+        self._start, self.name, self.replica = start, name, replica
         self.engine = start()
-        self.restart_times: list[float] = []
+        self.incarnation = 0  # how many times the engine was replaced
         self.generations = 0
         self.updates = 0
         self.lost_in_update: Optional[str] = None  # the cause, when the engine was lost during the current update
-        self._version_base = 0  # weight versions before the last restart: the count continues over restarts
 
     # -- the calls a lost engine can break, as EngineLost ---------------------------------------------------------
     def start_generate(self, prompt_token_ids, **kwargs):
-        from megarl.rollout.protocol import Deferred
+        return self._start_call(lambda: self.engine.start_generate(prompt_token_ids, **kwargs))
 
-        handle = self._guard(lambda: self.engine.start_generate(prompt_token_ids, **kwargs))
-        self._maybe_kill_for_test()
-        return Deferred(lambda: self._guard(handle.result))
+    def start_continue(self, *args):
+        return self._start_call(lambda: self.engine.start_continue(*args))
 
     def generate(self, prompt_token_ids, **kwargs):
         return self.start_generate(prompt_token_ids, **kwargs).result()
 
     def rollout_agents(self, prompt_token_ids, **kwargs):
-        self.generations += 1
+        self._before_generation()
         return self._guard(lambda: self.engine.rollout_agents(prompt_token_ids, **kwargs))
+
+    def _start_call(self, start: Callable[[], Any]):
+        from megarl.rollout.protocol import Deferred
+
+        self._before_generation()
+        handle = self._guard(start)
+        self._after_generation_sent()
+        born = self.incarnation
+
+        def wait():
+            if self.incarnation != born:  # sent to an engine replaced since: its work is gone with it
+                raise EngineLost("during generation (sent to an engine that was replaced since)", stale=True)
+            return self._guard(handle.result)
+
+        return Deferred(wait)
 
     def _guard(self, call: Callable[[], Any]) -> Any:
         from megarl.rollout.hosting.process import EngineDied
@@ -105,13 +174,20 @@ class EngineSupervisor:
         except EngineDied as exc:
             raise EngineLost(f"during generation ({exc})") from exc
 
-    def _maybe_kill_for_test(self) -> None:
+    def _before_generation(self) -> None:
+        """The watchdog's ping before new work, and the fault hooks that act inside the engine's next steps."""
         self.generations += 1
-        self._kill_for_test_at(KILL_AT_GENERATION, self.generations)
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            self._guard(check)
+        for hook, kind in ((OOM_AT_GENERATION, "oom"), (HANG_AT_GENERATION, "hang")):
+            if hook_hits(hook, self.generations, self.replica):
+                self.engine.inject_fault(kind)
 
-    def _kill_for_test_at(self, hook: str, count: int) -> None:
-        if str(count) in os.environ.get(hook, "").split(",") and self.engine.pid:
-            os.kill(self.engine.pid, signal.SIGKILL)
+    def _after_generation_sent(self) -> None:
+        for hook, sig in ((KILL_AT_GENERATION, signal.SIGKILL), (STOP_AT_GENERATION, signal.SIGSTOP)):
+            if hook_hits(hook, self.generations, self.replica) and self.engine.pid:
+                os.kill(self.engine.pid, sig)
 
     def _update_call(self, name: str, *args, **kwargs) -> Any:
         """One call of a weight update; after the engine was lost (now or earlier in this update) it returns at once
@@ -128,46 +204,32 @@ class EngineSupervisor:
             else:
                 if name == "begin_update":
                     self.updates += 1
-                    self._kill_for_test_at(KILL_AT_UPDATE, self.updates)
+                    if hook_hits(KILL_AT_UPDATE, self.updates, self.replica) and self.engine.pid:
+                        os.kill(self.engine.pid, signal.SIGKILL)
                 return out
         value = UPDATE_CALLS[name]
         return dict(value) if isinstance(value, dict) else value  # a fresh dict: callers may add to it
 
     # -- replacement ---------------------------------------------------------------------------------------------
-    def restart(self, cause: str) -> None:
-        """Replace the lost engine (its process tree killed first, nothing left behind) by a new one with the run's
-        settings; its weights are the checkpoint's until the caller syncs the actor's into it."""
-        now = time.monotonic()
-        recent = [t for t in self.restart_times if now - t < self.window_s]
-        if len(recent) >= self.max_restarts:
-            raise EngineRestartsExhausted(
-                f"the {self.name} was lost again {cause} after {len(recent)} restarts within "
-                f"{self.window_s:.0f} s (rollout.max_engine_restarts={self.max_restarts}): stopping; resume from the "
-                f"last checkpoint with checkpoint.resume=auto")
-        self.restart_times = recent + [now]
-        log.warning("%s lost %s: restarting it (restart %d of at most %d within %.0f s)", self.name, cause,
-                    len(self.restart_times), self.max_restarts, self.window_s)
-        self._version_base += self._last_version()
-        self.lost_in_update = None
+    def restart(self, cause: str, version: int, note: str = "") -> None:
+        """Replace the lost engine: its process tree is killed first (nothing is asked of it: a hung engine would
+        cost another timeout, a dead one cannot answer), then a new one starts with the run's settings and the
+        trainer's weight version `version` (the deliveries the lost one had received); its weights are the
+        checkpoint's until the caller syncs the actor's into it. `note`: the restart's count, for the console line."""
         old, self.engine = self.engine, None
-        if old.pid:
+        if old is not None and old.pid:
             lifecycle.kill_tree(old.pid)
+        self.incarnation += 1
+        self.lost_in_update = None
+        log.warning("%s lost %s: restarting it (%s)", self.name, cause, note)
+        t0 = time.monotonic()
         self.engine = self._start()
-
-    def _last_version(self) -> int:
-        """The lost engine's weight version, 0 where it cannot say any more (its process is gone)."""
-        try:
-            return int(self.engine.weight_version)
-        except Exception:  # noqa: BLE001 - a dead engine cannot answer
-            return 0
+        self.engine.set_weight_version(version)
+        log.warning("%s restarted in %.1f s; it gets the actor's weights next", self.name, time.monotonic() - t0)
 
     @property
     def restarts(self) -> int:
-        return len(self.restart_times)
-
-    @property
-    def weight_version(self) -> int:
-        return self._version_base + int(self.engine.weight_version)
+        return self.incarnation
 
     def shutdown(self, timeout_s: float = 30) -> None:
         if self.engine is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -155,7 +155,8 @@ class VLLMEngine:
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  device: Optional[str] = None, abort_signal: Optional[AbortSignal] = None,
-                 lora: Optional[dict] = None, cpu: Optional[CpuInfo] = None, where: str = ""):
+                 lora: Optional[dict] = None, cpu: Optional[CpuInfo] = None, where: str = "",
+                 progress: Optional[Callable[[], None]] = None):
         if prompt_overflow not in PROMPT_OVERFLOW_CHOICES:
             raise ValueError(f"prompt_overflow={prompt_overflow!r}: expected one of {PROMPT_OVERFLOW_CHOICES}")
         self.config = config
@@ -176,7 +177,7 @@ class VLLMEngine:
         self.where = where
         self._start(seed)
         self._driver = RequestDriver(self._llm.llm_engine, lambda: self.weight_version, abort_signal,
-                                     lambda: self._lora_request)
+                                     lambda: self._lora_request, progress)
 
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _start(self, seed: int) -> None:
@@ -537,6 +538,15 @@ class VLLMEngine:
         """Every worker moves its parameters into a shared-memory file and reports where its loader puts each HF
         tensor of needs[worker] (megarl.sync.placement; worker_ext.megarl_place_weights), once per run."""
         return self._llm.collective_rpc("megarl_place_weights", args=(list(needs), prefix))
+
+    def set_weight_version(self, version: int) -> None:
+        """Take the trainer's count of weight deliveries (an engine restarted mid-run: megarl.rollout.hosting.supervisor);
+        the next update makes it version + 1."""
+        self.weight_version = int(version)
+        try:
+            self._llm.llm_engine.set_weight_version(str(self.weight_version))
+        except Exception:  # noqa: BLE001 - an informational label inside vLLM
+            pass
 
     def _weights_changed(self, what: str) -> None:
         """New weights or adapters are live: reset the prefix cache and bump the weight version."""

@@ -118,13 +118,22 @@ class WeightSync:
                      if mv.src == self.rank],
                 file=f, targets=targets, loads=bool((self.layouts.hosts[b] | self._pull_hosts[b]) & hosts)))
 
+    partial = True  # run(replicas=...) delivers to some replicas only (a restarted engine's; megarl.steps)
+
     # -- one sync -----------------------------------------------------------------------------------------------------
-    def run(self, engine: Any, verify: bool = False) -> dict:
-        """Deliver the current weights. `engine` is this rank's engine handle if it owns a replica, else None."""
+    def run(self, engine: Any, verify: bool = False, replicas: Optional[set] = None) -> dict:
+        """Deliver the current weights. `engine` is this rank's engine handle if it owns a replica, else None.
+        `replicas`: deliver to these replicas' engines only (the others keep theirs); every rank still calls it, and
+        the ranks of the other replicas only send their pieces."""
         self.syncs += 1
         t0 = time.perf_counter()
         stats = {"sent": 0, "received": 0, "loaded": 0, "placed": 0, "placed_tensors": set(), "exchange_s": 0.0,
                  "load_s": 0.0, "sums": {} if verify else None}
+        to = None if replicas is None else {h for r in replicas for h in self.topology.members(r)}
+        if to is not None and self.rank not in to:
+            for b, bucket in enumerate(self.plan):
+                self._deliver(b, bucket, stats, to)
+            return self._metrics(stats, time.perf_counter() - t0)
         replica = self.topology.replica_of(self.rank)
         hosts = self.topology.members(replica) if replica is not None else []
         group = self._replica_groups[replica] if replica is not None and self.topology.engine_tp > 1 else None
@@ -139,7 +148,7 @@ class WeightSync:
             # loads run beside the writes on the same cores; placed writes alone take every thread
             with half_threads_during_sync() if loads else contextlib.nullcontext():
                 for b, bucket in enumerate(self.plan):
-                    self._deliver(b, bucket, stats)  # bucket b-1 loads meanwhile, from the other slot
+                    self._deliver(b, bucket, stats, to)  # bucket b-1 loads meanwhile, from the other slot
                     if not bucket.loads:
                         continue
                     if loading is not None:
@@ -178,17 +187,26 @@ class WeightSync:
         seconds = time.perf_counter() - t0
         return {**result, **self._metrics(stats, seconds)}
 
-    def _deliver(self, b: int, bucket: _Bucket, stats: dict) -> None:
+    def _deliver(self, b: int, bucket: _Bucket, stats: dict, to: Optional[set] = None) -> None:
         """This rank's part of bucket b: its sends and receives posted, its own pieces written, the received ones
-        written once they arrived."""
+        written once they arrived. `to`: only pieces for these hosts (a partial sync); a rank outside them sends."""
         t0 = time.perf_counter()
-        self.placed.begin_bucket(b)
         values: dict = {}  # each parameter's current value, resolved once per bucket
         ops, received = [], []
+        receives = to is None or self.rank in to
+        if receives:
+            self.placed.begin_bucket(b)
         for mv, cut in bucket.sends:
+            if to is not None and mv.dst not in to:
+                continue
             piece = cut.piece(current_value(self.holdings.local, cut.param, values)).contiguous()
             ops.append(dist.P2POp(dist.isend, piece, mv.dst, self.group))
             stats["sent"] += mv.nbytes
+        if not receives:
+            for req in dist.batch_isend_irecv(ops) if ops else []:
+                req.wait()
+            stats["exchange_s"] += time.perf_counter() - t0
+            return
         for mv, dtype in bucket.recvs:  # on GPU device to device (NCCL), on CPU over gloo
             buf = torch.empty(box_shape(mv.box), dtype=dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buf, mv.src, self.group))
