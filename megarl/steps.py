@@ -1,6 +1,7 @@
 """The named stages of one RL step, called in order by megarl.trainer. Each documents where it runs."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ from megarl.rollout.replicas import broadcast_rollout, combine
 from megarl.distributed import all_gather_objects, broadcast_object, compute_device
 from megarl.runtime import Runtime
 from megarl.types import RolloutBatch
+
+log = logging.getLogger("megarl")
 
 
 class Timer:
@@ -559,25 +562,29 @@ class EngineGeneration:
                       for r in range(topo.replicas)}
             self.redone_prompts += sum(shares[r] for r in lost)
             self.kept_prompts += sum(n for r, n in shares.items() if r not in lost)
-            restart = {r for r, (_, st) in lost.items() if not st}
+            restart = {r: c for r, (c, st) in lost.items() if not st}
             if restart:
-                self.recover(cause if mine in restart else None, restart)
+                self.recover(restart)
             for r in lost:
                 started.done.pop(r, None)
             started.start(set(lost))
 
-    def recover(self, lost_here: Optional[str], replicas: set) -> dict:
-        """Restart this rank's replica if it is one of the lost `replicas` (all ranks agree on them), then plan the
-        weight sync into the engines as they are now and deliver the weights to the restarted ones only (every rank:
-        both are collectives); the sync's metrics."""
-        for r in sorted(replicas):
-            self.budget.take(f"engine replica {r} was lost again")
-        if lost_here is not None:
-            self.engine.restart(lost_here, version=max(0, self.deliveries - 1),
-                                note=f"restart {len(self.budget)} of the run; at most {self.budget.max_restarts} within "
-                                     f"{self.budget.window_s:.0f} s")
+    def recover(self, causes: dict) -> dict:
+        """Restart the lost replicas ({replica: cause}, the same on every rank; this rank restarts its own), then plan
+        the weight sync into the engines as they are now and deliver the weights to the restarted ones only (every
+        rank: both are collectives); the sync's metrics."""
+        mine = self.rt.engines.replica_of(self.rt.rank) if self.engine is not None else None
+        for r, cause in sorted(causes.items()):
+            if r == mine:  # killed before anything else: nothing is left running if a bound stops the run here
+                self.engine.kill()
+            self.budget.take(f"engine replica {r} was lost again {cause}")
+            if self.rt.is_rank0:
+                log.warning("engine replica %d lost %s: restarting it (restart %d of the run; at most %d within %.0f s)",
+                            r, cause, len(self.budget), self.budget.max_restarts, self.budget.window_s)
+        if mine in causes:
+            self.engine.restart(version=max(0, self.deliveries - 1))
         self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
-        return self._deliver(replicas)
+        return self._deliver(set(causes))
 
     def sync(self) -> dict:
         """Deliver the actor's weights to the engines (collective). An engine replica lost during the delivery (its
@@ -598,11 +605,8 @@ class EngineGeneration:
         topo = self.rt.engines
         mine = topo.replica_of(self.rt.rank) if self.engine is not None else None
         lost = getattr(self.engine, "lost_in_update", None) if self.engine is not None else None
-        every = all_gather_objects((mine, lost))  # every rank learns of any loss
-        lost_replicas = {r for r, c in every if c is not None}
-        if lost_replicas:
-            return self.recover(lost, lost_replicas)
-        return metrics
+        causes = {r: c for r, c in all_gather_objects((mine, lost)) if c is not None}  # every rank learns of any loss
+        return self.recover(causes) if causes else metrics
 
     def abort(self) -> None:
         if self.engine is not None:

@@ -10,7 +10,9 @@ The engine process writes a few timestamps into shared memory; the trainer reads
       call_timeout_s
 
 The stall limit comes from the decode rate this engine showed so far: `stall_factor` times its slowest step, at
-least `stall_floor_s`; `first_wait_s` until it has taken two steps (start-up, the first prefill). Time is
+least `stall_floor_s`; `first_wait_s` during its first generation call, whose steps are not counted either (they
+include the engine's warm-up: kernels chosen and compiled for each new shape, seconds where a later step takes
+milliseconds). Time is
 CLOCK_MONOTONIC, which every process of a machine shares, so a hang that began while the trainer trained is judged
 at its first look, not a limit later.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 # slots of the shared array (doubles)
-_BEAT, _PROGRESS, _BUSY, _SINCE, _SLOWEST, _STEPS, _FAULT = range(7)
+_BEAT, _PROGRESS, _BUSY, _SINCE, _SLOWEST, _CALLS, _FAULT = range(7)
 IDLE, GENERATING, CALL = 0.0, 1.0, 2.0
 _FAULTS = {"oom": 1.0, "hang": 2.0}
 GENERATION_CALLS = frozenset({"generate", "continue_generate", "rollout_agents", "sequence_logprobs"})
@@ -51,26 +53,33 @@ class HealthSettings:
         return cls(h.interval_s, h.timeout_s, h.first_wait_s, h.stall_floor_s, h.stall_factor, h.call_timeout_s)
 
 
-def stall_limit(slowest_step_s: float, steps: int, s: HealthSettings) -> float:
-    """Seconds without an engine step that mean a hung generation: first_wait_s before the engine has shown two
-    steps, then max(stall_floor_s, stall_factor x the slowest step it took)."""
-    if steps < 2:
+def warming_up(slowest_step_s: float, calls: int) -> bool:
+    """Whether the engine has not shown its decode rate yet (in its first generation call, or none measured)."""
+    return calls < 1 or slowest_step_s <= 0
+
+
+def stall_limit(slowest_step_s: float, calls: int, s: HealthSettings) -> float:
+    """Seconds without an engine step that mean a hung generation: first_wait_s until the engine has finished a
+    generation call (`calls`, its warm-up) and measured a step after it, then max(stall_floor_s, stall_factor x the
+    slowest step it took since)."""
+    if warming_up(slowest_step_s, calls):
         return s.first_wait_s
     return max(s.stall_floor_s, s.stall_factor * slowest_step_s)
 
 
 def verdict(now: float, beat_at: float, progress_at: float, busy: float, busy_since: float, slowest_step_s: float,
-            steps: int, s: HealthSettings) -> Optional[str]:
+            calls: int, s: HealthSettings) -> Optional[str]:
     """Why the engine counts as lost at time `now` (None: it is fine), from what it last wrote."""
     silent = now - beat_at
     if silent > s.timeout_s:
         return (f"no heartbeat from the engine process for {silent:.0f} s (rollout.health.timeout_s={s.timeout_s:g}): "
                 f"stopped or frozen")
     if busy == GENERATING:
-        limit = stall_limit(slowest_step_s, steps, s)
+        limit = stall_limit(slowest_step_s, calls, s)
         still = now - max(progress_at, busy_since)
         if still > limit:
-            basis = (f"rollout.health.first_wait_s={s.first_wait_s:g}, before its first steps" if steps < 2 else
+            basis = (f"rollout.health.first_wait_s={s.first_wait_s:g}, in its first generation" if warming_up(
+                slowest_step_s, calls) else
                      f"{s.stall_factor:g} x its slowest step of {slowest_step_s:.2f} s, at least "
                      f"rollout.health.stall_floor_s={s.stall_floor_s:g}")
             return f"no decode step for {still:.0f} s while generating (stall limit {limit:.0f} s: {basis}): hung"
@@ -104,15 +113,17 @@ class EngineHealth:
         a[_BUSY] = GENERATING if method in GENERATION_CALLS else CALL
 
     def idle(self) -> None:
-        self._shared[_BUSY] = IDLE
+        a = self._shared
+        if a[_BUSY] == GENERATING:
+            a[_CALLS] += 1
+        a[_BUSY] = IDLE
 
     def progress(self) -> None:
         """One engine step taken (called by the engines' step loops)."""
         a = self._shared
         now = time.monotonic()
-        if a[_PROGRESS] >= a[_SINCE]:  # the step since the previous one of this call: the decode rate
+        if a[_CALLS] >= 1 and a[_PROGRESS] >= a[_SINCE]:  # since the call's previous step: the decode rate
             a[_SLOWEST] = max(a[_SLOWEST], now - a[_PROGRESS])
-        a[_STEPS] += 1
         a[_PROGRESS] = now
         fault, a[_FAULT] = a[_FAULT], 0.0
         if fault == _FAULTS["oom"]:
@@ -130,7 +141,7 @@ class EngineHealth:
     def check(self, now: Optional[float] = None) -> Optional[str]:
         a = self._shared
         return verdict(time.monotonic() if now is None else now, a[_BEAT], a[_PROGRESS], a[_BUSY], a[_SINCE],
-                       a[_SLOWEST], int(a[_STEPS]), self.settings)
+                       a[_SLOWEST], int(a[_CALLS]), self.settings)
 
     @property
     def slowest_step_s(self) -> float:

@@ -211,21 +211,25 @@ class EngineSupervisor:
         return dict(value) if isinstance(value, dict) else value  # a fresh dict: callers may add to it
 
     # -- replacement ---------------------------------------------------------------------------------------------
-    def restart(self, cause: str, version: int, note: str = "") -> None:
-        """Replace the lost engine: its process tree is killed first (nothing is asked of it: a hung engine would
-        cost another timeout, a dead one cannot answer), then a new one starts with the run's settings and the
-        trainer's weight version `version` (the deliveries the lost one had received); its weights are the
-        checkpoint's until the caller syncs the actor's into it. `note`: the restart's count, for the console line."""
+    def kill(self) -> None:
+        """Kill the lost engine's process tree; nothing is asked of it (a hung engine would cost another timeout, a
+        dead one cannot answer). Its handles' calls fail as stale from now on."""
         old, self.engine = self.engine, None
         if old is not None and old.pid:
             lifecycle.kill_tree(old.pid)
-        self.incarnation += 1
+        if old is not None:
+            self.incarnation += 1
         self.lost_in_update = None
-        log.warning("%s lost %s: restarting it (%s)", self.name, cause, note)
+
+    def restart(self, version: int) -> None:
+        """Replace the lost engine (killed first, if `kill` was not called yet) by a new one with the run's settings
+        and the trainer's weight version `version` (the deliveries the lost one had received); its weights are the
+        checkpoint's until the caller syncs the actor's into it."""
+        self.kill()
         t0 = time.monotonic()
         self.engine = self._start()
         self.engine.set_weight_version(version)
-        log.warning("%s restarted in %.1f s; it gets the actor's weights next", self.name, time.monotonic() - t0)
+        log.info("%s restarted in %.1f s; it gets the actor's weights next", self.name, time.monotonic() - t0)
 
     @property
     def restarts(self) -> int:

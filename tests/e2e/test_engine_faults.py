@@ -1,0 +1,124 @@
+"""The engine fault matrix: a fault x where the engines run x trainer.mode x engine replicas, each cell the real CLI on
+the tiny recipe's small settings with a fault injected into an engine's third generation call (step 3's batch in
+sync mode; the watchdog has measured the engine's decode rate in the second: the first is its warm-up)
+(megarl.rollout.hosting.supervisor's test hooks):
+
+    kill   SIGKILL of the engine process (a lost machine)
+    stop   SIGSTOP (alive, silent: the watchdog's heartbeat limit)
+    oom    an OOM raised inside the engine's step (an error a restart cures)
+    hang   the engine's step never returns while its process beats (the stall limit; rollout.engine_timeout_s unset)
+
+With two replicas the fault hits replica 1 only. Every cell must finish all its steps with no process left, the
+restart named on the console and counted; in sync mode with the same metrics (so the same weights) and weight
+versions as an undisturbed run, with two replicas keeping replica 0's share; in the async modes within the staleness
+bound. Each cell prints its row of the matrix (FAULT-MATRIX | ...), which `pytest -s` shows.
+
+The watchdog's limits are lowered (a 3 s stall floor, an 8 s heartbeat limit) so that a hang costs seconds here; the
+defaults are for real engines (megarl.config.schema.EngineHealthConfig).
+"""
+import json
+import os
+import time
+
+import pytest
+
+from tests.e2e.test_checkpoint_resume import _assert_same_steps
+from tests.e2e.test_fault_matrix import Run
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the run's processes through /proc")
+
+STEPS = 3
+HOOKS = {"kill": "MEGARL_TEST_KILL_ENGINE_AT_GENERATION", "stop": "MEGARL_TEST_STOP_ENGINE_AT_GENERATION",
+         "oom": "MEGARL_TEST_OOM_ENGINE_AT_GENERATION", "hang": "MEGARL_TEST_HANG_ENGINE_AT_GENERATION"}
+WATCHDOG = ["rollout.health.stall_floor_s=3", "rollout.health.timeout_s=8", "rollout.health.interval_s=0.5"]
+PLACEMENTS = {"colocated": [], "separate": ["rollout.placement=separate"]}
+MODES = {"sync": [], "one_step_off": ["trainer.mode=one_step_off_policy"], "async": ["trainer.mode=async"]}
+CAUSES = {"kill": "engine process died", "stop": "no heartbeat", "oom": "a restart cures: OutOfMemoryError",
+          "hang": "no decode step for"}
+_refs: dict = {}
+
+
+def _config(placement: str, mode: str, replicas: int) -> list:
+    out = [f"trainer.total_steps={STEPS}", *WATCHDOG, *PLACEMENTS[placement], *MODES[mode]]
+    if replicas == 2:
+        out += ["trainer.n_gpus_per_node=2", "rollout.data_parallel_size=2"]
+    return out
+
+
+def _rows(run) -> list[dict]:
+    return [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reference(tmp, placement: str, mode: str, replicas: int) -> tuple:
+    """The undisturbed run of a configuration (once per module): its metrics and seconds."""
+    key = (placement, mode, replicas)
+    if key not in _refs:
+        t0 = time.monotonic()
+        run = Run(tmp, f"ref-{placement}-{mode}-{replicas}", _config(placement, mode, replicas))
+        code, _ = run.finish(since=t0, limit=600)
+        assert code == 0, run.output()[-3000:]
+        _refs[key] = (_rows(run), time.monotonic() - t0)
+    return _refs[key]
+
+
+def cell(tmp, fault: str, placement: str, mode: str, replicas: int, compare: bool = True) -> dict:
+    """Run one cell and check it; returns its row of the matrix."""
+    ref, ref_s = _reference(tmp, placement, mode, replicas) if compare else (None, None)
+    hit = "3@1" if replicas == 2 else "3"
+    t0 = time.monotonic()
+    run = Run(tmp, f"{fault}-{placement}-{mode}-{replicas}", _config(placement, mode, replicas),
+              env={HOOKS[fault]: hit})
+    code, _ = run.finish(since=t0, limit=600)  # asserts that no process of the run is left
+    seconds = time.monotonic() - t0
+    out = run.output()
+    assert code == 0, out[-4000:]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), out[-3000:]
+    assert out.count("restarting it (restart") == 1, out[-3000:]
+    assert CAUSES[fault] in out, out[-3000:]
+    restarts = max(r.get("rollout/engine_restarts", 0) for r in rows)
+    assert restarts == 1, rows
+    redone = max(r.get("rollout/prompts_redone", 0) for r in rows)
+    kept = max(r.get("rollout/prompts_kept_on_loss", 0) for r in rows)
+    if replicas == 2:  # replica 1's half of the step's 8 prompts redone, replica 0's kept
+        assert (redone, kept) == (4, 4), (redone, kept)
+    else:
+        assert (redone, kept) == (8, 0), (redone, kept)
+    if mode == "sync" and ref is not None:
+        # the same prompts, seeds and weights: every metric an undisturbed run logs, and its weight versions
+        ignore = ("rollout/engine_restarts", "rollout/prompts_redone", "rollout/prompts_kept_on_loss")
+        _assert_same_steps([{k: v for k, v in r.items() if k not in ignore} for r in rows], ref, range(1, STEPS + 1))
+        assert [r["weight_sync/version"] for r in rows] == [r["weight_sync/version"] for r in ref]
+    if mode != "sync":
+        for r in rows:
+            assert r["async/staleness_max"] <= 1, r  # both async settings here allow one version
+    row = {"fault": fault, "placement": placement, "mode": mode, "replicas": replicas, "finished": code == 0,
+           "steps": len(rows), "restarts": int(restarts), "seconds": round(seconds, 1),
+           "seconds_lost": round(seconds - ref_s, 1) if ref_s is not None else None, "processes_left": 0}
+    print("FAULT-MATRIX | " + " | ".join(f"{k}={v}" for k, v in row.items()))
+    return row
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("engine-faults")
+
+
+def test_a_hung_engine_is_found_by_its_stall_limit_and_replaced(tmp):
+    """engine_timeout_s unset: the step that never returns is caught by the decode-rate stall limit."""
+    cell(tmp, "hang", "colocated", "sync", 1)
+
+
+def test_two_replicas_one_lost_the_other_keeps_its_samples(tmp):
+    cell(tmp, "kill", "colocated", "sync", 2)
+
+
+SLOW_CELLS = [("stop", "colocated", "sync", 1), ("oom", "colocated", "sync", 1), ("kill", "colocated", "one_step_off", 1),
+              ("oom", "colocated", "async", 1), ("hang", "colocated", "async", 2), ("stop", "colocated", "one_step_off", 2),
+              ("kill", "separate", "sync", 1), ("oom", "separate", "sync", 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault,placement,mode,replicas", SLOW_CELLS)
+def test_fault_matrix_cell(tmp, fault, placement, mode, replicas):
+    cell(tmp, fault, placement, mode, replicas, compare=mode == "sync")
