@@ -33,8 +33,9 @@ HOOKS = {"kill": "MEGARL_TEST_KILL_ENGINE_AT_GENERATION", "stop": "MEGARL_TEST_S
 WATCHDOG = ["rollout.health.stall_floor_s=3", "rollout.health.timeout_s=8", "rollout.health.interval_s=0.5"]
 PLACEMENTS = {"colocated": [], "separate": ["rollout.placement=separate"]}
 MODES = {"sync": [], "one_step_off": ["trainer.mode=one_step_off_policy"], "async": ["trainer.mode=async"]}
-CAUSES = {"kill": "engine process died", "stop": "no heartbeat", "oom": "a restart cures: OutOfMemoryError",
-          "hang": "no decode step for"}
+# a stopped engine that was generating misses its steps before its heartbeats (the 3 s stall floor < the 8 s limit)
+CAUSES = {"kill": ("engine process died",), "stop": ("no heartbeat", "no decode step for"),
+          "oom": ("a restart cures: OutOfMemoryError",), "hang": ("no decode step for",)}
 _refs: dict = {}
 
 
@@ -75,7 +76,7 @@ def cell(tmp, fault: str, placement: str, mode: str, replicas: int, compare: boo
     rows = _rows(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), out[-3000:]
     assert out.count("restarting it (restart") == 1, out[-3000:]
-    assert CAUSES[fault] in out, out[-3000:]
+    assert any(cause in out for cause in CAUSES[fault]), out[-3000:]
     restarts = max(r.get("rollout/engine_restarts", 0) for r in rows)
     assert restarts == 1, rows
     redone = max(r.get("rollout/prompts_redone", 0) for r in rows)
