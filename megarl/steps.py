@@ -583,7 +583,10 @@ class EngineGeneration:
                             r, cause, len(self.budget), self.budget.max_restarts, self.budget.window_s)
         if mine in causes:
             self.engine.restart(version=max(0, self.deliveries - 1))
-        self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
+        if hasattr(self._sync, "after_restart"):  # the plan compiled at start, the new engines placed into it
+            self._sync.after_restart(self.engine, set(causes))
+        else:
+            self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
         return self._deliver(set(causes))
 
     def sync(self) -> dict:

@@ -71,6 +71,7 @@ class WeightSync:
                  token: str, engine: Any, group=None):
         self.holdings, self.topology, self.rank, self.group = holdings, topology, rank, group
         self.shapes, self.dtypes = SyncTable.of(holdings.mapping).shapes, holdings.hf_dtypes
+        self.worker_layouts = layouts
         self.needs = {host: worker_needs(holdings.mapping, lay) for host, lay in layouts.items()}
         self.sync_plan = live_plan(holdings.mapping, holdings.boxes, self.needs, holdings.element_sizes,
                                    dist.get_world_size() if dist.is_initialized() else 1, topology.engine_tp,
@@ -90,10 +91,32 @@ class WeightSync:
     def _place(self, engine: Any) -> None:
         """Once, before the first sync (a collective): the workers that take their weights in place say which
         (megarl.sync.transports.placed); the buckets are compiled for what is left to the files."""
-        needs = {host: {h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box]) for h, box in need.items()}
-                 for host, need in self.needs.items()}
-        self.placed.place(engine, self.topology, needs, self.token)
+        self.placed.place(engine, self.topology, self._wire_needs(), self.token)
         if self.placed.pulling:  # what its worker loads with its loaders comes in device buckets, not files
+            self._files = SlotFiles(self.device)
+        self._compile()
+
+    def _wire_needs(self) -> dict:
+        return {host: {h: (self.dtypes[h], list(self.shapes[h]), [list(b) for b in box]) for h, box in need.items()}
+                for host, need in self.needs.items()}
+
+    def after_restart(self, engine: Any, replicas: set) -> None:
+        """The engines of `replicas` were restarted (a collective of every rank; `engine`: this rank's handle if it
+        owns a replica): the new workers say what they take in place and the buckets are compiled again for that.
+        The plan, its moves and the other replicas' placement stay as compiled at start; the new workers must report
+        the layouts the old ones did (the same engine settings)."""
+        replica = self.topology.replica_of(self.rank)
+        mine = engine if replica in replicas else None
+        if mine is not None:
+            first = self.topology.owner(replica)
+            for w, layout in enumerate(mine.layouts):
+                if layout != self.worker_layouts.get(first + w):
+                    raise RuntimeError(f"the restarted engine replica {replica}'s worker {w} reports another parameter "
+                                       f"layout than its predecessor's: the sync plan compiled at start no longer "
+                                       f"fits; resume from the last checkpoint")
+        self.placed.forget({h for r in replicas for h in self.topology.members(r)})
+        self.placed.place(mine, self.topology, self._wire_needs(), self.token)
+        if self.placed.pulling and self._files.device is None:
             self._files = SlotFiles(self.device)
         self._compile()
 

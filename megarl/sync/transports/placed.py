@@ -71,6 +71,15 @@ class PlacedWrites:
         if self.rank == 0 and reports:
             self._say(reports)
 
+    def forget(self, hosts: set) -> None:
+        """What the workers of `hosts` said at placement (their engine was restarted: the new ones say it again)."""
+        for host in hosts:
+            self.names.pop(host, None)
+            self.not_placed.pop(host, None)
+            self.pull_hosts.discard(host)
+        if self.rank in hosts:
+            self.records, self._views = {}, None
+
     def _say(self, reports: dict) -> None:
         log.debug("weight sync: the workers hosted by ranks %s are written in place; %s",
                   sorted(self.names), "; ".join(f"rank {h}'s worker takes bucket files ({why})" for h, why
