@@ -211,29 +211,13 @@ class EngineSupervisor:
         return dict(value) if isinstance(value, dict) else value  # a fresh dict: callers may add to it
 
     def start_receive_weights(self, sync: int, verify: bool = False):
-        """An update over the transfer group (engines placed apart: megarl.sync.transports.remote): as the other
-        update calls, a lost engine's handle answers [] (no host results) and the cause is kept in `lost_in_update`."""
-        from megarl.rollout.hosting.process import EngineDied
-        from megarl.rollout.protocol import Deferred
-
-        self.lost_in_update = None
-        try:
-            pending = self.engine.start_receive_weights(sync, verify)
-        except EngineDied as exc:
-            self.lost_in_update = f"during a weight update ({exc})"
-            return Deferred.ready([])
+        """An update over the transfer group (engines placed apart): a lost host's error reaches the remote sync, which
+        tells every trainer rank (megarl.sync.transports.remote.EngineHostLost); counted for the update kill hook."""
+        pending = self.engine.start_receive_weights(sync, verify)
         self.updates += 1
         if hook_hits(KILL_AT_UPDATE, self.updates, self.replica) and self.engine.pid:
             os.kill(self.engine.pid, signal.SIGKILL)
-
-        def wait():
-            try:
-                return pending.result()
-            except EngineDied as exc:
-                self.lost_in_update = f"during a weight update ({exc})"
-                return []
-
-        return Deferred(wait)
+        return pending
 
     # -- replacement ---------------------------------------------------------------------------------------------
     def kill(self) -> None:
