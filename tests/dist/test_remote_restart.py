@@ -59,7 +59,8 @@ def restart_hosts(hf_dir, scenario):
         _perturb(model, u)
         metrics = sync.run(handle)
         reference = {k: v.to(torch.bfloat16) for k, v in export_to_dict(model, spec).items()}
-        out["rounds"].append({"metrics": metrics, "received": handle.received, "wrong": _holds(handle, reference, needs)})
+        out["rounds"].append({"metrics": metrics, "received": handle.received,
+                              "wrong": _holds(handle, reference, needs)})
 
     try:
         for u in range(3):

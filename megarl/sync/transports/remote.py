@@ -53,8 +53,8 @@ from megarl.sync.shards import EngineModule, engine_needs
 from megarl.sync.transfer import (DEFAULT_TIMEOUT_S, TransferSpec, join_group, leave_group, receive_plan,
                                   serve_store)
 from megarl.sync.transports.remote_delta import DeltaSender, DeltaSettings
-from megarl.sync.transports.remote_hosts import (EngineHostLost, EngineHosts, host_traffic, sync_metrics,
-                                                 transfer_backend, wire_dtypes)
+from megarl.sync.transports.remote_hosts import (EngineHostLost, EngineHosts, host_traffic, process_rss_bytes,
+                                                 sync_metrics, transfer_backend, wire_dtypes)
 
 __all__ = ["EngineHostLost", "EngineHosts", "RemoteSync", "plan_remote_sync"]
 
@@ -164,7 +164,7 @@ class RemoteSync:
             owners = sorted({self.hosts.owner[h - self.hosts.world] for h in gone})
             raise EngineHostLost(sorted(gone), owners, [f"host {h}: {c}" for h, c in sorted(gone.items())], self.syncs)
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
-        metrics = sync_metrics(all_gather_objects((sent, send_s, results)), self.hosts, plan,
+        metrics = sync_metrics(all_gather_objects((sent, send_s, results, process_rss_bytes())), self.hosts, plan,
                                time.perf_counter() - t0, len(self.buckets))
         if self.delta is not None:
             metrics["weight_sync/full_update"] = float(len(full) == len(self.hosts.owner))

@@ -89,9 +89,10 @@ class DeltaSender:
         collective of the trainer ranks): a delta update must leave the engine exactly as a full one would."""
         sent = {piece_key(b, mv): checksum(self.kept[(b, j)]) for b, moves in enumerate(buckets)
                 for j, mv in enumerate(moves) if mv.src == rank}
-        every = all_gather_objects((changed, sent, [r["sums"] for r in results], self.kinds))
-        expected = {k: v for _, mine, _, _ in every for k, v in mine.items()}
-        held = {k: v for _, _, hosts, _ in every for sums in hosts for k, v in sums.items()}
+        kept = sum(t.numel() * t.element_size() for t in self.kept.values())
+        every = all_gather_objects((changed, sent, [r["sums"] for r in results], self.kinds, kept))
+        expected = {k: v for e in every for k, v in e[1].items()}
+        held = {k: v for e in every for sums in e[2] for k, v in sums.items()}
         wrong = sorted({k[1] for k, v in expected.items() if held.get(k) != v})
         if wrong:
             self.mark_fresh(self.hosts)
@@ -99,7 +100,8 @@ class DeltaSender:
                                f"from what the trainer sent (e.g. {wrong[:3]}); set rollout.delta_updates=false and "
                                f"resume from the last checkpoint")
         out = {"weight_sync/changed_elements": float(sum(e[0] for e in every)),
-               "weight_sync/checked_pieces": float(len(expected))}
+               "weight_sync/checked_pieces": float(len(expected)),
+               "weight_sync/delta_kept_bytes_max": float(max(e[4] for e in every))}
         for i, kind in enumerate(KINDS):
             out[f"weight_sync/pieces_{kind}"] = float(sum(e[3][i] for e in every))
         return out

@@ -4,6 +4,7 @@ error every trainer rank raises when a host was lost during one.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -69,11 +70,20 @@ def host_traffic(moves: Sequence, hosts: EngineHosts) -> tuple:
     return sent, per_host(received), per_host(loaded)
 
 
+def process_rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def sync_metrics(every: list, hosts: EngineHosts, plan: dict, seconds: float, buckets: int) -> dict:
-    """One sync's metrics from every trainer rank's (bytes sent, send seconds, its hosts' results) and the plan's
-    {"sent"|"received"|"loaded": {rank: bytes}}."""
-    measured = {"sent": {rank: s for rank, (s, _, _) in enumerate(every)}, "received": {}, "loaded": {}}
-    host_stats = [h for _, _, hs in every for h in hs]
+    """One sync's metrics from every trainer rank's (bytes sent, send seconds, its hosts' results, its resident
+    memory) and the plan's {"sent"|"received"|"loaded": {rank: bytes}}."""
+    measured = {"sent": {rank: e[0] for rank, e in enumerate(every)}, "received": {}, "loaded": {}}
+    host_stats = [h for e in every for h in e[2]]
     for h, stats in enumerate(host_stats):
         measured["received"][hosts.rank(h)] = stats["received"]
         measured["loaded"][hosts.rank(h)] = stats["loaded"]
@@ -93,8 +103,9 @@ def sync_metrics(every: list, hosts: EngineHosts, plan: dict, seconds: float, bu
                 "weight_sync/gbps": total / seconds / 1e9 if seconds > 0 else 0.0,
                 "weight_sync/num_buckets": float(buckets),
                 "weight_sync/engine_replicas": float(len(hosts.owner)),
-                "weight_sync/senders": float(sum(1 for s, _, _ in every if s > 0)),
-                "weight_sync/send_seconds_max": max(t for _, t, _ in every),
+                "weight_sync/senders": float(sum(1 for e in every if e[0] > 0)),
+                "weight_sync/send_seconds_max": max(e[1] for e in every),
+                "weight_sync/trainer_rss_bytes_max": float(max(e[3] for e in every)),
                 "weight_sync/exchange_seconds": max((h["receive_s"] for h in host_stats), default=0.0),
                 "weight_sync/engine_load_seconds": max((h["load_s"] for h in host_stats), default=0.0)})
     return out
