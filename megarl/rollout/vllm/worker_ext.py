@@ -281,8 +281,8 @@ class MegarlWorkerExtension(RouteCapture):
         for name, tensor, need in ready:
             state["tensors"] += 1
             state["bytes"] += box_numel(need) * tensor.element_size()
-            if state["sums"] is not None and (state["sample"] is None
-                                              or engine_name(name, state["packed"]) in state["sample"]):
+            sampled = state["sample"] is None or engine_name(name, state["packed"]) in state["sample"]
+            if state["sums"] is not None and sampled:
                 state["sums"][name] = tensor_checksum(tensor[relative_slices(need, tuple((0, n) for n in tensor.shape))])
             yield name, tensor
             alias = alias_of.get(name)
@@ -330,12 +330,14 @@ class MegarlWorkerExtension(RouteCapture):
         out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed,
                                "tied_reloaded": state["tied_reloaded"], "in_place": state["direct"]}
         if state["sums"] is not None:
-            out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
+            out["verify"] = self._megarl_verify(model, state["sums"], state["tied"], state["sample"] is not None)
         self._megarl_release_host_memory()
         self._megarl_state = None
         return out
 
-    def _megarl_verify(self, model, sums: dict, tied: dict) -> dict:
+    def _megarl_verify(self, model, sums: dict, tied: dict, sampled: bool = False) -> dict:
+        """Every engine tensor that `sums` (what arrived) covers, read back as its kernels see it; sampled: only those
+        are read back (the others were not asked for)."""
         packed = getattr(type(model), "packed_modules_mapping", {})
         expected: dict[str, Checksum] = {}
         for hf_name, c in sums.items():
@@ -345,7 +347,8 @@ class MegarlWorkerExtension(RouteCapture):
             if alias not in expected and canonical in expected:
                 expected[alias] = expected[canonical]
         real = resolve_nested(expected, parameter_names(model))
-        return compare_checksums({real[k]: v for k, v in expected.items()}, module_weight_checksums(model))
+        held = module_weight_checksums(model, only=set(real.values()) if sampled else None)
+        return compare_checksums({real[k]: v for k, v in expected.items()}, held)
 
     def megarl_abort_update(self) -> None:
         """End an update that failed midway. Layerwise reload: layers that did not receive all their tensors are put
