@@ -197,7 +197,7 @@ class RemoteSync:
                 if self.delta is None:
                     tensors.append(piece)
                     continue
-                entry, encoded = self.delta.encode((b, j), piece, host in full)
+                entry, encoded = self.delta.encode((b, j), piece, host in full, host)
                 changed += entry[1] if host not in full else 0
                 header.append(entry)
                 tensors += encoded

@@ -3,8 +3,10 @@ the formats are megarl.sync.delta's): which hosts get the next update whole, the
 piece and the diff beside it, and the checks after an update.
 
 Per host, an update is whole (every piece DENSE, no diff computed) when the host is fresh (the first update; after it
-restarted or was lost: its mirror is gone) or every `full_every` updates of that host; else each piece travels in the
-format of the fewest bytes, which is DENSE where the changes would take more. Checks after a delta update:
+restarted or was lost: its mirror is gone), every `full_every` updates of that host, and after a delta update that
+took no fewer bytes than a whole one would have (headers included, over every sending rank: the diff did not pay;
+the update after the whole one tries again); else each piece travels in the format of the fewest bytes, which is
+DENSE where the changes would take more. Checks after a delta update:
 * every piece's bit checksum as the trainer keeps it against the host's mirror (both decoded the same bytes);
 * the engine workers' memory read back after they loaded the update (the engine's verify, comparing each engine
   tensor as its kernels read it with what the worker received from the mirror): the tensors of `verify_sample` HF
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from megarl.distributed import all_gather_objects
-from megarl.sync.delta import KINDS, apply, checksum, encode
+from megarl.sync.delta import ENTRY, KINDS, apply, checksum, encode
 from megarl.sync.transfer import piece_key
 
 
@@ -45,23 +47,28 @@ class DeltaSender:
         self.fresh = set(self.hosts)  # hosts whose next update is whole: the first update goes whole everywhere
         self.since_full = {h: 0 for h in self.hosts}
         self.kinds = [0] * len(KINDS)  # pieces of this rank's current update by format
+        self.unpaid: set = set()  # hosts whose last delta update took no fewer bytes than a whole one
+        self.bytes: dict = {}  # {host: [bytes sent as a delta, bytes whole]} of this rank's current update
 
     def full_hosts(self) -> set:
         """The hosts this update goes whole to (call once at the start of every update)."""
-        full = {h for h in self.hosts if h in self.fresh or self.since_full[h] + 1 >= self.settings.full_every}
+        full = {h for h in self.hosts if h in self.fresh or h in self.unpaid
+                or self.since_full[h] + 1 >= self.settings.full_every}
         for h in self.hosts:
             self.since_full[h] = 0 if h in full else self.since_full[h] + 1
         self.fresh.clear()
+        self.unpaid.clear()
         self.kinds = [0] * len(KINDS)
+        self.bytes = {}
         return full
 
     def mark_fresh(self, hosts) -> None:
         """These hosts lost their mirrors (restarted, lost, or in an unknown state): their next update is whole."""
         self.fresh.update(hosts)
 
-    def encode(self, key: tuple, piece: torch.Tensor, full: bool) -> tuple:
-        """(header entry, tensors to send from the piece's device) of a contiguous piece, and the kept copy brought
-        to it (in place after the first time). The diff runs where the kept copy lives."""
+    def encode(self, key: tuple, piece: torch.Tensor, full: bool, host: int = -1) -> tuple:
+        """(header entry, tensors to send from the piece's device) of a contiguous piece for `host`, and the kept
+        copy brought to it (in place after the first time). The diff runs where the kept copy lives."""
         where = torch.device("cpu") if self.settings.kept_on == "host" else piece.device
         here = piece if piece.device == where else piece.to(where)
         last = self.kept.get(key)
@@ -71,6 +78,10 @@ class DeltaSender:
             last = self.kept[key] = torch.empty(here.shape, dtype=here.dtype, device=where, pin_memory=pinned)
         apply(last, entry, tensors)
         self.kinds[entry[0]] += 1
+        if not full:
+            sent = self.bytes.setdefault(host, [0, 0])
+            sent[0] += sum(t.numel() * t.element_size() for t in tensors) + ENTRY * 8  # and its header entry
+            sent[1] += piece.numel() * piece.element_size()
         return entry, [t if t.device == piece.device else t.to(piece.device) for t in tensors]
 
     def worker_check(self, sync: int, verify: bool):
@@ -90,7 +101,7 @@ class DeltaSender:
         sent = {piece_key(b, mv): checksum(self.kept[(b, j)]) for b, moves in enumerate(buckets)
                 for j, mv in enumerate(moves) if mv.src == rank}
         kept = sum(t.numel() * t.element_size() for t in self.kept.values())
-        every = all_gather_objects((changed, sent, [r["sums"] for r in results], self.kinds, kept))
+        every = all_gather_objects((changed, sent, [r["sums"] for r in results], self.kinds, kept, self.bytes))
         expected = {k: v for e in every for k, v in e[1].items()}
         held = {k: v for e in every for sums in e[2] for k, v in sums.items()}
         wrong = sorted({k[1] for k, v in expected.items() if held.get(k) != v})
@@ -99,7 +110,14 @@ class DeltaSender:
             raise RuntimeError(f"delta weight update {sync}: the engine's copy of {len(wrong)} tensors differs "
                                f"from what the trainer sent (e.g. {wrong[:3]}); set rollout.delta_updates=false and "
                                f"resume from the last checkpoint")
+        per_host: dict = {}
+        for e in every:
+            for h, (delta, whole) in e[5].items():
+                total = per_host.setdefault(h, [0, 0])
+                total[0], total[1] = total[0] + delta, total[1] + whole
+        self.unpaid = {h for h, (delta, whole) in per_host.items() if delta >= whole}
         out = {"weight_sync/changed_elements": float(sum(e[0] for e in every)),
+               "weight_sync/delta_unpaid_hosts": float(len(self.unpaid)),
                "weight_sync/checked_pieces": float(len(expected)),
                "weight_sync/delta_kept_bytes_max": float(max(e[4] for e in every))}
         for i, kind in enumerate(KINDS):
