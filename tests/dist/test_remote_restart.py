@@ -6,8 +6,9 @@ tests/dist/test_remote_transfer), bfloat16 delta updates after updates that chan
   group with the same plan; the next update goes whole to the new host and as a delta to the survivor, and both end
   bit for bit as a full update would leave them.
 * lost: rank 1's host dies in the middle of the third update; both trainer ranks survive it with EngineHostLost
-  (naming the host, its owner and its end), the survivor got the whole update; after a restart and rejoin the next
-  update is whole to the new host, delta to the survivor, and both hold the current weights.
+  (naming the host, its owner and its end), the survivor got the whole update; a rejoin without restarting the lost
+  engine is refused on both ranks; after a restart and rejoin the next update is whole to the new host, delta to the
+  survivor, and both hold the current weights.
 * corrupt: one element of what a worker computes with is flipped after it loaded; the read-back check of that update
   (every tensor every 2 updates here) stops it with the tensor's name.
 """
@@ -74,6 +75,11 @@ def restart_hosts(hf_dir, scenario):
         out["error"] = str(exc)
         handle.shutdown()
         return out
+    if scenario == "lost":  # a rejoin before the lost engine was restarted: refused on every rank, none left waiting
+        try:
+            sync.rejoin(handle, False)
+        except RuntimeError as exc:
+            out["stale"] = str(exc)
     if scenario in ("restart", "lost"):
         restarted = rank == 1
         if restarted:
@@ -118,6 +124,7 @@ def test_a_host_lost_mid_transfer_leaves_the_trainer_ranks_running(tmp_path):
         assert "EOFError" in r["lost"]["message"] or "closed" in r["lost"]["message"], r["lost"]["message"]
         assert len(r["rounds"]) == 3  # two before the loss, one after the rejoin
     assert results[0]["survivor_wrong"] == []  # the survivor's update was whole and complete
+    assert all("engine host(s) [3] were lost, but the trainer ranks owning them ([1])" in r["stale"] for r in results)
     _after_rejoin(results)
 
 

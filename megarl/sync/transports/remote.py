@@ -74,6 +74,7 @@ class RemoteSync:
         self.rank, self._store = rank, store  # rank 0 serves the store every transfer group meets on
         self._meeting, self._receiving, self._layouts = meeting, receiving, layouts
         self.group = None
+        self._lost: set = set()  # hosts of the last EngineHostLost, until a rejoin
         self.host_rank = hosts.host_of()
         self.plan_sent, self.plan_received, self.plan_loaded = host_traffic(moves, hosts)
         self.syncs = 0
@@ -107,6 +108,11 @@ class RemoteSync:
         if restarted and engine is None:
             raise ValueError(f"rejoin(restarted=True) on trainer rank {self.rank}, which holds no engine handle")
         every = all_gather_objects((bool(restarted), engine.transfer_layouts() if restarted else None))
+        stale = sorted(h for h in self._lost if not every[self.hosts.owner[h - self.hosts.world]][0])
+        if stale:  # every rank sees it: all raise here, none waits in the group below
+            raise RuntimeError(f"rejoin after engine host(s) {stale} were lost, but the trainer ranks owning them "
+                               f"({sorted({self.hosts.owner[h - self.hosts.world] for h in stale})}) did not restart "
+                               "their engines: call rejoin(engine, restarted=True) there after the restart")
         fresh = []
         for r, (again, layouts) in enumerate(every):
             if again:
@@ -122,6 +128,7 @@ class RemoteSync:
         self.group = None
         token = all_gather_objects(secrets.token_hex(4) if self.rank == 0 else None)[0]
         self.join(engine, token)
+        self._lost = set()
         if self.delta is not None:
             self.delta.mark_fresh(fresh)
 
@@ -161,6 +168,7 @@ class RemoteSync:
         if gone:
             if self.delta is not None:
                 self.delta.mark_fresh(gone)
+            self._lost.update(gone)
             owners = sorted({self.hosts.owner[h - self.hosts.world] for h in gone})
             raise EngineHostLost(sorted(gone), owners, [f"host {h}: {c}" for h, c in sorted(gone.items())], self.syncs)
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
