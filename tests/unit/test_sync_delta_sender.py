@@ -48,20 +48,17 @@ def test_workers_read_back_a_few_tensors_in_turn_and_all_of_them_every_n_updates
     assert off.worker_check(10, verify=False) is False
 
 
-def test_after_a_delta_that_did_not_pay_the_next_update_goes_whole(monkeypatch):
+def test_after_a_delta_that_did_not_pay_the_next_update_goes_whole():
     """Every element changed: each piece goes DENSE anyway and the header entries make the delta larger than a whole
-    update; the ranks' byte counts (gathered in check) send the next update whole, and the one after tries again."""
-    import megarl.sync.transports.remote_delta as rd
-
-    monkeypatch.setattr(rd, "all_gather_objects", lambda obj: [obj])  # one trainer rank
+    update; the ranks' byte counts (their reports, gathered) send the next update whole, and the one after tries
+    again."""
     sender = DeltaSender(DeltaSettings(full_every=100), [2], ["a"])
     piece = torch.arange(64, dtype=torch.float32)
 
     def update(shift):
         full = sender.full_hosts()
         entry, _ = sender.encode((0, 0), piece + shift, 2 in full, 2)
-        sums = {"sums": {}}
-        sender.check(1, [], 0, 0, [sums])
+        sender.check(1, [sender.report([], 0, 0)], [[{"sums": {}}]])  # one trainer rank, no piece to compare
         return full, entry[0]
 
     assert update(0) == ({2}, DENSE)  # the first: whole

@@ -160,9 +160,13 @@ class RemoteSync:
                 results = pending.result()
             except Exception as exc:  # noqa: BLE001 - the host is lost; every rank learns it below
                 lost.update({self.hosts.rank(h): _cause(exc) for h in owned})  # the host's own error first
+        # one gather of the trainer ranks for the losses, the metrics and the delta check
+        mine = {"lost": lost, "sent": sent, "send_s": send_s, "results": results, "rss": process_rss_bytes(),
+                "delta": self.delta.report(self.buckets, self.rank, changed) if self.delta is not None else None}
+        every = all_gather_objects(mine)
         gone: dict = {}
-        for r, report in enumerate(all_gather_objects(lost)):
-            for h, cause in report.items():
+        for r, e in enumerate(every):
+            for h, cause in e["lost"].items():
                 if h not in gone or r == self.hosts.owner[h - self.hosts.world]:  # the host's own error over a send's
                     gone[h] = cause
         if gone:
@@ -172,12 +176,12 @@ class RemoteSync:
             owners = sorted({self.hosts.owner[h - self.hosts.world] for h in gone})
             raise EngineHostLost(sorted(gone), owners, [f"host {h}: {c}" for h, c in sorted(gone.items())], self.syncs)
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
-        metrics = sync_metrics(all_gather_objects((sent, send_s, results, process_rss_bytes())), self.hosts, plan,
+        metrics = sync_metrics([(e["sent"], e["send_s"], e["results"], e["rss"]) for e in every], self.hosts, plan,
                                time.perf_counter() - t0, len(self.buckets))
         if self.delta is not None:
             metrics["weight_sync/full_update"] = float(len(full) == len(self.hosts.owner))
             metrics["weight_sync/full_hosts"] = float(len(full))
-            metrics.update(self.delta.check(self.syncs, self.buckets, self.rank, changed, results))
+            metrics.update(self.delta.check(self.syncs, [e["delta"] for e in every], [e["results"] for e in every]))
         return metrics
 
     def _piece(self, mv, values: dict) -> torch.Tensor:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.distributed import all_gather_objects
 from megarl.sync.delta import ENTRY, KINDS, apply, checksum, encode
 from megarl.sync.transfer import piece_key
 
@@ -95,15 +94,20 @@ class DeltaSender:
         n = len(self.names)
         return [self.names[(sync * s.verify_sample + i) % n] for i in range(min(s.verify_sample, n))]
 
-    def check(self, sync: int, buckets: list, rank: int, changed: int, results: list) -> dict:
-        """Every piece's checksum as this rank keeps it against the host's mirror that its workers loaded (a
-        collective of the trainer ranks): a delta update must leave the engine exactly as a full one would."""
-        sent = {piece_key(b, mv): checksum(self.kept[(b, j)]) for b, moves in enumerate(buckets)
+    def report(self, buckets: list, rank: int, changed: int) -> tuple:
+        """What this rank contributes to the check of an update (gathered by the caller with the hosts' results):
+        (elements changed, {piece key: checksum of the kept copy}, pieces by format, kept bytes, bytes per host)."""
+        sums = {piece_key(b, mv): checksum(self.kept[(b, j)]) for b, moves in enumerate(buckets)
                 for j, mv in enumerate(moves) if mv.src == rank}
         kept = sum(t.numel() * t.element_size() for t in self.kept.values())
-        every = all_gather_objects((changed, sent, [r["sums"] for r in results], self.kinds, kept, self.bytes))
-        expected = {k: v for e in every for k, v in e[1].items()}
-        held = {k: v for e in every for sums in e[2] for k, v in sums.items()}
+        return changed, sums, self.kinds, kept, self.bytes
+
+    def check(self, sync: int, reports: list, results: list) -> dict:
+        """Every piece's checksum as the ranks keep it (reports[rank]: `report`'s) against the hosts' mirrors that
+        their workers loaded (results[rank]: the results of that rank's hosts): a delta update must leave the engine
+        exactly as a full one would. The same on every rank (it sees what every rank gathered)."""
+        expected = {k: v for e in reports for k, v in e[1].items()}
+        held = {k: v for hosts in results for r in hosts for k, v in r["sums"].items()}
         wrong = sorted({k[1] for k, v in expected.items() if held.get(k) != v})
         if wrong:
             self.mark_fresh(self.hosts)
@@ -111,15 +115,15 @@ class DeltaSender:
                                f"from what the trainer sent (e.g. {wrong[:3]}); set rollout.delta_updates=false and "
                                f"resume from the last checkpoint")
         per_host: dict = {}
-        for e in every:
-            for h, (delta, whole) in e[5].items():
+        for e in reports:
+            for h, (delta, whole) in e[4].items():
                 total = per_host.setdefault(h, [0, 0])
                 total[0], total[1] = total[0] + delta, total[1] + whole
         self.unpaid = {h for h, (delta, whole) in per_host.items() if delta >= whole}
-        out = {"weight_sync/changed_elements": float(sum(e[0] for e in every)),
+        out = {"weight_sync/changed_elements": float(sum(e[0] for e in reports)),
                "weight_sync/delta_unpaid_hosts": float(len(self.unpaid)),
                "weight_sync/checked_pieces": float(len(expected)),
-               "weight_sync/delta_kept_bytes_max": float(max(e[4] for e in every))}
+               "weight_sync/delta_kept_bytes_max": float(max(e[3] for e in reports))}
         for i, kind in enumerate(KINDS):
-            out[f"weight_sync/pieces_{kind}"] = float(sum(e[3][i] for e in every))
+            out[f"weight_sync/pieces_{kind}"] = float(sum(e[2][i] for e in reports))
         return out
