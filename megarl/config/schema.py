@@ -423,13 +423,27 @@ class RolloutConfig(_Section):
                                                        "more loss stops the run. None: only the window's bound.")
     health: EngineHealthConfig = Field(default_factory=EngineHealthConfig, description="The engine watchdog: "
                                        "heartbeats, a stall limit from the measured decode rate, call limits.")
-    delta_updates: bool = Field(True, description="Engines reached over the network (rollout.placement=separate, "
-                                "rollout.mode=ray): each update sends only the elements whose bits changed since the "
-                                "last one (indices and values, or a piece whole where that is fewer bytes), in the "
-                                "engine's dtype; in bfloat16 most elements of a step round to what the engine holds. "
-                                "Colocated engines are written in place and ignore this.")
-    delta_full_every: int = Field(10, ge=1, description="With rollout.delta_updates: every this many updates one is "
-                                  "sent whole (the first is always; so is the one after an engine restart).")
+    delta_updates: Optional[bool] = Field(None, description="Engines reached over the network "
+                                          "(rollout.placement=separate, rollout.mode=ray): each update sends only "
+                                          "the elements whose bits changed since the last one (as indices, a bitmask "
+                                          "or runs, with their values; a piece whole where that is fewer bytes), in "
+                                          "the engine's dtype; in a 16-bit dtype most elements of a step round to "
+                                          "what the engine holds. None: on for a bfloat16/float16 engine, off for a "
+                                          "float32 one (nearly every float32 element changes each update). "
+                                          "Colocated engines are written in place and ignore this.")
+    delta_full_every: int = Field(10, ge=1, description="With delta updates: every this many updates of an engine "
+                                  "one is sent whole (the first is always; so is the one after an engine restart).")
+    delta_kept_on: Literal["host", "device"] = Field("host", description="With delta updates, where each trainer "
+                                                     "rank keeps what it last sent (the size of what it sends; "
+                                                     "`megarl plan` prints it): host memory (pinned on GPU: the diff "
+                                                     "runs on the CPU), or device memory beside the parameters (the "
+                                                     "diff on the GPU; costs that much GPU memory per rank). On CPU "
+                                                     "both are host memory.")
+    delta_verify_every: int = Field(10, ge=0, description="With delta updates: every this many updates each engine "
+                                    "worker reads back every tensor it loaded and compares it with what it received "
+                                    "(a mismatch stops the sync with the tensor's name); 0: never all of them.")
+    delta_verify_sample: int = Field(4, ge=0, description="With delta updates: at every other update the engine "
+                                     "workers read back the tensors of this many weights, a different few each time.")
     max_num_batched_tokens: int = Field(8192, ge=1, description="Engine token budget per scheduler step.")
     max_model_len: Optional[int] = Field(None, ge=1, description="None: prompt_length + response_length.")
     max_num_seqs: int = Field(256, ge=1, description="Engine concurrent sequences.")
@@ -469,6 +483,13 @@ class RolloutConfig(_Section):
     def resolved_dtype(self, on_gpu: bool) -> str:
         """The engine's dtype: dtype, or for "auto" bfloat16 on GPU and float32 on CPU (the trainer's logprobs)."""
         return self.dtype if self.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+
+    def resolved_delta_updates(self, on_gpu: bool) -> bool:
+        """delta_updates, or for None: on where the engine's dtype is 16-bit (a step leaves most elements as they
+        were), off for float32 (a step changes nearly every element: the diff would cost more than it saves)."""
+        if self.delta_updates is not None:
+            return self.delta_updates
+        return self.resolved_dtype(on_gpu) in ("bfloat16", "float16")
 
 
 class OverlongBufferConfig(_Section):

@@ -8,9 +8,9 @@
                             with engine routes, each replica owner's recorder in the generate phase
   checkpoint staging        actor and critic shards (parameters, fp32 master copy, Adam moments) of every trainer GPU
                             on the node, in the checkpoint save phase
-  delta updates: last sent  engines placed apart with rollout.delta_updates: what each trainer GPU last sent of its
-                            pieces (engine dtype), kept for the run (the engine host keeps its replica's share: the
-                            engine's node, not this one)
+  delta updates: last sent  engines placed apart with delta updates and rollout.delta_kept_on=host: what each
+                            trainer GPU last sent of its pieces (engine dtype), kept for the run (the engine host
+                            keeps its replica's share: the engine's node, not this one)
 (formulas of each term: megarl.plan.terms). Engines placed separately run on nodes of their own: a trainer node then
 has no engine process, slot file or recorder.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from megarl.plan.memory import ModelMemory
 from megarl.plan.model import Cluster, Placement
-from megarl.plan.terms import (delta_kept_bytes, engine_route_recorder_bytes, host_process_bytes,
-                               receive_bucket_bytes, route_bytes)
+from megarl.plan.terms import (delta_kept_bytes, delta_kept_where, engine_route_recorder_bytes,
+                               host_process_bytes, receive_bucket_bytes, route_bytes)
 
 PHASES = ("generate", "old/ref log-probs", "update", "weight sync", "checkpoint save")
 
@@ -38,7 +38,7 @@ def host_phases(cfg, spec, pl: Placement, cluster: Cluster, models: list[ModelMe
         base["shared-memory sync slots"] = receive_bucket_bytes(bucket, engine_shard) * workers
     elif owners and adapter_bytes is not None:
         base["shared-memory adapter file"] = adapter_bytes * owners
-    if pl.separate and cfg.rollout.delta_updates and adapter_bytes is None:
+    if delta_kept_where(cfg.rollout, pl, adapter_bytes) == "host":
         base["delta updates: last sent pieces"] = delta_kept_bytes(sent) * gpus
     out = {p: dict(base) for p in PHASES}
     spec_routes = routes_shape(cfg, spec)

@@ -30,13 +30,14 @@ from typing import Optional
 from megarl.plan.engine import EngineMemory
 from megarl.plan.memory import LoraPlan, ModelMemory, Roles
 from megarl.plan.model import GIB, Cluster, Placement, Weights
-from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, lora_merged_sync_bytes,
-                               receive_bucket_bytes, send_bucket_bytes)
+from megarl.plan.terms import (allocator_reserve_bytes, cuda_context_bytes, delta_kept_bytes, delta_kept_where,
+                               lora_merged_sync_bytes, receive_bucket_bytes, send_bucket_bytes)
 
 ACTIVATIONS = "activations (update, with its logits)"
 FORWARD_LOGITS = "logits (old/ref log-probs, fp32)"
 CP_ATTENTION = "context-parallel attention K/V (one layer)"
 LORA_MERGED = "LoRA merged weights (sync)"
+DELTA_KEPT = "delta updates: last sent pieces (rollout.delta_kept_on=device)"
 TOKEN_LINES = (ACTIVATIONS, FORWARD_LOGITS, CP_ATTENTION)  # the lines whose bytes follow the tokens per rank
 HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
@@ -54,6 +55,8 @@ class SyncCost:
     receive_slots: int = 0  # on a GPU hosting an engine worker
     # per pipeline stage: the merged LoRA weights alive during the sync (megarl.plan.terms.lora_merged_sync_bytes)
     lora_merged: tuple = ()
+    # delta updates with rollout.delta_kept_on=device: what a trainer GPU last sent, kept on it for the run
+    delta_kept_device: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,9 @@ def sync_cost(r, cluster: Cluster, pl: Placement, weights: Weights, lora: Option
     if lora is not None and adapter is None:  # on GPU the engine pulls from a bucket while the next is filled
         merged = tuple(lora_merged_sync_bytes(m, big, bucket, 2, pl.engine_tp // pl.tp)
                        for m, big in zip(lora.merged, lora.merged_largest))
-    return SyncCost(received, sent, send + recv, adapter, received / (cluster.link_gbps * 1e9), send, recv, merged)
+    kept = delta_kept_bytes(sent) if delta_kept_where(r, pl, adapter) == "device" else 0
+    return SyncCost(received, sent, send + recv, adapter, received / (cluster.link_gbps * 1e9), send, recv, merged,
+                    kept)
 
 
 def offloaded_bytes(cfg, m: ModelMemory, s: int) -> int:
@@ -139,6 +144,8 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
     engine sleeps (KV cache and weights freed) -> old/ref log-probs -> update -> it wakes its weights -> weight sync
     -> it wakes its KV cache; checkpoint saves come between steps."""
     states = state_lines(roles.models, s, distributed)
+    if sync.delta_kept_device:  # allocated at the first sync and kept: every phase holds it
+        states = {**states, DELTA_KEPT: sync.delta_kept_device}
     eng = "engine (gpu_memory_utilization)"
     idle = {} if e.sleeps or not engine_here else {eng: e.reserve}
     gen = dict(states)

@@ -157,20 +157,31 @@ def host_process_bytes(processes: int) -> int:
     return int(HOST_PROCESS_GIB * GIB) * processes
 
 
+def delta_kept_where(r, pl, adapter_bytes) -> str:
+    """Where a trainer GPU keeps what it last sent with delta updates: "host", "device" (rollout.delta_kept_on), or
+    "" without delta updates (engines colocated, adapters only, or off; None resolves by the engine dtype on GPU).
+    r: the recipe's rollout section; pl: megarl.plan.model.Placement."""
+    if not pl.separate or adapter_bytes is not None or not r.resolved_delta_updates(on_gpu=True):
+        return ""
+    return r.delta_kept_on
+
+
 def delta_kept_bytes(sent: int) -> int:
-    """Delta updates (rollout.delta_updates, engines placed apart): host memory a trainer GPU's process keeps, what it
-    last sent of each piece in the engine's dtype = the bytes it sends in a full update."""
+    """Delta updates (rollout.delta_updates, engines placed apart): what a trainer GPU's process keeps, what it last
+    sent of each piece in the engine's dtype = the bytes it sends in a full update (one copy, brought up to date in
+    place; host memory or the GPU's as rollout.delta_kept_on says)."""
     return int(sent)
 
 
 def delta_update_bytes(full: int, element_bytes: int, changed_share: float) -> int:
-    """Bytes of a delta update whose `full` bytes of elements of `element_bytes` each change by `changed_share`: per
-    changed element an index and a value (megarl.sync.delta's pair, int32 indices for pieces under 2^31 elements),
-    capped at the full bytes (a piece goes whole where that is fewer)."""
-    from megarl.sync.delta import pair_bytes
+    """Bytes of a delta update whose `full` bytes of elements of `element_bytes` each change by `changed_share`,
+    scattered (no runs to gain from): per piece the fewest of indices and values (megarl.sync.delta: int32 indices
+    for pieces under 2^31 elements), a bitmask and the values, or the piece whole."""
+    from megarl.sync.delta import DENSE, INDICES, MASK, encoded_bytes
 
-    changed = full / element_bytes * changed_share
-    return int(min(full, changed * pair_bytes(1, element_bytes)))
+    n = full // element_bytes
+    changed = int(n * changed_share)
+    return min(encoded_bytes(kind, n, element_bytes, changed, changed) for kind in (DENSE, INDICES, MASK))
 
 
 def fc1_elements(spec, stage_layers: list[int], stage: int, tp: int, ep: int, expert_tp: int) -> int:

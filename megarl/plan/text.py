@@ -7,7 +7,7 @@ from megarl.plan.engine import EngineMemory
 from megarl.plan.memory import LoraPlan, ModelMemory, Roles
 from megarl.plan.model import GIB, Cluster, Placement, Weights
 from megarl.plan.phases import HOST_LINK_GBPS, Peak, SyncCost, host_round_trip_seconds
-from megarl.plan.terms import delta_kept_bytes, delta_update_bytes
+from megarl.plan.terms import delta_kept_bytes, delta_kept_where, delta_update_bytes
 from megarl.sync.plan import DTYPE_BYTES
 
 
@@ -138,20 +138,25 @@ def _sync(r, st: Steps) -> list[str]:
     if st.place.separate:
         lines[0] += (" (engines placed separately: each engine GPU receives its whole shard from the trainer GPUs "
                      "over the transfer group; the engines do not sleep, and the trainer GPUs hold no engine)")
-        if r.delta_updates and sync.adapter_bytes is None:
+        if delta_kept_where(r, st.place, sync.adapter_bytes):
             lines.append(_delta(r, st))
     return [""] + lines
 
 
 def _delta(r, st: Steps) -> str:
-    """The delta updates' host copies and their expected bytes at the share of elements an RL step changes in bf16
-    (1-3% measured on dense models by verl; 0-2.5% on megarl's tiny recipe at lr 1e-6)."""
+    """The delta updates' kept copies, where they live, and their expected bytes at the share of elements an RL step
+    changes in bf16 (1-3% measured on dense models by verl; 0-2.5% on megarl's tiny recipe at lr 1e-6)."""
     sync, size = st.sync, DTYPE_BYTES[st.place.engine_dtype]
     low, high = (delta_update_bytes(int(sync.sent), size, share) for share in (0.01, 0.03))
+    kept = delta_kept_bytes(sync.sent) / GIB
+    where = (f"{kept:.2f} GiB of GPU memory, counted in every phase above (rollout.delta_kept_on=device: the diff runs "
+             "on the GPU)" if r.delta_kept_on == "device" else
+             f"{kept:.2f} GiB of pinned host memory (rollout.delta_kept_on=host: the diff runs on the CPU; device "
+             "would keep it on the GPU)")
     return (f"delta updates (rollout.delta_updates, a full one every {r.delta_full_every}): each trainer GPU keeps "
-            f"{delta_kept_bytes(sync.sent) / GIB:.2f} GiB of host memory (what it last sent), each engine host its "
-            f"replica's share ({st.engine.weights / GIB:.2f} GiB a GPU); with 1-3% of the elements changed an update "
-            f"sends {low / GIB:.2f}-{high / GIB:.2f} GiB from the busiest GPU instead of {sync.sent / GIB:.2f} GiB")
+            f"what it last sent, {where}; each engine host its replica's share ({st.engine.weights / GIB:.2f} GiB a "
+            f"GPU) in host memory; with 1-3% of the elements changed an update sends {low / GIB:.2f}-"
+            f"{high / GIB:.2f} GiB from the busiest GPU instead of {sync.sent / GIB:.2f} GiB")
 
 
 def _offload(r, st: Steps) -> list[str]:

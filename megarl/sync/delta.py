@@ -3,17 +3,26 @@ changed.
 
 After an optimizer step in bf16 most elements of a weight round to the value they had (a step moves them by far less
 than one bf16 ulp), so the engine already holds them. The sender keeps what it last sent of each piece, in the wire
-dtype (the engine's); at the next update it sends, per piece, either the flat indices and values of the elements whose
-bits changed or the whole piece, whichever is fewer bytes. The receiver keeps the same copy (its mirror), writes the
-changes into it and hands the whole piece to its workers as in a full update, so the engine's weights are bit for bit
-those of a full update. Both sides compare bits, not values: -0.0 vs 0.0 and NaN payloads count as changes.
+dtype (the engine's), on the device or in host memory (rollout.delta_kept_on); the diff runs where that copy is. At
+the next update each piece travels in whichever of these takes the fewest bytes (n elements of e bytes, k changed in
+r runs, i index bytes):
 
-A full update (every piece whole) comes first, every `full_every` updates after it, and whenever the sender is told
-to (after an engine restart, whose mirror is gone).
+    SAME     nothing changed                               0
+    DENSE    the piece whole                               n e
+    INDICES  flat indices [k] and values [k]               k (i + e)      few scattered changes
+    MASK     a bitmask [ceil(n / 8)] and values [k]        n / 8 + k e    many scattered changes (pays up to 15/16 of
+                                                                          bf16 elements changed, INDICES up to 1/3)
+    RUNS     run starts [r], lengths [r] and values [k]    2 r i + k e    changes in contiguous stretches (a row)
 
-    kind, payload = encode(piece, last)     # sender: DENSE (piece) or SPARSE (indices, values)
-    apply_sparse(mirror, indices, values)   # receiver
-    checksum(piece) == checksum(mirror)     # both sides after every delta update
+Both sides apply the same decoding (`apply`): the receiver to its mirror, which its workers then load whole as in a
+full update, the sender to its kept copy (in place: one extra copy of what it sends, never two), so the two copies
+stay equal bit for bit by construction and a checksum of both proves it. Bits are compared, not values: -0.0 vs 0.0
+and NaN payloads count as changes.
+
+    entry, tensors = encode(piece, last)     # sender: entry = (kind, k, r); tensors to send in order
+    apply(last, entry, tensors)              # sender's kept copy, then the receiver's mirror: the same bits
+    payload(entry, numel, dtype)             # receiver: what to allocate for the tensors of an entry
+    checksum(last) == checksum(mirror)
 """
 from __future__ import annotations
 
@@ -21,7 +30,9 @@ from typing import Optional
 
 import torch
 
-DENSE = -1  # a header entry: the piece follows whole; >= 0: that many (index, value) pairs follow
+SAME, DENSE, INDICES, MASK, RUNS = 0, 1, 2, 3, 4
+KINDS = ("same", "dense", "indices", "mask", "runs")
+ENTRY = 3  # int64 values per piece in a header: (kind, changed elements k, runs r)
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -36,40 +47,107 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2 ** 31 else torch.int64
 
 
-def changed_indices(piece: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """Flat indices [k] of the elements of `piece` whose bits differ from `last` (same shape and dtype)."""
+def _isize(numel: int) -> int:
+    return 4 if index_dtype(numel) == torch.int32 else 8
+
+
+def changed_mask(piece: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """Flat bool [n]: the elements of `piece` whose bits differ from `last` (same shape and dtype)."""
     if piece.shape != last.shape or piece.dtype != last.dtype:
         raise ValueError(f"delta of a piece {tuple(piece.shape)} {piece.dtype} against {tuple(last.shape)} "
                          f"{last.dtype}: the sync plan changed without a full update")
-    return torch.nonzero(bits(piece) != bits(last)).reshape(-1).to(index_dtype(piece.numel()))
+    return bits(piece) != bits(last.to(piece.device, non_blocking=False))
 
 
-def pair_bytes(numel: int, element_size: int) -> int:
-    """Bytes of one (index, value) pair of a piece of `numel` elements of `element_size` bytes."""
-    return torch.empty((), dtype=index_dtype(numel)).element_size() + element_size
+def encoded_bytes(kind: int, numel: int, element_size: int, changed: int, runs: int) -> int:
+    """Bytes on the wire of a piece of `numel` elements of `element_size` bytes, `changed` of them changed in `runs`
+    contiguous runs, sent as `kind` (the table of the module docstring)."""
+    i = _isize(numel)
+    return {SAME: 0, DENSE: numel * element_size, INDICES: changed * (i + element_size),
+            MASK: -(-numel // 8) + changed * element_size, RUNS: 2 * runs * i + changed * element_size}[kind]
 
 
-def sparse_bytes(count: int, piece: torch.Tensor) -> int:
-    """Bytes of `count` (index, value) pairs of `piece`."""
-    return count * pair_bytes(piece.numel(), piece.element_size())
+def cheapest(numel: int, element_size: int, changed: int, runs: int) -> int:
+    """The kind with the fewest bytes (DENSE on a tie: no decoding); SAME when nothing changed."""
+    if changed == 0:
+        return SAME
+    return min((DENSE, INDICES, MASK, RUNS), key=lambda k: (encoded_bytes(k, numel, element_size, changed, runs), k))
+
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [n] -> uint8 [ceil(n / 8)], element 8 q + s in bit s of byte q."""
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-mask.numel()) % 8)).view(-1, 8)
+    return (m << _SHIFTS.to(m.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """uint8 [ceil(n / 8)] -> bool [n] (pack_mask's inverse)."""
+    return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1).bool().view(-1)[:numel]
+
+
+def runs_of(mask: torch.Tensor) -> tuple:
+    """(starts [r], lengths [r]) of the contiguous runs of True in a bool [n], in index_dtype(n)."""
+    edges = torch.diff(mask.to(torch.int8), prepend=mask.new_zeros(1, dtype=torch.int8),
+                       append=mask.new_zeros(1, dtype=torch.int8))
+    starts, ends = torch.nonzero(edges == 1).view(-1), torch.nonzero(edges == -1).view(-1)
+    dtype = index_dtype(mask.numel())
+    return starts.to(dtype), (ends - starts).to(dtype)
+
+
+def run_indices(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Flat int64 indices [sum(lengths)] covered by runs (starts [r], lengths [r])."""
+    lengths, starts = lengths.long(), starts.long()
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each run begins among the changed elements
+    within = torch.arange(int(lengths.sum()), device=starts.device) - torch.repeat_interleave(offsets, lengths)
+    return torch.repeat_interleave(starts, lengths) + within
 
 
 def encode(piece: torch.Tensor, last: Optional[torch.Tensor]) -> tuple:
-    """(header entry, tensors to send): (DENSE, [piece]) without a `last` or when the changes take at least as many
-    bytes as the piece, else (k, [indices [k], values [k]]) (k = 0: nothing to send)."""
+    """(entry (kind, k, r), tensors to send in order) of a contiguous piece against what was last sent of it (None:
+    DENSE). Tensors are on the piece's device; `last` may live elsewhere (it is brought to the piece)."""
+    n = piece.numel()
     if last is None:
-        return DENSE, [piece]
-    idx = changed_indices(piece, last)
-    if sparse_bytes(idx.numel(), piece) >= piece.numel() * piece.element_size():
-        return DENSE, [piece]
-    if idx.numel() == 0:
-        return 0, []
-    return idx.numel(), [idx, piece.reshape(-1)[idx.long()].contiguous()]
+        return (DENSE, n, 0), [piece]
+    mask = changed_mask(piece, last)
+    k = int(mask.sum())
+    r = int((mask[1:] & ~mask[:-1]).sum()) + int(mask[:1].sum()) if k else 0
+    kind = cheapest(n, piece.element_size(), k, r)
+    if kind == SAME:
+        return (SAME, 0, 0), []
+    if kind == DENSE:
+        return (DENSE, k, r), [piece]
+    values = piece.reshape(-1)[mask]
+    if kind == INDICES:
+        return (INDICES, k, r), [torch.nonzero(mask).view(-1).to(index_dtype(n)), values]
+    if kind == MASK:
+        return (MASK, k, r), [pack_mask(mask), values]
+    return (RUNS, k, r), [*runs_of(mask), values]
 
 
-def apply_sparse(mirror: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> None:
-    """Write values [k] at flat indices [k] of the contiguous `mirror`, in place."""
-    mirror.view(-1)[indices.long()] = values
+def payload(entry: tuple, numel: int, dtype: torch.dtype) -> list:
+    """[(numel, dtype)] of the tensors that follow a header entry for a piece of `numel` elements of `dtype`."""
+    kind, k, r = entry
+    idx = index_dtype(numel)
+    return {SAME: [], DENSE: [(numel, dtype)], INDICES: [(k, idx), (k, dtype)],
+            MASK: [(-(-numel // 8), torch.uint8), (k, dtype)], RUNS: [(r, idx), (r, idx), (k, dtype)]}[kind]
+
+
+def apply(mirror: torch.Tensor, entry: tuple, tensors: list) -> None:
+    """Bring the contiguous `mirror` (what was last sent) to the piece `entry` and `tensors` encode, in place."""
+    kind = entry[0]
+    flat = mirror.view(-1)
+    if kind == DENSE:
+        if tensors[0].data_ptr() != mirror.data_ptr():  # received straight into the mirror: nothing to copy
+            flat.copy_(tensors[0].reshape(-1))
+    elif kind == INDICES:
+        flat[tensors[0].to(mirror.device).long()] = tensors[1].to(mirror.device)
+    elif kind == MASK:
+        flat[unpack_mask(tensors[0].to(mirror.device), flat.numel())] = tensors[1].to(mirror.device)
+    elif kind == RUNS:
+        flat[run_indices(tensors[0].to(mirror.device), tensors[1].to(mirror.device))] = tensors[2].to(mirror.device)
 
 
 def checksum(t: torch.Tensor) -> int:

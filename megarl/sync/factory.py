@@ -21,6 +21,7 @@ import torch
 
 from megarl.layout import EngineTopology
 from megarl.sync.holdings import Holdings, model_holdings
+from megarl.sync.transports.remote_delta import DeltaSettings
 
 COLOCATED, REMOTE, ADAPTER = "colocated", "remote", "adapter"
 
@@ -53,7 +54,7 @@ class SyncFactory:
         return plan_sync(self.holdings, engine, topology, bucket_bytes)
 
     def remote(self, engine: Any, bucket_bytes: int, **kwargs):
-        """kwargs: plan_remote_sync's (timeout_s, engine_dtype, delta_full_every)."""
+        """kwargs: plan_remote_sync's (timeout_s, engine_dtype, delta)."""
         from megarl.sync.transports.remote import plan_remote_sync
 
         return plan_remote_sync(self.holdings, engine, bucket_bytes, **kwargs)
@@ -69,20 +70,20 @@ class SyncFactory:
 
     def for_recipe(self, cfg, engine: Any, topology: EngineTopology):
         """The transport a recipe (a MegarlConfig) picks, with its settings (a collective)."""
-        delta = cfg.rollout.delta_full_every if cfg.rollout.delta_updates else 0
         # an engine started with dummy weights gets the base once, through the ordinary plan, before the first adapter
         return self.build(transport_of(cfg), engine, topology, cfg.rollout.update_weights_bucket_megabytes << 20,
-                          engine_dtype(cfg), base_weights=cfg.rollout.load_format == "dummy", delta_full_every=delta)
+                          engine_dtype(cfg), base_weights=cfg.rollout.load_format == "dummy", delta=delta_settings(cfg))
 
     def build(self, transport: str, engine: Any, topology: EngineTopology, bucket_bytes: int,
-              engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False, delta_full_every: int = 0):
+              engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False,
+              delta: Optional[DeltaSettings] = None):
         if transport == ADAPTER:
             if engine_dtype is None:
                 raise ValueError("the adapter sync needs the engine's dtype (the adapters are sent in it)")
             return self.adapters(engine, topology, bucket_bytes, engine_dtype, base_weights)
         if transport == REMOTE:
             name = str(engine_dtype).replace("torch.", "") if engine_dtype is not None else None
-            return self.remote(engine, bucket_bytes, engine_dtype=name, delta_full_every=delta_full_every)
+            return self.remote(engine, bucket_bytes, engine_dtype=name, delta=delta)
         if transport == COLOCATED:
             return self.colocated(engine, topology, bucket_bytes)
         raise ValueError(f"weight sync transport {transport!r}: expected one of {COLOCATED}, {REMOTE}, {ADAPTER}")
@@ -98,11 +99,23 @@ def engine_dtype(cfg) -> Optional[torch.dtype]:
     return getattr(torch, cfg.rollout.resolved_dtype(compute_device().type == "cuda"))
 
 
+def delta_settings(cfg) -> Optional[DeltaSettings]:
+    """The delta updates a recipe asks for (rollout.delta_*; None: every update whole). rollout.delta_updates=None
+    resolves by the engine's dtype: on for 16-bit engines, off for float32 ones."""
+    from megarl.distributed import compute_device
+
+    r = cfg.rollout
+    if not r.resolved_delta_updates(compute_device().type == "cuda"):
+        return None
+    return DeltaSettings(r.delta_full_every, r.delta_kept_on, r.delta_verify_every, r.delta_verify_sample)
+
+
 def build_sync(chunks, spec, engine: Any, topology: EngineTopology, bucket_bytes: int, transport: str = COLOCATED,
-               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False, delta_full_every: int = 0):
+               engine_dtype: Optional[torch.dtype] = None, base_weights: bool = False,
+               delta: Optional[DeltaSettings] = None):
     """The live weight sync of a model, planned once (a collective of every trainer rank): `engine` is this rank's
     engine handle if it owns a replica (or hosts, for remote), else None. Returns the transport; its `run(engine)`
-    delivers the current weights. Remote only: floating-point pieces travel in `engine_dtype`, and
-    `delta_full_every` > 0 sends only changed elements between full updates (megarl.sync.delta)."""
+    delivers the current weights. Remote only: floating-point pieces travel in `engine_dtype`, and with `delta`
+    only changed elements travel between full updates (megarl.sync.delta)."""
     return SyncFactory(chunks, spec).build(transport, engine, topology, bucket_bytes, engine_dtype, base_weights,
-                                           delta_full_every)
+                                           delta)

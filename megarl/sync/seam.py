@@ -47,7 +47,11 @@ class TransferTarget(Protocol):
 
     def set_receive_plans(self, plans: list) -> None: ...
 
-    def start_receive_weights(self, sync: int, verify: bool = False) -> Any: ...
+    def start_receive_weights(self, sync: int, verify=False) -> Any:
+        """verify: what the workers check after loading (begin_update's: True, False or a list of HF names)."""
+
+    def leave_transfer(self) -> None:
+        """Leave the transfer group, keeping what was received (another host restarted; RemoteSync.rejoin)."""
 
 
 def missing_members(cls: type, protocol: type) -> list[str]:

@@ -5,7 +5,8 @@ The transfer group holds the trainer's N ranks (transfer rank = trainer rank) an
 ...). It is formed once, when the sync is planned, over a TCPStore that trainer rank 0 serves, with `ProcessGroupGloo`
 / `ProcessGroupNCCL` built directly: the default group of a trainer rank spans the trainer only, and the one of an
 engine host belongs to vLLM's in-process engine. Each host is given, once, the part of the plan it receives
-(`ReceivePlan`), so only a sync number travels per update.
+(`ReceivePlan`), so only a sync number travels per update. After an engine host restarts, every member leaves the
+group (`leave_group`) and a new one is formed under a new name with the same plan (RemoteSync.rejoin).
 """
 from __future__ import annotations
 
@@ -67,6 +68,17 @@ def join_group(spec: TransferSpec, rank: int, store: Optional[dist.Store] = None
     return dist.ProcessGroupGloo(store, rank, spec.size, timeout)
 
 
+def leave_group(group) -> None:
+    """Tear down this process's end of a transfer group (no collective: every member leaves its own end, and a peer
+    that died has none). Its connections close; the group is not used again."""
+    if group is None:
+        return
+    try:
+        group.abort()  # does not wait on a peer that is gone, as shutdown() may
+    except Exception:  # noqa: BLE001 - best effort: a group whose peers are gone may be closed already
+        pass
+
+
 @dataclass
 class ReceivePlan:
     """What one engine host receives at every sync: for each bucket of the sync the moves to its workers (empty
@@ -79,7 +91,7 @@ class ReceivePlan:
     dtypes: dict  # {hf_name: dtype name}
     needs: dict  # {receiver id: {hf_name: box}}
     device: str = "cpu"  # where pieces arrive first (NCCL: the GPU); on CPU straight into the files when contiguous
-    delta: bool = False  # each bucket opens with a header per sender; pieces arrive whole or as changes (sync.delta)
+    delta: bool = False  # each bucket opens with a header per sender; pieces arrive in megarl.sync.delta's formats
 
 
 def piece_key(b: int, mv) -> tuple:

@@ -202,8 +202,9 @@ def unpack_cpu_experts(packed: torch.Tensor, isa: str, cache: Optional[dict] = N
     return plain.reshape(packed.shape)
 
 
-def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
-    """Checksums of every parameter of an engine model as the kernels will use it.
+def module_weight_checksums(model: torch.nn.Module, only: Optional[Iterable[str]] = None) -> dict[str, Checksum]:
+    """Checksums of every parameter of an engine model as the kernels will use it (`only`: of these names only, the
+    others not read at all).
 
     vLLM's CPU backend repacks the weights of linear layers and of the LM head into oneDNN/SGL kernels
     (`module.cpu_linear`, a packed copy made by process_weights_after_loading). Linear layers leave an empty `weight`;
@@ -220,11 +221,14 @@ def module_weight_checksums(model: torch.nn.Module) -> dict[str, Checksum]:
     and mismatches."""
     out: dict[str, Checksum] = {}
     perms: dict = {}
+    only = None if only is None else set(only)
     with torch.no_grad():
         for mod_name, module in model.named_modules(remove_duplicate=False):
             isa = _cpu_packed_experts_isa(module)
             for p_name, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{p_name}" if mod_name else p_name
+                if only is not None and full not in only:
+                    continue
                 through_kernel = (p_name == "weight" and hasattr(module, "cpu_linear")
                                   and (p.numel() == 0 or (p.dim() == 2 and not _is_embedding_lookup(module))))
                 if isa is not None and p_name in ("w13_weight", "w2_weight") and p.dim() == 3 and p.numel() > 0:

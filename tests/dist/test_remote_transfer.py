@@ -6,6 +6,7 @@ and the bytes each trainer rank sent and each host received must equal the plan'
 ranks send, neither the whole model.
 """
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -16,16 +17,22 @@ from tests.helpers.tiny_models import make_tiny_model, read_checkpoint
 
 
 class AssemblingEngine:
-    """Stands in for VLLMEngine on the host: reads each worker's bucket files as megarl's worker extension does."""
+    """Stands in for VLLMEngine on the host: reads each worker's bucket files as megarl's worker extension does, and
+    with verify compares what it holds after the update with what the files gave it, as the extension reads back a
+    worker's memory (True: every tensor; a list: those HF names)."""
 
-    def __init__(self, layouts, fail_at=None):
+    def __init__(self, layouts, fail_at=None, die_at=None, corrupt_at=None):
         self.layouts = layouts
         self.version = 0
         self.fail_at = fail_at  # (sync, bucket): raise there, as a worker failing to load would
+        self.die_at = die_at  # (sync, bucket): the process dies there, as a crashed engine host would
+        self.corrupt_at = corrupt_at  # (sync, hf name): one element of worker 0's copy flipped after it loaded
         self.loads = 0
 
     def begin_update(self, verify=False):
         self.got = [{} for _ in self.layouts]
+        self.sums = [{} for _ in self.layouts] if verify else None
+        self.sample = None if isinstance(verify, bool) else set(verify)
         self.loads = self.loaded = 0
 
     def load_bucket(self, metas):
@@ -34,6 +41,8 @@ class AssemblingEngine:
         self.loads += 1
         if self.fail_at and (self.version + 1, self.loads) == self.fail_at:
             raise RuntimeError("worker 0 failed to load bucket 2")
+        if self.die_at and (self.version + 1, self.loads) == self.die_at:
+            os._exit(3)
         for w, meta in enumerate(metas):
             if not meta:
                 continue
@@ -45,20 +54,41 @@ class AssemblingEngine:
                     sl = tuple(slice(lo, hi) for lo, hi in box)
                     into[sl] = full[sl]
                     self.loaded += into[sl].numel() * into.element_size()
+                    if self.sums is not None and (self.sample is None or name in self.sample):
+                        self.sums[w][(name, box_key(box))] = full[sl].clone()
 
     def abort_update(self):
         self.got = None
 
     def end_update(self):
         self.version += 1
-        return {"weight_sync/version": float(self.version), "weight_sync/engine_bytes": float(self.loaded),
-                "got": self.got}
+        if self.corrupt_at and self.corrupt_at[0] == self.version:
+            t = self.got[0][self.corrupt_at[1]].view(-1)
+            t[t.numel() // 2] = -t[t.numel() // 2] + 1  # one element, in what the worker computes with
+        metrics = {"weight_sync/version": float(self.version), "weight_sync/engine_bytes": float(self.loaded),
+                   "got": self.got}
+        if self.sums is not None:
+            from megarl.sync.weights import compare_checksums, tensor_checksum
+
+            for w, loaded in enumerate(self.sums):
+                held = {f"{n}{b}": tensor_checksum(self.got[w][n][tuple(slice(lo, hi) for lo, hi in b)])
+                        for n, b in loaded}
+                report = compare_checksums({f"{n}{b}": tensor_checksum(t) for (n, b), t in loaded.items()}, held)
+                if not report["ok"]:
+                    raise RuntimeError(f"weight sync verification failed at version {self.version} on engine worker "
+                                       f"{w}: mismatched {report['mismatched'][:8]}")
+            metrics["weight_sync/verified_tensors"] = float(sum(len(x) for x in self.sums))
+        return metrics
 
 
-def _host(conn, layouts, fail_at):
+def box_key(box):
+    return tuple(tuple(int(x) for x in side) for side in box)
+
+
+def _host(conn, layouts, faults):
     from megarl.rollout.hosting.receiver import WeightReceiver
 
-    receiver = WeightReceiver(AssemblingEngine(layouts, fail_at))
+    receiver = WeightReceiver(AssemblingEngine(layouts, **faults))
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
@@ -66,6 +96,9 @@ def _host(conn, layouts, fail_at):
         try:
             if cmd == "join":
                 receiver.join(*args)
+                conn.send(None)
+            elif cmd == "leave":
+                receiver.leave()
                 conn.send(None)
             elif cmd == "plan":
                 receiver.plan = args[0]
@@ -79,12 +112,21 @@ def _host(conn, layouts, fail_at):
 class HostHandle:
     """An engine handle with one host process (the interface RayEngine and EngineProcess give remote.py)."""
 
-    def __init__(self, layouts, fail_at=None):
+    def __init__(self, layouts, **faults):
+        self.layouts = layouts
+        self._start(faults)
+
+    def _start(self, faults):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.layouts = layouts
-        self.proc = ctx.Process(target=_host, args=(child, layouts, fail_at), daemon=True)
+        self.proc = ctx.Process(target=_host, args=(child, self.layouts, faults), daemon=True)
         self.proc.start()
+        child.close()  # the host's end lives in the host only: its death reads as EOF here
+
+    def restart(self):
+        """A fresh host process in place of this one (dead or alive), as a restarted engine: nothing received."""
+        self.shutdown()
+        self._start({})
 
     def _ask(self, *msg):
         from megarl.rollout.protocol import Deferred
@@ -107,6 +149,9 @@ class HostHandle:
     def set_receive_plans(self, plans):
         self._ask("plan", plans[0]).result()
 
+    def leave_transfer(self):
+        self._ask("leave").result()
+
     def start_receive_weights(self, sync, verify=False):
         from megarl.rollout.protocol import Deferred
 
@@ -115,12 +160,21 @@ class HostHandle:
         def result():
             out = call.result()
             self.got = out["metrics"].pop("got")  # what this host's workers hold
+            self.received = out["received"]
             return [out]
         return Deferred(result)
 
     def shutdown(self):
-        self.conn.send(("stop",))
-        self.proc.join(10)
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
 
 
 def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
@@ -138,7 +192,7 @@ def deliver(hf_dir, tp, engine_tp, host_ranks, fail_at=None):
     mapping = Mapping(spec)
     layouts = [{"modules": {k: v.to_dict() for k, v in predict_engine_modules(mapping, engine_tp, 1, w).items()}}
                for w in range(engine_tp)]
-    handle = HostHandle(layouts, fail_at) if dist.get_rank() in host_ranks else None
+    handle = HostHandle(layouts, fail_at=fail_at) if dist.get_rank() in host_ranks else None
     builds = {"mappings": 0, "holdings": 0}
     with counting_sync_builds(builds):  # small buckets: tensors straddle them and are cut
         sync = build_sync(model, spec, handle, None, 16 << 10, REMOTE)
@@ -196,13 +250,15 @@ def test_each_worker_receives_its_shard_from_the_ranks_holding_it(tmp_path, tp, 
 
 def test_a_host_failing_midway_stops_every_rank_at_once(tmp_path):
     """The host's engine fails on the second bucket of the second sync: the host aborts the update and closes its
-    end of the group, so the ranks still sending fail within seconds (not at the group's 30-minute timeout), and the
-    rank driving the host raises the host's own error."""
+    end of the group, so the ranks still sending fail within seconds (not at the group's 30-minute timeout), and
+    every rank raises EngineHostLost (the host is in an unknown state: its engine is restarted) with the host's own
+    error in it."""
     hf_dir = make_tiny_model("llama", tmp_path / "llama")
     results = run_ranks(f"{__name__}:deliver", 2, {"hf_dir": str(hf_dir), "tp": 1, "engine_tp": 1, "host_ranks": [0],
                                                    "fail_at": (2, 2)}, timeout=300)
-    assert all("error" in r for r in results), results
-    assert "worker 0 failed to load bucket 2" in results[0]["error"], results[0]
+    assert all(r.get("error", "").startswith("EngineHostLost: weight sync 2: engine host(s) [2]") for r in results), \
+        results
+    assert all("worker 0 failed to load bucket 2" in r["error"] for r in results), results
     assert max(r["seconds"] for r in results) < 60, results
 
 
@@ -227,6 +283,7 @@ def deliver_delta(hf_dir, tp, engine_tp, host_ranks, wire_dtype, full_every, upd
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.sync.factory import REMOTE, build_sync
     from megarl.sync.shards import predict_engine_modules
+    from megarl.sync.transports.remote_delta import DeltaSettings
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
     model, spec = build_and_load(hf_dir)
@@ -235,7 +292,7 @@ def deliver_delta(hf_dir, tp, engine_tp, host_ranks, wire_dtype, full_every, upd
                for w in range(engine_tp)]
     handle = HostHandle(layouts) if dist.get_rank() in host_ranks else None
     sync = build_sync(model, spec, handle, None, 16 << 10, REMOTE, engine_dtype=getattr(torch, wire_dtype),
-                      delta_full_every=full_every)
+                      delta=DeltaSettings(full_every=full_every))
     rounds = []
     for u in range(updates):
         if u:

@@ -124,8 +124,10 @@ def test_delta_update_terms_by_hand():
 
     # 1 GiB of bf16 pieces sent: kept once; 2% changed = 0.02 * 2^29 elements x (4-byte index + 2-byte value)
     assert delta_kept_bytes(2 ** 30) == 2 ** 30
-    assert delta_update_bytes(2 ** 30, 2, 0.02) == int(0.02 * 2 ** 29 * 6)
-    assert delta_update_bytes(2 ** 30, 2, 0.5) == 2 ** 30  # denser than 1/3 changed: whole pieces, never more
+    assert delta_update_bytes(2 ** 30, 2, 0.02) == int(0.02 * 2 ** 29) * 6
+    # half changed: a bitmask (1 bit an element) and the values, 2^29 / 8 + 2^28 x 2 bytes
+    assert delta_update_bytes(2 ** 30, 2, 0.5) == 2 ** 26 + 2 ** 29
+    assert delta_update_bytes(2 ** 30, 2, 0.97) == 2 ** 30  # past 15/16 changed: whole pieces, never more
 
 
 def test_the_plan_counts_delta_updates_only_for_engines_placed_apart():
@@ -138,3 +140,23 @@ def test_the_plan_counts_delta_updates_only_for_engines_placed_apart():
     assert node["delta updates: last sent pieces"] > 0
     colocated = plan_recipe(load_config("recipes/grpo_tiny_cpu.yaml"), 1, 2, 80)
     assert "delta updates" not in colocated.text
+
+
+def test_the_plan_keeps_the_last_sent_copy_where_rollout_delta_kept_on_says():
+    """host: a line of the trainer node's host memory; device: a line of every GPU phase (allocated at the first sync
+    and kept), the same bytes, and the text says which."""
+    from megarl.plan import plan_recipe
+    from megarl.plan.phases import DELTA_KEPT
+    from megarl.validate import load_config
+
+    on_host = plan_recipe(load_config("recipes/grpo_qwen3_235b_a22b.yaml"), 12, 8, 141)
+    on_gpu = plan_recipe(load_config("recipes/grpo_qwen3_235b_a22b.yaml", ["rollout.delta_kept_on=device"]), 12, 8,
+                         141)
+    kept = on_host.host_phases["update"]["delta updates: last sent pieces"]  # every trainer GPU of the node's
+    assert "delta updates: last sent pieces" not in on_gpu.host_phases["update"]
+    assert DELTA_KEPT not in on_host.terms
+    per_gpu = on_gpu.terms[DELTA_KEPT] * 2 ** 30
+    assert kept % round(per_gpu) == 0 and kept // round(per_gpu) in (1, 2, 4, 8), (kept, per_gpu)
+    for phase, nbytes in on_gpu.phases.items():  # allocated at the first sync and kept through every phase
+        assert nbytes >= on_host.phases[phase] + per_gpu, phase
+    assert "GiB of GPU memory" in on_gpu.text and "pinned host memory" in on_host.text

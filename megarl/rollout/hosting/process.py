@@ -413,6 +413,9 @@ class EngineProcess:
     def set_receive_plans(self, plans: list) -> None:
         self._call("set_receive_plan", plans[0])
 
+    def leave_transfer(self) -> None:
+        self._call("leave_transfer")
+
     def start_receive_weights(self, sync: int, verify: bool = False):
         call = self._deferred(self._submit("receive_weights", sync, verify=verify))
         return Deferred(lambda: [call.result()])

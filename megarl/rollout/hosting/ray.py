@@ -128,6 +128,9 @@ class _EngineHost:
     def set_receive_plan(self, plan) -> None:
         self.engine.set_receive_plan(plan)
 
+    def leave_transfer(self) -> None:
+        self.engine.leave_transfer()
+
     def receive_weights(self, sync: int, verify: bool) -> dict:
         return self.engine.receive_weights(sync, verify)
 
@@ -300,6 +303,9 @@ class RayEngine:
 
     def set_receive_plans(self, plans: list) -> None:
         self._get([a.set_receive_plan.remote(p) for a, p in zip(self._actors, plans)], None, "take the receive plan")
+
+    def leave_transfer(self) -> None:
+        self._get([a.leave_transfer.remote() for a in self._actors], None, "leave the weight transfer group")
 
     def start_receive_weights(self, sync: int, verify: bool = False):
         refs = [a.receive_weights.remote(sync, verify) for a in self._actors]

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import torch
 
 from megarl.sync.boxes import box_shape, full_box, relative_slices
-from megarl.sync.delta import DENSE, apply_sparse, checksum, index_dtype
-from megarl.sync.transfer import ReceivePlan, TransferSpec, join_group, piece_key
+from megarl.sync.delta import DENSE, ENTRY, apply, checksum, payload
+from megarl.sync.transfer import ReceivePlan, TransferSpec, join_group, leave_group, piece_key
 from megarl.sync.wire import layout_bucket, region, shm_dir
 
 
@@ -25,7 +25,7 @@ class _Posted:
     works: list
     copies: list = field(default_factory=list)
     nbytes: int = 0
-    changes: list = field(default_factory=list)  # delta: (mirror, indices, values) to apply once received
+    changes: list = field(default_factory=list)  # delta: (mirror, header entry, tensors) to apply once received
     arrivals: list = field(default_factory=list)  # delta over NCCL: (host tensor, device buffer received into)
 
 
@@ -43,8 +43,15 @@ class WeightReceiver:
     def join(self, spec: TransferSpec, rank: int) -> None:
         self.group = join_group(spec, rank)
 
-    def receive(self, sync: int, verify: bool = False) -> dict:
-        """One sync: every bucket with pieces for this host, received while the previous one loads."""
+    def leave(self) -> None:
+        """Leave the transfer group (another engine host restarted: the trainer forms a new one with the same plan,
+        RemoteSync.rejoin). The mirror stays: this host's next update can be a delta one."""
+        group, self.group = self.group, None
+        leave_group(group)
+
+    def receive(self, sync: int, verify=False) -> dict:
+        """One sync: every bucket with pieces for this host, received while the previous one loads. verify: what the
+        workers check after loading (the engine's begin_update: True, False or the HF names to check)."""
         if self.group is None or self.plan is None:
             raise RuntimeError("receive_weights before the transfer group was joined and the receive plan was set")
         t0 = time.perf_counter()
@@ -113,35 +120,35 @@ class WeightReceiver:
         return region(posted.buffers[mv.dst], dtype, shape, offset)[relative_slices(mv.box, full_box(shape))]
 
     def _post_delta(self, b: int, posted: _Posted) -> None:
-        """Bucket b of a delta-capable sync: each sender's header first (one entry per piece it sends this host, in
-        bucket order: DENSE or the count of changed elements), then the pieces or their changes, received into the
-        mirror (host memory); _finish writes the mirror into the files."""
+        """Bucket b of a delta-capable sync: each sender's header first (one megarl.sync.delta entry per piece it sends
+        this host, in bucket order), then the pieces whole (received straight into the mirror, in host memory) or
+        their changes; _finish applies those and writes the mirror into the files."""
         plan = self.plan
         moves = list(enumerate(plan.buckets[b]))
         senders = sorted({mv.src for _, mv in moves})
-        headers = {src: torch.empty(sum(1 for _, mv in moves if mv.src == src), dtype=torch.int64) for src in senders}
+        headers = {src: torch.empty((sum(1 for _, mv in moves if mv.src == src), ENTRY), dtype=torch.int64)
+                   for src in senders}
         waiting = _Posted({}, {}, [])
         for src in senders:
             waiting.works.append(self._recv_into(headers[src], src, b, waiting))
         self._finish_arrivals(waiting)
         for src in senders:
             for entry, (j, mv) in zip(headers[src].tolist(), [(j, mv) for j, mv in moves if mv.src == src]):
+                entry = tuple(entry)
                 dtype = getattr(torch, plan.dtypes[mv.hf])
                 mirror = self.mirror.get((b, j))
-                if entry == DENSE:
-                    if mirror is None:
-                        mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype)
-                    posted.works.append(self._recv_into(mirror, src, b, posted))
-                    posted.nbytes += mirror.numel() * mirror.element_size()
+                if entry[0] == DENSE and mirror is None:
+                    mirror = self.mirror[(b, j)] = torch.empty(box_shape(mv.box), dtype=dtype)
                 elif mirror is None:
                     raise RuntimeError(f"delta weight update of {mv.hf} (bucket {b}) without a full update before it "
                                        f"on this engine host: the trainer must send a full update after a restart")
-                elif entry > 0:
-                    idx = torch.empty(entry, dtype=index_dtype(mirror.numel()))
-                    values = torch.empty(entry, dtype=dtype)
-                    posted.works += [self._recv_into(idx, src, b, posted), self._recv_into(values, src, b, posted)]
-                    posted.changes.append((mirror, idx, values))
-                    posted.nbytes += idx.numel() * idx.element_size() + values.numel() * values.element_size()
+                if entry[0] == DENSE:
+                    tensors = [mirror.view(-1)]  # received in place: apply has nothing to copy
+                else:
+                    tensors = [torch.empty(n, dtype=dt) for n, dt in payload(entry, mirror.numel(), dtype)]
+                posted.works += [self._recv_into(t, src, b, posted) for t in tensors]
+                posted.nbytes += sum(t.numel() * t.element_size() for t in tensors)
+                posted.changes.append((mirror, entry, tensors))
                 posted.copies.append((self._target(posted, mv), mirror))
 
     def _recv_into(self, host: torch.Tensor, src: int, b: int, posted: _Posted):
@@ -165,8 +172,8 @@ class WeightReceiver:
     def _finish(self, posted: _Posted, stats: dict) -> dict:
         t0 = time.perf_counter()
         self._finish_arrivals(posted)
-        for mirror, idx, values in posted.changes:
-            apply_sparse(mirror, idx, values)
+        for mirror, entry, tensors in posted.changes:
+            apply(mirror, entry, tensors)
         for target, piece in posted.copies:
             target.copy_(piece)
         posted.buffers.clear()  # the workers map the files themselves

@@ -516,8 +516,10 @@ class VLLMEngine:
                 "weight_sync/engine_bytes": float(sum(r["bytes"] for r in results)),
                 "weight_sync/adapter_install_seconds": seconds}
 
-    def begin_update(self, verify: bool = False) -> None:
-        """Open one weight update on every worker (one vLLM layerwise reload pass over all buckets)."""
+    def begin_update(self, verify=False) -> None:
+        """Open one weight update on every worker (one vLLM layerwise reload pass over all buckets). verify: True,
+        every engine tensor is compared after loading with what the worker received (end_update); a list of HF names,
+        only the engine tensors they are loaded into (a sample)."""
         self.events.append("update")
         self._verify = verify
         self._llm.collective_rpc("megarl_begin_update", kwargs={"verify": verify})
@@ -589,18 +591,25 @@ class VLLMEngine:
 
     # -- weights over a transfer group, for an engine in a process of its own (megarl.sync.transports.remote) ----------
     def join_transfer(self, spec, rank: int) -> None:
-        """Join the trainer's transfer group as rank `rank` (blocks until every member has joined)."""
+        """Join the trainer's transfer group as rank `rank` (blocks until every member has joined). Joining again
+        after leave_transfer keeps what was received (the mirror of delta updates)."""
         from megarl.rollout.hosting.receiver import WeightReceiver
 
-        self._receiver = WeightReceiver(self)
+        if getattr(self, "_receiver", None) is None:
+            self._receiver = WeightReceiver(self)
         self._receiver.join(spec, rank)
+
+    def leave_transfer(self) -> None:
+        """Leave the transfer group (another engine host restarted; megarl.sync.transports.remote.RemoteSync.rejoin)."""
+        self._receiver.leave()
 
     def set_receive_plan(self, plan) -> None:
         """What this engine receives at every sync (megarl.sync.transfer.ReceivePlan)."""
         self._receiver.plan = plan
 
-    def receive_weights(self, sync: int, verify: bool = False) -> dict:
-        """One sync from the trainer ranks into every worker (a failure keeps the previous weight version)."""
+    def receive_weights(self, sync: int, verify=False) -> dict:
+        """One sync from the trainer ranks into every worker (a failure keeps the previous weight version). verify:
+        as begin_update's."""
         return self._receiver.receive(sync, verify)
 
     def expected_checksums(self, hf_checksums: Mapping[str, Checksum]) -> dict[str, Checksum]:

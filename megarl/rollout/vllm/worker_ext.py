@@ -183,14 +183,18 @@ class MegarlWorkerExtension(RouteCapture):
         return {"pull": True, "placed": placed, "refused": refused, "regions": [r.numel() for r in regions],
                 "params": layout}
 
-    def megarl_begin_update(self, verify: bool = False) -> None:
+    def megarl_begin_update(self, verify=False) -> None:
+        """verify: True, every engine tensor is read back after loading and compared with what arrived; a list of HF
+        names, only the engine tensors they are loaded into (a fused tensor whole, so all of its parts are summed)."""
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self._megarl_model()
         direct = not direct_update_blockers(model)
+        packed = getattr(type(model), "packed_modules_mapping", {})
+        sample = None if isinstance(verify, bool) else {engine_name(n, packed) for n in verify}
         self._megarl_state = {"staging": {}, "sums": {} if verify else None, "tensors": 0, "bytes": 0, "tied_reloaded": 0,
                               "direct": direct, "armed": 0 if direct else arm_moe_reprocessing(model),
-                              "tied": tied_parameters(model)}
+                              "tied": tied_parameters(model), "sample": sample, "packed": packed}
         if not direct:
             initialize_layerwise_reload(model)
 
@@ -277,7 +281,8 @@ class MegarlWorkerExtension(RouteCapture):
         for name, tensor, need in ready:
             state["tensors"] += 1
             state["bytes"] += box_numel(need) * tensor.element_size()
-            if state["sums"] is not None:
+            sampled = state["sample"] is None or engine_name(name, state["packed"]) in state["sample"]
+            if state["sums"] is not None and sampled:
                 state["sums"][name] = tensor_checksum(tensor[relative_slices(need, tuple((0, n) for n in tensor.shape))])
             yield name, tensor
             alias = alias_of.get(name)
@@ -325,12 +330,14 @@ class MegarlWorkerExtension(RouteCapture):
         out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed,
                                "tied_reloaded": state["tied_reloaded"], "in_place": state["direct"]}
         if state["sums"] is not None:
-            out["verify"] = self._megarl_verify(model, state["sums"], state["tied"])
+            out["verify"] = self._megarl_verify(model, state["sums"], state["tied"], state["sample"] is not None)
         self._megarl_release_host_memory()
         self._megarl_state = None
         return out
 
-    def _megarl_verify(self, model, sums: dict, tied: dict) -> dict:
+    def _megarl_verify(self, model, sums: dict, tied: dict, sampled: bool = False) -> dict:
+        """Every engine tensor that `sums` (what arrived) covers, read back as its kernels see it; sampled: only those
+        are read back (the others were not asked for)."""
         packed = getattr(type(model), "packed_modules_mapping", {})
         expected: dict[str, Checksum] = {}
         for hf_name, c in sums.items():
@@ -340,7 +347,8 @@ class MegarlWorkerExtension(RouteCapture):
             if alias not in expected and canonical in expected:
                 expected[alias] = expected[canonical]
         real = resolve_nested(expected, parameter_names(model))
-        return compare_checksums({real[k]: v for k, v in expected.items()}, module_weight_checksums(model))
+        held = module_weight_checksums(model, only=set(real.values()) if sampled else None)
+        return compare_checksums({real[k]: v for k, v in expected.items()}, held)
 
     def megarl_abort_update(self) -> None:
         """End an update that failed midway. Layerwise reload: layers that did not receive all their tensors are put

@@ -7,7 +7,8 @@
 
 * colocated (WeightSync): engines beside the trainer ranks; each worker's pieces from the ranks that hold them, into
   reused bucket files (common) or, where the worker takes them, written in place or pulled by it (placed);
-* remote (RemoteSync): engines in processes of their own, over a transfer group, whole or as deltas;
+* remote (RemoteSync): engines in processes of their own, over a transfer group, whole or as deltas
+  (remote_delta), re-formed after an engine host restarts (`rejoin`); its hosts and metrics in remote_hosts;
 * adapter (AdapterSync): only the LoRA adapters, in one adapter file per engine;
 * feed (FullTensorFeed): a stream of whole tensors from one process (an engine's own update_weights).
 

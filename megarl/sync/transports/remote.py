@@ -15,15 +15,30 @@ takes each piece from the least-loaded trainer rank that holds it, so data-paral
 rank sends what it does not hold. Every trainer rank derives the same moves and buckets, and compiles where its
 pieces lie in its parameters (megarl.sync.copies); each host is given, once, the part of the plan it receives
 (`ReceivePlan`), so only a sync number travels per step. A host receives bucket b+1 while its workers load bucket b.
+With delta updates (megarl.sync.transports.remote_delta) the choice of a whole update is made per host.
 
-On GPU the same code runs over NCCL (the trainer's parameters and the host's receive buffers on the GPU, copied into
-the bucket files); only the gloo path is exercised on CPU.
+Engine hosts that fail (both calls are collectives of every trainer rank, made by all of them in the same order):
+
+    try:
+        metrics = sync.run(engine)
+    except EngineHostLost as lost:             # raised on EVERY rank, after the sync's collective part
+        restarted = rank in lost.owners        # this rank holds the engine handle of a lost host
+        if restarted:
+            engine = <restart this rank's engine>   # a fresh host: same model, same layout
+        sync.rejoin(engine, restarted)         # the old group torn down everywhere, a new one with the same plan
+        metrics = sync.run(engine)             # whole to the restarted host, delta to the others (mirrors kept)
+
+A send to a lost host fails at once (gloo raises on a closed peer); the rank finishes its sends to every other host, so
+those receive the whole update, and the ranks agree on the lost hosts before any raises (no rank is left waiting in
+a collective). An engine restarted for another reason (a hang, a crash between syncs) is followed by the same
+`rejoin(engine, restarted)`. Any other error is raised as it is (the run stops). On GPU the same code runs over NCCL
+(the trainer's parameters and the host's receive buffers on the GPU, copied into the bucket files); only the gloo path
+is exercised on CPU.
 """
 from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -31,128 +46,143 @@ import torch.distributed as dist
 
 from megarl.distributed import all_gather_objects
 from megarl.sync.copies import current_value
-from megarl.sync.delta import DENSE, checksum, encode
 from megarl.sync.holdings import Holdings
-from megarl.sync.moves import bucket_moves, traffic
+from megarl.sync.moves import bucket_moves
 from megarl.sync.plan import live_plan
 from megarl.sync.shards import EngineModule, engine_needs
-from megarl.sync.transfer import DEFAULT_TIMEOUT_S, TransferSpec, join_group, piece_key, receive_plan, serve_store
+from megarl.sync.transfer import (DEFAULT_TIMEOUT_S, TransferSpec, join_group, leave_group, receive_plan,
+                                  serve_store)
+from megarl.sync.transports.remote_delta import DeltaSender, DeltaSettings
+from megarl.sync.transports.remote_hosts import (EngineHostLost, EngineHosts, host_traffic, process_rss_bytes,
+                                                 sync_metrics, transfer_backend, wire_dtypes)
 
-
-@dataclass(frozen=True)
-class EngineHosts:
-    """The engine hosts of a run, in transfer-rank order: host h has transfer rank `world + h`, is driven by the
-    trainer rank `owner[h]` (the rank holding its engine handle) and has `workers[h]` engine workers, whose receiver
-    ids are consecutive from `world`."""
-
-    world: int
-    owner: tuple
-    workers: tuple
-
-    def rank(self, h: int) -> int:
-        return self.world + h
-
-    def receivers(self, h: int) -> list:
-        first = self.world + sum(self.workers[:h])
-        return list(range(first, first + self.workers[h]))
-
-    def host_of(self) -> dict:
-        """{receiver id: transfer rank of its host}."""
-        return {w: self.rank(h) for h in range(len(self.owner)) for w in self.receivers(h)}
-
-    def owned_by(self, rank: int) -> list:
-        return [h for h, o in enumerate(self.owner) if o == rank]
-
-
-def host_traffic(moves: Sequence, hosts: EngineHosts) -> tuple:
-    """The plan's ({rank: bytes sent}, {rank: bytes received}, {rank: bytes loaded}) with every receiver counted on
-    the transfer rank of its host (trainer ranks send; hosts receive and load)."""
-    sent, received, loaded = traffic(moves)
-    host_of = hosts.host_of()
-
-    def per_host(d: dict) -> dict:
-        out: dict = {}
-        for receiver, nbytes in d.items():
-            out[host_of[receiver]] = out.get(host_of[receiver], 0) + nbytes
-        return out
-
-    return sent, per_host(received), per_host(loaded)
+__all__ = ["EngineHostLost", "EngineHosts", "RemoteSync", "plan_remote_sync"]
 
 
 class RemoteSync:
     """The weight sync of one trainer into engines hosted elsewhere (every trainer rank builds one, with the same
     plan). `run(engine)` is WeightSync.run's counterpart: the same call on every rank, the engine handle on the ranks
-    that hold one."""
+    that hold one; `rejoin(engine, restarted)` after an engine host restarted (see the module docstring)."""
 
-    def __init__(self, holdings: Holdings, moves: list, buckets: list, hosts: EngineHosts, group, rank: int,
-                 store=None, wire_dtypes: Optional[dict] = None, delta_full_every: int = 0):
+    def __init__(self, holdings: Holdings, moves: list, buckets: list, hosts: EngineHosts, rank: int, meeting: tuple,
+                 receiving: tuple, layouts: list, store=None, wire_dtypes: Optional[dict] = None,
+                 delta: Optional[DeltaSettings] = None):
+        """meeting: (addr, port, backend, timeout_s) of the transfer group's store; receiving: (shapes, needs, device)
+        of the hosts' receive plans; layouts[h]: host h's workers' layouts as planned."""
         self.holdings = holdings
         self.moves, self.buckets, self.hosts = moves, buckets, hosts
-        self.group, self.rank, self._store = group, rank, store  # rank 0 serves the store the group met on
+        self.rank, self._store = rank, store  # rank 0 serves the store every transfer group meets on
+        self._meeting, self._receiving, self._layouts = meeting, receiving, layouts
+        self.group = None
+        self._lost: set = set()  # hosts of the last EngineHostLost, until a rejoin
         self.host_rank = hosts.host_of()
         self.plan_sent, self.plan_received, self.plan_loaded = host_traffic(moves, hosts)
         self.syncs = 0
         self.wire_dtypes = wire_dtypes or holdings.hf_dtypes  # {hf name: dtype name} the pieces travel in
         self._torch_dtypes = {h: getattr(torch, dt) for h, dt in self.wire_dtypes.items()}
-        # delta updates (megarl.sync.delta): 0 = off; else a full update first and every `delta_full_every` updates
-        self.delta_full_every = delta_full_every
-        self.last: dict = {}  # delta: {(bucket, index in bucket): the piece as last sent}
-        self.full_next = True  # the next update is a full one (the first; after an engine restart: force_full)
-        self.since_full = 0
+        self.delta = DeltaSender(delta, hosts.ranks(), sorted({mv.hf for mv in moves})) if delta else None
         self._cuts = holdings.cuts([mv for bucket in buckets for mv in bucket if mv.src == rank])  # compiled once
 
-    def force_full(self) -> None:
-        """Make the next update a full one (an engine restarted and lost what it had received)."""
-        self.full_next = True
+    def join(self, engine: Any, token: str) -> None:
+        """Form the transfer group named by `token` with this rank's hosts and give them their receive plans (a
+        collective of every trainer rank and host)."""
+        addr, port, backend, timeout_s = self._meeting
+        spec = TransferSpec(addr, port, f"megarl-transfer-{token}", self.hosts.world + len(self.hosts.owner), backend,
+                            timeout_s)
+        mine = self.hosts.owned_by(self.rank)
+        joining = engine.start_join_transfer(spec, self.hosts.rank(mine[0])) if mine else None
+        self.group = join_group(spec, self.rank, self._store)
+        if joining is not None:
+            joining.result()
+            shapes, needs, device = self._receiving
+            engine.set_receive_plans([receive_plan(token, self.hosts.receivers(h), self.buckets, shapes,
+                                                   self.wire_dtypes, needs, device, delta=self.delta is not None)
+                                      for h in mine])
+
+    def rejoin(self, engine: Any, restarted: bool) -> None:
+        """After engine hosts restarted (a collective of every trainer rank; `restarted`: this rank's engine handle
+        was restarted, every host of it is fresh): the old transfer group is torn down on every member, a new one
+        formed with the same plan, every host given its receive plan again; the next update goes whole to the fresh
+        hosts and as before to the others, whose mirrors are kept. A restarted engine must report the layout it was
+        planned with (the same model and engine parallelism)."""
+        if restarted and engine is None:
+            raise ValueError(f"rejoin(restarted=True) on trainer rank {self.rank}, which holds no engine handle")
+        every = all_gather_objects((bool(restarted), engine.transfer_layouts() if restarted else None))
+        stale = sorted(h for h in self._lost if not every[self.hosts.owner[h - self.hosts.world]][0])
+        if stale:  # every rank sees it: all raise here, none waits in the group below
+            raise RuntimeError(f"rejoin after engine host(s) {stale} were lost, but the trainer ranks owning them "
+                               f"({sorted({self.hosts.owner[h - self.hosts.world] for h in stale})}) did not restart "
+                               "their engines: call rejoin(engine, restarted=True) there after the restart")
+        fresh = []
+        for r, (again, layouts) in enumerate(every):
+            if again:
+                mine = self.hosts.owned_by(r)
+                if layouts != [self._layouts[h] for h in mine]:
+                    raise RuntimeError(f"the engine restarted on trainer rank {r} reports another worker layout than "
+                                       "the one the weight sync was planned for; start it with the same model and "
+                                       "rollout.tensor_model_parallel_size, or plan the sync again")
+                fresh += [self.hosts.rank(h) for h in mine]
+        if self.hosts.owned_by(self.rank) and not restarted:
+            engine.leave_transfer()  # the host keeps its mirrors for the next delta update
+        leave_group(self.group)
+        self.group = None
+        token = all_gather_objects(secrets.token_hex(4) if self.rank == 0 else None)[0]
+        self.join(engine, token)
+        self._lost = set()
+        if self.delta is not None:
+            self.delta.mark_fresh(fresh)
 
     def run(self, engine: Any, verify: bool = False) -> dict:
+        """Deliver the current weights (a collective of every trainer rank). Raises EngineHostLost on every rank
+        when a host failed during it."""
         self.syncs += 1
         t0 = time.perf_counter()
-        full = self._full_update()
-        pending = engine.start_receive_weights(self.syncs, verify) if self.hosts.owned_by(self.rank) else None
+        full = self.delta.full_hosts() if self.delta is not None else set(self.hosts.ranks())
+        check = self.delta.worker_check(self.syncs, verify) if self.delta is not None else verify
+        owned = self.hosts.owned_by(self.rank)
+        pending = engine.start_receive_weights(self.syncs, check) if owned else None
+        lost: dict = {}  # {host transfer rank: what failed}
         sent = changed = 0
         try:
             for b, moves in enumerate(self.buckets):
-                if self.delta_full_every:
-                    bucket_sent, bucket_changed = self._send_bucket_delta(b, moves, full)
-                    sent, changed = sent + bucket_sent, changed + bucket_changed
-                else:
-                    sent += self._send_bucket(b, moves)
+                bucket_sent, bucket_changed = self._send_bucket(b, moves, full, lost)
+                sent, changed = sent + bucket_sent, changed + bucket_changed
         except BaseException:
-            self.full_next = True  # what the hosts hold is unknown now
+            if self.delta is not None:
+                self.delta.mark_fresh(self.hosts.ranks())  # what the hosts hold is unknown now
             if pending is not None:
                 pending.result()  # the host's own error says more than a broken connection
             raise
         send_s = time.perf_counter() - t0
-        results = pending.result() if pending is not None else []
-        metrics = self._metrics(sent, send_s, results, time.perf_counter() - t0)
-        if self.delta_full_every:
-            metrics["weight_sync/full_update"] = float(full)
-            metrics.update(self._check_delta(changed, results))
+        results = []
+        if pending is not None:
+            try:
+                results = pending.result()
+            except Exception as exc:  # noqa: BLE001 - the host is lost; every rank learns it below
+                lost.update({self.hosts.rank(h): _cause(exc) for h in owned})  # the host's own error first
+        # one gather of the trainer ranks for the losses, the metrics and the delta check
+        mine = {"lost": lost, "sent": sent, "send_s": send_s, "results": results, "rss": process_rss_bytes(),
+                "delta": self.delta.report(self.buckets, self.rank, changed) if self.delta is not None else None}
+        every = all_gather_objects(mine)
+        gone: dict = {}
+        for r, e in enumerate(every):
+            for h, cause in e["lost"].items():
+                if h not in gone or r == self.hosts.owner[h - self.hosts.world]:  # the host's own error over a send's
+                    gone[h] = cause
+        if gone:
+            if self.delta is not None:
+                self.delta.mark_fresh(gone)
+            self._lost.update(gone)
+            owners = sorted({self.hosts.owner[h - self.hosts.world] for h in gone})
+            raise EngineHostLost(sorted(gone), owners, [f"host {h}: {c}" for h, c in sorted(gone.items())], self.syncs)
+        plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
+        metrics = sync_metrics([(e["sent"], e["send_s"], e["results"], e["rss"]) for e in every], self.hosts, plan,
+                               time.perf_counter() - t0, len(self.buckets))
+        if self.delta is not None:
+            metrics["weight_sync/full_update"] = float(len(full) == len(self.hosts.owner))
+            metrics["weight_sync/full_hosts"] = float(len(full))
+            metrics.update(self.delta.check(self.syncs, [e["delta"] for e in every], [e["results"] for e in every]))
         return metrics
-
-    def _check_delta(self, changed: int, results: list) -> dict:
-        """Every piece's checksum as the trainer last sent it against the host's copy that its workers loaded (a
-        collective): a delta update must leave the engine exactly as a full one would."""
-        sent = {piece_key(b, mv): checksum(self.last[(b, j)]) for b, moves in enumerate(self.buckets)
-                for j, mv in enumerate(moves) if mv.src == self.rank}
-        every = all_gather_objects((changed, sent, [r["sums"] for r in results]))
-        expected = {k: v for _, mine, _ in every for k, v in mine.items()}
-        held = {k: v for _, _, hosts in every for sums in hosts for k, v in sums.items()}
-        wrong = sorted({k[1] for k, v in expected.items() if held.get(k) != v})
-        if wrong:
-            raise RuntimeError(f"delta weight update {self.syncs}: the engine's copy of {len(wrong)} tensors differs "
-                               f"from what the trainer sent (e.g. {wrong[:3]}); set rollout.delta_updates=false and "
-                               f"resume from the last checkpoint")
-        return {"weight_sync/changed_elements": float(sum(c for c, _, _ in every)),
-                "weight_sync/checked_pieces": float(len(expected))}
-
-    def _full_update(self) -> bool:
-        if not self.delta_full_every:
-            return True
-        full = self.full_next or self.since_full + 1 >= self.delta_full_every
-        self.full_next, self.since_full = False, 0 if full else self.since_full + 1
-        return full
 
     def _piece(self, mv, values: dict) -> torch.Tensor:
         """This rank's piece `mv` in its wire dtype, contiguous."""
@@ -163,105 +193,54 @@ class RemoteSync:
             return cut.piece(value).contiguous()
         return cut.piece(value, out=torch.empty(cut.shape, dtype=dtype, device=value.device))
 
-    def _send_bucket(self, b: int, moves: Sequence) -> int:
+    def _send_bucket(self, b: int, moves: Sequence, full: set, lost: dict) -> tuple:
+        """This rank's pieces of bucket b, host by host: with delta updates a header first (one megarl.sync.delta
+        entry per piece, in bucket order), then each piece whole or its changes. A host whose send fails is added to
+        `lost` and skipped from then on; the other hosts get theirs. Returns (bytes sent, elements changed)."""
         values: dict = {}  # each parameter's current value, resolved once per bucket
-        works, pieces, nbytes = [], [], 0
-        for mv in moves:
-            if mv.src == self.rank:
-                piece = self._piece(mv, values)
-                pieces.append(piece)  # alive until its send completes
-                works.append(self.group.send([piece], self.host_rank[mv.dst], b))
-                nbytes += piece.numel() * piece.element_size()
-        for work in works:
-            work.wait()
-        return nbytes
-
-    def _send_bucket_delta(self, b: int, moves: Sequence, full: bool) -> tuple:
-        """Per host: a header (one entry per piece this rank sends it, in bucket order), then each piece whole or its
-        changes since the last update (megarl.sync.delta). Returns (bytes sent, elements changed)."""
-        values: dict = {}  # each parameter's current value, resolved once per bucket
-        works, keep, nbytes, changed = [], [], 0, 0
+        posted, nbytes, changed = [], 0, 0
         mine = [(j, mv) for j, mv in enumerate(moves) if mv.src == self.rank]
-        for host in sorted({self.host_rank[mv.dst] for _, mv in mine}):
-            header, payloads = [], []
+        for host in sorted({self.host_rank[mv.dst] for _, mv in mine} - set(lost)):
+            header, tensors = [], []
             for j, mv in mine:
                 if self.host_rank[mv.dst] != host:
                     continue
                 piece = self._piece(mv, values)
-                # compared and kept in host memory (a copy: on CPU a piece can be a view of the parameter, which the
-                # next optimizer step changes in place)
-                kept = piece.to("cpu", copy=True)
-                entry, tensors = encode(kept, None if full else self.last.get((b, j)))
-                if entry != DENSE:
-                    changed += entry
-                elif not full:
-                    changed += piece.numel()
-                self.last[(b, j)] = kept
+                if self.delta is None:
+                    tensors.append(piece)
+                    continue
+                entry, encoded = self.delta.encode((b, j), piece, host in full, host)
+                changed += entry[1] if host not in full else 0
                 header.append(entry)
-                payloads += [t.to(piece.device) for t in tensors]  # NCCL sends from the device
-            header_t = torch.tensor(header, dtype=torch.int64, device=self.holdings.device)
-            keep += [header_t, *payloads]  # alive until their sends complete
-            works.append(self.group.send([header_t], host, b))
-            works += [self.group.send([t], host, b) for t in payloads]
-            nbytes += sum(t.numel() * t.element_size() for t in payloads)
-        for work in works:
-            work.wait()
+                tensors += encoded
+            nbytes += sum(t.numel() * t.element_size() for t in tensors)
+            if self.delta is not None:
+                tensors.insert(0, torch.tensor(header, dtype=torch.int64, device=self.holdings.device))
+            try:
+                posted.append((host, [self.group.send([t], host, b) for t in tensors], tensors))  # kept until sent
+            except RuntimeError as exc:  # gloo raises at once on a closed peer
+                lost[host] = _cause(exc)
+        for host, works, _ in posted:
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                lost.setdefault(host, _cause(exc))
         return nbytes, changed
 
-    def _metrics(self, sent: int, send_s: float, results: list, seconds: float) -> dict:
 
-        every = all_gather_objects((sent, send_s, results))
-        measured = {"sent": {rank: s for rank, (s, _, _) in enumerate(every)}, "received": {}, "loaded": {}}
-        host_stats = [h for _, _, hs in every for h in hs]
-        for h, stats in enumerate(host_stats):
-            measured["received"][self.hosts.rank(h)] = stats["received"]
-            measured["loaded"][self.hosts.rank(h)] = stats["loaded"]
-        plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
-        out = dict(host_stats[0]["metrics"]) if host_stats else {}  # the engines' own figures, over every host
-        if host_stats:
-            out["weight_sync/version"] = min(h["metrics"]["weight_sync/version"] for h in host_stats)
-        if "weight_sync/verified_tensors" in out:
-            out["weight_sync/verified_tensors"] = float(sum(h["metrics"]["weight_sync/verified_tensors"]
-                                                            for h in host_stats))
-        for kind in ("sent", "received", "loaded"):
-            out[f"weight_sync/{kind}_bytes_max"] = float(max(measured[kind].values(), default=0))
-            out[f"weight_sync/{kind}_bytes_rank0"] = float(measured[kind].get(0, 0))
-            out[f"weight_sync/plan_{kind}_bytes_max"] = float(max(plan[kind].values(), default=0))
-            out[f"weight_sync/plan_{kind}_bytes_rank0"] = float(plan[kind].get(0, 0))
-        total = float(sum(measured["loaded"].values()))
-        out.update({"weight_sync/seconds": seconds, "weight_sync/bytes": total,
-                    "weight_sync/gbps": total / seconds / 1e9 if seconds > 0 else 0.0,
-                    "weight_sync/num_buckets": float(len(self.buckets)),
-                    "weight_sync/engine_replicas": float(len(self.hosts.owner)),
-                    "weight_sync/senders": float(sum(1 for s, _, _ in every if s > 0)),
-                    "weight_sync/send_seconds_max": max(t for _, t, _ in every),
-                    "weight_sync/exchange_seconds": max((h["receive_s"] for h in host_stats), default=0.0),
-                    "weight_sync/engine_load_seconds": max((h["load_s"] for h in host_stats), default=0.0)})
-        return out
-
-
-def transfer_backend(holdings: Holdings) -> str:
-    """NCCL where the trainer's parameters are on a GPU, gloo otherwise."""
-    return "nccl" if holdings.device.type == "cuda" else "gloo"
-
-
-def wire_dtypes(holdings: Holdings, engine_dtype: Optional[str]) -> dict:
-    """{hf name: dtype name} the pieces travel in: the engine's dtype for floating-point tensors (the engine casts to
-    it anyway; sent in it, a float32 trainer sends half the bytes to a bfloat16 engine, and a delta update sees the
-    elements that change in the engine), the trainer's own otherwise or without an engine dtype."""
-    out = {}
-    for name, dtype in holdings.hf_dtypes.items():
-        floating = getattr(torch, dtype).is_floating_point
-        out[name] = engine_dtype if engine_dtype and floating else dtype
-    return out
+def _cause(exc: BaseException) -> str:
+    """An error's first line (gloo's run to many), for EngineHostLost."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
 
 
 def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     engine_dtype: Optional[str] = None, delta_full_every: int = 0) -> RemoteSync:
+                     engine_dtype: Optional[str] = None, delta: Optional[DeltaSettings] = None) -> RemoteSync:
     """Plan the sync into engines hosted elsewhere from the trainer's holdings and form the transfer group (a
     collective of the trainer ranks, once per run; megarl.sync.factory). `engine`: this rank's engine handle if it
     holds one (its hosts join the group), else None. `engine_dtype` (a dtype name): what floating-point pieces travel
-    in. `delta_full_every` > 0: delta updates (megarl.sync.delta), a full one every that many."""
+    in. `delta`: delta updates (megarl.sync.delta) with these settings; None: every update whole."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     mapping = holdings.mapping
@@ -286,13 +265,8 @@ def plan_remote_sync(holdings: Holdings, engine: Any, bucket_bytes: int, timeout
     plan = live_plan(mapping, holdings.boxes, needs, sizes, world, max(hosts.workers), len(per_host), separate=True)
     moves, buckets = plan.moves, bucket_moves(plan.moves, bucket_bytes)
     backend = transfer_backend(holdings)
-    tspec = TransferSpec(addr, port, f"megarl-transfer-{token}", world + len(per_host), backend, timeout_s)
-    mine = hosts.owned_by(rank)
-    joining = engine.start_join_transfer(tspec, hosts.rank(mine[0])) if mine else None
-    group = join_group(tspec, rank, store)
-    if joining is not None:
-        joining.result()
-        device = "cuda" if backend == "nccl" else "cpu"
-        engine.set_receive_plans([receive_plan(token, hosts.receivers(h), buckets, mapping.hf_shapes(), dtypes, needs,
-                                               device, delta=delta_full_every > 0) for h in mine])
-    return RemoteSync(holdings, moves, buckets, hosts, group, rank, store, dtypes, delta_full_every)
+    receiving = (mapping.hf_shapes(), needs, "cuda" if backend == "nccl" else "cpu")
+    sync = RemoteSync(holdings, moves, buckets, hosts, rank, (addr, port, backend, timeout_s), receiving,
+                      [lay for _, lay in per_host], store, dtypes, delta)
+    sync.join(engine, token)
+    return sync
