@@ -585,6 +585,8 @@ class EngineGeneration:
             self.engine.restart(version=max(0, self.deliveries - 1))
         if hasattr(self._sync, "after_restart"):  # the plan compiled at start, the new engines placed into it
             self._sync.after_restart(self.engine, set(causes))
+        elif hasattr(self._sync, "rejoin"):  # engines placed apart: a new transfer group, the same plan
+            self._sync.rejoin(self.engine, mine in causes)
         else:
             self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
         return self._deliver(set(causes))
@@ -597,12 +599,20 @@ class EngineGeneration:
         return self._deliver(None)
 
     def _deliver(self, replicas: Optional[set]) -> dict:
-        if self.offload is None or not self.offload.active:
-            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt, replicas=replicas)
-        else:
-            self.offload.onload()  # the sync reads the actor's weights
-            metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
-                                   before_kv_cache=self.offload.offload, replicas=replicas)
+        from megarl.sync.transports.remote import EngineHostLost
+
+        try:
+            if self.offload is None or not self.offload.active:
+                metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt, replicas=replicas)
+            else:
+                self.offload.onload()  # the sync reads the actor's weights
+                metrics = sync_weights(self.actor, self.engine, self._sync, self.cfg, self.rt,
+                                       before_kv_cache=self.offload.offload, replicas=replicas)
+        except EngineHostLost as exc:  # engines placed apart: raised on every rank alike, after the collective part
+            if not self.supervised:
+                raise
+            return self.recover({self.rt.engines.replica_of(o): f"during a weight transfer ({'; '.join(exc.causes)})"
+                                 for o in exc.owners})
         if not self.supervised:
             return metrics
         topo = self.rt.engines
