@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "grpo_separate_tiny_cpu.yaml"
 
 
-def run(work: Path, name: str, steps: int, dtype: str, delta: bool, lr: float | None) -> list[dict]:
+def run(work: Path, name: str, steps: int, dtype: str, delta: bool, lr: float | None, extra=()) -> list[dict]:
     """One `megarl train` of the recipe (the tiny model and its SFT warm start made once, in work/base); its metrics
     rows."""
     run_dir = work / name
     args = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.test_freq=0",
             "trainer.val_before_train=false", f"rollout.dtype={dtype}", f"rollout.delta_updates={str(delta).lower()}",
-            *([f"actor.optim.lr={lr}"] if lr else []),
+            *([f"actor.optim.lr={lr}"] if lr else []), *extra,
             f"model.path={work / 'base' / 'init_model'}", f"sft.output_dir={work / 'base' / 'sft_model'}",
             f"data.synthetic.output_dir={work / 'base' / 'data'}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -137,6 +137,8 @@ def main(argv=None) -> None:
                     "elements an update changes is an LLM's)")
     ap.add_argument("--work-dir", default=None, help="keep the runs here (default: a temporary directory); the SFT "
                     "model in WORK/base is made once and reused")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override for both "
+                    "runs (e.g. rollout.delta_verify_sample=0 to see what the engine's read-back costs)")
     ap.add_argument("--memory", action="store_true", help="instead: the kept copy's resident memory, in this process")
     ap.add_argument("--memory-mib", type=int, default=512, help="--memory: MiB of fp32 parameters (default 512)")
     args = ap.parse_args(argv)
@@ -146,8 +148,8 @@ def main(argv=None) -> None:
     tag = f"-lr{args.lr:g}" if args.lr else ""
     with tempfile.TemporaryDirectory(prefix="megarl-bench-delta-") as tmp:
         work = Path(args.work_dir or tmp)
-        delta = summary(run(work, f"delta-{args.dtype}{tag}", args.steps, args.dtype, True, args.lr))
-        full = summary(run(work, f"full-{args.dtype}{tag}", args.steps, args.dtype, False, args.lr))
+        delta = summary(run(work, f"delta-{args.dtype}{tag}", args.steps, args.dtype, True, args.lr, args.set))
+        full = summary(run(work, f"full-{args.dtype}{tag}", args.steps, args.dtype, False, args.lr, args.set))
     elements = full["bytes"] / (2 if args.dtype == "bfloat16" else 4)
     print(f"\n{args.steps} steps each, {args.dtype} engine, actor lr {args.lr or 'of the recipe'}; updates after the "
           f"first (whole in both modes):")

@@ -180,8 +180,10 @@ def delta_update_bytes(full: int, element_bytes: int, changed_share: float) -> i
     from megarl.sync.delta import DENSE, INDICES, MASK, encoded_bytes
 
     n = full // element_bytes
-    changed = int(n * changed_share)
-    return min(encoded_bytes(kind, n, element_bytes, changed, changed) for kind in (DENSE, INDICES, MASK))
+    piece = min(n, 2 ** 30)  # the sync's pieces are single tensors' boxes: int32 indices, never one 2^31+ piece
+    changed = int(piece * changed_share)
+    return int(min(encoded_bytes(kind, piece, element_bytes, changed, changed) for kind in (DENSE, INDICES, MASK))
+               * (n / piece)) if piece else 0
 
 
 def fc1_elements(spec, stage_layers: list[int], stage: int, tp: int, ep: int, expert_tp: int) -> int:

@@ -14,20 +14,23 @@ r runs, i index bytes):
                                                                           bf16 elements changed, INDICES up to 1/3)
     RUNS     run starts [r], lengths [r] and values [k]    2 r i + k e    changes in contiguous stretches (a row)
 
-Both sides apply the same decoding (`apply`): the receiver to its mirror, which its workers then load whole as in a
-full update, the sender to its kept copy (in place: one extra copy of what it sends, never two), so the two copies
-stay equal bit for bit by construction and a checksum of both proves it. Bits are compared, not values: -0.0 vs 0.0
-and NaN payloads count as changes.
+The receiver decodes (`apply`) into its mirror, which its workers then load whole as in a full update; the sender
+copies the piece into its kept copy (in place: one extra copy of what it sends, never two). A checksum of both after
+the update proves the decoding gave the piece bit for bit. Bits are compared, not values: -0.0 vs 0.0 and NaN
+payloads count as changes. On CPU the masks, gathers and scatters run in numpy over the same memory (several times
+faster than torch's boolean indexing there); on GPU in torch.
 
     entry, tensors = encode(piece, last)     # sender: entry = (kind, k, r); tensors to send in order
-    apply(last, entry, tensors)              # sender's kept copy, then the receiver's mirror: the same bits
+    last.copy_(piece)                        # sender's kept copy
     payload(entry, numel, dtype)             # receiver: what to allocate for the tensors of an entry
+    apply(mirror, entry, tensors)            # receiver's mirror
     checksum(last) == checksum(mirror)
 """
 from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 SAME, DENSE, INDICES, MASK, RUNS = 0, 1, 2, 3, 4
@@ -39,7 +42,13 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's elements reinterpreted as integers of the same width, flat [numel] (bitwise equality)."""
-    return t.reshape(-1).view(_SAME_WIDTH_INT[t.element_size()])
+    return t.detach().reshape(-1).view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bits as a numpy array sharing its memory (numpy's masked gathers and scatters are several
+    times faster than torch's on CPU)."""
+    return bits(t).numpy()
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -56,7 +65,10 @@ def changed_mask(piece: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     if piece.shape != last.shape or piece.dtype != last.dtype:
         raise ValueError(f"delta of a piece {tuple(piece.shape)} {piece.dtype} against {tuple(last.shape)} "
                          f"{last.dtype}: the sync plan changed without a full update")
-    return bits(piece) != bits(last.to(piece.device, non_blocking=False))
+    last = last.to(piece.device)
+    if piece.device.type == "cpu":
+        return torch.from_numpy(_np(piece) != _np(last))
+    return bits(piece) != bits(last)
 
 
 def encoded_bytes(kind: int, numel: int, element_size: int, changed: int, runs: int) -> int:
@@ -79,12 +91,16 @@ _SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [n] -> uint8 [ceil(n / 8)], element 8 q + s in bit s of byte q."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     m = torch.nn.functional.pad(mask.to(torch.uint8), (0, (-mask.numel()) % 8)).view(-1, 8)
     return (m << _SHIFTS.to(m.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """uint8 [ceil(n / 8)] -> bool [n] (pack_mask's inverse)."""
+    if packed.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(np.bool_))
     return ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1).bool().view(-1)[:numel]
 
 
@@ -112,16 +128,19 @@ def encode(piece: torch.Tensor, last: Optional[torch.Tensor]) -> tuple:
     if last is None:
         return (DENSE, n, 0), [piece]
     mask = changed_mask(piece, last)
-    k = int(mask.sum())
-    r = int((mask[1:] & ~mask[:-1]).sum()) + int(mask[:1].sum()) if k else 0
+    cpu = piece.device.type == "cpu"
+    m = mask.numpy() if cpu else mask
+    k = int(np.count_nonzero(m)) if cpu else int(mask.sum())
+    r = int((m[1:] & ~m[:-1]).sum()) + int(m[:1].sum()) if k else 0
     kind = cheapest(n, piece.element_size(), k, r)
     if kind == SAME:
         return (SAME, 0, 0), []
     if kind == DENSE:
         return (DENSE, k, r), [piece]
-    values = piece.reshape(-1)[mask]
+    values = torch.from_numpy(_np(piece)[m]).view(piece.dtype) if cpu else piece.reshape(-1)[mask]
     if kind == INDICES:
-        return (INDICES, k, r), [torch.nonzero(mask).view(-1).to(index_dtype(n)), values]
+        idx = torch.from_numpy(np.flatnonzero(m)) if cpu else torch.nonzero(mask).view(-1)
+        return (INDICES, k, r), [idx.to(index_dtype(n)), values]
     if kind == MASK:
         return (MASK, k, r), [pack_mask(mask), values]
     return (RUNS, k, r), [*runs_of(mask), values]
@@ -142,12 +161,20 @@ def apply(mirror: torch.Tensor, entry: tuple, tensors: list) -> None:
     if kind == DENSE:
         if tensors[0].data_ptr() != mirror.data_ptr():  # received straight into the mirror: nothing to copy
             flat.copy_(tensors[0].reshape(-1))
-    elif kind == INDICES:
-        flat[tensors[0].to(mirror.device).long()] = tensors[1].to(mirror.device)
+        return
+    if kind == SAME:
+        return
+    tensors = [t.to(mirror.device) for t in tensors]
+    if kind == INDICES:
+        where = tensors[0]
     elif kind == MASK:
-        flat[unpack_mask(tensors[0].to(mirror.device), flat.numel())] = tensors[1].to(mirror.device)
-    elif kind == RUNS:
-        flat[run_indices(tensors[0].to(mirror.device), tensors[1].to(mirror.device))] = tensors[2].to(mirror.device)
+        where = unpack_mask(tensors[0], flat.numel())
+    else:
+        where = run_indices(tensors[0], tensors[1])
+    if mirror.device.type == "cpu":
+        _np(mirror)[where.numpy()] = _np(tensors[-1])  # a view: writes into the mirror
+    else:
+        flat[where if where.dtype == torch.bool else where.long()] = tensors[-1]
 
 
 def checksum(t: torch.Tensor) -> int:

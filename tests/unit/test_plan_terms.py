@@ -128,6 +128,8 @@ def test_delta_update_terms_by_hand():
     # half changed: a bitmask (1 bit an element) and the values, 2^29 / 8 + 2^28 x 2 bytes
     assert delta_update_bytes(2 ** 30, 2, 0.5) == 2 ** 26 + 2 ** 29
     assert delta_update_bytes(2 ** 30, 2, 0.97) == 2 ** 30  # past 15/16 changed: whole pieces, never more
+    # 16 GiB sent: still int32 indices (each piece is one tensor's box, under 2^31 elements), 8 pieces of 2^30
+    assert delta_update_bytes(2 ** 34, 2, 0.01) == int(0.01 * 2 ** 30) * 6 * 8
 
 
 def test_the_plan_counts_delta_updates_only_for_engines_placed_apart():

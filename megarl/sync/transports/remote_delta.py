@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.sync.delta import ENTRY, KINDS, apply, checksum, encode
+from megarl.sync.delta import ENTRY, KINDS, SAME, checksum, encode
 from megarl.sync.transfer import piece_key
 
 
@@ -67,7 +67,8 @@ class DeltaSender:
 
     def encode(self, key: tuple, piece: torch.Tensor, full: bool, host: int = -1) -> tuple:
         """(header entry, tensors to send from the piece's device) of a contiguous piece for `host`, and the kept
-        copy brought to it (in place after the first time). The diff runs where the kept copy lives."""
+        copy brought to it (a copy in place after the first time, whatever the format: the host's decoding is checked
+        against it). The diff runs where the kept copy lives."""
         where = torch.device("cpu") if self.settings.kept_on == "host" else piece.device
         here = piece if piece.device == where else piece.to(where)
         last = self.kept.get(key)
@@ -75,7 +76,8 @@ class DeltaSender:
         if last is None:
             pinned = where.type == "cpu" and piece.device.type == "cuda"
             last = self.kept[key] = torch.empty(here.shape, dtype=here.dtype, device=where, pin_memory=pinned)
-        apply(last, entry, tensors)
+        if entry[0] != SAME:  # whatever the format, what was sent decodes to the piece: a plain copy of it
+            last.copy_(here)
         self.kinds[entry[0]] += 1
         if not full:
             sent = self.bytes.setdefault(host, [0, 0])

@@ -54,6 +54,9 @@ class EngineHostLost(RuntimeError):
                          f"{list(self.owners)}) lost during the transfer: {'; '.join(self.causes)[:800]}; restart "
                          "their engines and call RemoteSync.rejoin on every trainer rank")
 
+    def __reduce__(self):  # picklable, as a rank's error travels to its launcher
+        return type(self), (self.hosts, self.owners, self.causes, self.sync)
+
 
 def host_traffic(moves: Sequence, hosts: EngineHosts) -> tuple:
     """The plan's ({rank: bytes sent}, {rank: bytes received}, {rank: bytes loaded}) with every receiver counted on
