@@ -1,6 +1,6 @@
 """Engine hosts that restart or die while the trainer delivers weights to them (megarl.sync.transports.remote):
 two trainer ranks, each driving one engine host (a replica at engine TP1, stand-in engines of
-tests/dist/test_remote_transfer), bfloat16 delta updates after updates that change ~1% of the weights.
+tests/helpers/engine_hosts), bfloat16 delta updates after updates that change ~1% of the weights.
 
 * restart: after three updates rank 1's host is replaced by a fresh process; RemoteSync.rejoin re-forms the transfer
   group with the same plan; the next update goes whole to the new host and as a delta to the survivor, and both end
@@ -12,11 +12,11 @@ tests/dist/test_remote_transfer), bfloat16 delta updates after updates that chan
 * corrupt: one element of what a worker computes with is flipped after it loaded; the read-back check of that update
   (every tensor every 2 updates here) stops it with the tensor's name.
 """
-import pytest
 import torch
 
 from megarl.launch_local import run_ranks
-from tests.dist.test_remote_transfer import HostHandle, _perturb
+from tests.dist.test_remote_transfer import _perturb
+from tests.helpers.engine_hosts import HostHandle
 from tests.helpers.tiny_models import make_tiny_model
 
 

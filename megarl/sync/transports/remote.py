@@ -160,6 +160,7 @@ class RemoteSync:
                 results = pending.result()
             except Exception as exc:  # noqa: BLE001 - the host is lost; every rank learns it below
                 lost.update({self.hosts.rank(h): _cause(exc) for h in owned})  # the host's own error first
+        seconds = time.perf_counter() - t0  # the delivery; the checks and their gather below are not counted
         # one gather of the trainer ranks for the losses, the metrics and the delta check
         mine = {"lost": lost, "sent": sent, "send_s": send_s, "results": results, "rss": process_rss_bytes(),
                 "delta": self.delta.report(self.buckets, self.rank, changed) if self.delta is not None else None}
@@ -177,7 +178,7 @@ class RemoteSync:
             raise EngineHostLost(sorted(gone), owners, [f"host {h}: {c}" for h, c in sorted(gone.items())], self.syncs)
         plan = {"sent": self.plan_sent, "received": self.plan_received, "loaded": self.plan_loaded}
         metrics = sync_metrics([(e["sent"], e["send_s"], e["results"], e["rss"]) for e in every], self.hosts, plan,
-                               time.perf_counter() - t0, len(self.buckets))
+                               seconds, len(self.buckets))
         if self.delta is not None:
             metrics["weight_sync/full_update"] = float(len(full) == len(self.hosts.owner))
             metrics["weight_sync/full_hosts"] = float(len(full))
