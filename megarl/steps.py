@@ -558,8 +558,8 @@ class EngineGeneration:
             if not lost:
                 return combine([broadcast_rollout(started.done.get(r), topo.owner(r), device=compute_device())
                                 for r in range(topo.replicas)])
-            shares = {r: len(range(*topo.prompt_slice(r, started.num_prompts).indices(started.num_prompts)))
-                      for r in range(topo.replicas)}
+            parts = [topo.prompt_slice(r, started.num_prompts) for r in range(topo.replicas)]
+            shares = {r: part.stop - part.start for r, part in enumerate(parts)}
             self.redone_prompts += sum(shares[r] for r in lost)
             self.kept_prompts += sum(n for r, n in shares.items() if r not in lost)
             restart = {r: c for r, (c, st) in lost.items() if not st}
@@ -583,11 +583,9 @@ class EngineGeneration:
                             r, cause, len(self.budget), self.budget.max_restarts, self.budget.window_s)
         if mine in causes:
             self.engine.restart(version=max(0, self.deliveries - 1))
-        if hasattr(self._sync, "after_restart"):  # the plan compiled at start, the new engines placed into it
+        if hasattr(self._sync, "after_restart"):  # the plan compiled at start: the new engines placed into it
             self._sync.after_restart(self.engine, set(causes))
-        elif hasattr(self._sync, "rejoin"):  # engines placed apart: a new transfer group, the same plan
-            self._sync.rejoin(self.engine, mine in causes)
-        else:
+        else:  # the adapter sync plans again (its base sync and adapters are small)
             self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
         return self._deliver(set(causes))
 

@@ -203,9 +203,7 @@ class EngineSupervisor:
                 self.lost_in_update = f"during a weight update ({exc})"
             else:
                 if name == "begin_update":
-                    self.updates += 1
-                    if hook_hits(KILL_AT_UPDATE, self.updates, self.replica) and self.engine.pid:
-                        os.kill(self.engine.pid, signal.SIGKILL)
+                    self._update_began()
                 return out
         value = UPDATE_CALLS[name]
         return dict(value) if isinstance(value, dict) else value  # a fresh dict: callers may add to it
@@ -214,10 +212,13 @@ class EngineSupervisor:
         """An update over the transfer group (engines placed apart): a lost host's error reaches the remote sync, which
         tells every trainer rank (megarl.sync.transports.remote.EngineHostLost); counted for the update kill hook."""
         pending = self.engine.start_receive_weights(sync, verify)
+        self._update_began()
+        return pending
+
+    def _update_began(self) -> None:
         self.updates += 1
         if hook_hits(KILL_AT_UPDATE, self.updates, self.replica) and self.engine.pid:
             os.kill(self.engine.pid, signal.SIGKILL)
-        return pending
 
     # -- replacement ---------------------------------------------------------------------------------------------
     def kill(self) -> None:
@@ -239,10 +240,6 @@ class EngineSupervisor:
         self.engine = self._start()
         self.engine.set_weight_version(version)
         log.info("%s restarted in %.1f s; it gets the actor's weights next", self.name, time.monotonic() - t0)
-
-    @property
-    def restarts(self) -> int:
-        return self.incarnation
 
     def shutdown(self, timeout_s: float = 30) -> None:
         if self.engine is not None:

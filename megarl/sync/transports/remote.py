@@ -99,6 +99,12 @@ class RemoteSync:
                                                    self.wire_dtypes, needs, device, delta=self.delta is not None)
                                       for h in mine])
 
+    def after_restart(self, engine: Any, replicas: set) -> None:
+        """The engines of `replicas` were restarted (WeightSync.after_restart's counterpart, a collective): `rejoin`,
+        this rank's hosts fresh if one of them is a restarted replica's (host h is replica h: one host per owning
+        rank, in rank order)."""
+        self.rejoin(engine, any(h in replicas for h in self.hosts.owned_by(self.rank)))
+
     def rejoin(self, engine: Any, restarted: bool) -> None:
         """After engine hosts restarted (a collective of every trainer rank; `restarted`: this rank's engine handle
         was restarted, every host of it is fresh): the old transfer group is torn down on every member, a new one
