@@ -496,20 +496,20 @@ class _Started:
             self.handles, self.lost = [], str(exc)
 
     def collect(self) -> tuple:
-        """(this rank's loss cause or None, whether only a replaced engine's stale handle failed): every handle's
-        result this rank waits for is kept in `done`."""
+        """(this rank's loss cause or None, whether only a replaced engine's stale handle failed, prompts of the lost
+        replica's share it still has: EngineLost.kept): every handle's result this rank waits for is kept in `done`."""
         from megarl.rollout.hosting.supervisor import EngineLost
 
         if self.lost is not None:
-            return self.lost, False
+            return self.lost, False, 0
         for replica, handle in enumerate(self.handles):
             if handle is None or replica in self.done:
                 continue
             try:
                 self.done[replica] = handle.result()
             except EngineLost as exc:
-                return str(exc), exc.stale
-        return None, False
+                return str(exc), exc.stale, exc.kept
+        return None, False, 0
 
 
 class EngineGeneration:
@@ -552,16 +552,18 @@ class EngineGeneration:
         topo = self.rt.engines
         mine = topo.replica_of(self.rt.rank) if self.engine is not None else None
         while True:
-            cause, stale = started.collect()
-            every = all_gather_objects((mine, cause, stale))  # every rank learns of any loss
-            lost = {r: (c, st) for r, c, st in every if c is not None}
+            cause, stale, kept = started.collect()
+            every = all_gather_objects((mine, cause, stale, kept))  # every rank learns of any loss
+            lost = {r: (c, st) for r, c, st, _ in every if c is not None}
             if not lost:
                 return combine([broadcast_rollout(started.done.get(r), topo.owner(r), device=compute_device())
                                 for r in range(topo.replicas)])
             parts = [topo.prompt_slice(r, started.num_prompts) for r in range(topo.replicas)]
             shares = {r: part.stop - part.start for r, part in enumerate(parts)}
-            self.redone_prompts += sum(shares[r] for r in lost)
-            self.kept_prompts += sum(n for r, n in shares.items() if r not in lost)
+            # a Ray-hosted replica keeps its surviving actors' chunks (`kept`): only the rest is generated again
+            still = {r: k for r, c, _, k in every if c is not None}
+            self.redone_prompts += sum(shares[r] - still[r] for r in lost)
+            self.kept_prompts += sum(n for r, n in shares.items() if r not in lost) + sum(still.values())
             restart = {r: c for r, (c, st) in lost.items() if not st}
             if restart:
                 self.recover(restart)
@@ -587,7 +589,12 @@ class EngineGeneration:
             self._sync.after_restart(self.engine, set(causes))
         else:  # the adapter sync plans again (its base sync and adapters are small)
             self._sync = weight_sync(self.actor, self.engine, self.cfg, self.rt, self.factory)
-        return self._deliver(set(causes))
+        metrics = self._deliver(set(causes))
+        if not getattr(self._sync, "partial", False) and self.engine is not None:
+            # a transport that delivers to every engine counted the survivors' redundant delivery: the version is the
+            # trainer's count of deliveries on every engine
+            self.engine.set_weight_version(self.deliveries)
+        return metrics
 
     def sync(self) -> dict:
         """Deliver the actor's weights to the engines (collective). An engine replica lost during the delivery (its

@@ -352,8 +352,12 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
             return None
         from megarl.rollout.hosting.ray import RayEngine
 
+        from megarl.rollout.hosting.supervisor import engine_failure_policy
+
         return RayEngine(rollout, model_path, seed=seed,
-                         devices=cfg.engine_devices() if compute_device().type == "cuda" else None)
+                         devices=cfg.engine_devices() if compute_device().type == "cuda" else None,
+                         restartable=engine_failure_policy(cfg) == "restart",
+                         reply_timeout_s=cfg.rollout.engine_timeout_s)
     if not rt.engines.owns(rt.rank):
         return None
     if cfg.engine_placement == "separate" and compute_device().type == "cuda":

@@ -403,13 +403,13 @@ class RolloutConfig(_Section):
                                       "re-packs each layer). false: plain weights, computed with torch's linear; the "
                                       "trainer ranks write each update straight into the engine's parameters (the "
                                       "fast sync; decoding small batches is slower).")
-    on_engine_failure: Optional[Literal["restart", "fail"]] = Field(None, description="An engine replica that dies "
-                                                                    "or hangs: restart (a new engine on its cores or "
-                                                                    "GPUs gets the actor's weights and the step's batch "
-                                                                    "is generated again, same prompts and seeds) or "
-                                                                    "fail (the run stops; resume from the last "
-                                                                    "checkpoint). None: restart in trainer.mode=sync "
-                                                                    "with engine processes, fail otherwise.")
+    on_engine_failure: Literal["restart", "fail"] = Field("restart", description="An engine replica that dies, "
+                                                          "hangs or fails with an error a restart cures: restart (a new "
+                                                          "engine on its cores or GPUs, or a new Ray actor in its "
+                                                          "bundle, gets the actor's weights and the lost share of the "
+                                                          "batch is generated again, same prompts and seeds; the other "
+                                                          "replicas' samples are kept) or fail (the run stops; resume "
+                                                          "from the last checkpoint).")
     engine_timeout_s: Optional[float] = Field(None, gt=0, description="A call to an engine process with no reply "
                                               "for this long counts as a hung engine (restarted or fatal as "
                                               "on_engine_failure says), whatever it is doing; None: no such cap (the "

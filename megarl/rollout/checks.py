@@ -345,15 +345,3 @@ def check_engine_dtype(cfg: MegarlConfig, cpu: Optional[CpuInfo] = None) -> list
         return []
     return [Issue("rollout.dtype", r.dtype, f"a bf16 engine beside a float32 trainer: {BF16_GAP}",
                   "use auto (float32) where the engine's logprobs must equal the trainer's", keys=keys, warning=True)]
-
-
-def check_engine_failure(cfg: MegarlConfig) -> list[Issue]:
-    """rollout.on_engine_failure=restart only where restarts keep the batch exact
-    (megarl.rollout.hosting.supervisor)."""
-    from megarl.rollout.hosting.supervisor import restart_refusal
-
-    why = restart_refusal(cfg) if cfg.rollout.on_engine_failure == "restart" else None
-    if why is None:
-        return []
-    return [Issue("rollout.on_engine_failure", "restart", why, "set rollout.on_engine_failure=fail (or leave it "
-                  "unset: fail there by default)", keys=("rollout.on_engine_failure", "trainer.mode", "rollout.mode"))]

@@ -25,7 +25,7 @@ from megarl.lora.checks import check_lora
 from megarl.megatron.checks import (check_batches, check_device, check_expert_batches, check_layout, check_model_layout,
                                     check_parallel_options, check_router_replay, check_virtual_pipeline, check_warmup)
 from megarl.reward.checks import check_learned_rewards, check_reward_fn
-from megarl.rollout.checks import (check_engine_dtype, check_engine_failure, check_engine_layout, check_lengths,
+from megarl.rollout.checks import (check_engine_dtype, check_engine_layout, check_lengths,
                                    check_quantization, check_rollout_logprobs, check_sampling, check_trainer_mode,
                                    cpu_engine_issues)
 from megarl.rollout.hf.checks import check_engine_available, check_hf_engine
@@ -96,7 +96,7 @@ def check_wandb(cfg: MegarlConfig) -> list[Issue]:
 CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_paths, check_distillation,
     check_engine_available, check_hf_engine,
-    check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout, check_engine_failure,
+    check_model_source, check_layout, check_model_layout, check_architecture, check_engine_layout,
     cpu_engine_issues, check_engine_dtype,
     check_batches,
     check_lengths, check_warmup,

@@ -34,10 +34,10 @@ HOOKS = {"kill": "MEGARL_TEST_KILL_ENGINE_AT_GENERATION", "stop": "MEGARL_TEST_S
          "oom": "MEGARL_TEST_OOM_ENGINE_AT_GENERATION", "hang": "MEGARL_TEST_HANG_ENGINE_AT_GENERATION",
          "update": "MEGARL_TEST_KILL_ENGINE_AT_UPDATE"}
 WATCHDOG = ["rollout.health.stall_floor_s=3", "rollout.health.timeout_s=8", "rollout.health.interval_s=0.5"]
-PLACEMENTS = {"colocated": [], "separate": ["rollout.placement=separate"]}
+PLACEMENTS = {"colocated": [], "separate": ["rollout.placement=separate"], "ray": ["rollout.mode=ray"]}
 MODES = {"sync": [], "one_step_off": ["trainer.mode=one_step_off_policy"], "async": ["trainer.mode=async"]}
 # a stopped engine that was generating misses its steps before its heartbeats (the 3 s stall floor < the 8 s limit)
-CAUSES = {"kill": ("engine process died",), "stop": ("no heartbeat", "no decode step for"),
+CAUSES = {"kill": ("engine process died", "Ray actor of replica"), "stop": ("no heartbeat", "no decode step for"),
           "oom": ("a restart cures: OutOfMemoryError",), "hang": ("no decode step for",),
           "update": ("during a weight transfer", "during a weight update")}
 _refs: dict = {}
@@ -89,7 +89,7 @@ def cell(tmp, fault: str, placement: str, mode: str, replicas: int) -> dict:
     kept = max(r.get("rollout/prompts_kept_on_loss", 0) for r in rows)
     if fault == "update":  # lost in a sync: no generation was lost
         assert (redone, kept) == (0, 0), (redone, kept)
-    elif replicas == 2:  # replica 1's half of the step's 8 prompts redone, replica 0's kept
+    elif replicas == 2:  # replica 1's half of the step's 8 prompts redone, replica 0's kept (Ray: actor 1's, actor 0's)
         assert (redone, kept) == (4, 4), (redone, kept)
     else:
         assert (redone, kept) == (8, 0), (redone, kept)
@@ -131,14 +131,18 @@ def test_two_replicas_one_lost_the_other_keeps_its_samples(tmp):
 
 
 # the slow tier's cells: every fault, placement, mode and replica count at least once; MEGARL_FAULT_MATRIX=all runs
-# every combination (48 cells, about 40 minutes on 2 cores)
+# every combination (58 cells: 48 with engine processes, 10 Ray-hosted in sync mode; about 50 minutes on 2 cores)
 SLOW_CELLS = [("stop", "colocated", "sync", 1), ("oom", "colocated", "sync", 1), ("kill", "colocated", "one_step_off", 1),
               ("oom", "colocated", "async", 1), ("hang", "colocated", "async", 2), ("stop", "colocated", "one_step_off", 2),
               ("kill", "separate", "sync", 1), ("oom", "separate", "sync", 1), ("update", "separate", "sync", 1),
-              ("update", "separate", "sync", 2)]
+              ("update", "separate", "sync", 2),
+              ("kill", "ray", "sync", 2), ("stop", "ray", "sync", 1), ("oom", "ray", "sync", 1), ("hang", "ray", "sync", 1),
+              ("update", "ray", "sync", 2)]
 
 
-ALL_CELLS = [(f, p, m, r) for p in PLACEMENTS for m in MODES for r in (1, 2) for f in HOOKS if f != "update"]
+# Ray-hosted engines generate in sync mode only (validate refuses the async modes with rollout.mode=ray)
+ALL_CELLS = [(f, p, m, r) for p in PLACEMENTS for m in MODES for r in (1, 2) for f in HOOKS
+             if (f != "update" or p == "ray") and (p != "ray" or m == "sync")]
 
 
 @pytest.mark.slow
@@ -146,3 +150,28 @@ ALL_CELLS = [(f, p, m, r) for p in PLACEMENTS for m in MODES for r in (1, 2) for
                          ALL_CELLS if os.environ.get("MEGARL_FAULT_MATRIX") == "all" else SLOW_CELLS)
 def test_fault_matrix_cell(tmp, fault, placement, mode, replicas):
     cell(tmp, fault, placement, mode, replicas)
+
+
+@pytest.mark.slow
+def test_a_lost_continuation_is_reissued_from_its_prefix(tmp):
+    """async_training.partial_rollout=abort_resume: samples an abort cut short are continued from prompt + partial
+    response; the engine is killed right after its first continuation was sent, and the restarted engine continues the
+    same rows from their prefixes: every response still gets its full length, nothing is left aborted."""
+    overrides = ["trainer.total_steps=5", *WATCHDOG, "trainer.mode=async", "async_training.partial_rollout=abort_resume",
+                 "rollout.response_length=96", "rollout.ignore_eos=true"]
+    t0 = time.monotonic()
+    run = Run(tmp, "kill-continuation", overrides, env={"MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION": "1"})
+    code, _ = run.finish(since=t0, limit=900)  # asserts that no process of the run is left
+    out = run.output()
+    assert code == 0, out[-4000:]
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], out[-3000:]
+    assert any(r.get("async/resumed_samples", 0) > 0 for r in rows), \
+        "no generation was cut short by an abort in this run, so no continuation was sent: nothing was tested"
+    assert out.count("restarting it (restart") == 1 and "engine process died" in out, out[-3000:]
+    assert max(r.get("rollout/engine_restarts", 0) for r in rows) == 1
+    for r in rows:
+        assert r["train/response_length_mean"] == 96 and r["rollout/num_aborted"] == 0, r
+        assert r["async/staleness_max"] <= 2, r
+    print(f"FAULT-MATRIX | fault=kill-continuation | placement=colocated | mode=async abort_resume | replicas=1 | "
+          f"finished=True | steps={len(rows)} | restarts=1 | seconds={time.monotonic() - t0:.1f} | processes_left=0")

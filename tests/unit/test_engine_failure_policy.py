@@ -1,30 +1,24 @@
-"""rollout.on_engine_failure: restart by default wherever the trainer starts the engine processes (every trainer
-mode: a lost replica's share is generated again, the others' samples kept), fail for Ray-hosted engines; an explicit
-restart there is refused by validate."""
+"""rollout.on_engine_failure: restart by default for every placement (engine processes the trainer starts, Ray-hosted
+replicas) and every trainer mode; fail when the recipe says so."""
 import pytest
 
 from megarl.config.issues import ConfigError
-from megarl.rollout.checks import check_engine_failure
 from megarl.rollout.hosting.supervisor import engine_failure_policy
 from megarl.validate import load_config
 
 RECIPE = "recipes/grpo_tiny_cpu.yaml"
 
 
-def test_the_default_restarts_engine_processes_in_every_mode_and_fails_for_ray():
+def test_the_default_restarts_everywhere_and_fail_is_kept():
     assert engine_failure_policy(load_config(RECIPE)) == "restart"
     assert engine_failure_policy(load_config(RECIPE, ["trainer.mode=one_step_off_policy"])) == "restart"
     assert engine_failure_policy(load_config(RECIPE, ["trainer.mode=async"])) == "restart"
-    assert engine_failure_policy(load_config(RECIPE, ["rollout.mode=ray"])) == "fail"
+    assert engine_failure_policy(load_config(RECIPE, ["rollout.mode=ray"])) == "restart"
     assert engine_failure_policy(load_config(RECIPE, ["rollout.on_engine_failure=fail"])) == "fail"
+    assert engine_failure_policy(load_config(RECIPE, ["rollout.on_engine_failure=restart", "rollout.mode=ray"])) \
+        == "restart"
 
 
-def test_an_explicit_restart_of_ray_hosted_engines_is_refused():
-    assert check_engine_failure(load_config(RECIPE, ["rollout.on_engine_failure=restart"])) == []
-    assert check_engine_failure(load_config(RECIPE, ["rollout.on_engine_failure=restart", "trainer.mode=async"])) == []
-    [issue] = check_engine_failure(load_config(RECIPE, ["rollout.mode=ray"]).model_copy(update={"rollout": (
-        load_config(RECIPE, ["rollout.mode=ray"]).rollout.model_copy(update={"on_engine_failure": "restart"}))}))
-    assert issue.key == "rollout.on_engine_failure" and "rollout.on_engine_failure=fail" in issue.fix
-    assert "Ray-hosted" in issue.rule
-    with pytest.raises(ConfigError, match="rollout.on_engine_failure = 'restart': Ray-hosted"):
-        load_config(RECIPE, ["rollout.on_engine_failure=restart", "rollout.mode=ray"])
+def test_an_unknown_policy_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match="on_engine_failure"):
+        load_config(RECIPE, ["rollout.on_engine_failure=retry"])

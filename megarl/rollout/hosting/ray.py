@@ -15,12 +15,23 @@ Layout
   on CPU, NCCL on GPU); it writes them into its workers' shared-memory bucket files and loads them through megarl's
   worker extension, as a colocated engine does.
 
+Lost replicas (rollout.on_engine_failure=restart, the default): every generation and weight receive is watched per
+actor. An actor is lost when it dies (Ray reports the actor dead), stops answering the watchdog's ping for
+rollout.health.timeout_s (a stopped or frozen process), reports a stalled decode (the stall limit of
+megarl.rollout.health, judged inside the actor by its own clock), or a call fails with an error a restart cures (an
+OOM in the engine, a dead worker: megarl.rollout.hosting.process.curable). The other actors' calls are waited for and
+their samples kept; `EngineLost` goes up to megarl.steps' EngineGeneration, which (on every rank alike) calls
+`kill` and `restart` here, re-forms the transfer group (the restarted actors fresh, the others keep their delta
+mirrors) and asks for the same prompts again: only the lost actors' chunks are generated again (the same seeds).
+The new actor takes the lost one's bundle of the placement group, so it lands where the layout put the replica.
+
 Why the dist variables are removed: a Ray instance started by the trainer's rank 0 inherits its environment, and an
 engine that saw RANK/WORLD_SIZE/MASTER_ADDR would try to join the trainer's process group (see process.py).
 """
 from __future__ import annotations
 
 import logging
+import signal
 import os
 import time
 from typing import Optional, Sequence
@@ -31,7 +42,10 @@ from megarl import lifecycle
 from megarl.agent.loop import COUNT_KEYS as TOOL_COUNT_KEYS, tool_rates
 from megarl.config.schema import RolloutConfig
 from megarl.layout import EngineDevices
-from megarl.rollout.hosting.process import _DIST_VARS, EngineProcessError
+from megarl.rollout.health import EngineHealth, HealthSettings
+from megarl.rollout.hosting.process import _DIST_VARS, EngineProcessError, curable
+from megarl.rollout.hosting.supervisor import (HANG_AT_GENERATION, KILL_AT_GENERATION, KILL_AT_UPDATE,
+                                               OOM_AT_GENERATION, STOP_AT_GENERATION, EngineLost, hook_hits)
 from megarl.rollout.protocol import Deferred
 from megarl.types import RolloutBatch
 
@@ -40,6 +54,14 @@ log = logging.getLogger(__name__)
 
 class RayEngineError(EngineProcessError):
     """A Ray-hosted engine failed to start or to run a call; the message names the replica and the cause."""
+
+
+class RayReplicasLost(RayEngineError):
+    """Ray-hosted replicas were lost during a weight receive; `hosts`: their positions among the actors."""
+
+    def __init__(self, message: str, hosts: Sequence[int]):
+        super().__init__(message)
+        self.hosts = tuple(hosts)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -94,7 +116,9 @@ class _EngineHost:
     directly; see RayEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str,
-                 expected: Optional[EngineDevices] = None):
+                 expected: Optional[EngineDevices] = None, health: Optional[HealthSettings] = None):
+        import multiprocessing
+
         for key in _DIST_VARS:
             os.environ.pop(key, None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -107,16 +131,47 @@ class _EngineHost:
             expected.check_assigned(ray.get_gpu_ids())
             where = (f"replica {expected.replica}: Ray node {ray.util.get_node_ip_address()}, GPUs "
                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}")
-        self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow, where=where)
+        # the watchdog's record lives in the actor: the driver asks it (`health`) instead of reading shared memory,
+        # since the actor may run on another node (another monotonic clock)
+        self._health = EngineHealth(multiprocessing.get_context("spawn"), health) if health is not None else None
+        self.engine = VLLMEngine(config, model_path, seed=seed, prompt_overflow=prompt_overflow, where=where,
+                                 progress=self._health.progress if self._health is not None else None)
+        if self._health is not None:
+            self._health.start_beating()
 
-    def ready(self) -> float:
-        return float(self.engine.start_seconds)
+    def ready(self) -> tuple:
+        """(engine start seconds, the actor's pid, its node's address)."""
+        import ray
+
+        return float(self.engine.start_seconds), os.getpid(), ray.util.get_node_ip_address()
+
+    def _run(self, method: str, *args, **kwargs):
+        if self._health is not None:
+            self._health.busy(method)
+        try:
+            return getattr(self.engine, method)(*args, **kwargs)
+        finally:
+            if self._health is not None:
+                self._health.idle()
 
     def generate(self, prompt_token_ids, **kwargs) -> RolloutBatch:
-        return self.engine.generate(prompt_token_ids, **kwargs)
+        return self._run("generate", prompt_token_ids, **kwargs)
 
     def rollout_agents(self, prompt_token_ids, **kwargs) -> RolloutBatch:
-        return self.engine.rollout_agents(prompt_token_ids, **kwargs)
+        return self._run("rollout_agents", prompt_token_ids, **kwargs)
+
+    # -- the watchdog (run on the actor's second thread while a call runs on the first) ------------------------------
+    def health(self) -> Optional[str]:
+        """Why this engine counts as lost (megarl.rollout.health.verdict by this actor's clock), or None."""
+        return self._health.check() if self._health is not None else None
+
+    def inject_fault(self, kind: str) -> None:
+        if self._health is None:
+            raise RuntimeError("engine faults are injected through the watchdog: rollout.health.enable=false")
+        self._health.inject(kind)
+
+    def set_weight_version(self, version: int) -> None:
+        self.engine.set_weight_version(version)
 
     # -- weights over the transfer group (megarl.sync.transports.remote) -----------------------------------------------
     def layouts(self) -> list:
@@ -132,7 +187,7 @@ class _EngineHost:
         self.engine.leave_transfer()
 
     def receive_weights(self, sync: int, verify: bool) -> dict:
-        return self.engine.receive_weights(sync, verify)
+        return self._run("receive_weights", sync, verify)
 
     # -- the rest of the engine interface ---------------------------------------------------------------------------
     def weight_version(self) -> int:
@@ -165,7 +220,9 @@ class _EngineHost:
 
 
 class RayEngine:
-    """rollout.data_parallel_size VLLMEngine replicas in Ray actors; the methods of VLLMEngine.
+    """rollout.data_parallel_size VLLMEngine replicas in Ray actors; the methods of VLLMEngine, and with `restartable`
+    those of an engine supervisor (megarl.rollout.hosting.supervisor): lost actors raise EngineLost and are replaced
+    by `kill` + `restart` (see the module docstring).
 
     Args:
         config, model_path, seed, prompt_overflow: as VLLMEngine.
@@ -174,20 +231,31 @@ class RayEngine:
         start_timeout_s: how long the engines may take to start.
         devices: each replica's GPUs as the layout gives them (MegarlConfig.engine_devices; GPU runs): Ray places
             num_gpus of one node for each, and each actor checks what Ray gave it. None: engine TP GPUs each on GPU.
+        restartable: a lost actor raises EngineLost for the caller to restart it (rollout.on_engine_failure=restart);
+            False: RayEngineError, the run stops.
+        reply_timeout_s: rollout.engine_timeout_s, an optional cap on one generation or weight receive.
     """
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int = 0, prompt_overflow: str = "error",
                  address: Optional[str] = None, num_cpus: Optional[int] = None, start_timeout_s: float = 600,
-                 devices: Optional[Sequence[EngineDevices]] = None):
+                 devices: Optional[Sequence[EngineDevices]] = None, restartable: bool = False,
+                 reply_timeout_s: Optional[float] = None):
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
         self.config = config
         self.replicas = int(config.data_parallel_size or 1)
+        self.restartable, self.reply_timeout_s, self.start_timeout_s = restartable, reply_timeout_s, start_timeout_s
+        self._health = HealthSettings.of(config)
         self._started_ray = False
         self._actors: list = []
+        self._pids: list = []  # each actor's (pid, node address), for the test hooks and the kill of its tree
+        self._joined: set = set()  # actors in the current transfer group
+        self.lost: dict = {}  # {actor: cause} of the lost actors, until restart
+        self.restarted_hosts: list = []  # the actors the last restart made fresh
+        self._kept: Optional[tuple] = None  # (call key, {actor: part}): the survivors' parts of a call that lost actors
+        self.generations = self.updates = 0  # calls counted for the test hooks
         self._pg = None
         self._remove_pg = remove_placement_group
         on_gpu = torch.cuda.is_available()
@@ -196,6 +264,10 @@ class RayEngine:
             gpus = [int(config.tensor_model_parallel_size) if on_gpu else 0] * self.replicas
         else:
             gpus = [d.num_gpus for d in devices]
+        self._gpus, self._devices = gpus, list(devices)
+        self._args = (config, str(model_path), int(seed), prompt_overflow)
+        self._runtime_env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if not on_gpu else
+                                          os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}}
         address = address or os.environ.get("RAY_ADDRESS") or None
 
         t0 = time.perf_counter()
@@ -218,25 +290,37 @@ class RayEngine:
                                      f"{start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}. Fix: add "
                                      "nodes to the Ray cluster or lower rollout.data_parallel_size / "
                                      f"rollout.tensor_model_parallel_size. {lifecycle.see('engine-ray-placement')}")
-            host = ray.remote(_EngineHost)
-            runtime_env = {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if not on_gpu else
-                                        os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")}}
-            for r in range(self.replicas):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
-                                                            placement_group_bundle_index=r)
-                self._actors.append(host.options(
-                    num_cpus=1, num_gpus=gpus[r], scheduling_strategy=strategy, runtime_env=runtime_env,
-                    name=f"megarl-engine-{os.getpid()}-{r}",
-                    # two threads: abort() must run while generate() does; the driver makes every other call in turn
-                    max_concurrency=2,
-                ).remote(config, str(model_path), int(seed), prompt_overflow, devices[r]))
-            starts = self._get([a.ready.remote() for a in self._actors], start_timeout_s, "start")
+            self._actors = [self._new_actor(r) for r in range(self.replicas)]
+            starts = self._started(range(self.replicas))
         except BaseException:
             self.shutdown()
             raise
         log.info("Ray rollout engines: %d replica(s) of engine TP%d started in %.1fs (engine start %s s)",
                  self.replicas, config.tensor_model_parallel_size, time.perf_counter() - t0,
                  ", ".join(f"{s:.1f}" for s in starts))
+
+    def _new_actor(self, r: int):
+        """Replica r's actor, in bundle r of the placement group (a restarted one lands where the lost one was)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=r)
+        return self._ray.remote(_EngineHost).options(
+            num_cpus=1, num_gpus=self._gpus[r], scheduling_strategy=strategy, runtime_env=self._runtime_env,
+            name=f"megarl-engine-{os.getpid()}-{r}-{self.generations}-{self.updates}",
+            # three threads: abort() and the watchdog's ping run while generate() does; the driver makes every other
+            # call in turn
+            max_concurrency=3,
+        ).remote(*self._args, self._devices[r], self._health)
+
+    def _started(self, replicas) -> list:
+        """Wait for the actors `replicas` to start; their engine start seconds."""
+        replicas = list(replicas)
+        got = self._get([self._actors[r].ready.remote() for r in replicas], self.start_timeout_s, "start")
+        while len(self._pids) < len(self._actors):
+            self._pids.append(None)
+        for r, (_, pid, node) in zip(replicas, got):
+            self._pids[r] = (pid, node)
+        return [g[0] for g in got]
 
     # -- plumbing -----------------------------------------------------------------------------------------------------
     def _wait(self, ref, timeout_s: float) -> bool:
@@ -258,10 +342,78 @@ class RayEngine:
     def _all(self, method: str, *args, timeout_s: Optional[float] = None):
         return self._get([getattr(a, method).remote(*args) for a in self._actors], timeout_s, method)
 
+    def _watch(self, refs: dict, what: str) -> tuple:
+        """Wait for each actor's call {actor: ref} under the watchdog: ({actor: value}, {actor: cause of its loss}).
+        A call's error that a restart does not cure raises RayEngineError (the run stops)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        ray, s = self._ray, self._health
+        done, lost, pending, pings = {}, {}, dict(refs), {}
+        start = time.monotonic()
+        look = min(1.0, s.interval_s) if s is not None else 1.0
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=look)
+            for r in [r for r, ref in pending.items() if ref in ready]:
+                try:
+                    done[r] = ray.get(pending.pop(r))
+                except RayActorError as exc:
+                    lost[r] = f"the Ray actor of replica {r} died ({_first_line(exc)})"
+                except RayTaskError as exc:
+                    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                    if not curable(cause):
+                        raise RayEngineError(f"the Ray-hosted vLLM engine of replica {r} failed to {what}: "
+                                             f"{_first_line(exc)}") from None
+                    lost[r] = f"an error a restart cures: {type(cause).__name__}: {_first_line(cause)}"
+            now = time.monotonic()
+            for r in list(pending):
+                if self.reply_timeout_s is not None and now - start > self.reply_timeout_s:
+                    lost[r] = (f"the Ray-hosted engine gave no reply for {now - start:.0f} s "
+                               f"(rollout.engine_timeout_s): hung or stopped")
+                elif s is not None:
+                    cause = self._ping(r, pings, now)
+                    if cause is not None:
+                        lost[r] = cause
+                if r in lost:
+                    pending.pop(r)
+        return done, lost
+
+    def _ping(self, r: int, pings: dict, now: float) -> Optional[str]:
+        """The watchdog's look at actor r (pings: {actor: (ref, sent at)} in flight): the cause of its loss, or None.
+        A ping unanswered for rollout.health.timeout_s means the actor is stopped or frozen."""
+        s = self._health
+        if r not in pings:
+            pings[r] = (self._actors[r].health.remote(), now)
+            return None
+        ref, sent = pings[r]
+        ready, _ = self._ray.wait([ref], timeout=0)
+        if ready:
+            del pings[r]
+            try:
+                return self._ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the actor died under the ping: its call's error follows
+                return f"the Ray actor of replica {r} died ({_first_line(exc)})"
+        if now - sent > s.timeout_s:
+            return (f"no heartbeat from the Ray-hosted engine of replica {r} for {now - sent:.0f} s "
+                    f"(rollout.health.timeout_s={s.timeout_s:g}): stopped or frozen")
+        return None
+
+    def _lose(self, lost: dict, when: str, kept_prompts: int = 0):
+        """Record lost actors; the error the caller sees."""
+        self.lost.update(lost)
+        causes = "; ".join(f"replica {r}: {c}" for r, c in sorted(lost.items()))
+        if self.restartable:
+            return EngineLost(f"{when} ({causes})", kept=kept_prompts)
+        return RayEngineError(f"Ray-hosted engine replica(s) {sorted(lost)} lost {when}: {causes} (rollout."
+                              "on_engine_failure=fail; set it to restart to replace them)")
+
     # -- the engine interface -----------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
-                 prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
-                 greedy: bool = False) -> RolloutBatch:
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> RolloutBatch:
+        return self.start_generate(prompt_token_ids, **kwargs).result()
+
+    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None,
+                       validate: bool = False, prompt_index: Optional[Sequence[int]] = None,
+                       seed: Optional[int] = None, greedy: bool = False) -> Deferred:
+        """Every replica starts on its chunk of the prompts; result() waits for them (under the watchdog)."""
         prompts = [list(p) for p in prompt_token_ids]
         ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
         src = self.config.val_kwargs if validate else self.config
@@ -276,22 +428,89 @@ class RayEngine:
         ids = list(range(len(prompts))) if prompt_index is None else [int(i) for i in prompt_index]
         n_eff = n if n is not None else (self.config.val_kwargs if validate else self.config).n
         return self._split_call("rollout_agents", prompts, ids, n_eff, seed, n=n, validate=validate,
-                                per_prompt={"extra_infos": extra_infos})
+                                per_prompt={"extra_infos": extra_infos}).result()
 
     def _split_call(self, method: str, prompts: list, ids: list, n_eff: int, seed: Optional[int],
-                    per_prompt: Optional[dict] = None, **kwargs) -> RolloutBatch:
+                    per_prompt: Optional[dict] = None, **kwargs) -> Deferred:
         chunks = split_prompts(len(prompts), len(self._actors)) or [(0, 0)]
-        refs = []
-        for actor, (start, stop) in zip(self._actors, chunks):
+        # the same call again after a loss (the same prompts and seeds): the survivors' parts are kept
+        key = repr((method, prompts, ids, n_eff, seed, per_prompt, sorted(kwargs.items())))
+        kept = self._kept[1] if self._kept is not None and self._kept[0] == key else {}
+        self._kept = None
+        self._before_generation()
+        refs = {}
+        for r, (actor, (start, stop)) in enumerate(zip(self._actors, chunks)):
+            if r in kept:
+                continue
             chunk_seed = None if seed is None else int(seed) + start * n_eff  # the colocated engine's seeds
             extra = {k: None if v is None else list(v[start:stop]) for k, v in (per_prompt or {}).items()}
-            refs.append(getattr(actor, method).remote(prompts[start:stop], prompt_index=ids[start:stop],
-                                                      seed=chunk_seed, **kwargs, **extra))
-        return concat_rollouts(self._get(refs, None, method))
+            refs[r] = getattr(actor, method).remote(prompts[start:stop], prompt_index=ids[start:stop],
+                                                    seed=chunk_seed, **kwargs, **extra)
+        self._after_generation_sent(refs)
 
-    def start_generate(self, prompt_token_ids: Sequence[Sequence[int]], **kwargs) -> Deferred:
-        """As generate (Ray engines generate only in trainer.mode=sync: the call returns when it is done)."""
-        return Deferred.ready(self.generate(prompt_token_ids, **kwargs))
+        def wait() -> RolloutBatch:
+            done, lost = self._watch(refs, method)
+            parts = {**kept, **done}
+            if lost:
+                self._kept = (key, parts)
+                raise self._lose(lost, "during generation",
+                                 kept_prompts=sum(stop - start for r, (start, stop) in enumerate(chunks) if r in parts))
+            return concat_rollouts([parts[r] for r in range(len(chunks))])
+
+        return Deferred(wait)
+
+    def _before_generation(self) -> None:
+        """The watchdog's ping of every idle actor before new work, and the test hooks acting inside the next steps."""
+        self.generations += 1
+        if self._health is not None:
+            verdicts, lost = self._watch({r: a.health.remote() for r, a in enumerate(self._actors)},
+                                         "answer the watchdog")
+            lost.update({r: v for r, v in verdicts.items() if v is not None})
+            if lost:
+                raise self._lose(lost, "before generation")
+        for hook, kind in ((OOM_AT_GENERATION, "oom"), (HANG_AT_GENERATION, "hang")):
+            for r, actor in enumerate(self._actors):
+                if hook_hits(hook, self.generations, r):
+                    self._get(actor.inject_fault.remote(kind), None, "take a test fault")
+
+    def _after_generation_sent(self, refs: dict) -> None:
+        for hook, sig in ((KILL_AT_GENERATION, signal.SIGKILL), (STOP_AT_GENERATION, signal.SIGSTOP)):
+            for r in refs:
+                if hook_hits(hook, self.generations, r):
+                    os.kill(self._pids[r][0], sig)  # test hooks: the actors run on this machine
+
+    # -- replacement (megarl.steps.EngineGeneration.recover) ---------------------------------------------------------
+    def kill(self) -> None:
+        """Kill the lost actors (their process trees where they run on this machine, then through Ray); nothing is
+        asked of them."""
+        import ray
+
+        here = ray.util.get_node_ip_address()
+        for r in sorted(self.lost):
+            if self._pids[r] is not None and self._pids[r][1] == here:
+                lifecycle.kill_tree(self._pids[r][0])
+            try:
+                ray.kill(self._actors[r], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self._pids[r] = None
+            self._joined.discard(r)
+
+    def restart(self, version: int) -> None:
+        """New actors in place of the lost ones (killed first), with the trainer's weight version `version`; their
+        weights are the checkpoint's until the caller syncs the actor's into them."""
+        self.kill()
+        lost, t0 = sorted(self.lost), time.monotonic()
+        for r in lost:
+            self._actors[r] = self._new_actor(r)
+        self._started(lost)
+        self._get([self._actors[r].set_weight_version.remote(version) for r in lost], None, "take the weight version")
+        self.restarted_hosts, self.lost = lost, {}
+        log.info("Ray engine replica(s) %s restarted in %.1f s; they get the actor's weights next", lost,
+                 time.monotonic() - t0)
+
+    def set_weight_version(self, version: int) -> None:
+        self._all("set_weight_version", version)
 
     # -- weights over the transfer group: one engine host per replica (megarl.sync.transports.remote) ------------------
     def transfer_layouts(self) -> list:
@@ -299,17 +518,32 @@ class RayEngine:
 
     def start_join_transfer(self, spec, first_rank: int):
         refs = [a.join_transfer.remote(spec, first_rank + i) for i, a in enumerate(self._actors)]
+        self._joined = set(range(len(self._actors)))
         return Deferred(lambda: self._get(refs, None, "join the weight transfer group"))
 
     def set_receive_plans(self, plans: list) -> None:
         self._get([a.set_receive_plan.remote(p) for a, p in zip(self._actors, plans)], None, "take the receive plan")
 
     def leave_transfer(self) -> None:
-        self._get([a.leave_transfer.remote() for a in self._actors], None, "leave the weight transfer group")
+        """The actors in the transfer group leave it (a restarted actor never joined the old one)."""
+        joined, self._joined = sorted(self._joined), set()
+        self._get([self._actors[r].leave_transfer.remote() for r in joined], None, "leave the weight transfer group")
 
     def start_receive_weights(self, sync: int, verify: bool = False):
-        refs = [a.receive_weights.remote(sync, verify) for a in self._actors]
-        return Deferred(lambda: self._get(refs, None, "receive weights"))
+        refs = {r: a.receive_weights.remote(sync, verify) for r, a in enumerate(self._actors)}
+        self.updates += 1
+        for r in refs:
+            if hook_hits(KILL_AT_UPDATE, self.updates, r):
+                os.kill(self._pids[r][0], signal.SIGKILL)  # test hook: the actors run on this machine
+
+        def wait() -> list:
+            done, lost = self._watch(refs, "receive weights")
+            if lost:
+                self.lost.update(lost)
+                raise RayReplicasLost("; ".join(f"replica {r}: {c}" for r, c in sorted(lost.items())), sorted(lost))
+            return [done[r] for r in range(len(refs))]
+
+        return Deferred(wait)
 
     @property
     def weight_version(self) -> int:
@@ -374,3 +608,8 @@ class RayEngine:
                 self.shutdown()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1][:300] if text else type(exc).__name__

@@ -33,6 +33,9 @@ replica r only):
     MEGARL_TEST_OOM_ENGINE_AT_GENERATION   the engine's first step of that call raises an OOM (megarl.rollout.health)
     MEGARL_TEST_HANG_ENGINE_AT_GENERATION  the engine's first step of that call never returns (it still beats)
     MEGARL_TEST_KILL_ENGINE_AT_UPDATE      SIGKILL right after the k-th weight update began (the first sync is 1)
+    MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION  SIGKILL right after the k-th continuation was sent (async_training.
+                                           partial_rollout=abort_resume: samples an abort cut short, re-issued from
+                                           their prefix to the restarted engine)
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ STOP_AT_GENERATION = "MEGARL_TEST_STOP_ENGINE_AT_GENERATION"
 OOM_AT_GENERATION = "MEGARL_TEST_OOM_ENGINE_AT_GENERATION"
 HANG_AT_GENERATION = "MEGARL_TEST_HANG_ENGINE_AT_GENERATION"
 KILL_AT_UPDATE = "MEGARL_TEST_KILL_ENGINE_AT_UPDATE"
+KILL_AT_CONTINUATION = "MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION"
 
 # the engine calls of a weight update, each with what it returns once the engine is lost: the owner rank goes on
 # through the update's collectives with the other ranks, and the sync is repeated into the restarted engine
@@ -60,19 +64,8 @@ UPDATE_CALLS = {"begin_update": None, "load_bucket": None, "end_update": {}, "ab
 
 
 def engine_failure_policy(cfg) -> str:
-    """"restart" or "fail": rollout.on_engine_failure, or by default restart where it is supported (engine processes
-    the trainer starts) and fail elsewhere."""
-    r = cfg.rollout
-    if r.on_engine_failure is not None:
-        return r.on_engine_failure
-    return "restart" if restart_refusal(cfg) is None else "fail"
-
-
-def restart_refusal(cfg) -> Optional[str]:
-    """Why engine restarts cannot serve this recipe (None: they can)."""
-    if cfg.rollout.mode == "ray":
-        return "Ray-hosted engines are not restarted yet"
-    return None
+    """"restart" or "fail": rollout.on_engine_failure (restart by default: every placement and trainer mode)."""
+    return cfg.rollout.on_engine_failure
 
 
 def hook_hits(hook: str, count: int, replica: int) -> bool:
@@ -86,11 +79,12 @@ def hook_hits(hook: str, count: int, replica: int) -> bool:
 
 class EngineLost(RuntimeError):
     """The engine replica was lost during a call; its message is the cause ("during generation (...)"). `stale`: the
-    call was made to an engine that has since been replaced (nothing is left to restart)."""
+    call was made to an engine that has since been replaced (nothing is left to restart). `kept`: prompts of the call
+    whose samples the replica still has (Ray-hosted replicas: the surviving actors' chunks), not generated again."""
 
-    def __init__(self, message: str, stale: bool = False):
+    def __init__(self, message: str, stale: bool = False, kept: int = 0):
         super().__init__(message)
-        self.stale = stale
+        self.stale, self.kept = stale, kept
 
 
 class EngineRestartsExhausted(RuntimeError, lifecycle.Explained):
@@ -134,6 +128,7 @@ class EngineSupervisor:
         self.engine = start()
         self.incarnation = 0  # how many times the engine was replaced
         self.generations = 0
+        self.continuations = 0
         self.updates = 0
         self.lost_in_update: Optional[str] = None  # the cause, when the engine was lost during the current update
 
@@ -142,7 +137,11 @@ class EngineSupervisor:
         return self._start_call(lambda: self.engine.start_generate(prompt_token_ids, **kwargs))
 
     def start_continue(self, *args):
-        return self._start_call(lambda: self.engine.start_continue(*args))
+        handle = self._start_call(lambda: self.engine.start_continue(*args))
+        self.continuations += 1
+        if hook_hits(KILL_AT_CONTINUATION, self.continuations, self.replica) and self.engine.pid:
+            os.kill(self.engine.pid, signal.SIGKILL)
+        return handle
 
     def generate(self, prompt_token_ids, **kwargs):
         return self.start_generate(prompt_token_ids, **kwargs).result()

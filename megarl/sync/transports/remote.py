@@ -102,41 +102,41 @@ class RemoteSync:
     def after_restart(self, engine: Any, replicas: set) -> None:
         """The engines of `replicas` were restarted (WeightSync.after_restart's counterpart, a collective): `rejoin`,
         this rank's hosts fresh if one of them is a restarted replica's (host h is replica h: one host per owning
-        rank, in rank order)."""
-        self.rejoin(engine, any(h in replicas for h in self.hosts.owned_by(self.rank)))
+        rank, in rank order; a RayEngine holds every host and names the actors it restarted: `restarted_hosts`)."""
+        restarted = any(h in replicas for h in self.hosts.owned_by(self.rank))
+        self.rejoin(engine, restarted, getattr(engine, "restarted_hosts", None) if restarted else None)
 
-    def rejoin(self, engine: Any, restarted: bool) -> None:
+    def rejoin(self, engine: Any, restarted: bool, fresh: Optional[Sequence[int]] = None) -> None:
         """After engine hosts restarted (a collective of every trainer rank; `restarted`: this rank's engine handle
-        was restarted, every host of it is fresh): the old transfer group is torn down on every member, a new one
-        formed with the same plan, every host given its receive plan again; the next update goes whole to the fresh
-        hosts and as before to the others, whose mirrors are kept. A restarted engine must report the layout it was
-        planned with (the same model and engine parallelism)."""
+        was restarted; `fresh`: which of its hosts (positions among them) are new, default all): the old transfer
+        group is torn down on every member, a new one formed with the same plan, every host given its receive plan
+        again; the next update goes whole to the fresh hosts and as before to the others, whose mirrors are kept. A
+        restarted engine must report the layout it was planned with (the same model and engine parallelism)."""
         if restarted and engine is None:
             raise ValueError(f"rejoin(restarted=True) on trainer rank {self.rank}, which holds no engine handle")
-        every = all_gather_objects((bool(restarted), engine.transfer_layouts() if restarted else None))
-        stale = sorted(h for h in self._lost if not every[self.hosts.owner[h - self.hosts.world]][0])
+        mine = self.hosts.owned_by(self.rank)
+        new = [mine[i] for i in fresh] if restarted and fresh is not None else mine if restarted else []
+        every = all_gather_objects((new, engine.transfer_layouts() if restarted else None))
+        renewed = {h for hosts, _ in every for h in hosts}
+        stale = sorted(h for h in self._lost if h - self.hosts.world not in renewed)
         if stale:  # every rank sees it: all raise here, none waits in the group below
             raise RuntimeError(f"rejoin after engine host(s) {stale} were lost, but the trainer ranks owning them "
                                f"({sorted({self.hosts.owner[h - self.hosts.world] for h in stale})}) did not restart "
                                "their engines: call rejoin(engine, restarted=True) there after the restart")
-        fresh = []
-        for r, (again, layouts) in enumerate(every):
-            if again:
-                mine = self.hosts.owned_by(r)
-                if layouts != [self._layouts[h] for h in mine]:
-                    raise RuntimeError(f"the engine restarted on trainer rank {r} reports another worker layout than "
-                                       "the one the weight sync was planned for; start it with the same model and "
-                                       "rollout.tensor_model_parallel_size, or plan the sync again")
-                fresh += [self.hosts.rank(h) for h in mine]
-        if self.hosts.owned_by(self.rank) and not restarted:
-            engine.leave_transfer()  # the host keeps its mirrors for the next delta update
+        for r, (hosts, layouts) in enumerate(every):
+            if layouts is not None and layouts != [self._layouts[h] for h in self.hosts.owned_by(r)]:
+                raise RuntimeError(f"the engine restarted on trainer rank {r} reports another worker layout than "
+                                   "the one the weight sync was planned for; start it with the same model and "
+                                   "rollout.tensor_model_parallel_size, or plan the sync again")
+        if mine and len(new) < len(mine):
+            engine.leave_transfer()  # the hosts that were not restarted keep their mirrors for the next delta update
         leave_group(self.group)
         self.group = None
         token = all_gather_objects(secrets.token_hex(4) if self.rank == 0 else None)[0]
         self.join(engine, token)
         self._lost = set()
         if self.delta is not None:
-            self.delta.mark_fresh(fresh)
+            self.delta.mark_fresh([self.hosts.rank(h) for h in sorted(renewed)])
 
     def run(self, engine: Any, verify: bool = False) -> dict:
         """Deliver the current weights (a collective of every trainer rank). Raises EngineHostLost on every rank
@@ -165,7 +165,9 @@ class RemoteSync:
             try:
                 results = pending.result()
             except Exception as exc:  # noqa: BLE001 - the host is lost; every rank learns it below
-                lost.update({self.hosts.rank(h): _cause(exc) for h in owned})  # the host's own error first
+                # the host's own error first; a RayEngine names which of its actors were lost (RayReplicasLost.hosts)
+                which = [owned[i] for i in exc.hosts] if hasattr(exc, "hosts") else owned
+                lost.update({self.hosts.rank(h): _cause(exc) for h in which})
         seconds = time.perf_counter() - t0  # the delivery; the checks and their gather below are not counted
         # one gather of the trainer ranks for the losses, the metrics and the delta check
         mine = {"lost": lost, "sent": sent, "send_s": send_s, "results": results, "rss": process_rss_bytes(),
