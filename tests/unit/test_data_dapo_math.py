@@ -87,7 +87,8 @@ def test_repeats_dropped_order_kept_layout_unchanged(capsys, tmp_path):
     assert "read 12 of 12 rows, 5 distinct prompts" in out.stderr  # progress
     rows = pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()
     assert [r["prompt"][0]["content"] for r in rows] == [HEAD + p + FOOT for p, _ in PROBLEMS]  # first-seen order
-    assert rows[0] == {"data_source": "math_dapo", "prompt": [{"role": "user", "content": HEAD + PROBLEMS[0][0] + FOOT}],
+    assert rows[0] == {"data_source": "math_dapo",
+                       "prompt": [{"role": "user", "content": HEAD + PROBLEMS[0][0] + FOOT}],
                        "ability": "MATH", "reward_model": {"ground_truth": "8", "style": "rule-lighteval/MATH_v2"},
                        "extra_info": {"index": "uuid-0", "split": "train"}}
     records = load_prompts([str(tmp_path / "out" / "train.parquet")])  # megarl's own loader

@@ -84,7 +84,7 @@ def test_only_the_last_300_characters_are_read():
     (r"\boxed{ 34}", "34", -1.0, " 34"),                                       # no normalisation in strict mode
     ("Answer: 34", "34", -1.0, "[INVALID]"),                                   # the Answer: line is not read
     (r"\boxed{34", "34", -1.0, "[INVALID]"),                                   # never closed
-    (r"\boxed{34}" + "z" * 91, "34", -1.0, "[INVALID]"),                       # 10 + 91 = 101: the box starts before the last 100
+    (r"\boxed{34}" + "z" * 91, "34", -1.0, "[INVALID]"),                       # 10 + 91 = 101: box starts outside
     (r"\boxed{34}" + "z" * 90, "34", 1.0, "34"),                               # 10 + 90 = 100: inside
 ])
 def test_strict_box_mode_matches_verl(response, truth, score, pred):
