@@ -12,7 +12,7 @@ import pytest
 
 from megarl.launch_local import run_ranks
 from megarl.validate import load_config
-from tests.unit.test_data_dapo_math import dapo_math, official_row
+from tests.helpers.dapo_rows import load_script, official_row
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "dapo_tiny_cpu.yaml"
@@ -30,8 +30,8 @@ def test_prepared_dapo_rows_train_three_steps(tmp_path):
 
     rows = [official_row(q, a, f"uuid-{i}") for i, (q, a) in enumerate(QUESTIONS) for _ in range(1 + i % 3)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo-math-17k.parquet")
-    assert dapo_math.main(["--input", str(tmp_path / "dapo-math-17k.parquet"), "--out-dir", str(tmp_path / "data"),
-                           "--val-size", "4"]) == 0
+    assert load_script().main(["--input", str(tmp_path / "dapo-math-17k.parquet"), "--out-dir",
+                               str(tmp_path / "data"), "--val-size", "4"]) == 0
     run = tmp_path / "run"
     cfg = load_config(RECIPE, [
         f"data.train_files=[{tmp_path / 'data' / 'train.parquet'}]",

@@ -2,7 +2,6 @@
 data_source, prompt as chat messages, ability, reward_model {ground_truth, style}, extra_info {index}), each prompt
 repeated as the official file repeats them: the repeats go, the order stays, megarl's loader reads the output and
 `megarl validate` accepts it in the DAPO recipe."""
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,33 +13,10 @@ import pytest
 from megarl.config import ConfigError
 from megarl.data import load_prompts
 from megarl.validate import load_config
+from tests.helpers.dapo_rows import FOOT, HEAD, SCRIPT, load_script, official_row
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "data" / "dapo_math.py"
-
-# the official file's instruction around each problem, word for word from the dataset's rows
-HEAD = ("Solve the following math problem step by step. The last line of your response should be of the form "
-        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-FOOT = '\n\nRemember to put your answer on its own line after "Answer:".'
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("_megarl_tools_data_dapo_math", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-dapo_math = _load()
-
-
-def official_row(problem: str, answer: str, uuid: str) -> dict:
-    return {"data_source": "math_dapo",
-            "prompt": [{"content": HEAD + problem + FOOT, "role": "user"}],
-            "ability": "MATH",
-            "reward_model": {"ground_truth": answer, "style": "rule-lighteval/MATH_v2"},
-            "extra_info": {"index": uuid}}
+dapo_math = load_script()
 
 
 # (problem, answer) and how many times each appears; the official file interleaves the copies
