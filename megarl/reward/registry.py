@@ -36,6 +36,7 @@ def register_reward(name: str, fn: RewardFn, aliases: Iterable[str] = ()) -> Rew
 register_reward("gsm8k", rules.gsm8k, aliases=["openai/gsm8k"])
 register_reward("math", rules.math, aliases=["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
                                              "HuggingFaceH4/MATH-500", "hendrycks_math"])
+register_reward("math_dapo", rules.math_dapo)  # DAPO-Math-17k and its AIME-2024 set use this data_source
 register_reward("exact_match", rules.exact_match)
 register_reward("format_regex", rules.format_regex)
 register_reward("format_think_answer", rules.format_think_answer)

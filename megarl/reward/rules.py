@@ -152,6 +152,114 @@ def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: Opt
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# DAPO-Math-17k's rule (verl's math_dapo: a final 'Answer: ...' line, +1 right, -1 wrong)
+
+# What verl's math_dapo scores (it reads only the end of a response: the longest MATH-500 answer is 159 characters)
+DAPO_TAIL_CHARS = 300
+DAPO_STRICT_TAIL_CHARS = 100  # strict_box_verify: the box must lie in the last 100 characters of that
+DAPO_INVALID = "[INVALID]"  # the prediction when no answer could be read
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+# normalize_final_answer's two tables, in verl's order (which matters: spaces go before units are cut, so
+# '34 dollars' -> '34dollars' -> '34'; 'an '/'a ' are cut while the spaces are still there)
+DAPO_SUBSTITUTIONS = [
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+]
+DAPO_REMOVED_EXPRESSIONS = [
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+]
+
+
+def last_boxed_only_string(text: str) -> Optional[str]:
+    r"""The last '\boxed{...}' of text, braces balanced, wrapper included; None if there is none or it is not closed.
+    Only the braced form ('\boxed 5' and '\fbox' are not read, unlike `last_boxed`)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return None
+
+
+def remove_boxed(boxed: str) -> str:
+    r"""'\boxed{x}' -> 'x'; ValueError for anything else."""
+    head = "\\boxed{"
+    if not (boxed.startswith(head) and boxed.endswith("}")):
+        raise ValueError(f"not a \\boxed{{...}} expression: {boxed!r:.100}")
+    return boxed[len(head):-1]
+
+
+def normalize_final_answer(answer: str) -> str:
+    r"""verl's (and Minerva's) canonical form of a final answer, step by step:
+
+    1. keep what follows the last '='                       'x = 34' -> ' 34'
+    2. DAPO_SUBSTITUTIONS in order (spaces removed, '\$' removed, 'mbox' -> 'text' ...)
+    3. DAPO_REMOVED_EXPRESSIONS cut in order (units, '\text{}', degrees, '{,}' ...)
+    4. of a '$...$' span keep the first one's inside         'so $34$ m' -> '$34$'
+    5. unwrap \text{..}, \textbf{..}, \overline{..} (the first closing brace) and \boxed{..} (the last)
+    6. shorthand TeX: 'frac12' -> 'frac{1}{2}', 'sqrt3' -> 'sqrt{3}'; then every '$' dropped
+    7. a number written with commas loses them             '1,000' -> '1000'
+    8. stripped
+    Nothing else: '34.' stays '34.', '\dfrac{1}{2}' is not '\frac{1}{2}', '0.5' is not '\frac{1}{2}'.
+    """
+    s = answer.split("=")[-1]
+    for old, new in DAPO_SUBSTITUTIONS:
+        s = s.replace(old, new)
+    for expr in DAPO_REMOVED_EXPRESSIONS:
+        s = s.replace(expr, "")
+    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$", s)
+    for wrapper in ("text", "textbf", "overline"):
+        s = re.sub(r"(\\" + wrapper + r"\{)(.*?)(\})", r"\2", s)
+    s = re.sub(r"(\\boxed\{)(.*)(\})", r"\2", s)
+    s = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", s)
+    s = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", s)
+    s = s.replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
+def dapo_answer(text: str) -> Optional[str]:
+    """The text after the last 'Answer:' (any case, spaces around the colon) up to the end of its line, or None."""
+    found = _DAPO_ANSWER.findall(text)
+    return found[-1] if found else None
+
+
+def math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+              strict_box_verify: bool = False) -> dict[str, Any]:
+    r"""DAPO-Math-17k's reward, verl's `math_dapo.compute_score`: score 1.0 right, -1.0 wrong or unreadable.
+
+    Only the last DAPO_TAIL_CHARS characters of the response are read. Default mode: the answer is the text after
+    the last 'Answer:' on its line; it is right when normalize_final_answer of it equals normalize_final_answer of
+    the ground truth (no answer: the prediction is '[INVALID]'). strict_box_verify: the answer is the last
+    \boxed{...} within the last DAPO_STRICT_TAIL_CHARS of those characters, compared with the ground truth as it is
+    (no normalisation). Returns {"score", "acc" (1.0/0.0; verl's True/False), "pred" (the prediction compared)};
+    pred is text, so it is kept in the rule's output and left out of the logged means.
+    """
+    tail = solution_str[-DAPO_TAIL_CHARS:]
+    truth = str(ground_truth)
+    if strict_box_verify:
+        boxed = last_boxed_only_string(tail[-DAPO_STRICT_TAIL_CHARS:])
+        pred = remove_boxed(boxed) if boxed is not None else DAPO_INVALID
+        correct = pred == truth
+    else:
+        answer = dapo_answer(tail)
+        pred = normalize_final_answer(DAPO_INVALID if answer is None else answer)
+        correct = pred == normalize_final_answer(truth)
+    return {"score": 1.0 if correct else -1.0, "acc": 1.0 if correct else 0.0, "pred": pred}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Strings and formats
 
 
