@@ -81,7 +81,7 @@ def test_gpu_column_cites_every_gpu_test_and_only_gpu_tests():
     for row in rows():
         cell = row["written for GPU, never run"]
         found = CITED.findall(cell)
-        if not found and cell != "none":
+        if not found and not (cell == "none" or cell.startswith("none (")):
             problems.append(f"{row['feature']}: {cell!r} is neither test names nor 'none'")
         for path, name in found:
             node = f"{path}::{name}"
