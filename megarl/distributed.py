@@ -55,7 +55,7 @@ def node_gpus(environ: Optional[Mapping[str, str]] = None, count: Optional[int] 
 # (0.4 GB at 2048 x 49152) is a fresh mapping whose pages the kernel faults in and zeroes again. Measured on a 2-core
 # Xeon: an elementwise pass over such a tensor 2.6x slower than over a reused one; SmolLM2-135M's update step 48.3
 # -> 30.8 s with the heap keeping its blocks (bench/bench_train.py, without huge pages), about a quarter off in
-# `megarl train`, where huge pages already make the faults cheaper (docs/results.md, Benchmarks).
+# `megarl train`, where huge pages already make the faults cheaper (HISTORY.md, Benchmarks).
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 HOST_MALLOC_ENV = "MEGARL_HOST_MALLOC"  # "default": leave malloc as it is
 

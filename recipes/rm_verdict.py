@@ -3,7 +3,7 @@ THRESHOLD, else 0.
 
 Why not its raw score: GRPO divides each group's advantages by the group's standard deviation, so in a group where
 every sample is wrong the reward model's order among wrong answers becomes advantages of full size, where the rule
-gives no gradient; an exact 0/1 reward gives such groups none either (docs/results.md, "RL on a learned reward": the raw
+gives no gradient; an exact 0/1 reward gives such groups none either (HISTORY.md, "RL on a learned reward": the raw
 score made the greedy answer worse while the reward model's own measure rose).
 
 Why 0: recipes/rm_tiny_cpu.yaml trains the reward model with reward centering (rm.center_rewards_coefficient), so a

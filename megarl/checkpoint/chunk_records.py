@@ -6,7 +6,7 @@ small reads finds the chunk's raw bytes; the merger then reads only the bytes of
 and copies tensors whose HF bytes are one contiguous run of raw chunks file to file. Through torch's own reader each
 chunk is loaded whole by torch.load, through Python file callbacks, and copied again: the merge of
 bench/bench_merge.py's checkpoint took 2.0x (the whole command) and 4.7x (merge() alone) as long that way (medians of
-three runs alternating with this path, docs/results.md's bench table). Anything not a plain contiguous little-endian tensor
+three runs alternating with this path, HISTORY.md's bench table). Anything not a plain contiguous little-endian tensor
 record gives None here and is read through torch.distributed.checkpoint (megarl.checkpoint.dcp_reader).
 """
 from __future__ import annotations

@@ -316,8 +316,8 @@ def arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     it by listing numbers. Reading the last '####' and ignoring the rest scored "#### 1 #### 2 #### 1 #### 3" (four
     guesses cut at rollout.response_length, no EOS) and "#### 21 21 21" as right: going on past an answer instead of
     ending it cost nothing and gave another guess, so GRPO on the tiny demo drifted to responses at the length cap,
-    EOS lost and entropy rising (docs/results.md, the demo). format_score is given to a well-formed but wrong
-    answer. Metrics: acc (1/0) and formatted (1 if an answer could be read).
+    EOS lost and entropy rising (HISTORY.md, "Responses that stopped ending"). format_score is given to a well-formed
+    but wrong answer. Metrics: acc (1/0) and formatted (1 if an answer could be read).
     """
     text = solution_str.strip()
     found = _FINAL_HASH_ANSWER.search(text) if text.count("####") == 1 else None
