@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from megarl.config.issues import Issue
 from megarl.config.schema import MegarlConfig
+from megarl.data.dataset import SUPPORTED_EXTENSIONS
 from megarl.data.synthetic import CHAIN_MAX_TERMS
 
 
@@ -11,9 +12,10 @@ def check_data_files(cfg: MegarlConfig) -> list[Issue]:
     for section, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files),
                            ("sft.train_files", cfg.sft.train_files)):
         for i, f in enumerate(files):
-            if not f.endswith((".parquet", ".jsonl", ".json")):
-                issues.append(Issue(f"{section}[{i}]", f, "unsupported file type", "use .parquet or .jsonl",
-                                    keys=(section,)))
+            if not f.endswith(SUPPORTED_EXTENSIONS):  # the loader's own list: what validate accepts, it reads
+                issues.append(Issue(f"{section}[{i}]", f, f"unsupported file type (megarl reads "
+                                    f"{', '.join(SUPPORTED_EXTENSIONS)})", "convert it, e.g. a .json list with "
+                                    "pandas.read_json(...).to_parquet(...)", keys=(section,)))
     return issues
 
 
