@@ -10,7 +10,9 @@ sync mode; the watchdog has measured the engine's decode rate in the second: the
     update SIGKILL right after the engine's second weight update began (placed apart: inside a transfer, with the
            bf16 engine's delta updates: the new engine gets a whole update, the other replica keeps its deltas)
 
-With two replicas the fault hits replica 1 only. Every cell must finish all its steps with no process left, the
+Placements: colocated engine processes, engines placed apart (rollout.placement=separate), and Ray-hosted engines
+(rollout.mode=ray, a local Ray instance; sync mode only, as validate allows). With two replicas the fault hits
+replica 1 only (Ray: the actor of replica 1). Every cell must finish all its steps with no process left, the
 restart named on the console and counted; in sync mode with the same metrics (so the same weights) and weight
 versions as an undisturbed run, with two replicas keeping replica 0's share; in the async modes within the staleness
 bound. Each cell prints its row of the matrix (FAULT-MATRIX | ...), which `pytest -s` shows.
@@ -156,22 +158,24 @@ def test_fault_matrix_cell(tmp, fault, placement, mode, replicas):
 def test_a_lost_continuation_is_reissued_from_its_prefix(tmp):
     """async_training.partial_rollout=abort_resume: samples an abort cut short are continued from prompt + partial
     response; the engine is killed right after its first continuation was sent, and the restarted engine continues the
-    same rows from their prefixes: every response still gets its full length, nothing is left aborted."""
-    overrides = ["trainer.total_steps=5", *WATCHDOG, "trainer.mode=async", "async_training.partial_rollout=abort_resume",
-                 "rollout.response_length=96", "rollout.ignore_eos=true"]
+    same rows from their prefixes: every response still gets its full length, nothing is left aborted. Responses of
+    384 tokens (ignore_eos): decoding them takes the engine longer than the tiny model's update, so the next step's
+    batch is still generating when it is needed and the abort cuts it short."""
+    overrides = ["trainer.total_steps=4", *WATCHDOG, "trainer.mode=async", "async_training.partial_rollout=abort_resume",
+                 "rollout.response_length=384", "rollout.ignore_eos=true"]
     t0 = time.monotonic()
     run = Run(tmp, "kill-continuation", overrides, env={"MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION": "1"})
     code, _ = run.finish(since=t0, limit=900)  # asserts that no process of the run is left
     out = run.output()
     assert code == 0, out[-4000:]
     rows = _rows(run)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5], out[-3000:]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], out[-3000:]
     assert any(r.get("async/resumed_samples", 0) > 0 for r in rows), \
         "no generation was cut short by an abort in this run, so no continuation was sent: nothing was tested"
     assert out.count("restarting it (restart") == 1 and "engine process died" in out, out[-3000:]
     assert max(r.get("rollout/engine_restarts", 0) for r in rows) == 1
     for r in rows:
-        assert r["train/response_length_mean"] == 96 and r["rollout/num_aborted"] == 0, r
+        assert r["train/response_length_mean"] == 384 and r["rollout/num_aborted"] == 0, r
         assert r["async/staleness_max"] <= 2, r
     print(f"FAULT-MATRIX | fault=kill-continuation | placement=colocated | mode=async abort_resume | replicas=1 | "
           f"finished=True | steps={len(rows)} | restarts=1 | seconds={time.monotonic() - t0:.1f} | processes_left=0")
