@@ -6,9 +6,9 @@ Run by the interpreter of the environment being built (standard library only: no
 checks, each ending in one line that says what to do:
   - a torch already installed here (an earlier `make env` that pulled the CUDA build) is a CUDA build: pip would keep
     it, since it satisfies torch==2.13.0 too, so only a fresh environment (`make clean-env`) gets rid of it;
-  - pip, asked what it would install for the pinned torch (a dry run: nothing is downloaded beyond metadata, nothing
-    installed), would install a CUDA build (a `+cu` version, or nvidia-* packages beside it): the CPU wheels are not
-    reachable.
+  - pip, asked what it would install for the pinned torch (a dry run: nothing is installed, though pip downloads a
+    wheel to read its requirements where the index serves no separate metadata), would install a CUDA build (a `+cu`
+    version, or nvidia-* packages beside it): the CPU wheels are not reachable.
 Exit 0 when neither holds, 1 otherwise.
 """
 from __future__ import annotations
