@@ -28,8 +28,8 @@ HEADER = """# Configuration reference
 Every key a recipe can set, generated from the schema (`megarl/config/schema.py`) by `python tools/config_reference.py`
 (a test fails when this file and a fresh generation differ). "default" is the value in a config built with no
 settings (`MegarlConfig()`): a section can give its keys other defaults than the same keys elsewhere (critic.optim.lr
-is 1e-05, actor.optim.lr 1e-06); a section that is off by default (`data.synthetic`, `model.create_tiny`: null)
-shows the defaults its keys take once the section is given. "verl" lists the verl keys `megarl convert-verl` maps to
+is {critic_lr}, actor.optim.lr {actor_lr}); a section that is off by default (`data.synthetic`,
+`model.create_tiny`: null) shows the defaults its keys take once the section is given. "verl" lists the verl keys `megarl convert-verl` maps to
 the key (`actor_rollout_ref.` shortened to `arr.`); a key without one has no verl counterpart or is set by a rule
 with its own logic (see `megarl convert-verl --help`). Recipes set keys in YAML (`rollout: {n: 8}`) or on the command
 line (`rollout.n=8`); `megarl validate RECIPE` checks the rules between keys and prints the derived values.
@@ -151,7 +151,7 @@ def render() -> str:
 
     verl = verl_map()
     cfg = MegarlConfig()
-    lines = [HEADER]
+    lines = [HEADER.replace("{critic_lr}", repr(cfg.critic.optim.lr)).replace("{actor_lr}", repr(cfg.actor.optim.lr))]
     for row in schema_rows(MegarlConfig, cfg=cfg):
         if row["section"]:
             depth = row["key"].count(".")
