@@ -12,8 +12,11 @@ PYTEST_ARGS ?=
 
 env: $(STAMP)
 
-$(STAMP): setup.py constraints-cpu.txt
+$(STAMP): setup.py constraints-cpu.txt scripts/check_cpu_torch.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# Before anything is installed: refuse a CUDA torch, the one pip would fetch where the CPU wheels are not
+	@# reachable and the one an earlier such install left here (one line, naming the variable to set).
+	@$(PY) scripts/check_cpu_torch.py -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -qq --upgrade pip
 	# The CPU build of torch first, pinned, so no later requirement can pull a CUDA build.
 	$(PIP) install -qq -c constraints-cpu.txt torch==2.13.0

@@ -285,10 +285,14 @@ def te_spec_line(used: bool) -> str:
     return f"no ({why})"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megarl doctor", description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-engine", action="store_true", help="do not start a vLLM engine (the slowest probe)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     from megarl.megatron.model import te_available
     from megarl.megatron.precision import apply_precision
 

@@ -1,6 +1,7 @@
 """The configuration reference, generated from the code: every recipe key of megarl's schema (megarl.config.schema)
-with its type, default, allowed values and description, and the verl keys that `megarl convert-verl` maps to it (read
-from convert-verl's own rules table by applying each rule, so the two cannot drift apart).
+with its type, default (read from a freshly built MegarlConfig()), allowed values and description, the verl keys that
+`megarl convert-verl` maps to it (read from the targets convert-verl's own rules declare, so the two cannot drift
+apart), and the derived values `megarl validate` prints.
 
     python tools/config_reference.py            # writes docs/reference/configuration.md
     python tools/config_reference.py --check    # exit 1 when the committed file differs from a fresh generation
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -26,7 +26,10 @@ OUT = ROOT / "docs" / "reference" / "configuration.md"
 HEADER = """# Configuration reference
 
 Every key a recipe can set, generated from the schema (`megarl/config/schema.py`) by `python tools/config_reference.py`
-(a test fails when this file and a fresh generation differ). "verl" lists the verl keys `megarl convert-verl` maps to
+(a test fails when this file and a fresh generation differ). "default" is the value in a config built with no
+settings (`MegarlConfig()`): a section can give its keys other defaults than the same keys elsewhere (critic.optim.lr
+is {critic_lr}, actor.optim.lr {actor_lr}); a section that is off by default (`data.synthetic`,
+`model.create_tiny`: null) shows the defaults its keys take once the section is given. "verl" lists the verl keys `megarl convert-verl` maps to
 the key (`actor_rollout_ref.` shortened to `arr.`); a key without one has no verl counterpart or is set by a rule
 with its own logic (see `megarl convert-verl --help`). Recipes set keys in YAML (`rollout: {n: 8}`) or on the command
 line (`rollout.n=8`); `megarl validate RECIPE` checks the rules between keys and prints the derived values.
@@ -67,61 +70,64 @@ def _bounds(field) -> str:
     return ", ".join(parts)
 
 
-def _default_text(field) -> str:
-    if field.default_factory is not None:
-        try:
-            value = field.default_factory()
-        except TypeError:
-            return ""
-        return "" if isinstance(value, BaseModel) else repr(value)
-    return "" if field.default is PydanticUndefined else repr(field.default)
+def default_value(cfg: BaseModel, key: str) -> Any:
+    """The value of `key` in a config built with no settings (its resolved default: a section's default_factory can
+    override the nested class's own field default, as critic.optim.lr's does). A key under a section whose default is
+    None reads that section's class defaults."""
+    node: Any = cfg
+    for part in key.split("."):
+        if node is None:
+            return None
+        value = getattr(node, part)
+        if value is None and part != key.rsplit(".", 1)[-1]:
+            field = type(node).model_fields[part]
+            nested = _nested_model(field.annotation)
+            value = nested() if nested is not None else None
+        node = value
+    return node
 
 
-def schema_rows(model: type[BaseModel], prefix: str = "") -> list[dict]:
+def _default_text(cfg: BaseModel, key: str, field) -> str:
+    if field.is_required():
+        return ""
+    value = default_value(cfg, key)
+    return "" if isinstance(value, BaseModel) else repr(value)
+
+
+def schema_rows(model: type[BaseModel], prefix: str = "", cfg: BaseModel | None = None) -> list[dict]:
     """One row per key in declaration order, a section's own keys before its subsections: {key, section, type,
-    default, bounds, description}."""
+    default, bounds, description}; defaults are read from `cfg` (default: a freshly built MegarlConfig())."""
+    if cfg is None:
+        from megarl.config.schema import MegarlConfig
+
+        cfg = MegarlConfig()
     rows, sections = [], []
     for name, field in model.model_fields.items():
         key = prefix + name
         nested = _nested_model(field.annotation)
         if nested is not None:
             sections.append([{"key": key, "section": True, "description": field.description or ""},
-                             *schema_rows(nested, key + ".")])
+                             *schema_rows(nested, key + ".", cfg)])
             continue
         rows.append({"key": key, "section": False, "type": _type_text(field.annotation),
-                     "default": _default_text(field), "bounds": _bounds(field),
+                     "default": _default_text(cfg, key, field), "bounds": _bounds(field),
                      "description": " ".join((field.description or "").split())})
     return rows + [row for section in sections for row in section]
 
 
-_PROBES = (1, 2, 0.5, True, False, "auto", "x", [1], {"a": 1}, None)
-
-
 def verl_map() -> dict:
-    """{megarl key: sorted verl keys}: each verl key of convert-verl's rules (its own and its families') applied to
-    probe values; every megarl key a rule sets for some probe counts."""
+    """{megarl key: sorted verl keys}: every verl key convert-verl's rules table knows (megarl.convert_verl.rules
+    .known_keys) listed under each megarl key its rule declares it writes (`rule.targets`), plus the keys converted
+    outside the table."""
     from megarl.convert_verl import rules
-    from megarl.convert_verl.record import Conversion
+    from megarl.convert_verl.convert import MAPPED_OUTSIDE_RULES
 
-    keys = set(rules.RULES)
-    for role, prefix in (("actor", rules.AR + "actor."), ("critic", "critic."), ("ref", rules.AR + "ref.")):
-        if role != "ref":
-            keys |= {f"{prefix}optim.{k}" for k in (*rules._OPTIM, "lr_warmup_steps", "lr_warmup_steps_ratio",
-                                                    "total_training_steps", "lr_decay_style", "warmup_style")}
-        keys |= {f"{prefix}megatron.{k}" for k in (*rules._PARALLEL, *rules._MEGATRON_OFFLOAD)}
     out: dict = {}
-    for verl_key in sorted(keys):
-        rule = rules.rule_for(verl_key)
-        if rule is None:
-            continue
-        for probe in _PROBES:
-            conv = Conversion()
-            try:
-                rule(conv, verl_key, probe)
-            except Exception:  # noqa: BLE001 - a probe the rule does not take says nothing about its target
-                continue
-            for megarl_key in conv.sources:
-                out.setdefault(megarl_key, set()).add(verl_key.replace(rules.AR, "arr."))
+    for verl_key in rules.known_keys():
+        for megarl_key in rules.rule_for(verl_key).targets:
+            out.setdefault(megarl_key, set()).add(verl_key.replace(rules.AR, "arr."))
+    for verl_key, megarl_key in MAPPED_OUTSIDE_RULES.items():
+        out.setdefault(megarl_key, set()).add(verl_key.replace(rules.AR, "arr."))
     return {k: sorted(v) for k, v in out.items()}
 
 
@@ -129,12 +135,24 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def derived_section() -> list[str]:
+    """The values `megarl validate` prints under `derived:` (megarl.config.resolve.derived), each with what it is."""
+    from megarl.config.resolve import DERIVED_MEANINGS
+
+    lines = ["", "## Derived values", "", "Computed from the keys above, never set: `megarl validate RECIPE` prints "
+             "them under `derived:` after the resolved config, and every run writes them to "
+             "`RUN_DIR/config.resolved.yaml`.", "",
+             "| value | what it is |", "|---|---|"]
+    return lines + [f"| `{key}` | {_cell(text)} |" for key, text in DERIVED_MEANINGS.items()]
+
+
 def render() -> str:
     from megarl.config.schema import MegarlConfig
 
     verl = verl_map()
-    lines = [HEADER]
-    for row in schema_rows(MegarlConfig):
+    cfg = MegarlConfig()
+    lines = [HEADER.replace("{critic_lr}", repr(cfg.critic.optim.lr)).replace("{actor_lr}", repr(cfg.actor.optim.lr))]
+    for row in schema_rows(MegarlConfig, cfg=cfg):
         if row["section"]:
             depth = row["key"].count(".")
             lines += ["", f"{'#' * min(2 + depth, 4)} `{row['key']}`", "", _cell(row["description"]), "",
@@ -143,7 +161,7 @@ def render() -> str:
         names = ", ".join(f"`{k}`" for k in verl.get(row["key"], []))
         lines.append(f"| `{row['key']}` | {row['type']} | {_cell(row['default'])} | {row['bounds']} | "
                      f"{_cell(row['description'])} | {names} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + derived_section()) + "\n"
 
 
 def main() -> int:

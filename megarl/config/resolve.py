@@ -41,6 +41,37 @@ def engine_device_lines(cfg: MegarlConfig) -> list:
         return _Lines([str(exc)])
 
 
+# What each derived value is, for the configuration reference (tools/config_reference.py; a test checks that every
+# key derived() returns is here).
+DERIVED_MEANINGS = {
+    "world_size": "Training ranks: trainer.nnodes x trainer.n_gpus_per_node.",
+    "data_parallel_size": "world_size / (tensor x pipeline x context parallel sizes): the model replicas that split "
+                          "each batch.",
+    "sequences_per_step": "data.train_batch_size x rollout.n: responses generated and trained on per RL step.",
+    "sequences_per_step_per_rank": "sequences_per_step / data_parallel_size.",
+    "mini_batches_per_step": "data.train_batch_size / actor.ppo_mini_batch_size: optimizer updates per epoch over "
+                             "the step's batch.",
+    "mini_batch_sequences_per_rank": "actor.ppo_mini_batch_size x rollout.n / data_parallel_size.",
+    "micro_batches_per_mini_batch": "mini_batch_sequences_per_rank / actor.ppo_micro_batch_size_per_gpu (gradient "
+                                    "accumulation); null with actor.use_dynamic_bsz (token budgets decide).",
+    "optimizer_steps_per_step": "actor.ppo_epochs x mini_batches_per_step: the actor's optimizer steps per RL step.",
+    "clip_ratio_low": "The PPO clip's lower epsilon: actor.clip_ratio_low, else actor.clip_ratio.",
+    "clip_ratio_high": "The PPO clip's upper epsilon: actor.clip_ratio_high, else actor.clip_ratio.",
+    "max_model_len": "The engine's context: rollout.max_model_len, else rollout.prompt_length + "
+                     "rollout.response_length.",
+    "engine_replicas": "Engine copies serving rollouts: rollout.data_parallel_size, else world_size / "
+                       "rollout.tensor_model_parallel_size when colocated, 1 when separate.",
+    "engine_placement": "separate with rollout.mode=ray, else rollout.placement, else colocated (engines share "
+                        "the trainer's devices).",
+    "engine_devices": "GPU runs only: each engine replica's node and GPUs, one line each.",
+    "critic_enabled": "Whether a critic trains: critic.enable, else true for algorithm.adv_estimator=gae.",
+    "ref_enabled": "Whether the reference model is loaded: ref.enable, else true when a KL term needs it "
+                   "(actor.use_kl_loss with actor.kl_loss_coef > 0, or algorithm.use_kl_in_reward).",
+    "return_routed_experts": "rollout.return_routed_experts, else true for actor.router_replay.mode=R3: the "
+                             "engine returns the experts it routed each token to, for the trainer to replay.",
+}
+
+
 def derived(cfg: MegarlConfig) -> dict:
     """Values computed from the config (never configured twice): DP size, per-rank batch sizes, step counts, the engine
     replicas' GPUs."""

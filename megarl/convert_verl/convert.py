@@ -22,6 +22,9 @@ _MICRO_GLOBAL = {  # verl's deprecated global micro-batch sizes -> the per-GPU m
     AR + "ref.log_prob_micro_batch_size": "ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
 }
+# verl keys converted outside the rules table (each read together with another key): verl key -> the megarl key
+MAPPED_OUTSIDE_RULES = {"custom_reward_function.path": "reward.reward_fn",
+                        "custom_reward_function.name": "reward.reward_fn", **_MICRO_GLOBAL}
 HUGE_STEPS = 1_000_000  # total_steps when verl's run length is given in epochs only: trainer.total_epochs decides
 FILL_IN_MODEL = "FILL_IN/hf_model_dir"
 

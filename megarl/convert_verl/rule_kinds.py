@@ -10,9 +10,18 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from megarl.convert_verl.record import Conversion, get_key
-from megarl.convert_verl.verl_behaviour import AR
 
 Rule = Callable[[Conversion, str, Any], None]
+
+
+def sets(*keys: str):
+    """Declare the megarl keys a rule can write (`rule.targets`; none for a rule that only drops or refuses): the
+    configuration reference lists each rule's verl key beside them, and a test applies every rule to probe values and
+    fails on a key it writes without declaring it."""
+    def mark(rule):
+        rule.targets = tuple(keys)
+        return rule
+    return mark
 
 
 def _optional(key: str) -> bool:
@@ -38,7 +47,7 @@ def to(key: str, fn: Optional[Callable[[Any], Any]] = None):
             c.drop(verl_key, value, f"null (unset): megarl keeps its default for {key}")
             return
         c.set(verl_key, value, key, fn(value) if fn and value is not None else None)
-    return rule
+    return sets(key)(rule)
 
 
 def files(value: Any) -> list:
@@ -57,7 +66,7 @@ def _is(value: Any, choices: tuple) -> bool:
 def no_effect(why: str):
     def rule(c: Conversion, verl_key: str, value: Any) -> None:
         c.drop(verl_key, value, why)
-    return rule
+    return sets()(rule)
 
 
 def accept(allowed: tuple, why: str, refused: str):
@@ -67,7 +76,7 @@ def accept(allowed: tuple, why: str, refused: str):
             c.drop(verl_key, value, why)
         else:
             c.refuse(verl_key, value, refused)
-    return rule
+    return sets()(rule)
 
 
 def off_only(why_off: str, why_refused: str, off: tuple = (None, False, 0, "", [])):
@@ -80,6 +89,7 @@ def freq(key: str):
     return to(key, lambda v: 0 if int(v) < 0 else int(v))
 
 
+@sets("model.recompute")
 def recompute(c: Conversion, verl_key: str, value: Any) -> None:
     if c.trainer == "ppo_megatron_trainer" and verl_key.endswith("enable_gradient_checkpointing"):
         # verl's Megatron workers recompute per override_transformer_config.recompute_*; this FSDP switch is unread
@@ -89,6 +99,7 @@ def recompute(c: Conversion, verl_key: str, value: Any) -> None:
     c.set(verl_key, value, "model.recompute", "full" if value else "none")
 
 
+@sets("model.recompute")
 def recompute_granularity(c: Conversion, verl_key: str, value: Any) -> None:
     if value in (None, "full", "selective"):
         c.set(verl_key, value, "model.recompute", value or "none")
@@ -108,9 +119,25 @@ def steps_or_unset(key: str, why_unset: str):
             c.drop(verl_key, value, why_unset)
         else:
             c.set(verl_key, value, key)
-    return rule
+    return sets(key)(rule)
 
 
+def refuse(why: str):
+    """Keys megarl reads elsewhere or not at all, whatever their value."""
+    def rule(c: Conversion, verl_key: str, value: Any) -> None:
+        c.refuse(verl_key, value, why)
+    return sets()(rule)
+
+
+def decided_later(*targets: str):
+    """Keys decided once every other key is known (megarl.convert_verl.verl_behaviour.derive), which writes
+    `targets`."""
+    def rule(c: Conversion, verl_key: str, value: Any) -> None:
+        c.later[verl_key] = value
+    return sets(*targets)(rule)
+
+
+@sets("parallelism.context_parallel_size")
 def context_parallel(c: Conversion, verl_key: str, value: Any) -> None:
     """actor/ref/critic.megatron.context_parallel_size -> parallelism.context_parallel_size (one for all three); above 1
     the first mapped line says how megarl cuts the sequences (megatron's load-balanced chunks, as verl's Megatron
@@ -128,6 +155,7 @@ def context_parallel(c: Conversion, verl_key: str, value: Any) -> None:
     c.set(verl_key, value, key, why=why)
 
 
+@sets("model.moe_router_dtype")
 def router_dtype(c: Conversion, verl_key: str, value: Any) -> None:
     if value in (None, "fp32", "fp64"):
         c.set(verl_key, value, "model.moe_router_dtype")
@@ -135,6 +163,7 @@ def router_dtype(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megatron computes the router in fp32 or fp64 (or the model dtype: null)")
 
 
+@sets("model.dtype")
 def megatron_dtype(c: Conversion, verl_key: str, value: Any) -> None:
     if value in ("bfloat16", "float16", "float32"):
         c.set(verl_key, value, "model.dtype")
@@ -142,6 +171,7 @@ def megatron_dtype(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl trains in float32, bfloat16 or float16 (model.dtype)")
 
 
+@sets("data.truncation")
 def truncation(c: Conversion, verl_key: str, value: Any) -> None:
     if value == "middle":
         c.refuse(verl_key, value, "megarl truncates prompts from the left or right only; use 'left' or 'right'")
@@ -151,6 +181,7 @@ def truncation(c: Conversion, verl_key: str, value: Any) -> None:
         c.set(verl_key, value, "data.truncation")
 
 
+@sets("data.truncation")
 def filter_overlong(c: Conversion, verl_key: str, value: Any) -> None:
     if value:
         c.set(verl_key, value, "data.truncation", "filter")
@@ -158,6 +189,7 @@ def filter_overlong(c: Conversion, verl_key: str, value: Any) -> None:
         c.drop(verl_key, value, "off: prompts over data.max_prompt_length follow data.truncation")
 
 
+@sets("logging.wandb.enable", "logging.tensorboard")
 def logger(c: Conversion, verl_key: str, value: Any) -> None:
     names = [value] if isinstance(value, str) else list(value or [])
     if not names:
@@ -173,6 +205,7 @@ def logger(c: Conversion, verl_key: str, value: Any) -> None:
         c.drop(verl_key, value, "megarl always prints a line per reported step")
 
 
+@sets()
 def rollout_name(c: Conversion, verl_key: str, value: Any) -> None:
     if value == "vllm":
         c.drop(verl_key, value, "vLLM is megarl's engine")
@@ -180,6 +213,7 @@ def rollout_name(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl's rollout engine is vLLM; drop this key")
 
 
+@sets("rollout.load_format")
 def load_format(c: Conversion, verl_key: str, value: Any) -> None:
     fmt = "dummy" if str(value).startswith("dummy") else value
     if fmt in ("dummy", "auto", "safetensors"):
@@ -188,6 +222,7 @@ def load_format(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl's engine loads 'dummy', 'auto' or 'safetensors' weights")
 
 
+@sets("actor.lora.sync")
 def lora_merge(c: Conversion, verl_key: str, value: Any) -> None:
     if value in (True, False, None):
         c.set(verl_key, value, "actor.lora.sync", "merged" if value else "adapter")
@@ -195,6 +230,7 @@ def lora_merge(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "true (merged weights into the engine) or false (adapters into vLLM's LoRA support)")
 
 
+@sets("checkpoint.resume")
 def resume_mode(c: Conversion, verl_key: str, value: Any) -> None:
     if value in ("auto", "disable"):
         c.set(verl_key, value, "checkpoint.resume")
@@ -202,6 +238,7 @@ def resume_mode(c: Conversion, verl_key: str, value: Any) -> None:
         c.drop(verl_key, value, "the checkpoint path comes from trainer.resume_from_path")
 
 
+@sets()
 def reward_manager(c: Conversion, verl_key: str, value: Any) -> None:
     if value in ("naive", "dapo", None):
         c.drop(verl_key, value, "megarl scores each sample with the reward function; overlong shaping is "
@@ -210,6 +247,7 @@ def reward_manager(c: Conversion, verl_key: str, value: Any) -> None:
         c.refuse(verl_key, value, "megarl has one reward manager (per-sample functions)")
 
 
+@sets("algorithm.rollout_correction.rejection_threshold")
 def rs_threshold(c: Conversion, verl_key: str, value: Any) -> None:
     if value is None:
         c.drop(verl_key, value, "unset")
@@ -227,9 +265,10 @@ def level(key: str, levels: tuple[str, ...]):
             c.set(verl_key, value, key)
         else:
             c.refuse(verl_key, value, f"megarl supports {', '.join(levels)} here")
-    return rule
+    return sets(key)(rule)
 
 
+@sets("actor.policy_loss")
 def policy_loss(c: Conversion, verl_key: str, value: Any) -> None:
     from megarl.algo import POLICY_LOSSES
 
@@ -245,9 +284,12 @@ def policy_loss(c: Conversion, verl_key: str, value: Any) -> None:
 # so the recipe names verl's aggregation. verl's entropy bonus and KL loss still follow loss_agg_mode.
 
 
-def lr_schedule(c: Conversion, verl_key: str, value: Any) -> None:
-    if value in ("constant", "cosine", "linear"):
-        c.set(verl_key, value, verl_key.replace(AR, "").rsplit(".", 1)[0] + ".lr_decay_style")
-    else:
-        c.refuse(verl_key, value, "megarl schedules: constant, linear, cosine")
+def lr_schedule(key: str):
+    """verl's warmup_style / lr_scheduler_type / lr_decay_style -> megarl's `key` (ROLE.optim.lr_decay_style)."""
+    def rule(c: Conversion, verl_key: str, value: Any) -> None:
+        if value in ("constant", "cosine", "linear"):
+            c.set(verl_key, value, key)
+        else:
+            c.refuse(verl_key, value, "megarl schedules: constant, linear, cosine")
+    return sets(key)(rule)
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megarl.convert_verl.rule_kinds import (Rule, accept, context_parallel, files, filter_overlong, freq, level,
-                                            load_format, logger, lora_merge, lr_schedule, megatron_dtype, no_effect,
-                                            off_only, policy_loss, recompute, recompute_detail,
-                                            recompute_granularity, resume_mode, reward_manager, rollout_name,
-                                            router_dtype, rs_threshold, steps_or_unset, to, truncation)
+from megarl.convert_verl.rule_kinds import (Rule, accept, context_parallel, decided_later, files, filter_overlong,
+                                            freq, level, load_format, logger, lora_merge, lr_schedule,
+                                            megatron_dtype, no_effect, off_only, policy_loss, recompute,
+                                            recompute_detail, recompute_granularity, refuse, resume_mode,
+                                            reward_manager, rollout_name, router_dtype, rs_threshold, steps_or_unset,
+                                            to, truncation)
 from megarl.convert_verl.verl_behaviour import AR
 
-_OPTIM = ("lr", "weight_decay", "betas", "clip_grad", "min_lr")
+_OPTIM = ("lr", "weight_decay", "betas", "eps", "clip_grad", "min_lr")
 _TRANSFORMER = "override_transformer_config."  # verl's prefix for megatron TransformerConfig fields
 _OFFLOAD = ("megarl trains with Megatron; its offload around rollout is the megatron keys (param_offload, "
             "grad_offload, optimizer_offload -> actor/critic.offload.*, ref.offload); check the memory with "
@@ -45,6 +46,7 @@ RULES: dict[str, Rule] = {
     "data.tokenizer": to("model.tokenizer_path"),
     # model
     AR + "model.path": to("model.path"),
+    AR + "model.tokenizer_path": to("model.tokenizer_path"),
     AR + "model.trust_remote_code": to("model.trust_remote_code"),
     AR + "model.enable_gradient_checkpointing": recompute,
     AR + "model.use_remove_padding": no_effect(_NO_PADDING_SWITCH),
@@ -52,6 +54,11 @@ RULES: dict[str, Rule] = {
     AR + "model.lora_rank": to("actor.lora.rank"),
     AR + "model.lora_alpha": to("actor.lora.alpha"),
     AR + "model.target_modules": to("actor.lora.target_modules"),
+    # verl's newer model.lora.* section (Megatron workers); its target_modules use Megatron's layer names, which
+    # megarl's HF/PEFT names do not take, so that one stays refused
+    AR + "model.lora.rank": to("actor.lora.rank"),
+    AR + "model.lora.alpha": to("actor.lora.alpha"),
+    AR + "model.lora.dropout": to("actor.lora.dropout"),
     AR + "actor.peft.lora_rank": to("actor.lora.rank"),
     AR + "actor.peft.lora_alpha": to("actor.lora.alpha"),
     AR + "actor.peft.target_modules": to("actor.lora.target_modules"),
@@ -77,6 +84,8 @@ RULES: dict[str, Rule] = {
     AR + "rollout.mode": no_effect("megarl's engine serves every request of a step together"),
     AR + "rollout.expert_parallel_size": to("rollout.expert_model_parallel_size"),
     AR + "rollout.load_format": load_format,
+    AR + "rollout.quantization": to("rollout.quantization"),
+    AR + "rollout.checkpoint_engine.update_weights_bucket_megabytes": to("rollout.update_weights_bucket_megabytes"),
     AR + "rollout.multi_turn.enable": to("rollout.multi_turn.enable"),
     AR + "rollout.micro_batch_size": no_effect("deprecated in verl and unused"),
     AR + "rollout.prompt_length": no_effect("verl derives it from data.max_prompt_length (rollout.prompt_length)"),
@@ -128,6 +137,7 @@ RULES: dict[str, Rule] = {
     "trainer.resume_mode": resume_mode,
     "trainer.resume_from_path": to("checkpoint.resume"),
     "trainer.max_actor_ckpt_to_keep": to("checkpoint.keep_last_k"),
+    "trainer.max_critic_ckpt_to_keep": to("checkpoint.keep_last_k"),  # one count for actor and critic together
     "trainer.balance_batch": no_effect("a throughput option; megarl has no equivalent and results do not depend "
                                        "on it"),
     "trainer.log_val_generations": to("trainer.log_val_generations"),
@@ -135,22 +145,22 @@ RULES: dict[str, Rule] = {
     "trainer.total_training_steps": steps_or_unset("trainer.total_steps", "unset: the run length comes from "
                                                    "trainer.total_epochs"),
     "data.trust_remote_code": to("model.trust_remote_code"),
-    "data.gen_batch_size": lambda c, k, v: c.later.__setitem__(k, v),
+    "data.gen_batch_size": decided_later("rollout.over_sample_rate"),
     AR + "hybrid_engine": accept((True,), "megarl's engines always receive the actor's weights after each update",
                                  "megarl's rollout always uses the actor's latest weights; drop it"),
     AR + "nccl_timeout": no_effect("a collective-communication timeout; megarl keeps torch.distributed's default"),
     AR + "model.use_fused_kernels": no_effect("verl's fused log-prob/entropy kernel saves memory; the values are the "
                                               "same, and megarl computes log-probs from vocab-parallel logits itself"),
-    AR + "model.override_config.model_config.max_position_embeddings": lambda c, k, v: c.refuse(
-        k, v, "megarl reads the model's config.json as it is; raise max_position_embeddings there if you need to"),
+    AR + "model.override_config.model_config.max_position_embeddings": refuse(
+        "megarl reads the model's config.json as it is; raise max_position_embeddings there if you need to"),
     AR + "ref.log_prob_use_dynamic_bsz": to("rollout.log_prob_use_dynamic_bsz"),
     AR + "ref.log_prob_max_token_len_per_gpu": to("rollout.log_prob_max_token_len_per_gpu"),
     AR + "ref.strategy": accept(("megatron",), "megarl's trainer is Megatron", "megarl computes the reference with "
                                 "Megatron whatever verl's strategy was; drop it"),
     "critic.strategy": accept(("megatron",), "megarl's trainer is Megatron", "megarl trains the critic with "
                               "Megatron whatever verl's strategy was; drop it"),
-    "reward_model.reward_kwargs.max_resp_len": lambda c, k, v: c.later.__setitem__(k, v),
-    "reward.reward_kwargs.max_resp_len": lambda c, k, v: c.later.__setitem__(k, v),
+    "reward_model.reward_kwargs.max_resp_len": decided_later(),
+    "reward.reward_kwargs.max_resp_len": decided_later(),
     "reward.reward_manager.name": reward_manager,
 }
 for _prefix in ("reward_model.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.overlong_buffer_cfg."):
@@ -242,7 +252,7 @@ def _optim_rule(role: str, name: str) -> Optional[Rule]:
     if name in _OPTIM:
         return to(target + name)
     if name in ("warmup_style", "lr_scheduler_type", "lr_decay_style"):
-        return lr_schedule
+        return lr_schedule(target + "lr_decay_style")
     if name == "lr_warmup_steps":
         return steps_or_unset(target + name, "verl's -1: the warm-up comes from lr_warmup_steps_ratio")
     if name in ("lr_decay_steps", "use_checkpoint_opt_param_scheduler", "lr_wsd_decay_steps"):
@@ -305,7 +315,10 @@ def _other_family_rule(key: str, short: str, rest: str) -> Optional[Rule]:
         return no_effect("megarl derives it from actor.router_replay.mode (R3 is the mode that needs the "
                          "engine's routes)")
     if short.startswith("rollout.val_kwargs."):
-        return to("rollout.val_kwargs." + short.removeprefix("rollout.val_kwargs."))
+        from megarl.config.schema import ValKwargs
+
+        name = short.removeprefix("rollout.val_kwargs.")
+        return to("rollout.val_kwargs." + name) if name in ValKwargs.model_fields else None
     if rest == "use_torch_compile" or short == "actor.use_torch_compile":
         return no_effect("torch.compile of verl's own helpers: speed only")
     if short.startswith("actor.checkpoint.") or short.startswith("critic.checkpoint."):
@@ -328,4 +341,29 @@ def rule_for(key: str) -> Optional[Rule]:
         rule = _megatron_rule(role, name)
         if rule is None and name.startswith(_TRANSFORMER):
             return None  # a TransformerConfig field without a rule: refused, whatever else its name contains
+    elif role in ("actor", "ref") and rest.startswith("router_replay."):  # newer verl: beside megatron, not in it
+        rule = _megatron_rule(role, rest)
     return rule or _other_family_rule(key, short, rest)
+
+
+def known_keys() -> list[str]:
+    """Every verl key the table has a rule for: RULES' own keys and each family's, expanded over the names the family
+    takes (optimizer, Megatron layout and offload, routing replay, validation sampling). The configuration reference
+    lists, for each megarl key, the verl keys here whose rule declares it (`rule.targets`)."""
+    from megarl.config.schema import ValKwargs
+
+    keys = set(RULES)
+    optim = (*_OPTIM, "lr_warmup_steps", "lr_warmup_steps_ratio", "total_training_steps", "lr_decay_style",
+             "warmup_style", "lr_scheduler_type")
+    for role, prefix in (("actor", AR + "actor."), ("critic", "critic."), ("ref", AR + "ref.")):
+        if role != "ref":
+            keys |= {f"{prefix}optim.{name}" for name in optim}
+        keys |= {f"{prefix}megatron.{name}" for name in (*_PARALLEL, *_MEGATRON_OFFLOAD, *_MEGATRON_SWITCHES,
+                                                           "router_replay.mode")}
+        keys |= {f"{prefix}megatron.{_TRANSFORMER}{name}" for name in (
+            *_FUSIONS, "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
+            "moe_router_dtype")}
+        if role != "critic":
+            keys.add(f"{prefix}router_replay.mode")
+    keys |= {f"{AR}rollout.val_kwargs.{name}" for name in ValKwargs.model_fields}
+    return sorted(k for k in keys if rule_for(k) is not None)

@@ -82,6 +82,19 @@ def test_metrics_jsonl_has_the_documented_keys(tp1):
         assert required <= set(m), required - set(m)
 
 
+
+def test_every_logged_metric_is_on_the_metrics_page(tp1):
+    """What a real run writes, beside tests/unit/test_docs_metrics.py's reading of the code."""
+    sys.path.insert(0, str(ROOT / "tests" / "unit"))
+    from test_docs_metrics import covered, documented
+
+    _, metrics, _, _ = tp1
+    docs = documented()
+    logged = {k for m in metrics for k in m} - {"step"}
+    missing = sorted(k for k in logged if not covered(k, docs))
+    assert not missing, f"not in docs/metrics.md: {missing}"
+
+
 @pytest.mark.slow  # a second 2-rank run (~36 s); TP2 = TP1 per update: tests/dist/test_actor_step, test_on_policy_update
 def test_tp2_losses_equal_tp1(tp1):
     tmp, ref, _, _ = tp1
