@@ -16,11 +16,14 @@ milliseconds). Time is
 CLOCK_MONOTONIC, which every process of a machine shares, so a hang that began while the trainer trained is judged
 at its first look, not a limit later.
 
-Test hook: `inject(kind)` makes the engine's next step raise an engine OOM ("oom") or hang for good ("hang", the
-heartbeat goes on), as megarl.rollout.hosting.supervisor's MEGARL_TEST_* hooks ask.
+Test hooks: `inject(kind)` makes the engine's next step raise an engine OOM ("oom") or hang for good ("hang", the
+heartbeat goes on), as megarl.rollout.hosting.supervisor's MEGARL_TEST_* hooks ask; MEGARL_TEST_ENGINE_STEP_DELAY_S
+in the engine's environment adds that many seconds to each of its steps (a slow engine: generations still running
+when the trainer wants the next batch).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -100,6 +103,8 @@ class EngineHealth:
 
     # -- the engine process's side -------------------------------------------------------------------------------------
     def start_beating(self) -> None:
+        self._delay_s = float(os.environ.get("MEGARL_TEST_ENGINE_STEP_DELAY_S", 0) or 0)
+
         def beat():
             while True:
                 self._shared[_BEAT] = time.monotonic()
@@ -133,6 +138,8 @@ class EngineHealth:
                                          "step by a megarl test hook)")
         while fault == _FAULTS["hang"]:  # the process stays alive and beating, the generation never ends
             time.sleep(3600)
+        if getattr(self, "_delay_s", 0):
+            time.sleep(self._delay_s)
 
     def inject(self, kind: str) -> None:
         self._shared[_FAULT] = _FAULTS[kind]

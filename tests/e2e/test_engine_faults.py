@@ -158,13 +158,16 @@ def test_fault_matrix_cell(tmp, fault, placement, mode, replicas):
 def test_a_lost_continuation_is_reissued_from_its_prefix(tmp):
     """async_training.partial_rollout=abort_resume: samples an abort cut short are continued from prompt + partial
     response; the engine is killed right after its first continuation was sent, and the restarted engine continues the
-    same rows from their prefixes: every response still gets its full length, nothing is left aborted. Responses of
-    384 tokens (ignore_eos): decoding them takes the engine longer than the tiny model's update, so the next step's
-    batch is still generating when it is needed and the abort cuts it short."""
-    overrides = ["trainer.total_steps=4", *WATCHDOG, "trainer.mode=async", "async_training.partial_rollout=abort_resume",
-                 "rollout.response_length=384", "rollout.ignore_eos=true"]
+    same rows from their prefixes: every response still gets its full length, nothing is left aborted. Two batches
+    ahead (max_staleness 2), responses of 256 tokens (ignore_eos) and an engine slowed to 20 ms a step (a 256-token
+    generation then takes longer than the tiny model's update): a batch is still generating when the weights change,
+    and the abort cuts it short."""
+    overrides = ["trainer.total_steps=4", *WATCHDOG, "trainer.mode=async", "async_training.max_staleness=2",
+                 "algorithm.rollout_correction.is_level=token", "async_training.partial_rollout=abort_resume",
+                 "rollout.response_length=256", "rollout.ignore_eos=true"]
     t0 = time.monotonic()
-    run = Run(tmp, "kill-continuation", overrides, env={"MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION": "1"})
+    run = Run(tmp, "kill-continuation", overrides, env={"MEGARL_TEST_KILL_ENGINE_AT_CONTINUATION": "1",
+                                                       "MEGARL_TEST_ENGINE_STEP_DELAY_S": "0.02"})
     code, _ = run.finish(since=t0, limit=900)  # asserts that no process of the run is left
     out = run.output()
     assert code == 0, out[-4000:]
@@ -175,7 +178,7 @@ def test_a_lost_continuation_is_reissued_from_its_prefix(tmp):
     assert out.count("restarting it (restart") == 1 and "engine process died" in out, out[-3000:]
     assert max(r.get("rollout/engine_restarts", 0) for r in rows) == 1
     for r in rows:
-        assert r["train/response_length_mean"] == 384 and r["rollout/num_aborted"] == 0, r
+        assert r["train/response_length_mean"] == 256 and r["rollout/num_aborted"] == 0, r
         assert r["async/staleness_max"] <= 2, r
     print(f"FAULT-MATRIX | fault=kill-continuation | placement=colocated | mode=async abort_resume | replicas=1 | "
           f"finished=True | steps={len(rows)} | restarts=1 | seconds={time.monotonic() - t0:.1f} | processes_left=0")
