@@ -1,0 +1,92 @@
+"""Qwen2.5-VL's config in the bridge (ArchSpec with M-RoPE sections and the vision tower; refusals naming the field),
+the tiny model and processor inputs the parity tests use, and megarl's own M-RoPE positions against transformers'
+get_rope_index."""
+import json
+
+import pytest
+
+from megarl.bridge.hf_config import BridgeError, load_spec, spec_from_dict
+from tests.helpers.tiny_vlm import make_tiny_vl_model, synthetic_image, vl_batch
+
+IMAGES = [(100, 60), (84, 84), (70, 130)]  # merged grids 2 x 4, 3 x 3 and 5 x 2: windows of 2 x 2, some cut short
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    hf_dir = make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "qwen2_5_vl", seed=1)
+    batch = vl_batch(hf_dir, [synthetic_image(w, h, i) for i, (w, h) in enumerate(IMAGES)], seq_len=40)
+    return hf_dir, batch
+
+
+def test_tiny_vl_spec_reads_text_and_vision_config(tiny_vl):
+    from transformers import AutoConfig
+
+    hf_dir, _ = tiny_vl
+    spec = load_spec(hf_dir)
+    cfg = AutoConfig.from_pretrained(str(hf_dir))
+    text, vision = cfg.text_config, cfg.vision_config
+    assert spec.family == "qwen2_5_vl" and spec.qkv_bias and not spec.tie_word_embeddings
+    assert (spec.hidden_size, spec.num_layers, spec.num_attention_heads, spec.num_key_value_heads,
+            spec.ffn_hidden_size, spec.vocab_size) == (text.hidden_size, text.num_hidden_layers,
+                                                       text.num_attention_heads, text.num_key_value_heads,
+                                                       text.intermediate_size, text.vocab_size)
+    assert spec.rope.mrope_section == tuple(text.rope_parameters["mrope_section"])
+    assert spec.rope.theta == text.rope_parameters["rope_theta"]
+    v = spec.vision
+    assert (v.depth, v.hidden_size, v.num_heads, v.intermediate_size, v.out_hidden_size, v.window_size,
+            v.fullatt_block_indexes) == (vision.depth, vision.hidden_size, vision.num_heads,
+                                         vision.intermediate_size, vision.out_hidden_size, vision.window_size,
+                                         tuple(vision.fullatt_block_indexes))
+    assert (v.image_token_id, v.vision_start_token_id) == (cfg.image_token_id, cfg.vision_start_token_id)
+
+
+def test_processor_inputs_hold_one_placeholder_per_merged_token(tiny_vl):
+    _, batch = tiny_vl
+    grid = batch["image_grid_thw"]
+    assert grid.tolist() == [[1, 4, 8], [1, 6, 6], [1, 10, 4]]
+    assert batch["pixel_values"].shape == (int(grid.prod(-1).sum()), 3 * 2 * 14 * 14)
+    assert batch["mm_token_type_ids"].sum(-1).tolist() == (grid.prod(-1) // 4).tolist()
+
+
+def test_megarl_mrope_positions_equal_transformers_get_rope_index(tiny_vl):
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megarl.megatron.vlm import mrope_positions
+
+    hf_dir, batch = tiny_vl
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32)
+    ref, _ = model.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"], batch["image_grid_thw"])
+    got = mrope_positions(batch["input_ids"], batch["image_grid_thw"], load_spec(hf_dir).vision)
+    assert got.shape == ref.shape and torch.equal(got, ref)
+    # text after an image resumes at the image's start + its larger merged side, not at its token count
+    row = 2
+    end = int(batch["image_start"][row]) + 10
+    assert int(got[0, row, end]) == int(batch["image_start"][row]) + 5
+
+
+def _vl_config(hf_dir) -> dict:
+    return json.loads((hf_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 6, 4]), "mrope_section"),
+    (lambda c: c["vision_config"].update(out_hidden_size=64), "out_hidden_size"),
+    (lambda c: c["vision_config"].update(hidden_act="gelu"), "hidden_act"),
+    (lambda c: c["text_config"].update(use_sliding_window=True), "use_sliding_window"),
+])
+def test_unsupported_vl_configs_are_refused_naming_the_field(tiny_vl, change, field):
+    cfg = _vl_config(tiny_vl[0])
+    change(cfg)
+    with pytest.raises(BridgeError, match=field):
+        spec_from_dict(cfg)
+
+
+def test_older_config_with_text_fields_at_top_level_reads_the_same(tiny_vl):
+    """transformers < 5 wrote Qwen2.5-VL's text fields at the top level and rope_scaling {type: mrope}."""
+    cfg = _vl_config(tiny_vl[0])
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    cfg.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope",
+                                                                  "mrope_section": rope["mrope_section"]})
+    assert spec_from_dict(cfg) == load_spec(tiny_vl[0])
