@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from megarl.bridge.hf_config import VisionSpec
 
-VISION_PREFIX = "vision_model."
 
 
 # ---- positions --------------------------------------------------------------------------------------------------
