@@ -374,6 +374,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
+        if spec.vision is not None:
+            raise BridgeError(f"{args.hf}: {spec.architecture} is a vision-language model; megarl builds and imports "
+                              "it, but megarl verify's batches, forward and engines take text only so far")
         if spec.score_head and args.engine in ("vllm", "hf"):
             raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine {args.engine} compares "
                               "the logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")

@@ -90,3 +90,44 @@ def test_older_config_with_text_fields_at_top_level_reads_the_same(tiny_vl):
     cfg.update(text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope",
                                                                   "mrope_section": rope["mrope_section"]})
     assert spec_from_dict(cfg) == load_spec(tiny_vl[0])
+
+
+def test_vision_patch_positions_and_windows_equal_transformers(tiny_vl):
+    """megarl's own window reordering and 2D patch positions against transformers' helpers, on grids whose windows
+    are cut short at the edges, and a video-like grid of two frames."""
+    import torch
+    from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
+
+    from megarl.megatron.vlm import patch_positions, window_order
+
+    v = load_spec(tiny_vl[0]).vision
+    for grid in (tiny_vl[1]["image_grid_thw"], torch.tensor([[2, 6, 10], [1, 2, 2]])):
+        order, lengths = window_order(grid, v)
+        ref_order, ref_cu = get_vision_window_index(grid, v.spatial_merge_size, v.window_size, v.patch_size)
+        assert torch.equal(order, ref_order)
+        assert torch.cumsum(torch.tensor([0] + lengths), 0).tolist() == ref_cu.tolist()
+        assert torch.equal(patch_positions(grid, v.spatial_merge_size), get_vision_position_ids(grid, 2))
+
+
+def test_mapping_names_and_shapes_are_the_checkpoints(tiny_vl):
+    from megarl.bridge.mapping import Mapping
+    from tests.helpers.tiny_models import read_checkpoint
+
+    hf_dir, _ = tiny_vl
+    ckpt = {k: tuple(t.shape) for k, t in read_checkpoint(hf_dir).items()}
+    assert Mapping(load_spec(hf_dir)).hf_shapes() == ckpt
+    assert sum(k.startswith("visual.") for k in ckpt) == 1 + 2 * 12 + 5
+
+
+def test_validate_and_verify_refuse_a_vl_model_for_now_in_one_line(tiny_vl, capsys):
+    from megarl.bridge.checks import check_architecture
+    from megarl.config import load_unchecked
+    from megarl.verify import main
+
+    hf_dir, _ = tiny_vl
+    issues = check_architecture(load_unchecked(data={"model": {"path": str(hf_dir)}}))
+    assert [i.key for i in issues] == ["model.path"] and "vision-language" in issues[0].rule
+    capsys.readouterr()
+    assert main(["--hf", str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vision-language" in err and "Traceback" not in err
