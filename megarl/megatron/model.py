@@ -22,6 +22,8 @@ Choices (each one is what makes megarl's logprobs equal HF transformers'):
   (capacity factor None), allgather dispatcher by default. Sequence parallel is switched on for MoE with TP>1
   (megatron requires it). Qwen2-MoE shared experts: moe_shared_expert_intermediate_size + moe_shared_expert_gate
   (sigmoid gate, as HF).
+- Vision-language (Qwen2.5-VL, spec.vision set): position_embedding_type "mrope" with the checkpoint's mrope_section,
+  and megarl.megatron.vlm's vision tower attached to the first stage's GPTModel as `vision_model` (replicated over TP).
 - Critic (value_head=True): the same trunk; `output_layer` is a ValueHead, a replicated [1, hidden] linear (no bias)
   giving one value per token. It is loaded from HF `score.weight` when the checkpoint has one (a *ForSequenceClassification
   reward/value model); otherwise initialised N(0, std=1/(hidden_size+1)) from a generator seeded with `head_seed`

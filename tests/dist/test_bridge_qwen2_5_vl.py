@@ -120,3 +120,25 @@ def test_vl_parity_tp1_and_wrong_inputs_fail(vl):
 
 def test_vl_parity_tp2_and_export_round_trip(vl):
     _run(vl, 2, negatives=False, export=True)
+
+
+@pytest.mark.slow
+def test_vl_tied_embeddings_parity_tp2_and_export_round_trip(tmp_path):
+    """Qwen2.5-VL-3B's shape: the LM head tied to the embedding (no lm_head.weight in the checkpoint)."""
+    import torch
+
+    from megarl.bridge.hf_config import load_spec
+    from megarl.numerics import fp32_bound
+
+    hf_dir = str(make_tiny_vl_model(tmp_path / "tied", seed=5, tie_word_embeddings=True))
+    assert load_spec(hf_dir).tie_word_embeddings and "lm_head.weight" not in read_checkpoint(hf_dir)
+    batch = vl_batch(hf_dir, [synthetic_image(w, h, i + 3) for i, (w, h) in enumerate(IMAGES)], seq_len=SEQ, seed=6)
+    refs = {}
+    for name, images in (("text", False), ("images", True)):
+        logits = hf_vl_logits(hf_dir, batch, images=images)
+        bound = fp32_bound(load_spec(hf_dir), SEQ, batch["input_ids"][:, 1:].numel(),
+                           float(logits[:, :-1].pow(2).mean().sqrt()),
+                           vision_segment=int(batch["image_grid_thw"][:, 1:].prod(-1).max()) if images else 0)
+        refs[name] = (logprobs_of(logits, batch["input_ids"]), bound)
+    assert not torch.equal(refs["text"][0], refs["images"][0])
+    _run((hf_dir, batch, refs), 2, negatives=False, export=True)
