@@ -261,24 +261,44 @@ def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.T
 
 def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
               image_grid_thw: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None
-              ) -> torch.Tensor:
-    """Logits [B, S, padded vocab / TP] (this TP rank's vocabulary shard) of a single-stage model on unpadded rows
-    input_ids [B, S] with their images; positions [3, B, S] default to mrope_positions."""
+              ) -> Optional[torch.Tensor]:
+    """Logits [B, S, padded vocab / TP] (this TP rank's vocabulary shard) on the last pipeline stage (None on the
+    others) of unpadded rows input_ids [B, S] with their images, one micro-batch through megatron's pipeline schedule
+    (forward only); positions [3, B, S] default to mrope_positions. Call on every rank of the model-parallel group.
+
+    Every stage computes the rotary embedding from the same positions; the first stage builds the decoder input from
+    the token embeddings and the vision tower's image embeddings (vl_embeddings)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     from megarl.bridge.sharding import unwrap
     from megarl.megatron.forward import causal_inputs
+    from megarl.megatron.parallel import schedule_args
 
-    chunk = unwrap(model)[0]
-    if not (chunk.pre_process and chunk.post_process):
-        raise ValueError("vl_logits runs a single pipeline stage; pipeline parallelism is not wired for "
-                         "vision-language models yet")
+    chunks = unwrap(model)
+    if len(chunks) > 1:
+        raise ValueError("vision-language models run without virtual pipeline stages for now")
+    chunk = chunks[0]
     vision = chunk.megarl_spec.vision
-    device = chunk.embedding.word_embeddings.weight.device
+    device = chunk.decoder.final_layernorm.weight.device if chunk.post_process else next(chunk.parameters()).device
     input_ids = input_ids.to(device)
     if positions is None:
         positions = mrope_positions(input_ids.cpu(), image_grid_thw, vision)
-    decoder_input = vl_embeddings(chunk, input_ids, None if pixel_values is None else pixel_values.to(device),
-                                  image_grid_thw)
+    positions = positions.to(device)
+    pixels = None if pixel_values is None else pixel_values.to(device)
     _, mask = causal_inputs(input_ids)
-    return chunk(input_ids=input_ids, position_ids=positions.to(device), attention_mask=mask,
-                 decoder_input=decoder_input)
 
+    def step(data_iterator, m):
+        next(data_iterator)
+        decoder_input = vl_embeddings(chunk, input_ids, pixels, image_grid_thw) if chunk.pre_process else None
+        out = m(input_ids=input_ids, position_ids=positions, attention_mask=mask, decoder_input=decoder_input)
+        return out, lambda output: (torch.zeros((), device=output.device), {"out": output.detach()})
+
+    chunk.config.variable_seq_lengths = False
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=step, **schedule_args(chunks, [None]), num_microbatches=1, forward_only=True,
+            seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0])
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return results[0]["out"]

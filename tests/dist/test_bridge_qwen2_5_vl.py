@@ -1,6 +1,7 @@
-"""Qwen2.5-VL: HF -> megarl (TP1, TP2 over gloo) -> logprobs equal HF transformers' Qwen2_5_VLForConditionalGeneration
+"""Qwen2.5-VL: HF -> megarl (TP1, TP2, PP2, TP2 x PP2 over gloo) -> logprobs equal HF transformers' Qwen2_5_VLForConditionalGeneration
 within the float32 bound derived from the model's widths and depth (the vision tower's included), and HF -> megarl ->
-export is bitwise the input checkpoint, vision tower included.
+export is bitwise the input checkpoint, vision tower included (TP2, PP2, TP2 x PP2; a tied-embedding variant at TP2
+in the slow tier).
 
 Two comparisons per layout on rows of text around one image each (three images of different sizes: merged grids
 2 x 4, 3 x 3 and 5 x 2, so windows are cut short at the edges):
@@ -21,9 +22,9 @@ IMAGES = [(100, 60), (84, 84), (70, 130)]
 SEQ = 40
 
 
-def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool):
-    """Load the checkpoint at TP `tp`; return {name: logprobs [B, S-1]} (TP rank 0 only, else None) of the variants
-    and the export round trip's problems (or None)."""
+def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool, pp: int = 1):
+    """Load the checkpoint at TP `tp` x PP `pp`; return {name: logprobs [B, S-1]} (TP rank 0 of the last stage only,
+    else None) of the variants and the export round trip's problems (or None)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -33,7 +34,7 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool):
     from megarl.megatron.parallel import Layout, init_model_parallel
     from megarl.megatron.vlm import mrope_positions, vl_logits
 
-    init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=7)
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=7)
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     model.eval()
     tokens, pixels, grid = batch["input_ids"], batch["pixel_values"], batch["image_grid_thw"]
@@ -41,6 +42,8 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool):
     def logprobs(ids, with_images=True, positions=None):
         with torch.no_grad():
             local = vl_logits(model, ids, pixels if with_images else None, grid, positions)
+            if local is None:  # not the last pipeline stage
+                return None
             logits = gather_from_tensor_model_parallel_region(local)[..., : spec.vocab_size]
         return logprobs_of(logits, tokens)  # scored against the true next tokens
 
@@ -66,7 +69,7 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool):
         problems = [f"missing {k}" for k in ref if k not in exported] + [f"extra {k}" for k in exported if k not in ref]
         problems += [f"differs {k}" for k in ref if k in exported and (exported[k].dtype != ref[k].dtype
                                                                        or not torch.equal(exported[k], ref[k]))]
-    keep = ps.get_tensor_model_parallel_rank() == 0
+    keep = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
     return {"logprobs": out if keep else None, "export": problems}
 
 
@@ -94,18 +97,19 @@ def vl(tmp_path_factory):
     return hf_dir, batch, refs
 
 
-def _run(vl, tp: int, negatives: bool, export: bool) -> dict:
+def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1) -> dict:
     hf_dir, batch, refs = vl
-    results = run_ranks(f"{__name__}:vl_rank", tp, {"hf_dir": hf_dir, "batch": batch, "tp": tp,
-                                                    "negatives": negatives, "export": export}, timeout=600)
+    results = run_ranks(f"{__name__}:vl_rank", tp * pp, {"hf_dir": hf_dir, "batch": batch, "tp": tp, "pp": pp,
+                                                         "negatives": negatives, "export": export}, timeout=600)
+    assert sum(r["logprobs"] is not None for r in results) == 1  # TP rank 0 of the last stage
     for rank, r in enumerate(results):
         assert r["export"] in (None, []), f"rank {rank}: export round trip problems {r['export'][:10]}"
     got = next(r["logprobs"] for r in results if r["logprobs"] is not None)
     for name in ("text", "images"):
         ref, bound = refs[name]
         diff = (got[name] - ref).abs().max().item()
-        print(f"[qwen2_5_vl tp{tp}] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
-        assert diff < bound, f"{name} at TP{tp}: max abs logprob diff {diff:.3e} >= derived bound {bound:.3e}"
+        print(f"[qwen2_5_vl tp{tp} pp{pp}] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
+        assert diff < bound, f"{name} at TP{tp} PP{pp}: max abs logprob diff {diff:.3e} >= derived bound {bound:.3e}"
     return got
 
 
@@ -120,6 +124,16 @@ def test_vl_parity_tp1_and_wrong_inputs_fail(vl):
 
 def test_vl_parity_tp2_and_export_round_trip(vl):
     _run(vl, 2, negatives=False, export=True)
+
+
+def test_vl_parity_pp2_and_export_round_trip(vl):
+    """Pipeline stage 0 holds the vision tower and the first layer; every stage rotates by the same M-RoPE positions."""
+    _run(vl, 1, negatives=False, export=True, pp=2)
+
+
+@pytest.mark.parity_repeat  # the kernels of tp2 and pp2
+def test_vl_parity_tp2pp2_and_export_round_trip(vl):
+    _run(vl, 2, negatives=False, export=True, pp=2)
 
 
 @pytest.mark.slow
