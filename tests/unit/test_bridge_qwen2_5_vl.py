@@ -131,3 +131,59 @@ def test_validate_and_verify_refuse_a_vl_model_for_now_in_one_line(tiny_vl, caps
     assert main(["--hf", str(hf_dir)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "vision-language" in err and "Traceback" not in err
+
+
+def test_vision_tower_equals_transformers_visual_within_the_derived_bound(tiny_vl):
+    """megarl's tower loaded through the mapping's vision entries gives transformers' merged image embeddings (the
+    pooler output of model.visual) to within float32 rounding: relative error vision_error_factor * u per value, two
+    implementations apart (sqrt 2), the largest of n values within sqrt(2 ln n) spreads."""
+    import dataclasses
+    import math
+
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megarl.bridge.mapping import VISION_PREFIX, Mapping
+    from megarl.megatron.vlm import Qwen25VisionTower
+    from megarl.numerics import FP32_UNIT, tail_factor, vision_error_factor
+    from tests.helpers.tiny_models import read_checkpoint
+
+    hf_dir, batch = tiny_vl
+    spec = load_spec(hf_dir)
+    tower = Qwen25VisionTower(spec.vision)
+    ckpt = read_checkpoint(hf_dir)
+    params = dict(tower.named_parameters())
+    loaded = 0
+    for entry in Mapping(spec).entries:
+        if entry.megatron.startswith(VISION_PREFIX):
+            params[entry.megatron[len(VISION_PREFIX):]].data.copy_(ckpt[entry.hf[0]])
+            loaded += 1
+    assert loaded == len(params)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+    with torch.no_grad():
+        ref = hf.model.visual(pixels, grid_thw=grid).pooler_output
+        got = tower(pixels, grid)
+    longest = int(grid[:, 1:].prod(-1).max())
+    rms = float(ref.pow(2).mean().sqrt())
+    bound = tail_factor(ref.numel()) * math.sqrt(2) * vision_error_factor(spec.vision, longest) * FP32_UNIT * rms
+    diff = float((got - ref).abs().max())
+    print(f"vision tower: max |diff| {diff:.2e} (bound {bound:.2e})")
+    assert got.shape == ref.shape and diff < bound
+    # the window order matters: the same blocks over frames only (no windows) differ far beyond the bound
+    with torch.no_grad():
+        tower.spec = dataclasses.replace(spec.vision, fullatt_block_indexes=(0, 1))
+        assert float((tower(pixels, grid) - ref).abs().max()) > 10 * bound
+
+
+def test_weight_sync_layout_puts_the_vision_tower_on_the_first_stage(tiny_vl):
+    from megarl.bridge.mapping import VISION_PREFIX, Mapping
+    from megarl.sync.shards import layout_owners
+
+    mapping = Mapping(load_spec(tiny_vl[0]))
+    owners = layout_owners(mapping, tp=2, pp=2, ep=1, world=4)
+    vision = [n for n in owners if n.startswith(VISION_PREFIX)]
+    assert len(vision) == 1 + 2 * 12 + 5
+    # every TP rank of stage 0 (global ranks 0 and 1) holds the whole tensor (TP size 1: replicated)
+    assert all(sorted(owners[n]) == [(0, 0, 1), (1, 0, 1)] for n in vision)
