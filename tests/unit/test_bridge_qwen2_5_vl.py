@@ -187,3 +187,20 @@ def test_weight_sync_layout_puts_the_vision_tower_on_the_first_stage(tiny_vl):
     assert len(vision) == 1 + 2 * 12 + 5
     # every TP rank of stage 0 (global ranks 0 and 1) holds the whole tensor (TP size 1: replicated)
     assert all(sorted(owners[n]) == [(0, 0, 1), (1, 0, 1)] for n in vision)
+
+
+def test_plan_counts_hold_the_vision_tower_whole_on_the_first_stage(tiny_vl):
+    import dataclasses
+    import math
+
+    from megarl.plan.counts import profile, stage_elements
+    from tests.helpers.tiny_models import read_checkpoint
+
+    ckpt = read_checkpoint(tiny_vl[0])
+    p = profile(_vl_config(tiny_vl[0]))
+    assert p.total == sum(t.numel() for t in ckpt.values())
+    assert p.vision == sum(math.prod(t.shape) for k, t in ckpt.items() if k.startswith("visual."))
+    without = dataclasses.replace(p, vision=0)
+    for first in (True, False):  # TP2: replicated, so whole on each rank of the first stage only
+        got = stage_elements(p, [0], 2, 1, 2, first, False)[0] - stage_elements(without, [0], 2, 1, 2, first, False)[0]
+        assert got == (p.vision if first else 0)
