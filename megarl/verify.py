@@ -374,9 +374,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
-        if spec.vision is not None:
-            raise BridgeError(f"{args.hf}: {spec.architecture} is a vision-language model; megarl builds and imports "
-                              "it, but megarl verify's batches, forward and engines take text only so far")
+        if spec.vision is not None:  # text around images: megarl.verify_vl
+            check_layout(spec, args.tp, args.pp, 1, first_stage=args.first_stage_layers,
+                         last_stage=args.last_stage_layers)
+            from megarl.verify_vl import main_vl
+
+            return main_vl(args, spec)
         if spec.score_head and args.engine in ("vllm", "hf"):
             raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine {args.engine} compares "
                               "the logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")

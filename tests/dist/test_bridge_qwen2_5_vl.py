@@ -136,6 +136,16 @@ def test_vl_parity_tp2pp2_and_export_round_trip(vl):
     _run(vl, 2, negatives=False, export=True, pp=2)
 
 
+def test_megarl_verify_on_a_vl_checkpoint_tp2_pp2(vl, capsys):
+    """`megarl verify` draws its own images, places them with the checkpoint's tokenizer and image processor and
+    judges against transformers with the derived bound."""
+    from megarl.verify import main
+
+    assert main(["--hf", vl[0], "--tp", "2", "--pp", "2", "--batch", "3", "--seq-len", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic images (merged grids [[1, 2, 4], [1, 3, 3], [1, 5, 2]])" in out and "): OK" in out, out
+
+
 @pytest.mark.slow
 def test_vl_tied_embeddings_parity_tp2_and_export_round_trip(tmp_path):
     """Qwen2.5-VL-3B's shape: the LM head tied to the embedding (no lm_head.weight in the checkpoint)."""

@@ -15,8 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Union
 
+from megarl.verify_vl import synthetic_image  # the images `megarl verify` draws
 from tests.helpers.tiny_models import VOCAB, make_tokenizer
 
+__all__ = ["make_vl_tokenizer", "vision_token_ids", "image_processor", "randomize_vl_", "make_tiny_vl_model",
+           "synthetic_image", "vl_batch", "hf_vl_logits", "logprobs_of"]
 # pixel limits: at most 24 merged tokens (28 x 28 pixels each), at least 4
 MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 24 * 28 * 28
 
@@ -86,23 +89,6 @@ def make_tiny_vl_model(out_dir: Union[str, Path], *, seed: int = 0, init_std: fl
     model.save_pretrained(str(out), **kwargs)
     image_processor().save_pretrained(str(out))
     return out
-
-
-def synthetic_image(width: int, height: int, seed: int = 0):
-    """A PIL RGB image with a few filled rectangles and ellipses in random colours at random places."""
-    import random
-
-    from PIL import Image, ImageDraw
-
-    rng = random.Random(seed)
-    img = Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
-    draw = ImageDraw.Draw(img)
-    for _ in range(4):
-        x0, y0 = rng.randrange(width - 4), rng.randrange(height - 4)
-        box = [x0, y0, rng.randrange(x0 + 3, width), rng.randrange(y0 + 3, height)]
-        colour = tuple(rng.randrange(256) for _ in range(3))
-        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=colour)
-    return img
 
 
 def vl_batch(hf_dir: Union[str, Path], images: list, seq_len: int = 40, seed: int = 0) -> dict:

@@ -119,7 +119,7 @@ def test_mapping_names_and_shapes_are_the_checkpoints(tiny_vl):
     assert sum(k.startswith("visual.") for k in ckpt) == 1 + 2 * 12 + 5
 
 
-def test_validate_and_verify_refuse_a_vl_model_for_now_in_one_line(tiny_vl, capsys):
+def test_validate_refuses_a_vl_model_for_now_and_verify_its_unsupported_options_in_one_line(tiny_vl, capsys):
     from megarl.bridge.checks import check_architecture
     from megarl.config import load_unchecked
     from megarl.verify import main
@@ -127,10 +127,14 @@ def test_validate_and_verify_refuse_a_vl_model_for_now_in_one_line(tiny_vl, caps
     hf_dir, _ = tiny_vl
     issues = check_architecture(load_unchecked(data={"model": {"path": str(hf_dir)}}))
     assert [i.key for i in issues] == ["model.path"] and "vision-language" in issues[0].rule
-    capsys.readouterr()
-    assert main(["--hf", str(hf_dir)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "vision-language" in err and "Traceback" not in err
+    for flags, said in ((["--engine", "vllm"], "not yet with --engine vllm"),
+                        (["--dtype", "bfloat16"], "not yet with --dtype bfloat16"),
+                        (["--tp", "3"], "tensor_model_parallel_size=3 does not divide"),
+                        (["--seq-len", "12"], "(the largest gives 10 merged tokens); use --seq-len 14")):
+        capsys.readouterr()
+        assert main(["--hf", str(hf_dir), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err, err
 
 
 def test_vision_tower_equals_transformers_visual_within_the_derived_bound(tiny_vl):
