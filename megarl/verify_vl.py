@@ -1,5 +1,5 @@
-"""`megarl verify --hf DIR` on a vision-language checkpoint (Qwen2.5-VL): logprob parity of megarl's megatron model
-with HF transformers on text around images.
+"""`megarl verify --hf DIR` on a vision-language checkpoint (Qwen2.5-VL): the batch and the rank body of logprob parity
+of megarl's megatron model with HF transformers on text around images (megarl.verify judges).
 
 The batch: one synthetic image per row (filled rectangles and ellipses on a plain background, a different size per
 row, drawn with PIL from --seed) turned into patches by the checkpoint's own image processor
@@ -12,7 +12,6 @@ AutoModelForImageTextToText; the float32 tolerance is megarl.numerics.fp32_bound
 """
 from __future__ import annotations
 
-import os
 import random
 
 import torch
@@ -37,12 +36,11 @@ def synthetic_image(width: int, height: int, seed: int = 0):
     return img
 
 
-def make_vl_batch(hf_dir: str, spec: ArchSpec, batch: int, seq_len: int, seed: int = 0) -> dict:
-    """{"tokens" [B, S], "pixel_values", "image_grid_thw" [B, 3]} (module docstring); BridgeError naming what is
-    missing (tokenizer, image processor, the vision tokens) or the --seq-len an image needs."""
+def make_vl_batch(hf_dir: str, spec: ArchSpec, texts: list, batch: int, seq_len: int, seed: int = 0) -> dict:
+    """{"tokens" [B, S], "pixel_values", "image_grid_thw" [B, 3]} with the tokenizer's encoding of `texts` around the
+    images (module docstring); BridgeError naming what is missing (tokenizer, image processor, the vision tokens) or
+    the --seq-len the images need."""
     from transformers import AutoImageProcessor, AutoTokenizer
-
-    from megarl.verify import TEXTS
 
     v = spec.vision
     try:
@@ -63,7 +61,7 @@ def make_vl_batch(hf_dir: str, spec: ArchSpec, batch: int, seq_len: int, seed: i
     text: list = []
     j = 0
     while len(text) < seq_len:
-        text += tok(TEXTS[j % len(TEXTS)] + " ", add_special_tokens=False)["input_ids"]
+        text += tok(texts[j % len(texts)] + " ", add_special_tokens=False)["input_ids"]
         j += 1
     counts = [t * h * w // v.merge_unit for t, h, w in grid.tolist()]
     if seq_len < max(counts) + 4:  # the placeholder run, its start and end tokens, and text on both sides
@@ -81,7 +79,7 @@ def make_vl_batch(hf_dir: str, spec: ArchSpec, batch: int, seq_len: int, seed: i
     return {"tokens": tokens, "pixel_values": processed["pixel_values"].float(), "image_grid_thw": grid}
 
 
-def _rank_body(hf_dir: str, batch: dict, tp: int, pp: int, seed: int, first_stage=None, last_stage=None) -> dict:
+def rank_body(hf_dir: str, batch: dict, tp: int, pp: int, seed: int, first_stage=None, last_stage=None) -> dict:
     """megarl's logprobs [B, S-1] on TP rank 0 of the last stage (DP rank 0), None elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -106,48 +104,3 @@ def _rank_body(hf_dir: str, batch: dict, tp: int, pp: int, seed: int, first_stag
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     report = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     return {"megatron": lp if report else None}
-
-
-def main_vl(args, spec: ArchSpec) -> int:
-    """verify's path for a vision-language spec (args: megarl.verify.parse_args); the exit code."""
-    import sys
-
-    from megarl.hf_reference import hf_vl_logprobs
-    from megarl.launch_local import RankFailure, run_ranks
-    from megarl.numerics import fp32_bound
-    from megarl.verify import compare, mean_abs_diff, report
-
-    unsupported = [(flag, value) for flag, value, default in (
-        ("--engine", args.engine, "megatron"), ("--lora", args.lora, None), ("--ep", args.ep, 1),
-        ("--cp", args.cp, 1), ("--dtype", args.dtype, "float32"), ("--micro-batch", args.micro_batch, 1))
-        if value != default]
-    if unsupported or "WORLD_SIZE" in os.environ:
-        what = ", ".join(f"{f} {v}" for f, v in unsupported) or "torchrun"
-        print(f"error: {args.hf}: {spec.architecture} is verified in float32 against HF transformers at any --tp / --pp, "
-              f"started as a plain command; not yet with {what}", file=sys.stderr)
-        return 2
-    try:
-        batch = make_vl_batch(args.hf, spec, args.batch, args.seq_len, args.seed)
-    except BridgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    tokens = batch["tokens"]
-    kwargs = dict(hf_dir=str(args.hf), batch=batch, tp=args.tp, pp=args.pp, seed=args.seed,
-                  first_stage=args.first_stage_layers, last_stage=args.last_stage_layers)
-    try:
-        results = run_ranks("megarl.verify_vl:_rank_body", args.tp * args.pp, kwargs, timeout=args.timeout)
-    except RankFailure as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    got = next(r["megatron"] for r in results if r["megatron"] is not None)
-    hf, stats = hf_vl_logprobs(args.hf, tokens, batch["pixel_values"], batch["image_grid_thw"],
-                               spec.vision.image_token_id)
-    lengths = torch.full((tokens.shape[0],), tokens.shape[1])
-    longest_frame = int(batch["image_grid_thw"][:, 1:].prod(-1).max())
-    m = spec.vision.spatial_merge_size
-    tol = fp32_bound(spec, tokens.shape[1], hf.numel(), stats.rms, vision_segment=longest_frame)
-    max_diff, rows = compare(hf, got, lengths)
-    grids = [[t, h // m, w // m] for t, h, w in batch["image_grid_thw"].tolist()]
-    source = f"the tokenizer and {tokens.shape[0]} synthetic images (merged grids {grids})"
-    return report(args, rows, max_diff, source, mean_diff=mean_abs_diff(hf, got, lengths), scale=stats.scale,
-                  fp32_tol=tol)
