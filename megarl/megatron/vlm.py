@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from megarl.bridge.hf_config import VisionSpec
 
 
-
 # ---- positions --------------------------------------------------------------------------------------------------
 def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], vision: VisionSpec
                     ) -> torch.Tensor:
