@@ -78,3 +78,20 @@ def hf_values(hf_dir: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         hidden = model.model(input_ids=tokens).last_hidden_state
         return model.score(hidden).squeeze(-1).float()
+
+
+def hf_vl_logprobs(hf_dir: str | Path, tokens: torch.Tensor, pixel_values: torch.Tensor,
+                   image_grid_thw: torch.Tensor, image_token_id: int):
+    """HF transformers' logprobs [B, S-1] and LogitStats of a vision-language model (AutoModelForImageTextToText,
+    float32, eager attention) on unpadded rows tokens [B, S] holding the image placeholders of pixel_values
+    [patches, patch_dim] / image_grid_thw [images, 3]; transformers computes its M-RoPE positions itself."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=tokens, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                       mm_token_type_ids=(tokens == image_token_id).int()).logits.float()[:, :-1]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    mask = torch.ones(lp.shape, dtype=torch.bool)
+    return lp, LogitStats(logits_scale(logits, mask), logits_rms(logits, mask))

@@ -40,20 +40,24 @@ def layer_error_factor(inner_widths: Iterable[int]) -> float:
     return sum(math.sqrt(max(int(k), 1)) for k in inner_widths)
 
 
-def fp32_logit_error_factor(hidden: int, layer_widths: Iterable[int], layers: int) -> float:
+def fp32_logit_error_factor(hidden: int, layer_widths: Iterable[int], layers: int, input_error: float = 0.0) -> float:
     """Relative error of the logits in units of u: the LM head's GEMM over `hidden` plus the residual stream's error
-    after `layers` layers, each of relative error layer_error_factor(layer_widths)."""
-    return math.sqrt(max(int(hidden), 1)) + math.sqrt(max(int(layers), 1)) * layer_error_factor(layer_widths)
+    after `layers` layers, each of relative error layer_error_factor(layer_widths), plus the decoder input's own
+    relative error `input_error` (units of u: image embeddings computed by a vision tower), which the residual stream
+    carries to the logits like a layer's."""
+    return (math.sqrt(max(int(hidden), 1)) + math.sqrt(max(int(layers), 1)) * layer_error_factor(layer_widths)
+            + input_error)
 
 
 def fp32_logprob_bound(hidden: int, layer_widths: Iterable[int], layers: int, vocab: int, logits_rms: float,
-                       n_positions: int) -> float:
+                       n_positions: int, input_error: float = 0.0) -> float:
     """Max abs logprob difference two correct float32 implementations can show over `n_positions` token positions.
 
     hidden: the model's hidden size; layer_widths: the inner widths of one layer's chained sums (see transformer_widths);
-    layers: depth; vocab: vocabulary size; logits_rms: RMS of the logits over real positions and the vocabulary.
+    layers: depth; vocab: vocabulary size; logits_rms: RMS of the logits over real positions and the vocabulary;
+    input_error: the decoder input's relative error in units of u (vision_error_factor; 0 for token embeddings).
     """
-    logit_err = fp32_logit_error_factor(hidden, layer_widths, layers) * FP32_UNIT * logits_rms
+    logit_err = fp32_logit_error_factor(hidden, layer_widths, layers, input_error) * FP32_UNIT * logits_rms
     sum_err = math.sqrt(vocab / 3.0) * FP32_UNIT
     spread = math.sqrt(2.0) * (2.0 * logit_err + sum_err)
     return tail_factor(n_positions * vocab) * spread
@@ -100,13 +104,30 @@ def layer_widths(spec, seq_len: int) -> list:
                               qk_dim=m.q_head_dim, latent=latent)
 
 
-def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False) -> float:
+def vision_error_factor(vision, longest_segment: int) -> float:
+    """A vision tower's relative float32 rounding error in units of u (vision: megarl.bridge.hf_config.VisionSpec):
+    the patch embedding's sum over a flattened patch, `depth` blocks whose chained sums run over the hidden size (norm,
+    q/k/v), the head width (q.k), the longest attended segment in patches (softmax-weighted values), the hidden size
+    (output projection, norm) and the MLP width, adding up in the residual stream as sqrt(depth), and the patch
+    merger's norm and two sums over merge**2 * hidden."""
+    block = layer_error_factor([vision.hidden_size, vision.hidden_size, vision.head_dim, longest_segment,
+                                vision.hidden_size, vision.hidden_size, vision.intermediate_size])
+    merged = vision.hidden_size * vision.merge_unit
+    merger = layer_error_factor([vision.hidden_size, merged, merged])
+    return math.sqrt(vision.patch_dim) + math.sqrt(max(int(vision.depth), 1)) * block + merger
+
+
+def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False,
+               vision_segment: int = 0) -> float:
     """The float32 tolerance for this model: the max abs logprob (or score) difference rounding explains over
-    `n_positions` real positions (sequences, for scores) with reference logits (scores) of RMS `rms`."""
+    `n_positions` real positions (sequences, for scores) with reference logits (scores) of RMS `rms`. vision_segment:
+    with images (a vision-language spec), the longest run of patches the vision tower attends over (a frame)."""
     widths = layer_widths(spec, seq_len)
     if score:
         return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
-    return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions)
+    vision = getattr(spec, "vision", None)
+    extra = vision_error_factor(vision, vision_segment) if vision is not None and vision_segment else 0.0
+    return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions, extra)
 
 
 # bfloat16 builds. A bf16 value keeps 8 significant bits (7 stored), so one rounding to nearest errs by at most

@@ -374,6 +374,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
         spec = load_spec(args.hf)
+        if spec.vision is not None:  # text around images: megarl.verify_vl
+            check_layout(spec, args.tp, args.pp, 1, first_stage=args.first_stage_layers,
+                         last_stage=args.last_stage_layers)
+            return _main_vl(args, spec)
         if spec.score_head and args.engine in ("vllm", "hf"):
             raise BridgeError(f"{args.hf}: {spec.architecture} is a reward model; --engine {args.engine} compares "
                               "the logprobs of causal LMs (leave --engine at megatron to compare its scores with HF)")
@@ -421,6 +425,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return _judge(args, results, tokens, lengths, source)
+
+
+def _main_vl(args, spec) -> int:
+    """verify on a vision-language spec (megarl.verify_vl: the images and the rank body): the exit code."""
+    from megarl.bridge.hf_config import BridgeError
+    from megarl.hf_reference import hf_vl_logprobs
+    from megarl.launch_local import RankFailure, run_ranks
+    from megarl.verify_vl import make_vl_batch
+
+    unsupported = [(flag, value) for flag, value, default in (
+        ("--engine", args.engine, "megatron"), ("--lora", args.lora, None), ("--ep", args.ep, 1),
+        ("--cp", args.cp, 1), ("--dtype", args.dtype, "float32"), ("--micro-batch", args.micro_batch, 1))
+        if value != default]
+    if unsupported or "WORLD_SIZE" in os.environ:
+        what = ", ".join(f"{f} {v}" for f, v in unsupported) or "torchrun"
+        print(f"error: {args.hf}: {spec.architecture} is verified in float32 against HF transformers at any --tp / "
+              f"--pp, started as a plain command; not yet with {what}", file=sys.stderr)
+        return 2
+    try:
+        batch = make_vl_batch(args.hf, spec, TEXTS, args.batch, args.seq_len, args.seed)
+    except BridgeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tokens = batch["tokens"]
+    kwargs = dict(hf_dir=str(args.hf), batch=batch, tp=args.tp, pp=args.pp, seed=args.seed,
+                  first_stage=args.first_stage_layers, last_stage=args.last_stage_layers)
+    try:
+        results = run_ranks("megarl.verify_vl:rank_body", args.tp * args.pp, kwargs, timeout=args.timeout)
+    except RankFailure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    got = next(r["megatron"] for r in results if r["megatron"] is not None)
+    grid = batch["image_grid_thw"]
+    hf, stats = hf_vl_logprobs(args.hf, tokens, batch["pixel_values"], grid, spec.vision.image_token_id)
+    lengths = torch.full((tokens.shape[0],), tokens.shape[1])
+    tol = fp32_bound(spec, tokens.shape[1], hf.numel(), stats.rms, vision_segment=int(grid[:, 1:].prod(-1).max()))
+    max_diff, rows = compare(hf, got, lengths)
+    m = spec.vision.spatial_merge_size
+    grids = [[t, h // m, w // m] for t, h, w in grid.tolist()]
+    source = f"the tokenizer and {tokens.shape[0]} synthetic images (merged grids {grids})"
+    return report(args, rows, max_diff, source, mean_diff=mean_abs_diff(hf, got, lengths), scale=stats.scale,
+                  fp32_tol=tol)
 
 
 def _judge(args, results: list, tokens: torch.Tensor, lengths: torch.Tensor, source: str) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from megarl.bridge.hf_config import (ArchSpec, BridgeError, ModelFileError, check_layout, read_config_json,
-                                     spec_from_dict)
+from megarl.bridge.hf_config import (VISION_LANGUAGE, ArchSpec, BridgeError, ModelFileError, check_layout,
+                                     read_config_json, spec_from_dict)
 from megarl.bridge.tiny import TINY_SOURCE, tiny_spec
 from megarl.config.issues import Issue
 from megarl.config.schema import MegarlConfig
@@ -98,11 +98,16 @@ def check_architecture(cfg: MegarlConfig) -> list[Issue]:
     if hf is None:
         return tiny_shape_issues(cfg.model.create_tiny) if cfg.model.create_tiny is not None else []
     key = "model.config_path" if cfg.model.config_path else "model.path"
+    arch = (hf.get("architectures") or [None])[0]
     try:
-        spec = spec_from_dict(hf.get("text_config", hf), source)
+        spec = spec_from_dict(hf if arch in VISION_LANGUAGE else hf.get("text_config", hf), source)
     except BridgeError as exc:
-        return [Issue(key, (hf.get("architectures") or [None])[0], str(exc),
+        return [Issue(key, arch, str(exc),
                       "use a supported architecture (megarl.bridge.hf_config.SUPPORTED_ARCHITECTURES)", keys=(key,))]
+    if spec.vision is not None:
+        return [Issue(key, arch, "is a vision-language model: megarl's bridge builds and imports it, but the data "
+                      "loader, the rollout engines and the trainer's forward take text only so far",
+                      "train a text-only architecture for now", keys=(key,))]
     p = cfg.parallelism
     try:
         # the bridge's own TP rules (e.g. MLA's latent sizes); PP / EP rules are check_model_layout's

@@ -9,6 +9,7 @@ Both config dialects are read: transformers < 5 (`rope_theta`, `rope_scaling`) a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +47,10 @@ CAUSAL_LM = {
 # Reward / value models: the same backbone with a `score` head (num_labels=1); loadable as critics.
 SEQUENCE_CLASSIFICATION = {name.replace("ForCausalLM", "ForSequenceClassification"): fam
                            for name, fam in CAUSAL_LM.items() if fam != "glm4_moe"}  # transformers has no GLM-4.5 one
-SUPPORTED_ARCHITECTURES = tuple(CAUSAL_LM) + tuple(SEQUENCE_CLASSIFICATION)
+# Vision-language models: a vision tower whose merged patch embeddings replace the image placeholder tokens of a
+# decoder whose rope is multimodal (M-RoPE: temporal / height / width sections of each head's rotary dims).
+VISION_LANGUAGE = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+SUPPORTED_ARCHITECTURES = tuple(CAUSAL_LM) + tuple(SEQUENCE_CLASSIFICATION) + tuple(VISION_LANGUAGE)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
 # Families whose router is DeepSeek's: sigmoid scores, `e_score_correction_bias` added for the choice only,
 # group-limited top-k, renormalised top-k probabilities times routed_scaling_factor, `first_k_dense_replace` dense
@@ -73,6 +77,9 @@ class RopeSpec:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     partial: float = 1.0  # fraction of head_dim that is rotated (GLM-4.5: 0.5); the first dims, non-interleaved
+    # M-RoPE (vision-language models): rotary frequency pairs per position axis (temporal, height, width), in that
+    # order over the first half of head_dim and again over the second; () for 1D rope
+    mrope_section: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,42 @@ class MLASpec:
     def kv_cache_elements_per_token(self) -> int:
         """Per layer: the compressed latent plus the shared rope key (what vLLM's MLA backends cache)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower of a Qwen2.5-VL checkpoint (its `vision_config`) and the token ids that place its output."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int  # the blocks' SwiGLU MLP (with biases)
+    out_hidden_size: int  # the patch merger's output: the language model's hidden size
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2  # merged tokens are spatial_merge_size**2 patches
+    window_size: int = 112  # pixels: windows of window_size // patch_size // spatial_merge_size merged tokens a side
+    fullatt_block_indexes: tuple = ()  # blocks attending over the whole image; the others within windows
+    rope_theta: float = 10000.0  # the 2D rotary embedding over (row, column) of each patch
+    norm_eps: float = 1e-6
+    tokens_per_second: int = 4  # video only (temporal M-RoPE positions); images do not use it
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch (a row of pixel_values): channels x frames x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size ** 2
 
 
 @dataclass(frozen=True)
@@ -139,6 +182,7 @@ class ArchSpec:
     router: Optional[RouterSpec] = None  # DeepSeek-style sigmoid router; None: softmax router
     attn_out_bias: bool = False  # o_proj bias (never, today: refused)
     mtp_layers: int = 0  # `num_nextn_predict_layers`: multi-token-prediction layers in the checkpoint, not loaded
+    vision: Optional[VisionSpec] = None  # vision-language models: the vision tower (rope.mrope_section set too)
 
     @property
     def is_moe(self) -> bool:
@@ -239,7 +283,9 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise BridgeError(f"{path}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
-    family = CAUSAL_LM.get(arch) or SEQUENCE_CLASSIFICATION[arch]
+    family = CAUSAL_LM.get(arch) or SEQUENCE_CLASSIFICATION.get(arch) or VISION_LANGUAGE[arch]
+    if family == "qwen2_5_vl":
+        return _qwen2_5_vl(cfg, path)
     score_head = arch in SEQUENCE_CLASSIFICATION
     if score_head and cfg.get("num_labels", len(cfg.get("id2label") or {0: 0})) != 1:
         raise BridgeError(f"{path}: {arch} with num_labels={cfg.get('num_labels', len(cfg.get('id2label') or {}))} "
@@ -319,6 +365,69 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
             family == "glm4_moe" and bool(cfg.get("use_qk_norm", False))),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and not score_head,
         sliding_window=sliding, torch_dtype=str(dtype), score_head=score_head, **moe, **extra)
+
+
+def _qwen2_5_vl(cfg: dict, path: str) -> ArchSpec:
+    """A Qwen2_5_VLForConditionalGeneration config: the language model is Qwen2's (q/k/v bias) with M-RoPE, read from
+    `text_config` (transformers >= 5) or the top level (older config.json files keep the text fields there)."""
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text.update(cfg.get("text_config") or {})
+    text["architectures"] = ["Qwen2ForCausalLM"]
+    if text.get("use_sliding_window"):
+        raise BridgeError(f"{path}: use_sliding_window=true is not supported for Qwen2.5-VL (transformers' eager "
+                          "attention ignores it too; every released checkpoint has false)")
+    hidden, heads = _field(text, "hidden_size", path), _field(text, "num_attention_heads", path)
+    if hidden % heads or text.get("head_dim") not in (None, hidden // heads):
+        raise BridgeError(f"{path}: Qwen2.5-VL's attention uses head_dim = hidden_size // num_attention_heads "
+                          f"({hidden} // {heads}); head_dim={text.get('head_dim')} does not fit it")
+    params = dict(text.get("rope_parameters") or {})
+    params.update(text.get("rope_scaling") or {})
+    section = params.get("mrope_section")
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or sum(section) * 2 != hidden // heads:
+        raise BridgeError(f"{path}: rope mrope_section={section!r} must be three sizes (temporal, height, width) "
+                          f"summing to head_dim / 2 = {hidden // heads // 2}")
+    if params.get("rope_type", params.get("type")) == "mrope":  # older configs name M-RoPE's default rope "mrope"
+        params["rope_type"] = "default"
+    params.pop("type", None)
+    text["rope_parameters"], text["rope_scaling"] = params, None
+    base = spec_from_dict(text, path)
+    if base.rope.type != "default":
+        raise BridgeError(f"{path}: rope_type={base.rope.type!r} with M-RoPE is not supported (only 'default')")
+    vision = _vision(cfg.get("vision_config") or {}, cfg, path, base.hidden_size)
+    tie = bool(cfg.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
+    return dataclasses.replace(base, architecture=cfg["architectures"][0], family="qwen2_5_vl",
+                               rope=dataclasses.replace(base.rope, mrope_section=tuple(section)),
+                               tie_word_embeddings=tie, vision=vision)
+
+
+def _vision(vc: dict, cfg: dict, path: str, lm_hidden: int) -> VisionSpec:
+    where = f"{path} vision_config"
+    act = vc.get("hidden_act", "silu")
+    if act != "silu":
+        raise BridgeError(f"{where}: hidden_act={act!r} is not supported (Qwen2.5-VL's vision MLP is SwiGLU: 'silu')")
+    rope = dict(vc.get("rope_parameters") or {})
+    spec = VisionSpec(
+        depth=_field(vc, "depth", where), hidden_size=_field(vc, "hidden_size", where),
+        num_heads=_field(vc, "num_heads", where), intermediate_size=_field(vc, "intermediate_size", where),
+        out_hidden_size=_field(vc, "out_hidden_size", where), in_channels=_field(vc, "in_channels", where, 3),
+        patch_size=_field(vc, "patch_size", where, 14), temporal_patch_size=_field(vc, "temporal_patch_size", where, 2),
+        spatial_merge_size=_field(vc, "spatial_merge_size", where, 2), window_size=_field(vc, "window_size", where, 112),
+        fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes") or ()),
+        rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
+        tokens_per_second=_field(vc, "tokens_per_second", where, 4),
+        image_token_id=_field(cfg, "image_token_id", path, 151655),
+        video_token_id=_field(cfg, "video_token_id", path, 151656),
+        vision_start_token_id=_field(cfg, "vision_start_token_id", path, 151652))
+    if spec.hidden_size % spec.num_heads or spec.head_dim % 4:
+        raise BridgeError(f"{where}: hidden_size={spec.hidden_size} / num_heads={spec.num_heads} must give a head_dim "
+                          "divisible by 4 (the 2D rotary embedding gives half of it to rows, half to columns)")
+    if spec.out_hidden_size != lm_hidden:
+        raise BridgeError(f"{where}: out_hidden_size={spec.out_hidden_size} must equal the language model's "
+                          f"hidden_size={lm_hidden} (the merger's output replaces token embeddings)")
+    if rope.get("rope_type", "axial") not in ("axial", "default"):
+        raise BridgeError(f"{where}: rope_type={rope.get('rope_type')!r} is not supported (Qwen2.5-VL's vision rope "
+                          "is 'axial')")
+    return spec
 
 
 def _mla(cfg: dict, path: str, heads: int) -> MLASpec:

@@ -35,6 +35,14 @@ from megarl.bridge.hf_config import ArchSpec, BridgeError
 
 PLAIN, VOCAB, QKV, GATE_UP, ROPE = "plain", "vocab", "qkv", "gate_up", "rope"
 LM_HEAD, VALUE_HEAD = "lm", "value"
+# Vision-language models: the vision tower's parameters live below this prefix of the first stage's model
+# (megarl.megatron.vlm), one HF tensor each, whole on every TP rank (the tower is replicated).
+VISION_PREFIX, HF_VISION_PREFIX = "vision_model.", "visual."
+_VISION_BLOCK = ("norm1.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
+                 "norm2.weight", "mlp.gate_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.weight", "mlp.up_proj.bias",
+                 "mlp.down_proj.weight", "mlp.down_proj.bias")
+_VISION_MERGER = ("merger.ln_q.weight", "merger.mlp.0.weight", "merger.mlp.0.bias", "merger.mlp.2.weight",
+                  "merger.mlp.2.bias")
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,34 @@ def _mlp_rules(mg: str, hf: str, gate: str, up: str, down: str, expert: bool = F
             Rule(mg + "linear_fc2.weight", (hf + down,), PLAIN, 1, expert)]
 
 
+def _vision_entries(spec: ArchSpec) -> list:
+    """Qwen2.5-VL's vision tower: the patch embedding, every block, the patch merger (checkpoint order)."""
+    names = ["patch_embed.proj.weight"]
+    names += [f"blocks.{b}.{n}" for b in range(spec.vision.depth) for n in _VISION_BLOCK]
+    names += list(_VISION_MERGER)
+    out = []
+    for n in names:
+        rule = Rule(VISION_PREFIX + n, (HF_VISION_PREFIX + n,))
+        out.append(Entry(rule, rule.megatron, rule.hf))
+    return out
+
+
+def _vision_shape(v, name: str) -> tuple:
+    """Shape of a vision tower tensor (name below VISION_PREFIX)."""
+    h, merged = v.hidden_size, v.hidden_size * v.merge_unit
+    if name == "patch_embed.proj.weight":
+        return (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    if name.startswith("merger."):
+        return {"merger.ln_q.weight": (h,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
+                "merger.mlp.2.weight": (v.out_hidden_size, merged), "merger.mlp.2.bias": (v.out_hidden_size,)}[name]
+    part = name.split(".", 2)[2]
+    return {"norm1.weight": (h,), "norm2.weight": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+            "attn.proj.weight": (h, h), "attn.proj.bias": (h,),
+            "mlp.gate_proj.weight": (v.intermediate_size, h), "mlp.gate_proj.bias": (v.intermediate_size,),
+            "mlp.up_proj.weight": (v.intermediate_size, h), "mlp.up_proj.bias": (v.intermediate_size,),
+            "mlp.down_proj.weight": (h, v.intermediate_size), "mlp.down_proj.bias": (h,)}[part]
+
+
 def _dense_mlp_rules() -> list:
     return _mlp_rules("decoder.layers.{L}.mlp.", "model.layers.{L}.mlp.",
                       "gate_proj.weight", "up_proj.weight", "down_proj.weight")
@@ -175,6 +211,8 @@ class Mapping:
         elif not spec.tie_word_embeddings:
             entries.append(Entry(Rule("output_layer.weight", ("lm_head.weight",), VOCAB, 0), "output_layer.weight",
                                  ("lm_head.weight",)))
+        if spec.vision is not None:
+            entries += _vision_entries(spec)
         self.entries: list = entries
         self.by_megatron = {e.megatron: e for e in entries}
         self.by_hf = {h: e for e in entries for h in e.hf}
@@ -200,6 +238,8 @@ class Mapping:
         i = entry.hf.index(hf_name)
         name = entry.megatron
         hd, h = s.head_dim, s.hidden_size
+        if name.startswith(VISION_PREFIX):
+            return _vision_shape(s.vision, name[len(VISION_PREFIX):])
         if entry.kind == VOCAB:
             return (s.vocab_size, h)
         if entry.kind == QKV:

@@ -67,3 +67,37 @@ def tiny_spec(spec: TinyModelSpec, vocab_size: int) -> ArchSpec:
     """The ArchSpec of the tiny model of `spec` with a tokenizer of vocab_size tokens (BridgeError where the bridge
     cannot convert it)."""
     return spec_from_dict(tiny_hf_config(spec, vocab_size).to_dict(), TINY_SOURCE)
+
+
+# The tiny Qwen2.5-VL: head_dim 32 (M-RoPE sections 4 + 6 + 6 frequency pairs, Qwen2.5-VL's 16:24:24 scaled), a
+# vision tower of head_dim 32 with one window-attention and one full-attention block, windows of 2 x 2 merged tokens
+# (window_size 56 pixels = 2 merged tokens of 2 x 14-pixel patches a side), merged tokens of 2 x 2 patches.
+TINY_VL_VISION = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, in_channels=3, patch_size=14,
+                      temporal_patch_size=2, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
+                      tokens_per_second=4, hidden_act="silu")
+TINY_VL_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vision_start_token_id: int,
+                   vision_end_token_id: int, hidden_size: int = 128, num_hidden_layers: int = 2,
+                   num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 256,
+                   tie_word_embeddings: bool = False, init_std: float = 0.02, mrope_section=(4, 6, 6),
+                   bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
+                   pad_token_id: Optional[int] = None, **vision):
+    """The transformers Qwen2_5_VLConfig of a tiny random Qwen2.5-VL: the language model's sizes as given, the vision
+    tower TINY_VL_VISION (overridden by `vision`) whose merger outputs hidden_size. The four vision token ids must be
+    ids of the tokenizer's special tokens TINY_VL_SPECIAL_TOKENS (in that order: start, end, image, video)."""
+    import transformers
+
+    text = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                intermediate_size=intermediate_size, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
+                hidden_act="silu", initializer_range=init_std, tie_word_embeddings=tie_word_embeddings,
+                bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                 "mrope_section": list(mrope_section)})
+    vision_config = dict(TINY_VL_VISION, out_hidden_size=hidden_size, initializer_range=init_std, **vision)
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision_config, image_token_id=image_token_id, video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id,
+        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen2_5_VLForConditionalGeneration"])

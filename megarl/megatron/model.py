@@ -22,6 +22,8 @@ Choices (each one is what makes megarl's logprobs equal HF transformers'):
   (capacity factor None), allgather dispatcher by default. Sequence parallel is switched on for MoE with TP>1
   (megatron requires it). Qwen2-MoE shared experts: moe_shared_expert_intermediate_size + moe_shared_expert_gate
   (sigmoid gate, as HF).
+- Vision-language (Qwen2.5-VL, spec.vision set): position_embedding_type "mrope" with the checkpoint's mrope_section,
+  and megarl.megatron.vlm's vision tower attached to the first stage's GPTModel as `vision_model` (replicated over TP).
 - Critic (value_head=True): the same trunk; `output_layer` is a ValueHead, a replicated [1, hidden] linear (no bias)
   giving one value per token. It is loaded from HF `score.weight` when the checkpoint has one (a *ForSequenceClassification
   reward/value model); otherwise initialised N(0, std=1/(hidden_size+1)) from a generator seeded with `head_seed`
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.bridge.hf_config import ArchSpec, check_layout, load_spec
-from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, padded_vocab_size
+from megarl.bridge.mapping import LM_HEAD, VALUE_HEAD, VISION_PREFIX, padded_vocab_size
 
 DEFAULT_VOCAB_PAD_MULTIPLE = 128
 
@@ -166,6 +168,8 @@ def transformer_config(spec: ArchSpec, dtype: Optional[torch.dtype] = None, use_
                       moe_router_topk_scaling_factor=r.scaling_factor if r.scaling_factor != 1.0 else None,
                       moe_router_num_groups=r.num_groups if r.num_groups > 1 else None,
                       moe_router_group_topk=r.group_topk if r.num_groups > 1 else None)
+    if spec.rope.mrope_section:  # M-RoPE (vision-language models): megatron's MultimodalRotaryEmbedding
+        kw.update(mrope_section=list(spec.rope.mrope_section))
     if spec.mla is None:
         kw.update(overrides)
         return TransformerConfig(**kw)
@@ -287,7 +291,8 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
             vocab_size=padded_vocab_size(spec.vocab_size, config.tensor_model_parallel_size, vocab_pad_multiple),
             max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and not value_head,
-            position_embedding_type="rope", rotary_percent=rope.partial, rotary_base=rope.theta,
+            position_embedding_type="mrope" if rope.mrope_section else "rope", rotary_percent=rope.partial,
+            rotary_base=rope.theta,
             rope_scaling=rope.type == "llama3", rope_scaling_factor=rope.factor if rope.type == "llama3" else 8.0,
             seq_len_interpolation_factor=rope.factor if rope.type == "linear" else None, vp_stage=vp_stage,
         )
@@ -302,6 +307,11 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
         model.output_layer = ValueHead(spec.hidden_size, config.sequence_parallel, config.params_dtype, head_seed)
         if torch.cuda.is_available():
             model.output_layer.cuda()
+    if spec.vision is not None and pre_process:  # the first stage turns images into embeddings
+        from megarl.megatron.vlm import Qwen25VisionTower
+
+        tower = Qwen25VisionTower(spec.vision, dtype=config.params_dtype)
+        setattr(model, VISION_PREFIX.rstrip("."), tower.cuda() if torch.cuda.is_available() else tower)
     model.megarl_spec = spec
     model.megarl_head = VALUE_HEAD if value_head else LM_HEAD
     model.megarl_fusions = fusion_state

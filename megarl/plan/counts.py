@@ -22,7 +22,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from megarl.bridge.hf_config import spec_from_dict
-from megarl.bridge.mapping import Mapping, padded_vocab_size
+from megarl.bridge.mapping import VISION_PREFIX, Mapping, padded_vocab_size
 from megarl.sync.plan import DTYPE_BYTES
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -42,6 +42,7 @@ class Profile:
     tail: int  # final norm and other non-layer elements, on the last stage
     total: int
     expert_total: int
+    vision: int = 0  # a vision tower's elements: whole on every TP rank of the first stage (and of an engine)
 
 
 @lru_cache(maxsize=8)
@@ -53,13 +54,16 @@ def _profile(hf_key: str) -> Profile:
     spec, shapes = mapping.spec, mapping.hf_shapes()
     n = spec.num_layers
     split, whole, esplit, ewhole = [0] * n, [0] * n, [0] * n, [0] * n
-    tail, total, expert_total, vocab, head = 0, 0, 0, 0, False
+    tail, total, expert_total, vocab, head, vision = 0, 0, 0, 0, False, 0
     for entry in mapping.entries:
         numel = sum(math.prod(shapes[h]) for h in entry.hf)
         total += numel
         if entry.kind == "vocab":
             vocab = numel
             head = head or entry.megatron == "output_layer.weight"
+            continue
+        if entry.megatron.startswith(VISION_PREFIX):
+            vision += numel
             continue
         if entry.layer is None:
             tail += numel
@@ -69,7 +73,7 @@ def _profile(hf_key: str) -> Profile:
             (esplit if entry.tp_dim is not None else ewhole)[entry.layer] += numel
         else:
             (split if entry.tp_dim is not None else whole)[entry.layer] += numel
-    return Profile(mapping, split, whole, esplit, ewhole, vocab, head, tail, total, expert_total)
+    return Profile(mapping, split, whole, esplit, ewhole, vocab, head, tail, total, expert_total, vision)
 
 
 def profile(hf: dict) -> Profile:
@@ -84,7 +88,7 @@ def stage_elements(p: Profile, layers: list, tp: int, ep: int, etp: int, first: 
     dense = sum(p.split[i] // tp + p.whole[i] for i in layers)
     expert = sum(p.expert_split[i] // (ep * etp) + p.expert_whole[i] // ep for i in layers)
     rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
-    dense += rows * (first + (last and p.head)) + (p.tail if last else 0)
+    dense += rows * (first + (last and p.head)) + (p.tail if last else 0) + (p.vision if first else 0)
     return dense, expert
 
 
@@ -107,7 +111,7 @@ def counted_weights(hf: dict, pl):
     eexp = sum(p.expert_split[i] // (eep * (t if eep == 1 else 1)) + p.expert_whole[i] // eep
                for i in range(spec.num_layers))
     edense = sum(p.split[i] // t + p.whole[i] for i in range(spec.num_layers))
-    edense += padded_vocab_size(spec.vocab_size, t) // t * spec.hidden_size * (1 + p.head) + p.tail
+    edense += padded_vocab_size(spec.vocab_size, t) // t * spec.hidden_size * (1 + p.head) + p.tail + p.vision
     shard = (edense + eexp) * eb
     if pl.separate or t != pl.tp:
         received = shard

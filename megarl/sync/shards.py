@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Iterable, Mapping as TMapping, Optional, Sequence
 
-from megarl.bridge.mapping import Mapping
+from megarl.bridge.mapping import VISION_PREFIX, Mapping
 from megarl.sync.boxes import Box, box_numel, full_box, range_box
 
 # HF projection names that vLLM fuses into one module (the default of the supported text architectures); a live
@@ -241,6 +241,8 @@ def layout_owners(mapping: Mapping, tp: int, pp: int, ep: int, world: int,
             stages = [stage_of[entry.layer]]
         elif entry.megatron.startswith("embedding"):
             stages = [0] + ([pp - 1] if spec.tie_word_embeddings and pp > 1 else [])
+        elif entry.megatron.startswith(VISION_PREFIX):  # the vision tower feeds the first stage's embeddings
+            stages = [0]
         else:
             stages = [pp - 1]
         split = entry.tp_dim is not None and tp > 1

@@ -20,7 +20,7 @@ FLOORS = [
     ("weight sync", {"sync"}),
     ("engine", {"rollout", "launch_local"}),
     ("rewards", {"reward"}),
-    ("references", {"hf_reference", "verify", "rm_data"}),
+    ("references", {"hf_reference", "verify", "verify_vl", "rm_data"}),
     ("checkpoints", {"checkpoint", "doctor"}),
     ("run start-up", {"runtime"}),
     ("loop stages", {"steps", "sft", "validate"}),

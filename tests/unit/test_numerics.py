@@ -39,3 +39,20 @@ def test_bound_grows_with_width_depth_vocab_and_logits():
         assert fp32_logprob_bound(**dict(base, **{key: value})) > b0, key
     # a real model's widths stay far below a mapping error's size (O(0.1..1) nats) and above fp32's unit
     assert 100 * FP32_UNIT < b0 < 1e-3
+
+
+def test_vision_error_factor_and_input_error_by_hand():
+    from megarl.bridge.hf_config import VisionSpec
+    from megarl.numerics import vision_error_factor
+
+    # a flattened patch of 1 x 1 x 2 x 2 = 4 values: sqrt 2; a block's widths 16, 16, head 4, segment 25, 16, 16, MLP 9:
+    # 4 + 4 + 2 + 5 + 4 + 4 + 3 = 26, four blocks: x sqrt(4); the merger's norm over 16 and sums over 2 x 2 x 16 = 64:
+    # 4 + 8 + 8 = 20. Total 2 + 52 + 20 = 74
+    v = VisionSpec(depth=4, hidden_size=16, num_heads=4, intermediate_size=9, out_hidden_size=8, in_channels=1,
+                   patch_size=2, temporal_patch_size=1, spatial_merge_size=2)
+    assert vision_error_factor(v, 25) == pytest.approx(74.0)
+    # the decoder input's error adds to the logits' like a layer's: (4 + 2 * 10 + 10) * u * 2 = 68 u,
+    # spread sqrt(2) * (2 * 68 u + 1 u), tail 4
+    n = math.e ** 8 / 3
+    got = fp32_logprob_bound(16, [4, 9, 25], 4, 3, 2.0, n_positions=round(n), input_error=10.0)
+    assert got == pytest.approx(4.0 * 137 * math.sqrt(2) * FP32_UNIT, rel=1e-3)

@@ -1,0 +1,303 @@
+"""Qwen2.5-VL on megatron-core: the vision tower and patch merger, M-RoPE positions, and the forward that joins them.
+
+    model = build_gpt_model(spec)            # spec.vision set: a GPTModel with M-RoPE, `vision_model` on stage 0
+    logits = vl_logits(model, input_ids, pixel_values, image_grid_thw)     # [B, S, padded vocab / TP]
+
+The language model is megatron-core's GPTModel with position_embedding_type "mrope" (MultimodalRotaryEmbedding: each
+head's rotary frequency pairs split in `mrope_section` sections that rotate by the temporal, height and width
+position). The vision tower (`Qwen25VisionTower`, attached to the GPTModel of the first pipeline stage as
+`vision_model`) is replicated on every tensor-parallel rank: every rank computes the same image embeddings.
+
+The tower, as Qwen2.5-VL defines it: a patch embedding (a Conv3d whose kernel equals its stride: one matrix product
+with each flattened 3 x 2 x 14 x 14 patch), `depth` pre-norm blocks (RMSNorm, attention with q/k/v bias and a 2D
+rotary embedding, RMSNorm, SwiGLU MLP with biases) and the patch merger (RMSNorm, then the 2 x 2 neighbouring patches
+of a merged token concatenated and sent through Linear-GELU-Linear to the language model's width). Attention runs
+within windows of window_size pixels (blocks not in fullatt_block_indexes) or over each whole frame; the patches are
+reordered window by window before the blocks and the merged tokens put back in raster order after the merger.
+
+Positions (mrope_positions): text tokens count up on all three axes; the merged tokens of an image of t x h x w merged
+cells starting at position p get (p + frame, p + row, p + column), and the text after it resumes at p + max(h, w).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megarl.bridge.hf_config import VisionSpec
+
+
+# ---- positions --------------------------------------------------------------------------------------------------
+def mrope_positions(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], vision: VisionSpec
+                    ) -> torch.Tensor:
+    """M-RoPE positions [3, B, S] (temporal, height, width) of input_ids [B, S] whose image placeholder runs hold
+    t*h*w / merge**2 tokens for the images of image_grid_thw [images, 3] (patch grids), taken in row-major order.
+
+    ValueError when the placeholders and the grids disagree (a shifted or missing placeholder would otherwise put
+    image embeddings on the wrong tokens)."""
+    b, s = input_ids.shape
+    m = vision.spatial_merge_size
+    grids = [] if image_grid_thw is None else [tuple(int(x) for x in g) for g in image_grid_thw.tolist()]
+    out = torch.empty(3, b, s, dtype=torch.long)
+    used = 0
+    for row in range(b):
+        ids = input_ids[row].tolist()
+        if vision.video_token_id in ids:
+            raise ValueError(f"row {row}: video placeholders (token {vision.video_token_id}) are not supported yet")
+        pos, i = 0, 0
+        while i < s:
+            if ids[i] != vision.image_token_id:
+                out[:, row, i] = pos
+                pos += 1
+                i += 1
+                continue
+            if used == len(grids):
+                raise ValueError(f"row {row}, column {i}: an image placeholder beyond the {len(grids)} images of "
+                                 "image_grid_thw")
+            t, h, w = grids[used][0], grids[used][1] // m, grids[used][2] // m
+            n = t * h * w
+            if ids[i:i + n] != [vision.image_token_id] * n:
+                raise ValueError(f"row {row}, column {i}: image {used} has {n} merged tokens ({t} x {h} x {w}) but "
+                                 f"the placeholder run there is shorter")
+            frame, r, c = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+            out[:, row, i:i + n] = torch.stack([frame, r, c]).reshape(3, n) + pos
+            pos += max(h, w)
+            i += n
+            used += 1
+    if used != len(grids):
+        raise ValueError(f"input_ids hold placeholders for {used} images but image_grid_thw describes {len(grids)}")
+    return out
+
+
+def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(row, column) [N, 2] of each patch in pixel_values' order: per image and frame, merged cells in raster order,
+    the merge x merge patches of a cell in raster order within it."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        cell_r, cell_c, r, c = torch.meshgrid(torch.arange(h // merge), torch.arange(w // merge), torch.arange(merge),
+                                              torch.arange(merge), indexing="ij")
+        rc = torch.stack([cell_r * merge + r, cell_c * merge + c], dim=-1).reshape(-1, 2)
+        out.append(rc.repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_order(grid_thw: torch.Tensor, vision: VisionSpec) -> tuple:
+    """(order [cells], window lengths in patches): the merged cells window by window (per image and frame, windows of
+    k x k cells in raster order, k = window_size // patch_size // merge, cut short at the right and bottom edges; the
+    cells of a window in raster order), and each window's patch count."""
+    m = vision.spatial_merge_size
+    k = vision.window_size // vision.patch_size // m
+    order, lengths, offset = [], [], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // m, w // m
+        cells = torch.arange(t * gh * gw).reshape(t, gh, gw) + offset
+        for f in range(t):
+            for r0 in range(0, gh, k):
+                for c0 in range(0, gw, k):
+                    window = cells[f, r0:r0 + k, c0:c0 + k].reshape(-1)
+                    order.append(window)
+                    lengths.append(window.numel() * vision.merge_unit)
+        offset += t * gh * gw
+    return torch.cat(order), lengths
+
+
+def frame_lengths(grid_thw: torch.Tensor) -> list:
+    """Patches of each frame of each image: the full-attention segments."""
+    return [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+
+
+# ---- the vision tower ---------------------------------------------------------------------------------------------
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _Holder(torch.nn.Module):
+    """A parameter holder (the patch embedding's Conv3d weight, kept in its checkpoint shape)."""
+
+    def __init__(self, shape: tuple, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, v: VisionSpec, dtype):
+        super().__init__()
+        self.heads, self.head_dim = v.num_heads, v.head_dim
+        self.qkv = torch.nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=True, dtype=dtype)
+        self.proj = torch.nn.Linear(v.hidden_size, v.hidden_size, bias=True, dtype=dtype)
+
+    def forward(self, x, cos, sin, segments):
+        """x [N, hidden], cos/sin [N, head_dim], segments: lengths of the runs of x that attend among themselves."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)  # each [N, heads, head_dim]
+        q, k = (_rotate(t, cos, sin) for t in (q, k))
+        outs = []
+        for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments)):
+            o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                               scale=self.head_dim ** -0.5)
+            outs.append(o.transpose(0, 1))
+        return self.proj(torch.cat(outs).reshape(n, -1))
+
+
+def _rotate(t, cos, sin):
+    """Rotary embedding over halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin); t [N, heads, d], cos/sin [N, d]."""
+    half = t.shape[-1] // 2
+    rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+    return t * cos[:, None] + rotated * sin[:, None]
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, v: VisionSpec, dtype):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(v.hidden_size, v.intermediate_size, bias=True, dtype=dtype)
+        self.up_proj = torch.nn.Linear(v.hidden_size, v.intermediate_size, bias=True, dtype=dtype)
+        self.down_proj = torch.nn.Linear(v.intermediate_size, v.hidden_size, bias=True, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, v: VisionSpec, dtype):
+        super().__init__()
+        self.norm1, self.norm2 = _RMSNorm(v.hidden_size, v.norm_eps, dtype), _RMSNorm(v.hidden_size, v.norm_eps, dtype)
+        self.attn, self.mlp = _Attention(v, dtype), _MLP(v, dtype)
+
+    def forward(self, x, cos, sin, segments):
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class _Merger(torch.nn.Module):
+    def __init__(self, v: VisionSpec, dtype):
+        super().__init__()
+        width = v.hidden_size * v.merge_unit
+        self.ln_q = _RMSNorm(v.hidden_size, v.norm_eps, dtype)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, width, dtype=dtype), torch.nn.GELU(),
+                                       torch.nn.Linear(width, v.out_hidden_size, dtype=dtype))
+        self.width = width
+
+    def forward(self, x):
+        return self.mlp(self.ln_q(x).reshape(-1, self.width))
+
+
+class Qwen25VisionTower(torch.nn.Module):
+    """Qwen2.5-VL's vision encoder and patch merger (module docstring); parameter names follow the checkpoint's
+    `visual.*` below `vision_model.` (megarl.bridge.mapping)."""
+
+    def __init__(self, vision: VisionSpec, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        v = self.spec = vision
+        self.patch_embed = torch.nn.Module()
+        self.patch_embed.proj = _Holder((v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                         v.patch_size), dtype)
+        torch.nn.init.normal_(self.patch_embed.proj.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList(_Block(v, dtype) for _ in range(v.depth))
+        self.merger = _Merger(v, dtype)
+        d = v.head_dim // 2  # rows take half of each head's rotary pairs, columns the other half
+        self.register_buffer("inv_freq", 1.0 / (v.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
+                             persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, patch_dim] (the image processor's flattened patches), grid_thw [images, 3] -> merged token
+        embeddings [N / merge**2, out_hidden_size] in the images' order, each image's tokens in raster order."""
+        v = self.spec
+        unit = v.merge_unit
+        if pixel_values.shape != (int(grid_thw.prod(-1).sum()), v.patch_dim):
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; image_grid_thw {grid_thw.tolist()} "
+                             f"implies ({int(grid_thw.prod(-1).sum())}, {v.patch_dim})")
+        weight = self.patch_embed.proj.weight
+        x = F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))  # [N, hidden]
+        n = x.shape[0]
+        order, windows = window_order(grid_thw, v)
+        angles = patch_positions(grid_thw, v.spatial_merge_size).to(x.device, torch.float32)[..., None] * self.inv_freq
+        angles = angles.reshape(n, -1)  # [N, head_dim / 2]: rows' angles then columns'
+        angles = torch.cat([angles, angles], dim=-1)
+
+        def by_window(t):
+            return t.reshape(n // unit, unit, -1)[order.to(t.device)].reshape(n, -1)
+
+        x, angles = by_window(x), by_window(angles)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        frames = frame_lengths(grid_thw)  # windows never cross frames: the reordered patches keep frame order
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames if i in v.fullatt_block_indexes else windows)
+        merged = self.merger(x)
+        return merged[torch.argsort(order.to(merged.device))]
+
+
+# ---- the joined forward --------------------------------------------------------------------------------------------
+def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
+                  image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
+    """The decoder input [S, B, hidden] of a first-stage chunk: token embeddings with each image placeholder's
+    embedding replaced by its merged image token (images and their tokens in row-major order)."""
+    from megarl.bridge.sharding import unwrap
+
+    chunk = unwrap(model)[0]
+    if chunk.config.sequence_parallel:
+        raise ValueError("vision-language models run without sequence parallelism for now (the image embeddings "
+                         "are placed into the whole sequence on every TP rank)")
+    emb = chunk.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
+    if pixel_values is None:
+        return emb
+    vision = chunk.megarl_spec.vision
+    image = chunk.vision_model(pixel_values, image_grid_thw)
+    mask = input_ids == vision.image_token_id  # [B, S]
+    if int(mask.sum()) != image.shape[0]:
+        raise ValueError(f"input_ids hold {int(mask.sum())} image placeholders but the images give {image.shape[0]} "
+                         "merged tokens")
+    rows = emb.transpose(0, 1).clone()  # [B, S, H]: placeholders are filled row by row, as the images come
+    rows[mask] = image.to(rows.dtype)
+    return rows.transpose(0, 1).contiguous()
+
+
+def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
+              image_grid_thw: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None
+              ) -> Optional[torch.Tensor]:
+    """Logits [B, S, padded vocab / TP] (this TP rank's vocabulary shard) on the last pipeline stage (None on the
+    others) of unpadded rows input_ids [B, S] with their images, one micro-batch through megatron's pipeline schedule
+    (forward only); positions [3, B, S] default to mrope_positions. Call on every rank of the model-parallel group.
+
+    Every stage computes the rotary embedding from the same positions; the first stage builds the decoder input from
+    the token embeddings and the vision tower's image embeddings (vl_embeddings)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megarl.bridge.sharding import unwrap
+    from megarl.megatron.forward import causal_inputs
+    from megarl.megatron.parallel import schedule_args
+
+    chunks = unwrap(model)
+    if len(chunks) > 1:
+        raise ValueError("vision-language models run without virtual pipeline stages for now")
+    chunk = chunks[0]
+    vision = chunk.megarl_spec.vision
+    device = chunk.decoder.final_layernorm.weight.device if chunk.post_process else next(chunk.parameters()).device
+    input_ids = input_ids.to(device)
+    if positions is None:
+        positions = mrope_positions(input_ids.cpu(), image_grid_thw, vision)
+    positions = positions.to(device)
+    pixels = None if pixel_values is None else pixel_values.to(device)
+    _, mask = causal_inputs(input_ids)
+
+    def step(data_iterator, m):
+        next(data_iterator)
+        decoder_input = vl_embeddings(chunk, input_ids, pixels, image_grid_thw) if chunk.pre_process else None
+        out = m(input_ids=input_ids, position_ids=positions, attention_mask=mask, decoder_input=decoder_input)
+        return out, lambda output: (torch.zeros((), device=output.device), {"out": output.detach()})
+
+    chunk.config.variable_seq_lengths = False
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=step, **schedule_args(chunks, [None]), num_microbatches=1, forward_only=True,
+            seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0])
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return results[0]["out"]
