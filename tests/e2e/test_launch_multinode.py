@@ -147,8 +147,8 @@ def _ray_cluster(tmp: Path):
     replica on each); yields (address, env for its drivers, [(node id, is the head)])."""
     port = free_port()
     address = f"127.0.0.1:{port}"
-    # Ray's token authentication is off for this loopback-only test cluster: a token file another Ray cluster of this
-    # machine may have left in the home directory is not this cluster's
+    # Ray's token authentication is off for this test cluster, which lives as long as the test: a token file another
+    # Ray cluster of this machine may have left in the home directory is not this cluster's
     env = _env(RAY_AUTH_MODE="disabled", RAY_BIN=RAY, NODE_IP="127.0.0.1", NUM_CPUS=1, RAY_PORT=port, RAY_HEAD=address)
     env.pop("RAY_ADDRESS", None)
     temp = tempfile.mkdtemp(prefix="megarl-ray-")  # short: Ray's socket paths live under it (at most 107 characters)
@@ -181,15 +181,16 @@ def _launch_two_nodes(tmp: Path, name: str, extra: list, env: dict, tag: str) ->
     return "\n".join(p.read_text(errors="replace") for p in logs)
 
 
-RAY_LINE = re.compile(r"Ray rollout engine replica (\d+): Ray node 127\.0\.0\.1 \(id ([0-9a-f]{8})\), "
-                      r"no GPU \(CPU engine\)")
+RAY_LINE = re.compile(r"Ray rollout engine replica (\d+): Ray node \S+ \(id ([0-9a-f]{8})\), no GPU \(CPU engine\)")
 
 
 def test_two_nodes_with_a_two_node_ray_cluster_finish_and_resume(tmp_path):
     with _ray_cluster(tmp_path) as (address, ray_env, ray_nodes):
         assert sorted(head for _, head in ray_nodes) == [False, True]
         env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": ray_env["RAY_AUTH_MODE"]}
-        ray = ["rollout.mode=ray", "rollout.data_parallel_size=2"]
+        # one trainer rank per node (DP2: SMALL's TP2 x PP2 undone), two engine replicas hosted by Ray
+        ray = ["parallelism.tensor_model_parallel_size=1", "parallelism.pipeline_model_parallel_size=1",
+               "rollout.mode=ray", "rollout.data_parallel_size=2"]
         first = _launch_two_nodes(tmp_path, "ray", ray, env, "")
         run_dir = tmp_path / "ray"
         assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
