@@ -149,6 +149,15 @@ def capture_engine_output() -> None:
     if directory:  # for the life of the process, never restored: the engine reports its errors through its pipe
         name = multiprocessing.current_process().name.removeprefix("megarl-")
         _engine_redirect = _redirect(Path(directory) / f"{name}.log", tee=os.environ.get(VERBOSE_ENV) == "1")
+    # megarl's own lines of the engine process (its start line names the replica's node and devices) go to the same
+    # output: a spawned process starts with no logging set up, and Python's last-resort handler drops INFO
+    ours = logging.getLogger("megarl")
+    if not ours.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 class _TerminalHandler(logging.Handler):

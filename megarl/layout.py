@@ -159,6 +159,12 @@ class EngineDevices:
     num_gpus: int
     parts: tuple = ()
 
+    @classmethod
+    def on_cpu(cls, replica: int, node: int) -> "EngineDevices":
+        """A CPU engine replica started on `node` (the node index of the trainer rank that starts it): no GPUs, and
+        its start line still names the node."""
+        return cls(replica, 0, ((node, ()),))
+
     @property
     def node(self) -> Optional[int]:
         return self.parts[0][0] if self.parts else None
@@ -174,6 +180,8 @@ class EngineDevices:
             return (f"replica {self.replica}: {self.num_gpus} GPU{'s' if self.num_gpus > 1 else ''} of one node, "
                     f"placed by Ray (num_gpus={self.num_gpus})")
         if len(self.parts) == 1:
+            if not self.devices:
+                return f"replica {self.replica}: node {self.node}, no GPU (CPU engine)"
             return f"replica {self.replica}: node {self.node}, GPUs {_gpu_list(self.devices)}"
         if len({devices for _, devices in self.parts}) == 1:
             return (f"replica {self.replica}: nodes {self.parts[0][0]}-{self.parts[-1][0]}, GPUs "

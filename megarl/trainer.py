@@ -25,6 +25,7 @@ from megarl.prepare import prepare
 from megarl.reward.registry import reward_fn_from_config
 from megarl.rollout.threads import keep_trainer_on
 from megarl.distributed import barrier, compute_device, node_gpus
+from megarl.layout import EngineDevices
 from megarl.runtime import Runtime
 from megarl.sync.factory import SyncFactory
 from megarl.types import RolloutBatch
@@ -377,8 +378,10 @@ def start_engine(cfg: MegarlConfig, model_path: str, rt: Runtime):
 
     replica = rt.engines.replica_of(rt.rank)
     name = f"megarl-{cfg.rollout.name}-engine" + (f"-{replica}" if replica else "")
-    # on GPU each replica sees its own GPUs only: the engine would otherwise compute on the node's first ones
-    devices = cfg.engine_devices(node_gpus())[replica] if compute_device().type == "cuda" else None
+    # on GPU each replica sees its own GPUs only: the engine would otherwise compute on the node's first ones; on CPU
+    # the replica's start line still names its node (torchrun places consecutive ranks on a node)
+    devices = (cfg.engine_devices(node_gpus())[replica] if compute_device().type == "cuda" else
+               EngineDevices.on_cpu(replica, rt.rank // int(os.environ.get("LOCAL_WORLD_SIZE", rt.world_size))))
 
     def launch():
         return EngineProcess(rollout, model_path, seed=seed, cores=cores, name=name, devices=devices,

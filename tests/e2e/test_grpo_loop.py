@@ -1,6 +1,7 @@
 """The RL loop on the tiny CPU recipe, run by `megarl train` as a user runs it: on-policy first step, a quiet console,
-TP2 equals TP1, and actionable errors for bad input."""
+TP2 equals TP1, context parallelism composed with DP (and TP) equals CP1, and actionable errors for bad input."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,72 @@ def test_tp2_losses_equal_tp1(tp1):
         assert abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 1e-4 * max(1, a["actor/grad_norm"])
     for m in got:  # two engine replicas (one per rank): each rank writes its worker's weights into its parameters
         assert m["weight_sync/placed_bytes"] == m["weight_sync/bytes"] > 0, m
+
+
+def _first_step_bounds(tmp: Path, a: dict, b: dict, dp: int) -> tuple:
+    """Derived bounds on the first step's pg_loss and grad_norm of one run computed at two layouts (a: DP1 CP1, b at
+    data-parallel size dp): the same samples (checked by the caller), so the same advantages; only rounding differs.
+
+    - Gradients: the same sums in another order (rows split over DP, tokens over CP, partial gradients all-reduced over
+      DP x CP), relative error `rel` of the model's outputs, transposed (tests/helpers/bounds.relative_error over every
+      parameter), plus what the ratios change in dL/dlp = -A * ratio / tokens: on the first mini-batch each run's
+      ratio is exp(its own log ratio), at most exp(l) from 1 where l is the run's actor/log_ratio_abs_max (averaged
+      over DP ranks, so at most dp times the metric): |d grad_norm| <= grad_norm * (rel + expm1(l_a + l_b)).
+    - Loss: a token-mean of -A * ratio; GRPO's advantages (group-centred, over the group's unbiased std) are at most
+      (n - 1) / sqrt(n) in size (Samuelson's inequality), and the mean of N tokens' products is summed in another
+      order (at most 2 N u of its terms' magnitude, u = 2^-24): |d loss| <= A_max * (expm1(l_a + l_b) + 2 N u)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.bounds import relative_error
+
+    cfg = load_config(RECIPE, _overrides(tmp, "bounds"))
+    n_params = sum(t.numel() for f in (tmp / "model").glob("*.safetensors") for t in load_file(str(f)).values())
+    rel = relative_error(tmp / "model", cfg.rollout.prompt_length + cfg.rollout.response_length, n_params)
+    growth = math.expm1(a["actor/log_ratio_abs_max"] + dp * b["actor/log_ratio_abs_max"])
+    n = cfg.rollout.n
+    tokens = cfg.data.train_batch_size * n * cfg.rollout.response_length
+    loss_tol = (n - 1) / math.sqrt(n) * (growth + 2 * tokens * 2.0 ** -24)
+    return loss_tol, (rel + growth) * a["actor/grad_norm"]
+
+
+def _assert_first_step_equal(tmp: Path, ref: list, got: list, dp: int, label: str) -> None:
+    a, b = ref[0], got[0]
+    assert a["train/reward_mean"] == b["train/reward_mean"]  # the same samples from the same seed and weights
+    assert abs(a["actor/pg_loss"]) > 1e-4 and a["actor/grad_norm"] > 0  # a non-trivial step, not 0 == 0
+    loss_tol, gn_tol = _first_step_bounds(tmp, a, b, dp)
+    d_loss, d_gn = abs(a["actor/pg_loss"] - b["actor/pg_loss"]), abs(a["actor/grad_norm"] - b["actor/grad_norm"])
+    print(f"[measured] {label} vs CP1 DP1, step 1: pg_loss {d_loss:.2e} (bound {loss_tol:.2e}), grad_norm {d_gn:.2e} "
+          f"(bound {gn_tol:.2e}, grad_norm {a['actor/grad_norm']:.3f})")
+    assert d_loss <= loss_tol, (a["actor/pg_loss"], b["actor/pg_loss"], loss_tol)
+    # a gradient averaged over DP only (CP's shares summed), or a loss not scaled by CP, is off by a factor of 2
+    assert d_gn <= gn_tol, (a["actor/grad_norm"], b["actor/grad_norm"], gn_tol)
+    for m in got:  # every step's engine samples from the actor's distribution after the sync from the CP ranks
+        assert m["rollout/logprob_abs_diff_mean"] < 1e-4, m
+
+
+def test_cp2_dp2_first_step_equals_cp1_dp1(tp1):
+    """`megarl train` on 4 ranks at CP2 x DP2: each DP rank's rows are split over its 2 CP ranks, and megatron averages
+    the gradients over the 4 ranks of DP x CP (each loss scaled by CP). The first step's gradient norm and loss equal
+    the single-rank run's on the same samples within the derived bounds."""
+    tmp, ref, _, _ = tp1
+    # one engine replica (on rank 0) instead of one per rank: half the CPU time of the run; the slow CP2 x TP2 test
+    # below syncs an engine on every rank
+    got, _, _ = _cli_run(tmp, "cp2dp2", ["parallelism.context_parallel_size=2", "trainer.n_gpus_per_node=4",
+                                         "trainer.total_steps=2", "rollout.data_parallel_size=1"])
+    assert [m["step"] for m in got] == [1, 2]
+    _assert_first_step_equal(tmp, ref, got, 2, "CP2 x DP2")
+
+
+@pytest.mark.slow  # 4 ranks and 4 engine replicas, about a minute and a half on 2 cores
+def test_cp2_tp2_first_step_equals_cp1_dp1(tp1):
+    """CP2 x TP2 on 4 ranks (one model replica, so DP1): the tensor-parallel shards of each CP rank's chunks; every
+    rank's engine replica is synced from its rank's shards."""
+    tmp, ref, _, _ = tp1
+    got, _, _ = _cli_run(tmp, "cp2tp2", ["parallelism.context_parallel_size=2",
+                                         "parallelism.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4",
+                                         "trainer.total_steps=2"])
+    assert [m["step"] for m in got] == [1, 2]
+    _assert_first_step_equal(tmp, ref, got, 1, "CP2 x TP2")
 
 
 def test_the_console_is_short_and_library_logs_go_to_the_run_dir(tp1):

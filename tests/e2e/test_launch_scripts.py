@@ -1,5 +1,6 @@
 """The launch scripts and the Dockerfile pass their linters (skipped where shellcheck/hadolint are not installed), and
 the scripts explain their usage."""
+import os
 import shutil
 import subprocess
 import sys
@@ -42,3 +43,14 @@ def test_torchrun_script_prints_usage_without_a_recipe():
     r = subprocess.run(["bash", str(ROOT / "launch" / "torchrun.sh"), "no/such/recipe.yaml"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "recipe not found" in r.stderr
+
+
+def test_ray_node_script_prints_usage_and_refuses_a_worker_without_its_head():
+    script = str(ROOT / "launch" / "ray_node.sh")
+    r = subprocess.run(["bash", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "head" in r.stdout and "worker" in r.stdout
+    env = {k: v for k, v in os.environ.items() if k != "RAY_HEAD"}
+    r = subprocess.run(["bash", script, "worker"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "RAY_HEAD" in r.stderr
+    r = subprocess.run(["bash", script, "leader"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "head or worker" in r.stderr

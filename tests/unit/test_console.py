@@ -80,6 +80,8 @@ ENGINE_SCRIPT = textwrap.dedent("""
     def engine():
         capture_engine_output()
         print("INFO vllm engine start-up", flush=True)
+        import logging
+        logging.getLogger("megarl.rollout.vllm.engine").info("engine started; replica 1: node 0")
         os.write(2, b"W engine C++ warning\\n")
 
     if __name__ == "__main__":
@@ -98,6 +100,8 @@ def test_engine_process_logs_to_its_own_file(tmp_path, monkeypatch):
     assert proc.returncode == 0, proc.stderr
     log = (tmp_path / "logs" / "vllm-engine.log").read_text()
     assert "INFO vllm engine start-up" in log and "W engine C++ warning" in log
+    # megarl's own INFO lines of the engine process (the start line naming its node) land there too
+    assert "INFO megarl.rollout.vllm.engine: engine started; replica 1: node 0" in log
     assert "engine" not in proc.stdout + proc.stderr
     # what the trainer quotes when the engine process dies
     monkeypatch.setenv("MEGARL_LOG_DIR", str(tmp_path / "logs"))

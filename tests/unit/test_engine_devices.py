@@ -14,7 +14,8 @@ import torch
 from megarl.distributed import node_gpus
 from megarl.layout import DeviceShortage, EngineDevices, engine_devices
 from megarl.rollout.checks import ONE_NODE_RULE
-from megarl.rollout.hosting.process import _DIST_VARS, _environment, child_environment
+from megarl.rollout.hosting.process import _DIST_VARS, _environment, child_environment, engine_gpus
+from megarl.rollout.hosting.ray import ray_placement
 from megarl.validate import load_config
 
 NODE = [str(i) for i in range(8)]  # one 8-GPU node, CUDA_VISIBLE_DEVICES unset
@@ -58,6 +59,19 @@ def test_describe_lines():
     assert EngineDevices(1, 2, ((0, ("2", "3")),)).describe() == "replica 1: node 0, GPUs 2,3"
     assert EngineDevices(0, 8, ((3, tuple(NODE)),)).describe() == "replica 0: node 3, GPUs 0-7"
     assert EngineDevices(2, 4).describe() == "replica 2: 4 GPUs of one node, placed by Ray (num_gpus=4)"
+    # a CPU engine has no GPUs, and its start line still names the node of the rank that started it
+    assert EngineDevices.on_cpu(3, 1).describe() == "replica 3: node 1, no GPU (CPU engine)"
+    assert ray_placement(1, "10.0.0.7", "3f2a1b9c" + "0" * 48, [2, 3]) == \
+        "replica 1: Ray node 10.0.0.7 (id 3f2a1b9c), GPUs 2,3"
+    assert ray_placement(0, "127.0.0.1", "ab" * 28, []) == \
+        "replica 0: Ray node 127.0.0.1 (id abababab), no GPU (CPU engine)"
+
+
+def test_a_cpu_replica_leaves_the_childs_devices_alone():
+    """EngineDevices.on_cpu only names the node: the engine child sees what the rank sees (CUDA_VISIBLE_DEVICES is not
+    set to an empty list); a GPU replica's child sees its GPUs."""
+    assert engine_gpus(EngineDevices.on_cpu(0, 1)) is None and engine_gpus(None) is None
+    assert engine_gpus(EngineDevices(1, 2, ((0, ("2", "3")),))) == ("2", "3")
 
 
 def test_separate_engines_take_the_gpus_the_trainer_ranks_leave():

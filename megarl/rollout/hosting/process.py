@@ -55,6 +55,12 @@ def child_environment(parent: Mapping[str, str], devices: Optional[Sequence[str]
     return env
 
 
+def engine_gpus(devices: Optional[EngineDevices]) -> Optional[tuple]:
+    """The GPUs an engine child is given to see (CUDA_VISIBLE_DEVICES); None: what the rank sees. A CPU replica
+    (EngineDevices.on_cpu) has none: its devices only name its node in the start line."""
+    return devices.devices if devices is not None and devices.num_gpus else None
+
+
 @contextlib.contextmanager
 def _environment(env: Mapping[str, str]):
     """os.environ is `env` while the block runs (a spawned child takes it), then what it was."""
@@ -256,7 +262,7 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         # abort() must reach a generate that is running, while the child is not reading the pipe: a shared counter
         self._abort = AbortSignal(ctx.Value("q", 0))
-        with _environment(child_environment(os.environ, devices.devices if devices is not None else None)):
+        with _environment(child_environment(os.environ, engine_gpus(devices))):
             self._proc = ctx.Process(target=_serve, args=(child, config, str(model_path), seed, prompt_overflow,
                                                           os.getpid(), cores, self._abort.shared, lora, cpu,
                                                           devices.describe() if devices is not None else "",

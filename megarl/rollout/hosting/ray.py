@@ -107,6 +107,14 @@ def concat_rollouts(parts: Sequence[RolloutBatch]) -> RolloutBatch:
     return out
 
 
+def ray_placement(replica: int, ip: str, node_id: str, gpu_ids: Sequence) -> str:
+    """'replica 1: Ray node 10.0.0.7 (id 3f2a1b9c), GPUs 2,3' (no GPUs: 'no GPU (CPU engine)'): where Ray placed an
+    engine replica, for its start line. The node id tells apart nodes that share an address (two Ray nodes started on
+    one machine)."""
+    gpus = f"GPUs {','.join(str(g) for g in gpu_ids)}" if gpu_ids else "no GPU (CPU engine)"
+    return f"replica {replica}: Ray node {ip} (id {node_id[:8]}), {gpus}"
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The actor
 
@@ -116,21 +124,24 @@ class _EngineHost:
     directly; see RayEngine."""
 
     def __init__(self, config: RolloutConfig, model_path: str, seed: int, prompt_overflow: str,
-                 expected: Optional[EngineDevices] = None, health: Optional[HealthSettings] = None):
+                 expected: Optional[EngineDevices] = None, health: Optional[HealthSettings] = None,
+                 replica: int = 0):
         import multiprocessing
+
+        import ray
 
         for key in _DIST_VARS:
             os.environ.pop(key, None)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from megarl.rollout.vllm.engine import VLLMEngine
 
-        where = ""
         if expected is not None:  # Ray chose the node and the GPUs: as many as the layout gives the replica?
-            import ray
-
             expected.check_assigned(ray.get_gpu_ids())
-            where = (f"replica {expected.replica}: Ray node {ray.util.get_node_ip_address()}, GPUs "
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}")
+        node_id = ray.get_runtime_context().get_node_id()
+        # the node's own address (`ray start --node-ip-address`), which this machine's address need not be
+        address = next((n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id),
+                       ray.util.get_node_ip_address())
+        self.where = where = ray_placement(replica, address, node_id, ray.get_gpu_ids())
         # the watchdog's record lives in the actor: the driver asks it (`health`) instead of reading shared memory,
         # since the actor may run on another node (another monotonic clock)
         self._health = EngineHealth(multiprocessing.get_context("spawn"), health) if health is not None else None
@@ -140,10 +151,10 @@ class _EngineHost:
             self._health.start_beating()
 
     def ready(self) -> tuple:
-        """(engine start seconds, the actor's pid, its node's address)."""
+        """(engine start seconds, the actor's pid, its node's address, where it runs: ray_placement)."""
         import ray
 
-        return float(self.engine.start_seconds), os.getpid(), ray.util.get_node_ip_address()
+        return float(self.engine.start_seconds), os.getpid(), ray.util.get_node_ip_address(), self.where
 
     def _run(self, method: str, *args, **kwargs):
         if self._health is not None:
@@ -310,7 +321,7 @@ class RayEngine:
             # three threads: abort() and the watchdog's ping run while generate() does; the driver makes every other
             # call in turn
             max_concurrency=3,
-        ).remote(*self._args, self._devices[r], self._health)
+        ).remote(*self._args, self._devices[r], self._health, r)
 
     def _started(self, replicas) -> list:
         """Wait for the actors `replicas` to start; their engine start seconds."""
@@ -318,8 +329,10 @@ class RayEngine:
         got = self._get([self._actors[r].ready.remote() for r in replicas], self.start_timeout_s, "start")
         while len(self._pids) < len(self._actors):
             self._pids.append(None)
-        for r, (_, pid, node) in zip(replicas, got):
+        for r, (_, pid, node, where) in zip(replicas, got):
             self._pids[r] = (pid, node)
+            # the actors' own logs may not reach this process: name each replica's node and GPUs here
+            log.info("Ray rollout engine %s", where)
         return [g[0] for g in got]
 
     # -- plumbing -----------------------------------------------------------------------------------------------------
