@@ -14,6 +14,7 @@ from megarl.plan.memory import in_flight_layers
 from megarl.plan.model import Cluster, PlanError
 from megarl.plan.planner import (DEFAULT_GPU_MEM_GIB, DEFAULT_HOST_MEM_GIB, DEFAULT_LINK_GBPS, PlanReport,
                                  plan_recipe, plan_steps)
+from megarl.plan.timing import DEFAULT_GPU, GPUS
 
 __all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "plan_steps", "run"]
 
@@ -32,14 +33,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "parallel_size=8")
     ap.add_argument("--nodes", type=int, help="nodes in the cluster (required but with --measure)")
     ap.add_argument("--gpus-per-node", type=int, help="GPUs per node (required but with --measure)")
-    ap.add_argument("--gpu-mem", type=float, default=DEFAULT_GPU_MEM_GIB, help="GiB per GPU (default 80)")
+    ap.add_argument("--gpu", choices=sorted(GPUS), help="the GPU kind: its memory, dense bf16 FLOP/s, HBM and NVLink "
+                    "bandwidth (vendor datasheets, megarl/plan/timing.py) for the plan and the search's time model "
+                    "(default H100)")
+    ap.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU, overriding --gpu's (default: --gpu's, "
+                    "else 80)")
     ap.add_argument("--host-mem", type=float, default=DEFAULT_HOST_MEM_GIB, help="GiB of host memory per node "
                     "(default 2048)")
     ap.add_argument("--search", action="store_true", help="search the layouts (TP, PP, CP, VPP, EP, expert TP, "
                     "micro-batch, recompute, offload, distributed optimizer, engine TP/EP, replicas, placement) that "
                     "validate accepts and fit, ranked by planned step time")
-    ap.add_argument("--top", type=int, default=3, help="--search: how many layouts to print (default 3)")
-    ap.add_argument("--margin", type=float, default=0.05, help="--search: share of each GPU left free (default 0.05)")
+    ap.add_argument("--top", type=int, default=5, help="--search: how many layouts to print, fastest first, each "
+                    "with its step time's margin over the one above and over #1 (default 5)")
+    ap.add_argument("--margin", type=float, default=0.10, help="--search: share of each GPU left free (default 0.10: "
+                    "the plan's terms are within 10%% of measured peaks on CPU, and on GPU it was 8%% low before "
+                    "they were added)")
     ap.add_argument("--write", metavar="RECIPE_OUT", help="--search: write the best layout into a copy of the recipe")
     ap.add_argument("--measure", action="store_true", help="run a few real trainer steps of the recipe at its own "
                     "layout (trainer.nnodes x n_gpus_per_node ranks, CPU or GPU) on a copy of its model cut to "
@@ -74,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
                   "(--calibration-out FILE), then search with --calibration FILE", file=sys.stderr)
             return 2
         return run_measure(args, overrides)
+    gpu = GPUS[args.gpu] if getattr(args, "gpu", None) else DEFAULT_GPU
+    if getattr(args, "gpu_mem", None) is None:
+        args.gpu_mem = gpu.mem_gib if getattr(args, "gpu", None) else DEFAULT_GPU_MEM_GIB
+    args.gpu_kind = gpu
     if args.nodes is None or args.gpus_per_node is None:
         print("megarl plan: --nodes and --gpus-per-node are required (the cluster to plan for); --measure runs the "
               "recipe's own layout instead", file=sys.stderr)
@@ -117,10 +129,11 @@ def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:
         except ValueError as exc:
             print(f"megarl plan: {exc}", file=sys.stderr)
             return 2
+    gpu = getattr(args, "gpu_kind", DEFAULT_GPU)
     res = search(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem, args.top,
-                 args.margin, calibration=calibration)
-    line = (f"megarl plan --search: {args.nodes} node(s) x {args.gpus_per_node} GPU(s) of {args.gpu_mem:g} GiB, "
-            f"margin {args.margin:.0%}")
+                 args.margin, calibration=calibration, gpu=gpu)
+    line = (f"megarl plan --search: {args.nodes} node(s) x {args.gpus_per_node} {gpu.name} GPU(s) of "
+            f"{args.gpu_mem:g} GiB, margin {args.margin:.0%}")
     print(f"# {args.recipe}")
     print(render_search(res, line, Cluster(args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps).gpu_bytes))
     if args.write and res.best:

@@ -54,7 +54,8 @@ from megarl.plan.model import GIB, Cluster, PlanError
 
 PHASES = ("generate", "old/ref log-probs", "update", "weight sync", "checkpoint save")
 # lines of a planned phase that are not tensors of the trainer process
-NOT_TRAINER = ("engine (gpu_memory_utilization)", "engine weights (woken for the sync)", "CUDA context, cuBLAS, NCCL",
+NOT_TRAINER = ("engine (gpu_memory_utilization)", "engine (hf: weights, KV cache of its batch, prefill)",
+               "engine weights (woken for the sync)", "CUDA context, cuBLAS, NCCL",
                "allocator reserve (fragmentation)", "sync receive slots (2 buckets)")
 
 
@@ -89,6 +90,7 @@ def make_cut_model(cfg, layers: int, out: Path) -> tuple[Path, int, int]:
         syn = cfg.data.synthetic
         create_tiny_model(tiny.model_copy(update={"num_hidden_layers": keep}), out, cfg.trainer.seed,
                           syn.max_operand if syn else 20, syn.task if syn else "arithmetic")
+        _positions_for_rows(out, cfg.rollout.prompt_length + cfg.rollout.response_length)
         return out, keep, tiny.num_hidden_layers
     hf = dict(read_model_config(cfg))
     total = int(hf["num_hidden_layers"])
@@ -110,6 +112,17 @@ def make_cut_model(cfg, layers: int, out: Path) -> tuple[Path, int, int]:
     return out, keep, total
 
 
+def _positions_for_rows(model_dir: Path, row_tokens: int) -> None:
+    """The tiny model's 512 positions (megarl.bridge.tiny.MAX_POSITIONS) raised to the measured rows' length: its
+    rotary embedding has no weights per position, so the same weights serve longer rows, and the measurement wants rows
+    of real length (1k tokens and more)."""
+    path = model_dir / "config.json"
+    data = json.loads(path.read_text())
+    if data.get("max_position_embeddings", 0) < row_tokens:
+        data["max_position_embeddings"] = row_tokens
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def random_hf_model(hf: dict, out: Path, seed: int) -> None:
     """A float32 random transformers model of config dict `hf`, saved as safetensors at `out`."""
     import torch
@@ -129,6 +142,8 @@ def measured_overrides(cfg, model_dir: Path, keep: int, work: Path) -> list[str]
         out.append(f"model.create_tiny.num_hidden_layers={keep}")
     if cfg.model.dtype == "auto":  # the dtype the ranks will train in, so that the plan counts the same bytes
         out.append(f"model.dtype={'bfloat16' if _trains_on_cuda(cfg) else 'float32'}")
+    if not _trains_on_cuda(cfg):  # the plan then counts what a CPU trainer builds: no TE layers, torch's Adam
+        out.append("trainer.device=cpu")
     if cfg.critic_enabled and cfg.critic.model_path:
         out.append("critic.model_path=null")
     return out
@@ -379,9 +394,10 @@ def measure_rank(cfg_dict: dict, steps: int, work: str) -> dict:
 
 
 CPU_CLONES = "checkpoint: split fc1 views cloned (CPU)"
-CPU_ADAM = "Adam step temporaries over the freed activations (CPU)"
+CPU_ADAM = "optimizer step temporaries (torch AdamW single-tensor, CPU; over the freed activations)"
 CPU_FORWARD = "forward working set, one layer (CPU)"
 CPU_GLU = "unfused gated unit's stored activations (CPU)"
+CPU_LOCAL = "local layers' norms, rotary copies, expert probs (CPU)"
 
 
 def measured_plan(cfg, hf: dict):
@@ -399,10 +415,11 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
     from megarl.bridge.mapping import padded_vocab_size
     from megarl.plan.memory import forward_tokens, in_flight_layers
     from megarl.plan.terms import cpu_adam_step_bytes, cpu_checkpoint_clone_bytes, cpu_forward_working_set_bytes, \
-        cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements
+        cpu_unfused_glu_bytes, fc1_elements, largest_trained_elements, local_layers_extra_bytes
 
     from megarl.plan.host import r2_gather_bytes
-    from megarl.plan.phases import ACTIVATIONS, LORA_MERGED, stage_phases
+    from megarl.plan.phases import (ACTIVATIONS, BACKWARD, CP_ATTENTION, LORA_MERGED, MOE_DISPATCH,
+                                    OPTIMIZER_STEP, stage_phases)
     from megarl.plan.terms import lora_merged_sync_bytes
 
     pl = st.place
@@ -429,8 +446,15 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
             in_flight = (1 if cfg.model.recompute == "full" else
                          in_flight_layers(pl.pp, pl.vpp, s, st.roles.actor_micro_batches, stage_layers[s]))
             upd[CPU_GLU] = cpu_unfused_glu_bytes(spec, st.roles.actor_tokens, in_flight, pl.tp, pl.pbytes)
-            # the optimizer steps after the activations are freed: the phase holds the larger of the two
-            acts = upd.get(ACTIVATIONS, 0) + upd[CPU_GLU]
+            upd[CPU_LOCAL] = local_layers_extra_bytes(spec, st.roles.actor_tokens, in_flight, pl.tp,
+                                                      cfg.parallelism.sequence_parallel, pl.pbytes,
+                                                      pl.layout.expert_tensor, cfg.parallelism.moe_routing_imbalance,
+                                                      s == 0, s == pl.pp - 1)
+            # the optimizer steps after the activations are freed: the phase holds the larger of the two; on CPU
+            # this line is the single-tensor path's, over the unfused unit's stored bytes too
+            for key in [k for k in upd if k.startswith(OPTIMIZER_STEP)]:
+                del upd[key]
+            acts = sum(upd.get(k, 0) for k in (ACTIVATIONS, CP_ATTENTION, MOE_DISPATCH, BACKWARD, CPU_GLU, CPU_LOCAL))
             upd[CPU_ADAM] = max(0, cpu_adam_step_bytes(largest) - acts)
             lora_plan = st.roles.lora
             if LORA_MERGED in out[s]["weight sync"]:  # on CPU the rank writes a bucket's pieces and drops them

@@ -41,7 +41,10 @@ from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, spec_fro
 from megarl.bridge.mapping import padded_vocab_size
 from megarl.plan.model import Placement, PlanError, Weights, read_json
 from megarl.plan.terms import (attention_kv_bytes, attention_out_bytes, cp_attention_bytes, cp_rank_tokens,
-                               forward_logits_bytes, update_logits_bytes)
+                               OPTIMIZER_FOREACH, OPTIMIZER_FUSED, OPTIMIZER_SINGLE, backward_mlp_transient_bytes,
+                               foreach_adam_step_bytes, forward_logits_bytes, is_moe_layer, moe_dispatcher_bytes,
+                               moe_gathered_tokens, moe_routed_units_per_token, moe_shared_units_per_token,
+                               update_logits_bytes)
 from megarl.sync.plan import DTYPE_BYTES
 
 
@@ -57,6 +60,8 @@ class ModelMemory:
     optim_replicated: list[int] = field(default_factory=list)
     activations: list[int] = field(default_factory=list)
     master: list[int] = field(default_factory=list)  # the fp32 master copy's part of optim (as held)
+    dense_optim: list[int] = field(default_factory=list)  # optim's dense and expert parts (as held)
+    expert_optim: list[int] = field(default_factory=list)
     trains: bool = False  # has gradients and optimizer states (a LoRA actor's are its adapters')
 
     def state(self, s: int) -> int:
@@ -88,6 +93,13 @@ class Roles:
     actor_micro_tokens: int = 0  # per micro-batch, before the CP split (0: actor_tokens)
     cp_attention_update: int = 0  # the update's one-layer context-parallel attention transient (0 at CP 1)
     cp_attention_forward: int = 0  # the old/ref log-prob and value forwards' (0 at CP 1 or without a forward)
+    moe_dispatch_update: int = 0  # the allgather dispatcher's gathered buffers, one layer of an update micro-batch
+    moe_dispatch_forward: int = 0  # the same for the old/ref log-prob and value forwards' micro-batch
+    backward_transient: list = field(default_factory=list)  # per stage: one MLP's backward beyond the stored bytes
+    optimizer_step: list = field(default_factory=list)  # per stage: the optimizer step's temporaries
+    optimizer: str = ""  # which optimizer runs (megarl.plan.terms.OPTIMIZER_*)
+    moe_routed: list = field(default_factory=list)  # per stage: the routed experts' part of the actor's activations
+    moe_gather_buffer: int = 0  # megatron's global buffer the dispatcher gathers into: kept from the first forward
 
 
 @dataclass(frozen=True)
@@ -125,20 +137,43 @@ def batches(cfg, dp: int) -> Batches:
     return Batches(r.prompt_length + r.response_length, max(1, cfg.actor.ppo_mini_batch_size * r.n // dp))
 
 
-def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str, pbytes: int = 2) -> int:
+def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str, pbytes: int = 2,
+                                     expert_tp: Optional[int] = None, imbalance: float = 1.0,
+                                     moe: Optional[bool] = None) -> int:
     """Stored activation bytes of one token in one layer under the recompute setting (see the module doc): the
-    formula counts 16-bit elements; activations are in the parameter dtype, so float32 (pbytes 4) doubles it."""
+    formula counts 16-bit elements; activations are in the parameter dtype, so float32 (pbytes 4) doubles it. A MoE
+    layer (moe: None = spec.is_moe) has the routed experts at expert TP `expert_tp` (None: TP) with the busiest rank's
+    routing `imbalance`, and its shared experts (megarl.plan.terms.moe_routed_units_per_token,
+    moe_shared_units_per_token)."""
     h = spec.hidden_size
     q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
     resid = 8 * h / (tp if sp else 1)
     attn = 4 * q + 4 * kv
-    if spec.is_moe:
-        mlp = spec.moe_topk * (2 * h + 6 * spec.moe_ffn_hidden_size)
-    else:
-        mlp = 6 * spec.ffn_hidden_size
+    moe = spec.is_moe if moe is None else moe
     if recompute == "selective":
         attn -= 2 * q
-    return int((resid + (attn + mlp) / tp) * pbytes / 2)
+    if moe:
+        mlp = (moe_routed_units_per_token(spec, tp, sp, expert_tp or tp, imbalance)
+               + moe_shared_units_per_token(spec, tp))
+        return int((resid + attn / tp + mlp) * pbytes / 2)
+    return int((resid + (attn + 6 * spec.ffn_hidden_size) / tp) * pbytes / 2)
+
+
+def moe_routed_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, pbytes: int, expert_tp: int,
+                                     imbalance: float) -> int:
+    """The routed experts' part of a MoE layer's stored bytes per token (the text's breakdown)."""
+    return int(moe_routed_units_per_token(spec, tp, sp, expert_tp, imbalance) * pbytes / 2)
+
+
+def stage_layer_bytes(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, imbalance: float,
+                      layers: range) -> float:
+    """Mean stored bytes per token and layer over a stage's layers (dense and MoE layers each by their own formula)."""
+    if not layers:
+        return 0.0
+    kinds = [is_moe_layer(spec, i) for i in layers]
+    per = {m: activation_bytes_per_token_layer(spec, pl.tp, sp, recompute, pl.pbytes, pl.layout.expert_tensor,
+                                               imbalance, m) for m in set(kinds)}
+    return sum(per[m] for m in kinds) / len(kinds)
 
 
 def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_per_stage: int) -> float:
@@ -156,20 +191,22 @@ def in_flight_layers(pp: int, vpp: int, stage: int, micro_batches: int, layers_p
 
 
 def stage_activations(spec: ArchSpec, pl: Placement, sp: bool, recompute: str, tokens: int, micro_batches: int,
-                      logits: bool, entropy_bonus: bool = False) -> list[int]:
+                      logits: bool, entropy_bonus: bool = False, imbalance: float = 1.0) -> list[int]:
     """Activation bytes per pipeline stage at the peak of a training step (logits: the LM head's log-prob / entropy
     pass and its backward on the last stage, megarl.plan.terms.update_logits_bytes)."""
-    stored = activation_bytes_per_token_layer(spec, pl.tp, sp, recompute, pl.pbytes)
-    full_layer = activation_bytes_per_token_layer(spec, pl.tp, sp, "none", pl.pbytes)
     stage_layers = pl.layout.stage_layers(spec.num_layers)  # uneven stages: each stage's own layer count
     out = []
     for s in range(pl.pp):
+        mine = range(sum(stage_layers[:s]), sum(stage_layers[:s + 1]))
         layers_in_flight = in_flight_layers(pl.pp, pl.vpp, s, micro_batches, stage_layers[s])
         if recompute == "full":
             per_layer = tokens * (pl.pbytes * spec.hidden_size // (pl.tp if sp else 1))
-            extra = tokens * full_layer
+            extra = int(tokens * max(activation_bytes_per_token_layer(
+                spec, pl.tp, sp, "none", pl.pbytes, pl.layout.expert_tensor, imbalance, is_moe_layer(spec, i))
+                for i in mine))
         else:
-            per_layer = tokens * stored + cp_saved_kv(spec, pl, tokens, recompute)
+            per_layer = tokens * stage_layer_bytes(spec, pl, sp, recompute, imbalance, mine) + \
+                cp_saved_kv(spec, pl, tokens, recompute)
             extra = 0
         last = logits and s == pl.pp - 1
         head = update_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, pl.tp), pl.tp, pl.pbytes,
@@ -211,7 +248,9 @@ def trainable(name: str, dense: list[int], expert: list[int], pl: Placement, dis
     return ModelMemory(name, [a + b for a, b in zip(dense, expert)],
                        grads=[(a + b) * 4 for a, b in zip(n_dense, n_exp)],  # fp32 gradients
                        optim=opt_dist if distributed else opt_rep, optim_distributed=opt_dist,
-                       optim_replicated=opt_rep, activations=activations, master=master, trains=True)
+                       optim_replicated=opt_rep, activations=activations, master=master, trains=True,
+                       dense_optim=[a * opt_bpp // (pl.dp_cp if distributed else 1) for a in n_dense],
+                       expert_optim=[b * opt_bpp // (pl.edp if distributed else 1) for b in n_exp])
 
 
 def lora_actor(cfg, pl: Placement, weights: Weights, activations: list[int]) -> tuple[ModelMemory, LoraPlan]:
@@ -345,10 +384,13 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
         """(tokens per micro-batch, micro-batches): a token budget is per GPU, CP times it per micro-batch."""
         return b.micro(micro, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu * pl.cp)
 
+    imbalance = p.moe_routing_imbalance
+
     def activations(micro: int, logits: bool) -> list[int]:
         tokens, mbs = micro_batch(micro)
         return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute,
-                                 rank_tokens(tokens, b.seq_len, pl.cp), mbs, logits, logits and a.entropy_coeff != 0)
+                                 rank_tokens(tokens, b.seq_len, pl.cp), mbs, logits, logits and a.entropy_coeff != 0,
+                                 imbalance)
 
     lora = None
     if a.lora.enabled:
@@ -370,6 +412,77 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
     update = [mine] + ([rank_tokens(micro_batch(cfg.critic.ppo_micro_batch_size_per_gpu)[0], b.seq_len, pl.cp)]
                        if cfg.critic_enabled else [])
     forwards = policy_forward_runs(cfg) or cfg.critic_enabled  # the old/ref log-probs or the critic's values
-    fwd = cp_attention(spec, pl, forward_tokens(cfg, b.seq_len, pl.dp, pl.cp), False) if forwards else 0
+    fwd_tokens = forward_tokens(cfg, b.seq_len, pl.dp, pl.cp) if forwards else 0
+    fwd = cp_attention(spec, pl, fwd_tokens, False) if forwards else 0
+    dispatch = [moe_dispatch(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens)]
+    kept = max(moe_gather_buffer(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens))
+    kind = optimizer_kind(cfg, pl)
+    trained = [m for m in models if m.trains]
+    # a line per stage wherever a model trains (0 for the fused optimizers, named so the plan says which runs)
+    steps = [max(optimizer_step_bytes(cfg, spec, pl, kind, m, s) for m in trained) for s in range(pl.pp)] \
+        if trained else []
+    stage_layers = pl.layout.stage_layers(spec.num_layers)
+    backward = [backward_mlp_transient_bytes(spec, max(update), pl.tp, p.sequence_parallel, pl.layout.expert_tensor,
+                                             pl.ep, imbalance, pl.pbytes, pl.te, pl.te,
+                                             range(sum(stage_layers[:s]), sum(stage_layers[:s + 1])))
+                for s in range(pl.pp)]
+    # the LM head's logits and their gradients are freed before the backward reaches a layer's MLP
+    head = update_logits_bytes(mine, padded_vocab_size(spec.vocab_size, pl.tp), pl.tp, pl.pbytes, a.entropy_coeff != 0)
+    backward[-1] = max(0, backward[-1] - head)
+    routed = [int(in_flight_layers(pl.pp, pl.vpp, s, mbs, stage_layers[s]) * mine
+                  * sum(is_moe_layer(spec, i) for i in range(sum(stage_layers[:s]), sum(stage_layers[:s + 1])))
+                  / max(1, stage_layers[s]) * moe_routed_bytes_per_token_layer(
+                      spec, pl.tp, p.sequence_parallel, pl.pbytes, pl.layout.expert_tensor, imbalance))
+              if spec.is_moe and cfg.model.recompute != "full" else 0 for s in range(pl.pp)]
     return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp), mine, mbs,
-                 tokens, cp_attention(spec, pl, max(update), True), fwd)
+                 tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0], dispatch[1], backward, steps,
+                 kind, routed, kept)
+
+
+def moe_dispatch(spec: ArchSpec, pl: Placement, sp: bool, tokens: int) -> int:
+    """The allgather dispatcher's one-layer buffers for a micro-batch of `tokens` tokens on one rank (0 for a dense
+    model or a one-rank expert TP x EP group; megarl.plan.terms.moe_dispatcher_bytes)."""
+    if not spec.is_moe or not tokens:
+        return 0
+    etp = pl.layout.expert_tensor
+    gathered = moe_gathered_tokens(tokens, pl.tp, sp, etp, pl.ep)
+    return moe_dispatcher_bytes(gathered, spec.hidden_size, spec.num_experts, pl.pbytes, etp * pl.ep)
+
+
+def moe_gather_buffer(spec: ArchSpec, pl: Placement, sp: bool, tokens: int) -> int:
+    """megatron's global memory buffer that the allgather dispatcher gathers the hidden states into (use_global_buffer):
+    G x h x p for the largest micro-batch, allocated at the first forward and kept by the process (0 for a dense model
+    or a one-rank expert TP x EP group)."""
+    etp = pl.layout.expert_tensor
+    if not spec.is_moe or not tokens or etp * pl.ep <= 1:
+        return 0
+    return moe_gathered_tokens(tokens, pl.tp, sp, etp, pl.ep) * spec.hidden_size * pl.pbytes
+
+
+def optimizer_kind(cfg, pl: Placement) -> str:
+    """The optimizer megatron will step with (megarl.plan.terms.OPTIMIZER_*): on a CPU trainer torch's AdamW on its
+    single-tensor path; on GPU Transformer Engine's FusedAdam where the trainer builds TE layers (TE is installed),
+    torch's AdamW on its foreach path where model.use_transformer_engine=false (planned as if apex were absent too:
+    the larger of the two)."""
+    if cfg.trainer.device == "cpu":
+        return OPTIMIZER_SINGLE
+    return OPTIMIZER_FUSED if cfg.model.use_transformer_engine is not False else OPTIMIZER_FOREACH
+
+
+def optimizer_step_bytes(cfg, spec: ArchSpec, pl: Placement, kind: str, m: ModelMemory, s: int) -> int:
+    """Model m's optimizer step temporaries on stage s (megarl.plan.terms): foreach, 4 B x the larger of its dense
+    and expert main parameters on the rank (sharded as its optimizer states); single-tensor, 2 x 4 B x its largest
+    trained tensor; fused, 0."""
+    if kind == OPTIMIZER_FUSED:
+        return 0
+    if kind == OPTIMIZER_SINGLE:
+        from megarl.plan.terms import cpu_adam_step_bytes, largest_trained_elements
+
+        lora = cfg.actor.lora.rank if cfg.actor.lora.enabled and m.name == "actor" else 0
+        vocab = padded_vocab_size(spec.vocab_size, pl.tp)
+        return cpu_adam_step_bytes(largest_trained_elements(spec, s, pl.pp, pl.tp, pl.layout.expert_tensor, vocab,
+                                                            m.name == "critic", lora))
+    # the optimizer states are 8 B (+ 4 master) per main parameter: their share on the rank gives the elements
+    per = optimizer_bytes_per_param(pl.pbytes)
+    return foreach_adam_step_bytes(max(m.dense_optim[s], m.expert_optim[s]) // per if m.dense_optim else
+                                   m.optim[s] // per)

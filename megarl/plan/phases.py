@@ -38,7 +38,11 @@ FORWARD_LOGITS = "logits (old/ref log-probs, fp32)"
 CP_ATTENTION = "context-parallel attention K/V (one layer)"
 LORA_MERGED = "LoRA merged weights (sync)"
 DELTA_KEPT = "delta updates: last sent pieces (rollout.delta_kept_on=device)"
-TOKEN_LINES = (ACTIVATIONS, FORWARD_LOGITS, CP_ATTENTION)  # the lines whose bytes follow the tokens per rank
+MOE_DISPATCH = "MoE allgather dispatcher: gathered tokens, probs, routing map (one layer)"
+MOE_GATHER_BUFFER = "MoE dispatcher's gather buffer (megatron's global buffer, kept)"
+BACKWARD = "update backward: one MLP's gradients (transient)"
+OPTIMIZER_STEP = "optimizer step temporaries"
+TOKEN_LINES = (ACTIVATIONS, FORWARD_LOGITS, CP_ATTENTION, MOE_DISPATCH, BACKWARD, MOE_GATHER_BUFFER)  # the lines whose bytes follow the tokens per rank
 HOST_LINK_GBPS = 25.0  # GB/s: pinned host <-> H100 copies over PCIe Gen5 x16, per direction, as measured in practice
 
 
@@ -77,6 +81,11 @@ class Peak:
     @property
     def forward_logits(self) -> int:
         return self.lines["old/ref log-probs"].get(FORWARD_LOGITS, 0)
+
+
+def optimizer_line(kind: str) -> str:
+    """The update phase's line of the optimizer step's temporaries, naming the optimizer (terms.OPTIMIZER_*)."""
+    return f"{OPTIMIZER_STEP} ({kind.split(':')[0]}; over the freed activations)"
 
 
 def host_round_trip_seconds(nbytes: int) -> float:
@@ -146,8 +155,10 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
     states = state_lines(roles.models, s, distributed)
     if sync.delta_kept_device:  # allocated at the first sync and kept: every phase holds it
         states = {**states, DELTA_KEPT: sync.delta_kept_device}
-    eng = "engine (gpu_memory_utilization)"
-    idle = {} if e.sleeps or not engine_here else {eng: e.reserve}
+    if roles.moe_gather_buffer:  # allocated at the first forward and kept: every phase after it holds it
+        states = {**states, MOE_GATHER_BUFFER: roles.moe_gather_buffer}
+    eng = e.line
+    idle = {} if e.sleeps or not engine_here else {eng: e.idle}
     gen = dict(states)
     if offloaded:
         gen["offloaded to host (generate)"] = -offloaded
@@ -156,8 +167,16 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
     fwd = {**states, **({FORWARD_LOGITS: roles.forward_logits} if last else {}),
            **({"R2 route gather (int32)": r2_gather} if r2_gather else {}),
            **({CP_ATTENTION: roles.cp_attention_forward} if roles.cp_attention_forward else {}), **idle}
+    fwd.update({MOE_DISPATCH: roles.moe_dispatch_forward} if roles.moe_dispatch_forward else {})
     upd = {**states, ACTIVATIONS: max(m.activations[s] for m in roles.models if m.activations),
-           **({CP_ATTENTION: roles.cp_attention_update} if roles.cp_attention_update else {}), **idle}
+           **({CP_ATTENTION: roles.cp_attention_update} if roles.cp_attention_update else {}),
+           **({MOE_DISPATCH: roles.moe_dispatch_update} if roles.moe_dispatch_update else {}),
+           **({BACKWARD: roles.backward_transient[s]} if roles.backward_transient and roles.backward_transient[s]
+              else {}), **idle}
+    if roles.optimizer_step:
+        # the step runs after the backward has freed the activations: the phase holds the larger of the two
+        freed = sum(upd.get(k, 0) for k in (ACTIVATIONS, CP_ATTENTION, MOE_DISPATCH, BACKWARD))
+        upd[optimizer_line(roles.optimizer)] = max(0, roles.optimizer_step[s] - freed)
     woken = idle or ({"engine weights (woken for the sync)": e.weights} if engine_here else {})
     syn = {**states, **woken, "sync send bucket": sync.send_bucket}
     if s < len(sync.lora_merged) and sync.lora_merged[s]:

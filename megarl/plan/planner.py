@@ -56,7 +56,8 @@ def plan_steps(cfg, cluster: Cluster, hf: dict, host_mem_gib: float = DEFAULT_HO
     pl = place(cfg, cluster)
     weights = weights_fn(hf, pl)
     roles = memory_per_role(cfg, pl, weights)
-    engine = engine_memory(cfg.rollout, cluster, pl, weights, cfg.routes_from_engine)
+    engine = engine_memory(cfg.rollout, cluster, pl, weights, cfg.routes_from_engine,
+                           cfg.data.train_batch_size * cfg.rollout.n)
     sync = sync_cost(cfg.rollout, cluster, pl, weights, roles.lora)
     offloaded = offload_per_stage(cfg, roles.models, pl.pp)
     distributed = cfg.parallelism.use_distributed_optimizer

@@ -21,8 +21,9 @@ from typing import Optional
 
 from megarl.plan.model import GIB, Cluster, PlanError
 from megarl.plan.phases import TOKEN_LINES
-from megarl.plan.timing import (Calibration, StepTime, active_parameters, assumptions, effective_mfu,
-                                generate_seconds, recompute_factor, trainer_seconds)
+from megarl.plan.timing import (DEFAULT_GPU, Calibration, Gpu, StepTime, active_parameters, assumptions,
+                                attention_flops, dispatcher_seconds, effective_mfu, generate_seconds,
+                                recompute_factor, trainer_seconds)
 
 P, A, R = "parallelism.", "actor.", "rollout."
 CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8)
@@ -50,6 +51,7 @@ class SearchResult:
     rejected: dict = field(default_factory=dict)  # family label -> why
     planned: int = 0  # layouts whose memory and time were planned
     calibration: Optional[Calibration] = None  # measured trainer throughput the times used
+    gpu: Gpu = DEFAULT_GPU  # the GPU kind the times assume
 
 
 def with_settings(cfg, settings: dict):
@@ -200,7 +202,8 @@ def _offload(on: bool):
     return OffloadConfig(params=on, grads=on, optimizer=on)
 
 
-def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration] = None) -> StepTime:
+def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration] = None,
+              gpu: Gpu = DEFAULT_GPU, link_gbps: float = 50.0) -> StepTime:
     """The planned seconds of one step of this layout (megarl.plan.timing; measured trainer throughput where
     calibrated)."""
     from megarl.plan.phases import host_round_trip_seconds
@@ -211,29 +214,54 @@ def step_time(cfg, steps, gpus_per_node: int, calibration: Optional[Calibration]
     rows, seq = cfg.data.train_batch_size * r.n, r.prompt_length + r.response_length
     tokens = rows * seq
     gen = generate_seconds(rows, pl.replicas, r.prompt_length, r.response_length, r.max_num_seqs, e.kv_tokens,
-                           e.weights, e.kv_per_token, spec.num_layers, pl.engine_tp, gpus_per_node, active)
+                           e.weights, e.kv_per_token, spec.num_layers, pl.engine_tp, gpus_per_node, active, gpu,
+                           attention_flops(spec, 1, r.prompt_length))
     mbs = steps.roles.actor_micro_batches
+    attention = attention_flops(spec, rows, seq)
     forwards = 1 + cfg.ref_enabled + cfg.critic_enabled
-    fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration), pl.tp, pl.ep,
-                          pl.pp, mbs, pl.vpp, pl.cp)
+    fwd = trainer_seconds(active, tokens, pl.world, forwards, effective_mfu("forward", calibration, gpu), pl.tp,
+                          pl.ep, pl.pp, mbs, pl.vpp, pl.cp, gpu, attention)
     passes = 3 * recompute_factor(cfg.model.recompute) * (cfg.actor.ppo_epochs +
                                                            (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
-    upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration), pl.tp, pl.ep,
-                          pl.pp, mbs, pl.vpp, pl.cp)
+    upd = trainer_seconds(active, tokens, pl.world, passes, effective_mfu("update", calibration, gpu), pl.tp, pl.ep,
+                          pl.pp, mbs, pl.vpp, pl.cp, gpu, attention)
+    # the dispatcher's collectives: 2 per MoE layer in a forward, 4 in a forward and backward (+2 recomputed)
+    # megatron numbers an expert TP x EP group's ranks consecutively: it spans nodes once it is wider than one
+    cross = pl.layout.expert_tensor * pl.ep > gpus_per_node
+    recomputed = 2 if cfg.model.recompute == "full" else 0
+    per_update = (4 + recomputed) * (cfg.actor.ppo_epochs + (cfg.critic.ppo_epochs if cfg.critic_enabled else 0))
+    sp = cfg.parallelism.sequence_parallel
+    disp = [dispatcher_seconds(spec, tokens, pl.dp, pl.cp, pl.tp, sp, pl.layout.expert_tensor, pl.ep, pl.pp, n,
+                               pl.pbytes, cross, link_gbps, gpu) for n in (2 * forwards, per_update)]
     off = host_round_trip_seconds(steps.offloaded[steps.peak.stage])
-    return StepTime(gen, fwd, upd, steps.sync.seconds, off)
+    return StepTime(gen, fwd + disp[0], upd + disp[1], steps.sync.seconds, off)
 
 
-def _time_order(k: dict) -> tuple:
-    """Knobs in the order of their planned cost: no offload, less recompute, larger micro-batches first."""
-    off = k[A + "offload"].any
-    micro = k.get(A + "ppo_micro_batch_size_per_gpu", k.get(A + "ppo_max_token_len_per_gpu", 0))
-    return off, recompute_factor(k["model.recompute"]), -micro, not k[P + "use_distributed_optimizer"]
+def knob_bound(cfg, c, steps_forward: float, active: float, calibration: Optional[Calibration] = None,
+               gpu: Gpu = DEFAULT_GPU) -> float:
+    """A lower bound of the trainer seconds of config c (a family's layout with one knob setting), from what the knobs
+    change in the time model without planning its memory: the recompute factor and the pipeline bubble of its
+    micro-batch count; the offload's round trip (>= 0) and everything the knobs do not change are left out. The
+    search plans a family's knobs in this order and stops where the bound passes the fastest fitting one."""
+    from megarl.plan.memory import batches
+
+    p, a, r = c.parallelism, c.actor, c.rollout
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    world = c.world_size
+    dp = max(1, world // (tp * pp * cp))
+    b = batches(c, dp)
+    _, mbs = b.micro(a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu * cp)
+    tokens = c.data.train_batch_size * r.n * (r.prompt_length + r.response_length)
+    passes = 3 * recompute_factor(c.model.recompute) * (a.ppo_epochs + (c.critic.ppo_epochs if c.critic_enabled
+                                                                        else 0))
+    vpp = p.virtual_pipeline_model_parallel_size or 1
+    return steps_forward + trainer_seconds(active, tokens, world, passes, effective_mfu("update", calibration, gpu),
+                                           tp, p.expert_model_parallel_size, pp, mbs, vpp, cp, gpu)
 
 
 def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: float, host_mem_gib: float,
-           top: int = 3, margin: float = 0.05, pool: int = 8,
-           calibration: Optional[Calibration] = None) -> SearchResult:
+           top: int = 5, margin: float = 0.10, pool: int = 16,
+           calibration: Optional[Calibration] = None, gpu: Gpu = DEFAULT_GPU) -> SearchResult:
     """Every layout of cfg's space on the cluster; the `top` fastest that validate accepts and fit with `margin` of
     each GPU free; the recipe's own layout planned the same way.
 
@@ -253,14 +281,18 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     spec = spec_from_dict(hf)
     checks = layout_checks()
     budget = cluster.gpu_bytes * (1 - margin)
-    res = SearchResult(calibration=calibration)
+    res = SearchResult(calibration=calibration, gpu=gpu)
+    from megarl.plan.counts import profile
+
+    prof = profile(hf)
+    active = active_parameters(prof.total, prof.expert_total, spec.moe_topk, spec.num_experts)
 
     def evaluate(c, settings) -> Candidate:
         st = plan_steps(c, cluster, hf, host_mem_gib, counted_weights)
         host = max(sum(v.values()) for v in st.host.values())
         per_token = sum(st.peak.lines[st.peak.phase].get(k, 0) for k in TOKEN_LINES)
-        return Candidate(settings, st.peak.bytes, st.peak.phase, host, step_time(c, st, gpus_per_node, calibration),
-                         st.reasons, per_token)
+        return Candidate(settings, st.peak.bytes, st.peak.phase, host,
+                         step_time(c, st, gpus_per_node, calibration, gpu, link_gbps), st.reasons, per_token)
 
     def fits(cand: Candidate) -> bool:
         return not cand.reasons and cand.peak <= budget
@@ -277,7 +309,7 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
     for tnodes, engines in by_world.items():
         good = [e for e in engines if e[2]]
         families = trainer_families(cfg, spec, gpus_per_node, tnodes * gpus_per_node)
-        knobs_of = {ep: sorted(knob_options(cfg, ep), key=_time_order) for ep in {1, 2}}
+        knobs_of = {ep: knob_options(cfg, ep) for ep in {1, 2}}
         res.enumerated += sum(len(knobs_of[min(2, f[P + "expert_model_parallel_size"])]) for _, f in families) * \
             len(engines)
         if not good:
@@ -294,6 +326,9 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
                 res.rejected.setdefault(flabel, why)
                 continue
             found, knob_why, smallest, floor = None, None, None, None
+            # every knob setting validate accepts, planned in the order of its lower-bound time until the bound
+            # passes the fastest that fits (so the family's best by the time model, whatever the knob)
+            bounded = []
             for k in knobs_of[min(2, fsettings[P + "expert_model_parallel_size"])]:
                 c = with_settings(cfg, {**base, **k})
                 why = first_issue(c, checks[3:-2])
@@ -301,21 +336,26 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
                     knob_why = knob_why or why
                     continue
                 res.valid += len(good)
-                if found is None:
-                    planned += 1
-                    try:
-                        cand = evaluate(c, {**fsettings, **k})
-                    except (PlanError, ValueError) as exc:
-                        res.rejected.setdefault(flabel, str(exc))
-                        break
-                    if fits(cand):
+                bounded.append((knob_bound(cfg, c, 0.0, active, calibration, gpu), len(bounded), c, k))
+            for bound, _, c, k in sorted(bounded, key=lambda x: x[:2]):
+                if found is not None and bound >= found.time.forwards + found.time.update + found.time.offload:
+                    break
+                planned += 1
+                try:
+                    cand = evaluate(c, {**fsettings, **k})
+                except (PlanError, ValueError) as exc:
+                    res.rejected.setdefault(flabel, str(exc))
+                    break
+                if fits(cand):
+                    if found is None or trainer_time(cand) < trainer_time(found):
                         found = cand
-                        first_fits.append(cand)
-                        settled.add(_without_cp(fsettings))  # the smallest CP that fits
-                    else:
-                        floor = min(floor if floor is not None else cand.peak, cand.peak - cand.per_token)
-                        if smallest is None or cand.peak < smallest.peak:
-                            smallest = cand
+                    settled.add(_without_cp(fsettings))  # the smallest CP that fits
+                else:
+                    floor = min(floor if floor is not None else cand.peak, cand.peak - cand.per_token)
+                    if smallest is None or cand.peak < smallest.peak:
+                        smallest = cand
+            if found is not None:
+                first_fits.append(found)
             if found is None and floor is not None and floor > budget:
                 # over even without its per-token bytes, which are all that a larger CP divides (the states per GPU
                 # stay: DP x CP is the same)
@@ -325,7 +365,7 @@ def search(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float, link_gbps: f
                     f"no micro-batch, recompute or offload setting fits: at best {smallest.peak / GIB:.1f} GiB in "
                     f"{smallest.phase}" + (f" ({smallest.reasons[0].split(';')[0][:100]})" if smallest.reasons
                                            and not smallest.reasons[0].startswith("memory") else ""))
-        first_fits.sort(key=lambda x: x.time.forwards + x.time.update + x.time.offload)
+        first_fits.sort(key=trainer_time)
         for trainer in first_fits[:pool]:
             for elabel, esettings, ok in good:
                 settings = {**trainer.settings, **esettings}
@@ -370,6 +410,11 @@ def _diff(cfg, settings: dict) -> dict:
     return out
 
 
+def trainer_time(c: Candidate) -> float:
+    """The seconds of a candidate that its trainer layout and knobs decide (its engine's are planned after)."""
+    return c.time.forwards + c.time.update + c.time.offload
+
+
 def overrides(settings: dict) -> list:
     return [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
 
@@ -378,18 +423,24 @@ def render(res: SearchResult, cluster_line: str, gpu_bytes: int) -> str:
     lines = [cluster_line,
              f"layouts enumerated {res.enumerated:,}, valid {res.valid:,}, planned {res.planned:,}, fitting "
              f"{res.fitting:,} of the planned with all engines (searched in {res.seconds:.1f} s)",
-             assumptions(res.calibration), ""]
+             assumptions(res.calibration, res.gpu), ""]
 
     def row(name, c):
         t = c.time
+        free = gpu_bytes - c.peak
         return (f"{name}: step {t.total:.4g} s (generate {t.generate:.3g}, forwards {t.forwards:.3g}, update "
                 f"{t.update:.3g}, sync {t.sync:.3g}, offload {t.offload:.3g}); peak {c.peak / GIB:.1f} of "
-                f"{gpu_bytes / GIB:g} GiB in {c.phase}; host {c.host / GIB:.0f} GiB/node")
+                f"{gpu_bytes / GIB:g} GiB in {c.phase}, headroom {free / GIB:.1f} GiB ({free / gpu_bytes:.0%}); "
+                f"host {c.host / GIB:.0f} GiB/node")
 
     own = res.own
     lines.append(row("recipe's own", own) + ("" if not own.reasons else f"; DOES NOT FIT: {own.reasons[0][:160]}"))
     for i, c in enumerate(res.best):
-        lines.append(row(f"#{i + 1}", c))
+        up, first = res.best[i - 1].time.total, res.best[0].time.total
+        gap = "" if i == 0 else (f"; margin {c.time.total - up:+.3g} s ({c.time.total / up - 1:+.2%}) over #{i}"
+                                 + ("" if i == 1 else f", {c.time.total - first:+.3g} s ({c.time.total / first - 1:+.2%})"
+                                    " over #1"))
+        lines.append(row(f"#{i + 1}", c) + gap)
         lines.append("    " + (" ".join(overrides(c.settings)) or "(the recipe's own settings)"))
     if not res.best:
         lines.append("no layout fits with the margin; see the rejected families below")

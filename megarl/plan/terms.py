@@ -281,3 +281,132 @@ def cp_attention_bytes(kv: int, out: int, cp: int, te: bool, backward: bool) -> 
         return 0
     forward, back = (cp * (kv + out), 4 * kv) if te else (cp * kv, 2 * cp * kv)
     return max(forward, back) if backward else forward
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MoE layers as megarl builds them (megarl.megatron.model.transformer_config: moe_token_dispatcher_type="allgather",
+# sequence parallel over TP, experts split over expert TP X and EP ranks) and megatron-core 0.16's
+# MoEAllGatherTokenDispatcher runs them. One rank of a micro-batch of t tokens (its CP share) holds t / TP of them at
+# the layer's input (sequence parallel; t without TP); the dispatcher all-gathers them over the expert TP x EP group:
+#   G = t / TP x X x EP tokens: hidden states [G, h], probs [G, E] (float32) and the routing map [G, E] (bool), one
+#   layer at a time. The gathered hidden states land in megatron's global memory buffer, kept by the process from the
+#   first forward on (a state line of its own, megarl.plan.memory.moe_gather_buffer), and the layer makes a [G, h]
+#   anew in its combine (the unpermuted expert outputs before their reduce-scatter) and in its backward (the gradient
+#   all-gathered), so one [G, h] is in the layer's own line as well;
+# then keeps the copies routed to its E / EP local experts: G x top_k / EP on average, x the routing imbalance m (the
+# busiest rank's tokens over the mean, parallelism.moe_routing_imbalance) on the busiest rank. Each copy stores its
+# permuted input (h elements: expert TP splits the FFN, not the hidden size) and the expert's 6 f_moe / X (fc1 out,
+# the gated unit's output, in the formula's 16-bit units as the dense MLP's 6f). Per token of t, in those units:
+#   routed    (X / TP) x top_k x m x (2h + 6 f_moe / X)
+#   shared    6 f_shared / TP (a dense gated MLP beside the routed experts, Qwen2-MoE / DeepSeek-V3 / GLM-4.5)
+# At X = TP this is top_k x m x (2h x TP + 6 f_moe) / TP: the permuted inputs are whole hidden vectors on every
+# expert-TP rank, not a 1/TP share.
+MOE_DISPATCH_PROBS_BYTES = 4 + 1  # a float32 prob and a bool routing-map entry per gathered token and expert
+
+
+def moe_gathered_tokens(tokens: int, tp: int, sp: bool, expert_tp: int, ep: int) -> int:
+    """G: the tokens the allgather dispatcher holds in one MoE layer on one rank (see above): the rank's input tokens
+    (tokens / TP with sequence parallel) x expert TP x EP."""
+    local = -(-tokens // tp) if sp and tp > 1 else tokens
+    return local * expert_tp * ep
+
+
+def moe_dispatcher_bytes(gathered: int, hidden: int, experts: int, pbytes: int, group: int) -> int:
+    """One layer's gathered buffers, G x (h x p + E x 5): the hidden states, the float32 probs and the bool routing
+    map over the expert TP x EP `group`; 0 where the group is one rank (megatron gathers nothing)."""
+    if group <= 1:
+        return 0
+    return gathered * (hidden * pbytes + experts * MOE_DISPATCH_PROBS_BYTES)
+
+
+def moe_routed_units_per_token(spec, tp: int, sp: bool, expert_tp: int, imbalance: float) -> float:
+    """The routed experts' stored activations per token of the micro-batch in one MoE layer, in the formula's 16-bit
+    units: (X / TP_sp) x top_k x m x (2h + 6 f_moe / X), TP_sp = TP with sequence parallel, else 1."""
+    share = expert_tp / (tp if sp and tp > 1 else 1)
+    return share * spec.moe_topk * imbalance * (2 * spec.hidden_size + 6 * spec.moe_ffn_hidden_size / expert_tp)
+
+
+def moe_shared_units_per_token(spec, tp: int) -> float:
+    """The shared experts' stored activations per token in one MoE layer (16-bit units): 6 f_shared / TP."""
+    return 6 * spec.shared_expert_ffn_hidden_size / tp
+
+
+def is_moe_layer(spec, layer: int) -> bool:
+    return spec.is_moe and (not spec.moe_layers or bool(spec.moe_layers[layer]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The update's backward transient, beyond the stored activations: the gated MLP's backward of the first layer the
+# backward reaches (every layer's activations are still stored then; the LM head's logits and their gradients are
+# freed by then, so the line is what exceeds the logits' bytes). For an MLP of width f on one rank with its t tokens:
+# fc2's backward makes grad(g) [t, f] and frees g; the gated unit's backward makes grad(gate) and grad(linear), [t, f]
+# each, and concatenates them into grad(fc1 out) [t, 2f]: 2f elements per token over the stored ones at its peak
+# (fused or not: the fused SwiGLU backward makes grad(fc1 out) [t, 2f] from grad(g) [t, f] alive beside it).
+# Without gradient-accumulation fusion (no Transformer Engine layers: megatron's own linear computes each weight's
+# gradient as a new tensor and adds it to the fp32 main_grad) also the largest weight gradient of the layer, in the
+# parameter dtype. Per MLP kind, t x 2f / TP x p: dense f / TP over t tokens; the shared expert the same at
+# f_shared; routed experts, one expert at a time on CPU (megatron's SequentialMLP without grouped GEMM: G x top_k x m
+# / E copies), all local ones at once with Transformer Engine's grouped GEMM (G x top_k x m / EP), at f_moe / X.
+
+
+def backward_mlp_transient_bytes(spec, tokens: int, tp: int, sp: bool, expert_tp: int, ep: int, imbalance: float,
+                                 pbytes: int, grouped: bool, weight_grad_fused: bool, stage_layers: range) -> int:
+    """The update backward's transient of one MLP on one rank (see above): the largest over the stage's layer kinds of
+    copies x 2 x width x p, plus (without gradient-accumulation fusion) the largest weight gradient, [2 width, h]."""
+    h = spec.hidden_size
+    kinds = []  # (token copies, width on this rank)
+    moe = [is_moe_layer(spec, i) for i in stage_layers]
+    if not all(moe):
+        kinds.append((tokens, spec.ffn_hidden_size / tp))
+    if any(moe):
+        g = moe_gathered_tokens(tokens, tp, sp, expert_tp, ep)
+        per = spec.moe_topk * imbalance * g / (ep if grouped else spec.num_experts)
+        kinds.append((per, spec.moe_ffn_hidden_size / expert_tp))
+        if spec.shared_expert_ffn_hidden_size:
+            kinds.append((tokens, spec.shared_expert_ffn_hidden_size / tp))
+    act = max(n * 2 * w for n, w in kinds) * pbytes
+    weight = 0 if weight_grad_fused else max(2 * w * h for _, w in kinds) * pbytes
+    return int(act + weight)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The optimizer step's temporaries, by the optimizer that runs. megatron-core (optimizer/__init__.py) takes Transformer
+# Engine's FusedAdam, else apex's, else torch.optim.AdamW. The fused ones update in place (no temporaries). torch's
+# AdamW on CUDA defaults to its foreach path (_multi_tensor_adam): per parameter group it decays the parameters in
+# place, updates exp_avg/exp_avg_sq in place, then exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one float32
+# tensor per main parameter of the group, all alive at once until the addcdiv. On CPU it takes the single-tensor path
+# (_single_tensor_adam: two float32 temporaries of one parameter, cpu_adam_step_bytes). megatron groups the
+# parameters by weight decay, learning-rate scale and expert or not: the largest group is (nearly) the rank's dense or
+# its expert main parameters, each sharded by the distributed optimizer.
+OPTIMIZER_FUSED = "fused Adam of Transformer Engine or apex: in place"
+OPTIMIZER_FOREACH = "torch AdamW foreach: one fp32 temporary per parameter of a group"
+OPTIMIZER_SINGLE = "torch AdamW single-tensor (CPU): two fp32 temporaries of the largest parameter"
+
+
+def foreach_adam_step_bytes(group_elements: int) -> int:
+    """torch AdamW foreach: exp_avg_sq_sqrt, 4 bytes per main parameter of the largest group."""
+    return 4 * group_elements
+
+
+def local_layers_extra_bytes(spec, tokens: int, layers_in_flight: float, tp: int, sp: bool, pbytes: int,
+                             expert_tp: int, imbalance: float, first: bool, last: bool) -> int:
+    """What megatron's local layers (no Transformer Engine; the CPU trainer's) store beyond the activation formula,
+    in the parameter dtype, from the live tensors of a measured update at its peak (`megarl plan --measure`,
+    Qwen3-MoE widths, 1,024-token rows): per token and layer
+      2h / TP_sp   each of the two RMSNorms (torch's, unfused) keeps its normalised input x * rsqrt beside its output
+      (q + kv) / TP  rotary embedding's rotated copies of q and k, while the fused QKV output they were cut from stays
+                   alive through v (a view of it)
+      (2q + kv) / TP with q/k layer norms (Qwen3): the copied query heads and both norms' normalised inputs
+      f_moe / X per routed copy (MoE layers): the gated unit's output, kept by its product with the router's probs
+    and once per token the embedding's output (first stage, h / TP_sp) and the final norm's input and normalised input
+    (last stage, 2h / TP_sp)."""
+    h = spec.hidden_size
+    q, kv = spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    tsp = tp if sp and tp > 1 else 1
+    per_layer = 2 * h / tsp + (q + kv) / tp + ((2 * q + kv) / tp if spec.qk_layernorm else 0)
+    if spec.is_moe:
+        copies = expert_tp / tsp * spec.moe_topk * imbalance
+        moe_share = (sum(1 for m in spec.moe_layers if m) / len(spec.moe_layers)) if spec.moe_layers else 1.0
+        per_layer += moe_share * copies * spec.moe_ffn_hidden_size / expert_tp
+    once = (h / tsp if first else 0) + (2 * h / tsp if last else 0)
+    return int(tokens * (layers_in_flight * per_layer + once) * pbytes)

@@ -55,12 +55,21 @@ def _summary(cfg, st: Steps) -> list[str]:
         f"{p.use_distributed_optimizer}",
         f"  actor micro-batch: {_micro_tokens(st.roles, pl)}, {st.roles.actor_micro_batches} micro-batch(es) per "
         "mini-batch per rank; models: " + ", ".join(m.name for m in st.roles.models),
-        f"engine: {where}, TP{pl.engine_tp} EP{pl.engine_ep}, gpu_memory_utilization {r.gpu_memory_utilization}, "
-        f"sleeps between rollouts {e.sleeps}",
-        f"  weights {e.weights / GIB:.2f} GiB/GPU, activations ~{e.activations / GIB:.2f} GiB, KV cache "
-        f"{max(0, e.kv_budget) / GIB:.2f} GiB = {e.kv_tokens:,} tokens = {e.kv_tokens / e.max_len:.1f} sequences of "
-        f"{e.max_len} (max_num_seqs {r.max_num_seqs})",
     ]
+    if r.name == "hf":
+        lines += [f"engine: hf (transformers), {where}, TP1, no gpu_memory_utilization: its memory grows with the batch "
+                  f"and the length; sleeps between rollouts {e.sleeps}",
+                  f"  weights {e.weights / GIB:.2f} GiB/GPU, KV cache {e.kv_bytes / GIB:.2f} GiB for {e.batch} row(s) "
+                  f"of {r.prompt_length + r.response_length} tokens decoded together (min(max_num_seqs "
+                  f"{r.max_num_seqs}, rows per replica)), prefill working set ~{e.activations / GIB:.2f} GiB: "
+                  f"{e.reserve / GIB:.2f} GiB in all"]
+    else:
+        lines += [
+            f"engine: {where}, TP{pl.engine_tp} EP{pl.engine_ep}, gpu_memory_utilization {r.gpu_memory_utilization}, "
+            f"sleeps between rollouts {e.sleeps}",
+            f"  weights {e.weights / GIB:.2f} GiB/GPU, activations ~{e.activations / GIB:.2f} GiB, KV cache "
+            f"{max(0, e.kv_budget) / GIB:.2f} GiB = {e.kv_tokens:,} tokens = {e.kv_tokens / e.max_len:.1f} sequences of "
+            f"{e.max_len} (max_num_seqs {r.max_num_seqs})"]
     if st.roles.lora:
         lines.append(_lora(cfg.actor.lora, st.roles.lora, pl, w))
     return lines
@@ -106,6 +115,11 @@ def _peak(st: Steps) -> list[str]:
     lines += [f"  {k:46s} {v:8.2f} GiB" for k, v in st.terms.items()]
     lines.append(f"  {'total':46s} {peak.bytes / GIB:8.2f} GiB of {gib:g}")
     lines.append("  phases: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in peak.phases.items()) + " GiB")
+    if peak.phase != "update":  # the update's own lines (activations, MoE dispatcher, backward, optimizer step)
+        upd, states = peak.lines["update"], peak.lines["checkpoint save"]
+        own = {k: v for k, v in upd.items() if k not in states and not k.startswith(("CUDA", "allocator"))}
+        lines.append("  update phase's own lines here: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in own.items())
+                     + " GiB")
     return lines
 
 

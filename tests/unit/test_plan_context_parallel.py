@@ -77,12 +77,14 @@ def test_long_sequence_update_at_cp2_against_hand_calculation():
     # 17,410 tokens per rank (one 34,816-token row, see above); h 2048, 48 layers at PP1 (one micro-batch in flight)
     t, h, tp = 17410, 2048, 2
     stored = 48 * t * 2 * h // tp  # full recompute: each layer's input, split over TP by sequence parallelism
-    # the layer being recomputed, bytes per token in bf16: 8h/TP + (4q + 4kv)/TP + top-8 x (2h + 6 x 768)/TP
-    whole = t * (8 * h // tp + (4 * 4096 + 4 * 512) // tp + 8 * (2 * h + 6 * 768) // tp)
-    assert whole == t * 52224
+    # the layer being recomputed, bytes per token in bf16: 8h/TP + (4q + 4kv)/TP + the routed experts: the allgather
+    # dispatcher brings t/TP x expert TP 2 x EP 8 tokens, 1/EP of their top-8 copies (x the imbalance 1.25) stay on
+    # the rank, each with its whole hidden vector (2h) and its expert's 6 x 768 / expert TP
+    whole = t * (8 * h // tp + (4 * 4096 + 4 * 512) // tp + 8 * 1.25 * (2 * h + 6 * 768 // 2))
+    assert whole == t * 81408
     # the logits on the vocabulary padded to a multiple of 128 (151,936 already), 75,968 per TP rank, 22 B each
     logits = t * 151936 // tp * (2 + 4 + 4 + 4 + 4 + 4)
-    assert upd["activations (update, with its logits)"] == stored + whole + logits == 31_717_955_840
+    assert upd["activations (update, with its logits)"] == stored + whole + logits == 32_226_049_280
     assert upd["context-parallel attention K/V (one layer)"] == 178_278_400  # TE's ring (trainer.device cuda)
     # the old-logprob forward's logits: one 17,410-token micro-batch, bf16 logits and the fp32 copy CE exponentiates
     assert st.peak.lines["old/ref log-probs"]["logits (old/ref log-probs, fp32)"] == t * 75968 * (2 + 4)
@@ -169,12 +171,12 @@ def test_search_plans_the_smallest_cp_that_fits(monkeypatch):
     assert any(len(cps) == 1 for cps in planned.values())  # CP1 fits some layouts: no CP planned for them
 
 
-def test_cp_costs_step_time_like_tp_and_ep():
-    from megarl.plan.timing import CP_COST, EP_COST, TP_COST, tp_efficiency
+def test_cp_costs_step_time_like_tp():
+    from megarl.plan.timing import CP_COST, TP_COST, tp_efficiency
 
-    # TP2 EP8 CP2: one TP doubling, three EP doublings, one CP doubling
-    assert tp_efficiency(2, 8, 2) == 1 / (1 + TP_COST + 3 * EP_COST + CP_COST)
-    assert tp_efficiency(2, 8, 2) < tp_efficiency(2, 8, 1) == 1 / (1 + TP_COST + 3 * EP_COST)
+    # TP2 EP8 CP2: one TP doubling, one CP doubling; EP is priced as the allgather dispatcher's traffic instead
+    assert tp_efficiency(2, 8, 2) == 1 / (1 + TP_COST + CP_COST)
+    assert tp_efficiency(2, 8, 2) < tp_efficiency(2, 8, 1) == 1 / (1 + TP_COST) == tp_efficiency(2, 1, 1)
 
 
 def test_without_te_each_stored_layer_keeps_the_gathered_kv_against_hand_calculation():

@@ -89,7 +89,7 @@ def test_planned_trainer_bytes_leave_out_what_is_not_a_trainer_tensor():
     lines = {"actor parameters": 100, "actor gradients (fp32)": 200, "engine (gpu_memory_utilization)": 10_000,
              "CUDA context, cuBLAS, NCCL": 1000, "allocator reserve (fragmentation)": 15, "sync send bucket": 7,
              "sync receive slots (2 buckets)": 14, "engine weights (woken for the sync)": 500,
-             "offloaded to host (generate)": -50}
+             "offloaded to host (generate)": -50, "engine (hf: weights, KV cache of its batch, prefill)": 3000}
     assert trainer_bytes(lines) == 100 + 200 + 7 - 50
     assert set(NOT_TRAINER) <= set(lines)
     planned = {0: {p: {"actor parameters": 100} for p in ("generate", "update")}}
@@ -294,3 +294,27 @@ def test_merged_lora_sync_bytes_against_a_hand_calculation():
     assert lora_merged_sync_bytes(m, big, 16 << 20, 2) == (32 << 20) + big  # GPU: the engine pulls from the last
     assert lora_merged_sync_bytes(m, big, 16 << 20, 1, spread=2) == (32 << 20) + big  # engine TP 2 x the trainer's
 
+
+
+def test_local_layers_extra_stored_bytes_against_a_hand_calculation():
+    from pathlib import Path
+
+    from megarl.bridge.hf_config import spec_from_dict
+    from megarl.plan.terms import local_layers_extra_bytes
+
+    root = Path(__file__).resolve().parents[2]
+
+    qwen = spec_from_dict(json.loads((root / "recipes" / "models" / "qwen3_30b_a3b" / "config.json").read_text()))
+    # h 2048, q 32 x 128 = 4096, kv 4 x 128 = 512, q/k norms, top-8 of 768-wide experts; 1,024 tokens, 2 layers in
+    # flight, TP1, float32, expert TP1, imbalance 1.25, one stage (first and last). Per token and layer: the two norms'
+    # normalised inputs 2 x 2048, rotary's q and k copies 4096 + 512, the q/k norms 2 x 4096 + 512, the experts'
+    # probs product 8 x 1.25 x 768 -> 25,088; once: the embedding 2048 and the final norm 2 x 2048
+    per_layer = 2 * 2048 + (4096 + 512) + (2 * 4096 + 512) + 8 * 1.25 * 768
+    assert per_layer == 25088
+    assert local_layers_extra_bytes(qwen, 1024, 2, 1, False, 4, 1, 1.25, True, True) == \
+        1024 * (2 * 25088 + 3 * 2048) * 4 == 230_686_720
+    dense = spec_from_dict(json.loads((root / "recipes" / "models" / "qwen2_5_7b_instruct" / "config.json")
+                                      .read_text()))
+    # h 3584, q 28 x 128, kv 4 x 128, no q/k norms; TP2 with sequence parallel, bf16, a middle stage, 3 layers in flight
+    assert local_layers_extra_bytes(dense, 100, 3, 2, True, 2, 2, 1.0, False, False) == \
+        100 * 3 * (2 * 3584 // 2 + (3584 + 512) // 2) * 2 == 3_379_200
