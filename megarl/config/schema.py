@@ -52,6 +52,9 @@ class DataConfig(_Section):
     ground_truth_key: str = Field("ground_truth", description="Column with the reference answer passed to the reward.")
     data_source_key: str = Field("data_source", description="Column naming the reward function for each row.")
     extra_info_key: str = Field("extra_info", description="Column with per-row extra info passed to the reward.")
+    image_key: str = Field("images", description="Column with a row's images (verl's multimodal rows: encoded bytes, "
+                           "a path beside the file, or {bytes, path} structs), one per <image> placeholder in the "
+                           "prompt; megarl validate decodes each (docs/data.md#image-prompts).")
     train_batch_size: int = Field(8, ge=1, description="Prompts per RL step (each sampled rollout.n times).")
     val_batch_size: Optional[int] = Field(None, ge=1, description="Prompts per validation generate call; None: all "
                                           "at once (the results do not depend on it).")

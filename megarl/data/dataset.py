@@ -37,6 +37,7 @@ class PromptRecord:
     uid: "<file name>#<row>", stable across runs; used in error messages and to group a prompt's samples.
     prompt: chat messages (list of {"role", "content"}) or plain text.
     prompt_ids: token ids, set by `encode_prompts` (None before encoding).
+    images: the row's images (megarl.data.images: encoded bytes or paths), one per `<image>` placeholder, in order.
     """
 
     index: int
@@ -47,6 +48,7 @@ class PromptRecord:
     extra_info: dict[str, Any] = field(default_factory=dict)
     response: Optional[Union[str, list[Message]]] = None
     prompt_ids: Optional[tuple[int, ...]] = None
+    images: tuple = ()
 
     @property
     def is_chat(self) -> bool:
@@ -148,9 +150,12 @@ def _scalar_to_str(value: Any) -> Any:
 def records_from_rows(rows: Sequence[dict[str, Any]], path: str, *, prompt_key: str = "prompt",
                       ground_truth_key: str = "ground_truth", data_source_key: str = "data_source",
                       extra_info_key: str = "extra_info", response_key: str = "response",
-                      require_ground_truth: bool = True, require_data_source: bool = False,
+                      image_key: str = "images", require_ground_truth: bool = True, require_data_source: bool = False,
                       require_response: bool = False, start_index: int = 0) -> list[PromptRecord]:
-    """Typed records from the rows of one file; `path` is only used in messages and uids."""
+    """Typed records from the rows of one file; `path` names it in messages and uids, and relative image paths
+    are taken from its folder."""
+    from megarl.data.images import image_refs, row_image_problem
+
     name = os.path.basename(path)
     if not rows:
         raise DataError(f"dataset {path!r} is empty (0 rows); check the file or remove it from data.train_files / "
@@ -192,9 +197,16 @@ def records_from_rows(rows: Sequence[dict[str, Any]], path: str, *, prompt_key: 
         elif require_response and not isinstance(response, str):
             raise DataError(f"{path} row {row_no}: {response_key!r} (data.response_key) must be a string or a list "
                             f"of assistant/tool messages, got {response!r:.200}")
+        images = ()
+        if row.get(image_key) is not None:  # decoding is validate's (megarl.data.checks.check_image_rows)
+            problem = row_image_problem(prompt, row[image_key], os.path.dirname(os.path.abspath(path)), decode=False)
+            if problem is not None:
+                raise DataError(f"{path} row {row_no}: {problem} (data.image_key={image_key!r})")
+            images = tuple(image_refs(row[image_key], os.path.dirname(os.path.abspath(path))))
         records.append(PromptRecord(index=start_index + row_no, uid=f"{name}#{row_no}", prompt=prompt,
                                     data_source=str(data_source), ground_truth=ground_truth, extra_info=dict(extra),
-                                    response=response if isinstance(response, (str, list)) else None))
+                                    response=response if isinstance(response, (str, list)) else None,
+                                    images=images))
     return records
 
 
@@ -229,5 +241,5 @@ def load_prompts_from_config(data_cfg: Any, split: str = "train", *, require_dat
     return load_prompts(files, setting=f"data.{split}_files", prompt_key=data_cfg.prompt_key,
                         ground_truth_key=data_cfg.ground_truth_key, data_source_key=data_cfg.data_source_key,
                         extra_info_key=data_cfg.extra_info_key, response_key=data_cfg.response_key,
-                        require_ground_truth=not require_response, require_data_source=require_data_source,
+                        image_key=data_cfg.image_key, require_ground_truth=not require_response, require_data_source=require_data_source,
                         require_response=require_response)

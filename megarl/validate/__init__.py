@@ -29,6 +29,7 @@ from megarl.rollout.checks import (check_engine_dtype, check_engine_layout, chec
                                    check_quantization, check_rollout_logprobs, check_sampling, check_trainer_mode,
                                    cpu_engine_issues)
 from megarl.rollout.hf.checks import check_engine_available, check_hf_engine
+from megarl.validate.images import check_image_rows
 from megarl.validate.paths import check_paths
 
 
@@ -100,7 +101,8 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     cpu_engine_issues, check_engine_dtype,
     check_batches,
     check_lengths, check_warmup,
-    check_algorithm_names, check_data_files, check_reward_fn, check_not_yet_supported, check_sampling,
+    check_algorithm_names, check_data_files, check_image_rows, check_reward_fn, check_not_yet_supported,
+    check_sampling,
     check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_expert_batches,
     check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
