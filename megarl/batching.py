@@ -14,7 +14,7 @@ Later stages add old_log_probs, ref_log_probs, values, advantages, returns ([N, 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -80,19 +80,26 @@ def select_rows(batch: dict[str, torch.Tensor], rows: torch.Tensor) -> dict[str,
 
 
 def mini_batch_rows(num_samples: int, mini_batch_size: int, dp_size: int, dp_rank: int,
-                    generator: Optional[torch.Generator] = None) -> list[torch.Tensor]:
+                    generator: Optional[torch.Generator] = None,
+                    lengths: Optional[list[int]] = None) -> list[torch.Tensor]:
     """Row indices of this DP rank's share of each mini-batch.
 
     The N samples are (optionally shuffled with `generator`, identically on every rank, then) cut into mini-batches of
-    `mini_batch_size` samples; each mini-batch is split contiguously over DP ranks. Every rank gets one index tensor
-    per mini-batch, of mini_batch_size / dp_size rows."""
+    `mini_batch_size` samples; each mini-batch is split contiguously over DP ranks, or, given every sample's token
+    count `lengths` [N], dealt over them by tokens (balanced_shares: expert parallelism). Every rank gets one index
+    tensor per mini-batch, of mini_batch_size / dp_size rows."""
     if num_samples % mini_batch_size or mini_batch_size % dp_size:
         raise ValueError(f"{num_samples} samples do not split into mini-batches of {mini_batch_size} over "
                          f"{dp_size} data-parallel ranks; check actor.ppo_mini_batch_size, rollout.n and the layout")
     order = torch.randperm(num_samples, generator=generator) if generator is not None else torch.arange(num_samples)
     share = mini_batch_size // dp_size
-    return [order[start + dp_rank * share: start + (dp_rank + 1) * share]
-            for start in range(0, num_samples, mini_batch_size)]
+    out = []
+    for start in range(0, num_samples, mini_batch_size):
+        mini = order[start:start + mini_batch_size]
+        if lengths is not None and dp_size > 1:
+            mini = mini[balanced_shares([int(lengths[i]) for i in mini.tolist()], dp_size)]
+        out.append(mini[dp_rank * share:(dp_rank + 1) * share])
+    return out
 
 
 def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -116,10 +123,14 @@ def split_by_token_budget(batch: dict[str, torch.Tensor], max_tokens: int,
     Rows go longest first into the first micro-batch with room (first-fit decreasing: deterministic); each
     micro-batch's tensors are cut to its longest row, and the forward runs it packed (rows end to end, no padding
     computed: megarl.megatron.packing). bins: the rows of each micro-batch, chosen by the caller (shared prefixes:
-    megarl.megatron.shared_prefix.budget_bins)."""
+    megarl.megatron.shared_prefix.budget_bins; expert parallelism: agreed_budget_groups, whose empty bins give
+    micro-batches of no rows)."""
     lengths = sequence_lengths(batch).tolist()
     out = []
     for rows in bins if bins is not None else token_budget_groups(lengths, max_tokens):
+        if not rows:  # an empty bin (agreed_budget_groups): no rows, for the caller to fill
+            out.append({k: v[:0] for k, v in batch.items()})
+            continue
         s = max(lengths[i] for i in rows)
         idx = torch.tensor(sorted(rows))
         out.append({k: _cut_columns(k, v[idx], s) for k, v in batch.items()})
@@ -144,6 +155,74 @@ def token_budget_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return bins
 
 
+def balanced_groups(lengths: list[int], count: int, rows_each: Optional[int] = None) -> list[list[int]]:
+    """Rows (indices into `lengths`) dealt into `count` groups of near-equal tokens: longest first onto the group
+    with the fewest tokens so far (that still has room for rows_each rows, when given); ties to the lower group.
+    Returns the groups heaviest first (each ascending; a group may be empty when count > rows).
+
+    Packs of equal tokens need little end padding where a micro-batch's pack size is agreed across ranks
+    (expert parallelism: the i-th micro-batch of every rank of the expert-parallel group, dealt heaviest first, is
+    padded to the largest of them) or across the micro-batches of a call (the interleaved pipeline schedule). The
+    largest group holds at most the mean + the longest row (greedy longest-first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in order:
+        open_ = [g for g in range(count) if rows_each is None or len(groups[g]) < rows_each]
+        if not open_:
+            raise ValueError(f"{len(lengths)} rows do not fit {count} groups of {rows_each} rows")
+        g = min(open_, key=lambda j: (loads[j], j))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    ranked = sorted(range(count), key=lambda j: (-loads[j], min(groups[j], default=len(lengths))))
+    return [sorted(groups[j]) for j in ranked]
+
+
+def agreed_budget_groups(lengths: list[int], max_tokens: int, agree: Callable[[int], int],
+                         multiple: int = 1) -> list[list[int]]:
+    """Micro-batches of at most `max_tokens` tokens (a longer row alone) whose count is the same on every rank of a
+    group (expert parallelism: every rank must join every micro-batch's token dispatch) and a multiple of `multiple`
+    (the interleaved pipeline schedule's groups of PP), their tokens balanced (`balanced_groups`).
+
+    agree(x) -> the largest x over the group (every rank calls it the same number of times). The count starts at
+    the largest first-fit-decreasing count of the group (token_budget_groups), rounded up to `multiple`, and grows by
+    `multiple` while a group of more than one row exceeds `max_tokens` on some rank. Groups may be empty on a rank
+    with fewer rows than the count."""
+    step = max(1, multiple)
+    count = agree(-(-len(token_budget_groups(lengths, max_tokens)) // step) * step)
+    while True:
+        groups = balanced_groups(lengths, count)
+        over = any(len(g) > 1 and sum(lengths[i] for i in g) > max_tokens for g in groups)
+        if not agree(int(over)):
+            return groups
+        count += step
+
+
+def fewest_groups(lengths: list[int], groups: list[list[int]], agree: Callable[[int], int],
+                  multiple: int = 1) -> list[list[int]]:
+    """The rows of `groups` (fixed-size micro-batches) dealt again by tokens into as few micro-batches as hold them
+    within the largest group's tokens (over the ranks of `agree`'s group), a multiple of `multiple` of them.
+
+    Where pack sizes are agreed (every pack of an interleaved-schedule call padded to the longest; every expert-
+    parallel rank's i-th pack to the group's largest) a long-tail batch in fixed micro-batches is mostly padding:
+    one long row sets every pack's size. The same largest pack then holds more rows: no pack grows, and the padding
+    and the count shrink (`agreed_budget_groups` with that largest pack as the budget)."""
+    largest = agree(max((sum(lengths[i] for i in g) for g in groups), default=1))
+    return agreed_budget_groups(lengths, largest, agree, multiple)
+
+
+def balanced_shares(lengths: list[int], parts: int) -> list[int]:
+    """An order of the rows whose `parts` contiguous equal shares hold near-equal tokens (rows dealt longest first to
+    the lightest share: `balanced_groups`), each share ascending. len(lengths) must divide by parts.
+
+    The data-parallel ranks of an expert-parallel group pad their packs to each other's: rows dealt by tokens over
+    the ranks leave little to pad (megarl.megatron.packing.agreed_sizes)."""
+    if len(lengths) % parts:
+        raise ValueError(f"{len(lengths)} rows do not split into {parts} equal shares")
+    shares = balanced_groups(lengths, parts, len(lengths) // parts)
+    return [i for share in sorted(shares, key=lambda g: g[0] if g else len(lengths)) for i in share]
+
+
 def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor, max_tokens: int,
                             width: int, on_rows=None, bins: Optional[list[list[int]]] = None
                             ) -> Optional[torch.Tensor]:
@@ -158,12 +237,16 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
     groups = bins if bins is not None else token_budget_groups([int(x) for x in lengths.tolist()], max_tokens)
     out = None
     for rows in groups:
+        # an empty group (bins agreed across ranks: agreed_budget_groups) still joins its peers' forward, on row 0
+        # with the smallest length; its result is dropped
+        empty = not rows
+        rows = rows or [0]
         cut = min(tokens.shape[1], max(2, max(int(lengths[r]) for r in rows)))
         idx = torch.tensor(sorted(rows))
         if on_rows is not None:
             on_rows(idx)
-        part = forward(tokens[idx, :cut], len(rows), lengths[idx].clamp(1, cut))
-        if part is None:
+        part = forward(tokens[idx, :cut], len(rows), lengths[idx].clamp(1, 1 if empty else cut))
+        if part is None or empty:
             continue
         if out is None:
             out = part.new_zeros((tokens.shape[0], width) + tuple(part.shape[2:]))

@@ -231,12 +231,17 @@ def to_device(batch: dict) -> dict:
 
 
 def call_model(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-               packed_seq_params=None):
+               packed_seq_params=None, padding_mask: Optional[torch.Tensor] = None):
     """model(input_ids, position_ids, attention_mask) after checking the inputs' device; packed_seq_params: megatron's
-    PackedSeqParams of a packed micro-batch (its boundaries may stay on the host: megarl.megatron.packing)."""
-    check_device("model input", [t for t in (input_ids, position_ids, attention_mask) if t is not None])
+    PackedSeqParams of a packed micro-batch (its boundaries may stay on the host: megarl.megatron.packing);
+    padding_mask: megatron's MoE padding mask [1, t] (True = padding, routed to no expert: megarl.megatron.moe_padding).
+    """
+    check_device("model input", [t for t in (input_ids, position_ids, attention_mask, padding_mask) if t is not None])
     if packed_seq_params is None:
         return model(input_ids, position_ids, attention_mask)
+    if padding_mask is not None:
+        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params,
+                     padding_mask=padding_mask)
     return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
 
 

@@ -268,26 +268,6 @@ def check_parallel_options(cfg: MegarlConfig) -> list[Issue]:
     return []
 
 
-def check_expert_batches(cfg: MegarlConfig) -> list[Issue]:
-    """Token-budget micro-batches at expert parallelism: megarl's MoE layers use megatron's allgather token
-    dispatcher, which gathers every EP rank's tokens into one tensor per forward, so each rank must run the same
-    number of micro-batches of the same token count. Packs are padded at their end to the length the EP ranks agree
-    on (megarl.megatron.packing.agreed_sizes), which settles the token count; token budgets still give each rank its
-    own number of micro-batches (a forward a peer never joins). Fixed micro-batches over equal row shares: equal."""
-    ep = cfg.parallelism.expert_model_parallel_size
-    if ep == 1:
-        return []
-    rule = (f"expert_model_parallel_size = {ep}: megatron's allgather token dispatcher needs the same number of "
-            "micro-batches on every expert-parallel rank (their packs are padded to equal token counts), which "
-            "token-budget micro-batches (grouped per rank from its own rows) do not give")
-    settings = [("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz, "a fixed actor.ppo_micro_batch_size_per_gpu"),
-                ("rollout.log_prob_use_dynamic_bsz", cfg.rollout.log_prob_use_dynamic_bsz,
-                 "a fixed rollout.log_prob_micro_batch_size_per_gpu")]
-    return [Issue(key, True, rule, f"set {key}=false with {fixed}, or {P}expert_model_parallel_size=1",
-                  keys=(key, P + "expert_model_parallel_size"))
-            for key, on, fixed in settings if on]
-
-
 def check_router_replay(cfg: MegarlConfig) -> list[Issue]:
     """actor.router_replay.mode and rollout.return_routed_experts: what routing replay and the engine's routes need
     (megarl.megatron.router_replay; megarl.rollout.vllm.routes.RouteRecorder)."""

@@ -111,19 +111,25 @@ def gather_tokens(x: torch.Tensor, segments) -> torch.Tensor:
     return _Gather.apply(x[0], tuple(segments), cp, rank(), False).unsqueeze(0)
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, core: Callable) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments, core: Callable,
+           pad: int = 0) -> torch.Tensor:
     """Causal attention of this rank's queries within their segments, keys and values gathered over the CP group.
 
-    query [t, nq, hq], key [t, ng, hk], value [t, ng, hv]: this rank's t = P / CP tokens of a pack of `segments`;
-    core(q [g, m, nq, hq], k [g, n, ng, hk], v [g, n, ng, hv], causal) -> (out [g, m, nq, hv], lse [g, m, nq]): the
-    attention of g blocks and its log-sum-exp per query, float32 or wider (`block_attention` at the layer's scale).
-    Returns [t, nq, hv] (`blockwise`). The gathered keys and values are the pack's, one layer at a time."""
+    query [t, nq, hq], key [t, ng, hk], value [t, ng, hv]: this rank's t = P / CP tokens of a pack of `segments`
+    followed by `pad` tokens of end padding (a last segment nobody attends: its pad / CP queries here, the last of
+    the share, get 0 and its keys are never read); core(q [g, m, nq, hq], k [g, n, ng, hk], v [g, n, ng, hv],
+    causal) -> (out [g, m, nq, hv], lse [g, m, nq]): the attention of g blocks and its log-sum-exp per query, float32
+    or wider (`block_attention` at the layer's scale). Returns [t, nq, hv] (`blockwise`). The gathered keys and
+    values are the pack's, one layer at a time."""
     cp, r = size(), rank()
     segments = tuple(int(n) for n in segments)
+    whole = segments + ((pad,) if pad else ())
     if cp > 1:
-        key = _Gather.apply(key, segments, cp, r, True)
-        value = _Gather.apply(value, segments, cp, r, True)
-    return blockwise(query, key, value, segments, cp, r, core)
+        key = _Gather.apply(key, whole, cp, r, True)
+        value = _Gather.apply(value, whole, cp, r, True)
+    real = query.shape[0] - pad // cp
+    out = blockwise(query[:real], key, value, segments, cp, r, core)
+    return torch.cat([out, out.new_zeros(pad // cp, *out.shape[1:])]) if pad else out
 
 
 # The diagonal of a segment is cut into at least this many causal tiles (a chunk into ceil(16 / (2 * CP))): a tile

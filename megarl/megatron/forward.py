@@ -24,7 +24,7 @@ import torch
 from megarl import algo, distributed
 from megarl.megatron import router_replay
 from megarl.megatron.packing import (Pack, agreed_sizes, logprob_index, pack_rows, pack_size, packed_labels,
-                                     row_logprobs, row_values, seq_params, token_rows, unpack)
+                                     padding_mask, row_logprobs, row_values, seq_params, token_rows, unpack)
 from megarl.megatron.vocab_parallel import logprobs_from_logits, scaled_local_logits, tp_reductions
 
 
@@ -102,11 +102,14 @@ def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
         router_replay.micro_batch(*token_rows(pack, rows))
     from megarl.megatron.shared_prefix import positions
 
+    from megarl.megatron import moe_padding
+
     te = getattr(getattr(model, "module", model), "megarl_te", False)
     # a shared pack's rows resume at their prefix's length: rope reads every token's own position
     with positions(pack.positions[0] if pack.links else None):
         return distributed.call_model(model, pack.model_ids, pack.model_positions, None,
-                                      seq_params(pack, on_device=te))
+                                      seq_params(pack, on_device=te),
+                                      moe_padding.model_mask(model, padding_mask(pack)))
 
 
 def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[torch.Tensor]:
@@ -122,6 +125,28 @@ def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[tor
         micro_batch_size = -(-n // count)
     groups = [torch.arange(i * micro_batch_size, min(n, (i + 1) * micro_batch_size)) for i in range(count)]
     return [g if len(g) else torch.zeros(1, dtype=torch.long) for g in groups]
+
+
+def fewest_rows(groups: list[torch.Tensor], lengths: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """The rows of `groups` (micro_batch_rows) dealt again by tokens into as few micro-batches as the largest of
+    them holds (megarl.batching.fewest_groups: agreed over the expert-parallel group; a multiple of PP under virtual
+    pipeline stages), heaviest first: where pack sizes are agreed (the interleaved schedule pads every pack of a call
+    to the longest; the expert-parallel ranks each micro-batch to the group's largest) no pack grows and the padding
+    shrinks. An empty group gets row 0 again (its result is dropped)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.batching import fewest_groups
+    from megarl.megatron.packing import agreed_max
+
+    if not groups:
+        return groups
+    seen, fixed = set(), []
+    for g in groups:  # micro_batch_rows' repeats of row 0 are not rows of their own
+        fixed.append([i for i in g.tolist() if i not in seen])
+        seen.update(fixed[-1])
+    multiple = ps.get_pipeline_model_parallel_world_size() if num_chunks > 1 else 1
+    dealt = fewest_groups([int(x) for x in lengths.tolist()], fixed, agreed_max, multiple)
+    return [torch.tensor(g, dtype=torch.long) if g else torch.zeros(1, dtype=torch.long) for g in dealt]
 
 
 def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
@@ -155,6 +180,8 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
         if replay.pass_rows is None or len(replay.pass_rows) != n:
             raise ValueError("routing replay: the rows of this forward pass were not given (STATE.pass_rows)")
     share = shares(model)
+    if not share and (len(chunks) > 1 or ps.get_expert_model_parallel_world_size() > 1):
+        groups = fewest_rows(groups, lengths, len(chunks))
     host = tokens
     sizes, shapes = schedule_shapes(chunks, agreed_sizes([
         pack_size_for(config, lengths[g], host[g] if share else None) for g in groups]))
@@ -176,7 +203,15 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
             forward_only=True, **shapes)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([r["out"] for r in results], dim=0)[:n]
+    # each row's result where it was computed first (an empty micro-batch ran row 0 again: dropped)
+    seen, parts, rows = set(), [], []
+    for g, r in zip(groups, results):
+        keep = [j for j, i in enumerate(g.tolist()) if i not in seen]
+        seen.update(g.tolist())
+        parts.append(r["out"][keep])
+        rows.append(g[keep])
+    out = torch.cat(parts, dim=0)
+    return out[torch.cat(rows).argsort().to(out.device)]
 
 
 def token_logprobs(model, tokens: torch.Tensor, micro_batch_size: int = 1, temperature: float = 1.0,

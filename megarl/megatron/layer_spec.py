@@ -66,7 +66,8 @@ class SDPAttention(_module_base()):
     [b, np, sq, sk] with True = masked (padding masks included); a masked position gets the most negative finite
     score, as megatron's own masking does, so a fully masked row yields a uniform average instead of NaN.
     Packed sequences (packed_seq_params, THD: query [t, np, hn], key/value [t, ng, hn] -> [t, np * hn]) attend
-    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment); a row continuing a
+    within each segment, cost sum of squared segment lengths (megarl.megatron.packing.by_segment), the pack's end
+    padding left out (its outputs 0: megarl.megatron.packing.attended); a row continuing a
     shared prefix attends to it as well (megarl.megatron.shared_prefix). Under context
     parallelism t is this rank's share of the pack and keys and values are gathered over the CP group
     (megarl.megatron.context_parallel.attend), exact."""
@@ -124,7 +125,7 @@ class SDPAttention(_module_base()):
     def _packed(self, query, key, value, packed_seq_params):
         """THD: query [t, np, hn], key/value [t, ng, hn] hold the pack's segments end to end (megarl.megatron.packing);
         each segment attends causally to itself only, segments of one length in one SDPA call. -> [t, np * hn]."""
-        from megarl.megatron.packing import LINKS_ATTR, by_segment, segment_lengths
+        from megarl.megatron.packing import LINKS_ATTR, attended, by_segment, with_padding
 
         dropout = self.dropout if self.training else 0.0
 
@@ -133,8 +134,10 @@ class SDPAttention(_module_base()):
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
             return self._sdpa(q, k, v, None, self.causal, dropout).transpose(1, 2)
 
-        segments = segment_lengths(packed_seq_params)
+        # the pack's end padding is left out: its outputs are 0 (megarl.megatron.packing.attended)
+        segments, pad = attended(packed_seq_params)
         links = getattr(packed_seq_params, LINKS_ATTR, ())
+        real = query.shape[0] - pad // self.cp
         with contextlib.ExitStack() as stack:
             if dropout:
                 from megatron.core import tensor_parallel
@@ -146,7 +149,7 @@ class SDPAttention(_module_base()):
                 def block(q, k, v, causal):
                     return context_parallel.block_attention(q, k, v, causal, self.softmax_scale, dropout)
 
-                out = context_parallel.attend(query, key, value, segments, block)
+                out = context_parallel.attend(query, key, value, segments, block, pad)
             elif links:
                 from megarl.megatron import shared_prefix
 
@@ -155,10 +158,12 @@ class SDPAttention(_module_base()):
                     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
                     return self._sdpa(q, k, v, allowed, False, dropout).transpose(1, 2)
 
-                out = shared_prefix.attend(query, key, value, segments, links,
+                out = shared_prefix.attend(query[:real], key[:real], value[:real], segments,
+                                           links[:len(segments)],
                                            lambda lengths, q, k, v: by_segment(lengths, attend, q, k, v), masked)
             else:
-                out = by_segment(segments, attend, query, key, value)
+                out = by_segment(segments, attend, query[:real], key[:real], value[:real])
+        out = with_padding(out, query.shape[0] - out.shape[0])
         return out.reshape(out.shape[0], -1)
 
     def _sdpa(self, q, k, v, mask, causal, dropout):

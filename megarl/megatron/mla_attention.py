@@ -43,7 +43,7 @@ class MLADotProductAttention(DotProductAttention):
                                    attention_bias=attention_bias)
         import torch
 
-        from megarl.megatron.packing import by_segment, segment_lengths
+        from megarl.megatron.packing import attended, by_segment, with_padding
 
         def attend(q, k, v):
             """q [g, L, np, hk], k/v [g, L, np, h] -> [g, L, np * hv], causal."""
@@ -54,11 +54,13 @@ class MLADotProductAttention(DotProductAttention):
                 attention_bias=attention_bias)
             return out.transpose(0, 1)
 
+        segments, pad = attended(packed_seq_params)  # the pack's end padding left out: its outputs are 0
         if self.cp > 1:
-            return self._context_parallel(query, key, value, segment_lengths(packed_seq_params))
-        return by_segment(segment_lengths(packed_seq_params), attend, query, key, value)
+            return self._context_parallel(query, key, value, segments, pad)
+        real = query.shape[0] - pad
+        return with_padding(by_segment(segments, attend, query[:real], key[:real], value[:real]), pad)
 
-    def _context_parallel(self, query, key, value, segments):
+    def _context_parallel(self, query, key, value, segments, pad: int = 0):
         """megatron's math (its scale, float32 softmax, attention dropout) block by block over the CP chunks
         (megarl.megatron.context_parallel.attend), which needs each block's log-sum-exp: [t, np * hv]."""
         import contextlib
@@ -80,6 +82,6 @@ class MLADotProductAttention(DotProductAttention):
         # megatron draws attention dropout from the tracker's stream unless under sequence parallelism
         fork = dropout and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if fork else contextlib.nullcontext():
-            out = context_parallel.attend(query, key, value, segments, block)
+            out = context_parallel.attend(query, key, value, segments, block, pad)
         return out.reshape(out.shape[0], -1)
 

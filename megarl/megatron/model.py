@@ -316,6 +316,10 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
     model.megarl_head = VALUE_HEAD if value_head else LM_HEAD
     model.megarl_fusions = fusion_state
     model.megarl_te = bool(use_te)  # packed micro-batches hand TE their boundaries on the device, others on the host
+    if spec.num_experts:  # a pack's end padding goes to no expert (megarl.megatron.moe_padding)
+        from megarl.megatron import moe_padding
+
+        moe_padding.install([model])
     return model
 
 

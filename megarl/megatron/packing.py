@@ -2,7 +2,11 @@
 
 Callers keep right-padded rows `tokens [b, S]`; only the model sees the pack. A pack of rows with real lengths
 l_0 .. l_{b-1} holds P = sum(l_i) tokens, rounded up to `multiple` (sequence parallelism splits the pack over TP
-ranks) with pad id 0 at the end of the pack only; that padding is its own segment, so no row attends to it.
+ranks) with pad id 0 at the end of the pack only; that padding is its own segment, so no row attends to it, and nothing is
+computed for it beyond the per-token layers it passes through: attention leaves it out (`attended`: its outputs are
+0) and MoE routing sends it to no expert (megarl.megatron.moe_padding). The end padding can be long: the expert-
+parallel ranks agree on one size per micro-batch (`agreed_sizes`) and the interleaved pipeline schedule on one size
+per call (megarl.megatron.forward.schedule_shapes).
 Positions restart at 0 on every row and attention never crosses a segment boundary (cu_seqlens), so every real
 token's output is the one the padded batch computes there.
 
@@ -36,6 +40,7 @@ import torch
 # cu_seqlens back from the device in every layer
 SEGMENTS_ATTR = "megarl_segments"
 LINKS_ATTR = "megarl_links"  # and the shared-prefix links (Pack.links)
+PAD_ATTR = "megarl_pad"  # and the end padding's length (Pack.pad): attention skips it
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class Pack:
     cp: int = 1              # context-parallel size and this rank's place in it: the model sees its share only
     cp_rank: int = 0
     links: tuple = ()        # shared prefixes: per segment the index of the prefix piece it continues, -1 for none
+    pad: int = 0             # the end padding: the last segment's length when it is padding, else 0
 
     @property
     def size(self) -> int:
@@ -145,7 +151,7 @@ def pack_rows(tokens: torch.Tensor, lengths: Optional[torch.Tensor] = None, mult
                                                                                   device=device))
     return Pack(ids=ids.unsqueeze(0), positions=positions.to(device).unsqueeze(0),
                 cu_seqlens=torch.tensor(starts, dtype=torch.int32), index=index.to(device),
-                lengths=tuple(lens), segments=segments, cp=cp, cp_rank=cp_rank)
+                lengths=tuple(lens), segments=segments, cp=cp, cp_rank=cp_rank, pad=pad)
 
 
 def _end_padding(real: int, multiple: int, size: Optional[int]) -> int:
@@ -200,7 +206,7 @@ def _shared_pack(tokens: torch.Tensor, lens: list[int], multiple: int, size: Opt
                                                                                     device=device))
     return Pack(ids=ids.unsqueeze(0), positions=torch.cat(positions).to(device).unsqueeze(0),
                 cu_seqlens=torch.tensor(starts, dtype=torch.int32), index=index.to(device), lengths=tuple(lens),
-                segments=tuple(segments), links=tuple(links) if any(p >= 0 for p in links) else ())
+                segments=tuple(segments), links=tuple(links) if any(p >= 0 for p in links) else (), pad=pad)
 
 
 def packed_labels(pack: Pack) -> torch.Tensor:
@@ -248,7 +254,36 @@ def seq_params(pack: Pack, on_device: bool = False):
                              cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     setattr(params, SEGMENTS_ATTR, pack.segments)
     setattr(params, LINKS_ATTR, pack.links)
+    setattr(params, PAD_ATTR, pack.pad)
     return params
+
+
+def attended(params) -> tuple[list[int], int]:
+    """(the segments attention computes, the end padding's length P_pad) of a PackedSeqParams: every segment but
+    the end padding, which is the pack's last. The padding's outputs are 0: no query of it is computed, and no real
+    query may see its keys (they come after every row). Under CP each rank holds P_pad / CP padding tokens, the last
+    of its share (megarl.megatron.context_parallel: the padding is the last segment, split like every other)."""
+    segments = segment_lengths(params)
+    pad = int(getattr(params, PAD_ATTR, 0) or 0)
+    return (segments[:-1] if pad else segments), pad
+
+
+def with_padding(out: torch.Tensor, pad: int) -> torch.Tensor:
+    """The attention output of the real tokens out [t - pad, ...] followed by `pad` zero rows: [t, ...]."""
+    if not pad:
+        return out
+    return torch.cat([out, out.new_zeros(pad, *out.shape[1:])])
+
+
+def padding_mask(pack: "Pack") -> Optional[torch.Tensor]:
+    """[1, P / CP] bool, True at the end padding of the tokens the model computes on this rank (megatron's MoE
+    padding_mask convention); None without padding."""
+    if not pack.pad:
+        return None
+    t = pack.size // pack.cp
+    mask = torch.zeros(1, t, dtype=torch.bool)
+    mask[:, t - pack.pad // pack.cp:] = True
+    return mask.to(pack.ids.device)
 
 
 def segment_lengths(params) -> list[int]:
@@ -315,6 +350,21 @@ def agreed_sizes(sizes: list[int]) -> list[int]:
     t = torch.tensor(sizes, dtype=torch.long, device=distributed.compute_device())
     distributed.all_reduce(t, group=ps.get_expert_tensor_and_model_parallel_group(), op=torch.distributed.ReduceOp.MAX)
     return [int(x) for x in t.tolist()]
+
+
+def expert_parallel() -> bool:
+    """Whether the current megatron parallel state has expert parallelism (EP > 1)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1
+
+
+def agreed_max(x: int) -> int:
+    """The largest `x` over the expert-parallel group (its ranks must run the same number of micro-batches: see
+    agreed_sizes); x itself without expert parallelism."""
+    if not expert_parallel():
+        return x
+    return agreed_sizes([x])[0]
 
 
 def token_rows(pack: Pack, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,14 +11,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from megarl.batching import (forward_by_token_budget, mini_batch_rows, select_rows, sequence_lengths,
-                             split_by_token_budget, split_micro)
+from megarl.batching import (agreed_budget_groups, balanced_shares, fewest_groups, forward_by_token_budget,
+                             mini_batch_rows, select_rows, sequence_lengths, split_by_token_budget, split_micro)
 from megarl.config import MegarlConfig
 from megarl.config.schema import OptimConfig
 from megarl.megatron import router_replay, shared_prefix
 from megarl.megatron.forward import token_logprobs, token_logprobs_and_sum_pi_squared, token_values
 from megarl.megatron.losses import PolicyLoss, PolicyLossSettings, ValueLoss
 from megarl.megatron.model import build_and_load
+from megarl.megatron.packing import agreed_max, expert_parallel
 from megarl.megatron.train_step import Trainable, loss_denominator, make_trainable, train_mini_batch
 from megarl.distributed import DataParallelRank, dp_row_range, gather_model_output
 
@@ -52,14 +53,44 @@ def build_options(cfg: MegarlConfig) -> dict:
             **recompute_overrides(m.recompute)}
 
 
-def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, lengths: Optional[torch.Tensor], fn,
-                  width) -> torch.Tensor:
+def _forward_rows(rt: DataParallelRank, ids: torch.Tensor, lengths: Optional[torch.Tensor], fn, width,
+                  order: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fn(ids [n, S], lengths [n] or None)'s per-row output [n, *width] on this rank's DP rows, gathered to
-    [N, *width] on every rank."""
+    [N, *width] on every rank. order [N]: the rows dealt over the DP ranks in this order (rows_over_ranks)."""
     rows = dp_row_range(ids.shape[0], rt)
-    router_replay.STATE.pass_rows = torch.arange(rows.start, rows.stop)  # the rows' ids, for routing replay
+    router_replay.STATE.pass_rows = _row_ids(ids.shape[0], order)[rows]  # the rows' ids, for routing replay
+    ids, lengths = _ordered(ids, order), _ordered(lengths, order)
     local = fn(ids[rows], None if lengths is None else lengths[rows])
-    return gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
+    out = gather_model_output(local, (rows.stop - rows.start, *((width,) if isinstance(width, int) else width)))
+    return _restored(out, order)
+
+
+def rows_over_ranks(lengths: Optional[torch.Tensor], dp: int) -> Optional[torch.Tensor]:
+    """At expert parallelism, an order of the N rows whose contiguous DP shares hold near-equal tokens
+    (megarl.batching.balanced_shares): the expert-parallel ranks pad their packs to each other's, so balanced shares
+    leave little to pad. None otherwise (the contiguous shares)."""
+    if lengths is None or dp == 1 or not expert_parallel() or len(lengths) % dp:
+        return None
+    return torch.tensor(balanced_shares([int(x) for x in lengths.tolist()], dp), dtype=torch.long)
+
+
+def _ordered(x: Optional[torch.Tensor], order: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x's rows in `order` (x unchanged without one)."""
+    if x is None or order is None:
+        return x
+    return x[order.to(x.device)]
+
+
+def _row_ids(n: int, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """The batch's row id at each position of the ordered rows."""
+    return torch.arange(n) if order is None else order
+
+
+def _restored(out: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
+    """Outputs gathered in `order` back in the rows' own order."""
+    if order is None:
+        return out
+    return out[order.argsort().to(out.device)]
 
 
 def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward, micro: int, width: int,
@@ -67,23 +98,49 @@ def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward,
     """This rank's rows of a forward-only pass (old/reference logprobs, values), gathered on every rank: micro-batches
     of `micro` rows, or of at most rollout.log_prob_max_token_len_per_gpu tokens with rollout.log_prob_use_dynamic_bsz;
     each runs packed, each row up to its last response token (megarl.batching.sequence_lengths); share: token
-    budgets keep rows with a common prefix together (megarl.megatron.shared_prefix.budget_bins).
+    budgets keep rows with a common prefix together (megarl.megatron.shared_prefix.budget_bins). At expert
+    parallelism the rows are dealt over the DP ranks by tokens (rows_over_ranks) and token budgets agree on their
+    count (expert_bins).
     forward(tokens [g, s], micro_batch_size, lengths [g] or None) -> [g, <= s, *trailing]."""
     r, ids = cfg.rollout, batch["input_ids"]
     all_lengths = sequence_lengths(batch).clamp(1, ids.shape[1]) if "response_mask" in batch else None
+    order = rows_over_ranks(all_lengths, rt.dp_size)
     if r.log_prob_use_dynamic_bsz and all_lengths is not None:
         rows = dp_row_range(ids.shape[0], rt)
+        row_ids = _row_ids(ids.shape[0], order)
+        ids, all_lengths = _ordered(ids, order), _ordered(all_lengths, order)
         lengths = all_lengths[rows]
 
         def on_rows(idx):  # the global ids of each token-budget group, for routing replay
-            router_replay.STATE.pass_rows = idx + rows.start
+            router_replay.STATE.pass_rows = row_ids[idx + rows.start]
 
         budget = per_micro_batch(cfg, r.log_prob_max_token_len_per_gpu)
-        bins = shared_prefix.budget_bins(ids[rows], lengths, budget) if share else None
+        bins = expert_bins([int(x) for x in lengths.tolist()], budget)  # at expert parallelism: an agreed count
+        if bins is None and share:
+            bins = shared_prefix.budget_bins(ids[rows], lengths, budget)
         local = forward_by_token_budget(forward, ids[rows], lengths, budget, width, on_rows=on_rows, bins=bins)
-        return gather_model_output(local, (rows.stop - rows.start, width, *trailing))
+        return _restored(gather_model_output(local, (rows.stop - rows.start, width, *trailing)), order)
     return _forward_rows(rt, ids, all_lengths, lambda x, lens: forward(x, _micro(x.shape[0], micro), lens),
-                         (width, *trailing))
+                         (width, *trailing), order)
+
+
+def expert_bins(lengths: list[int], budget: int) -> Optional[list[list[int]]]:
+    """Token-budget micro-batches at expert parallelism: as many on every rank of the expert-parallel group, their
+    tokens balanced and dealt heaviest first, so the sizes the group agrees on per micro-batch
+    (megarl.megatron.packing.agreed_sizes) need little end padding (megarl.batching.agreed_budget_groups). None
+    without expert parallelism (first-fit decreasing per rank)."""
+    if not expert_parallel():
+        return None
+    return agreed_budget_groups(lengths, budget, agreed_max)
+
+
+def _idle_micro_batch(share: dict) -> dict:
+    """A micro-batch for a rank with fewer rows than the micro-batch count its expert-parallel group agreed on: its
+    first row with no response token, so it joins the peers' token dispatch and adds nothing to the loss or the
+    gradient (the loss reads response tokens only)."""
+    one = {k: v[:1].clone() for k, v in share.items()}
+    one["response_mask"] = torch.zeros_like(one["response_mask"])
+    return one
 
 
 def per_micro_batch(cfg: MegarlConfig, tokens_per_gpu: int) -> int:
@@ -172,23 +229,49 @@ class _Worker:
             return None
         return shared_prefix.budget_bins(ids, sequence_lengths(batch).clamp(1, ids.shape[1]), max_tokens)
 
+    def _balanced(self) -> bool:
+        """Whether micro-batch pack sizes are agreed beyond one pack (expert parallelism, virtual pipeline stages),
+        so fixed micro-batches are dealt by tokens into the fewest packs that the largest of them holds
+        (megarl.batching.fewest_groups): no pack grows, the padding and the count shrink."""
+        return expert_parallel() or len(self.chunks) > 1
+
+    def _pipeline_groups(self) -> int:
+        """What the update's micro-batch count must divide by: PP under virtual pipeline stages (the interleaved
+        schedule's groups), else 1."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_world_size() if len(self.chunks) > 1 else 1
+
     def _update(self, batch: dict, rt: DataParallelRank, mini_batch_size: int, micro_batch_size: int, epochs: int,
                 shuffle_seed: Optional[int], agg_mode: str, make_loss, max_tokens: Optional[int] = None) -> dict:
         """ppo_epochs passes over the batch in mini-batches; micro-batches of a fixed size, or of up to `max_tokens`
         real tokens each (dynamic batch size); every micro-batch runs packed (train_step.forward_step)."""
         n = batch["input_ids"].shape[0]
+        all_lengths = sequence_lengths(batch).tolist()
         out = []
         for epoch in range(epochs):
             gen = torch.Generator().manual_seed(shuffle_seed + epoch) if shuffle_seed is not None else None
-            for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen):
+            # at expert parallelism each mini-batch's rows are dealt over the DP ranks by tokens (rows_over_ranks)
+            balance = all_lengths if expert_parallel() else None
+            for rows in mini_batch_rows(n, mini_batch_size, rt.dp_size, rt.dp_rank, gen, balance):
                 # routes stay in the batch: routing replay reads them by row_index
                 share = {**select_rows({k: v for k, v in batch.items() if k != "routed_experts"}, rows),
                          "row_index": rows}
+                lengths = sequence_lengths(share).clamp(1, share["input_ids"].shape[1]).tolist()
                 if max_tokens:
-                    micro = split_by_token_budget(share, max_tokens, self._bins(share["input_ids"], share, max_tokens))
-                else:  # rows of one prompt side by side, so a micro-batch holds whole groups where it can
-                    micro = split_micro(select_rows(share, rows.argsort()) if self._shares() else share,
-                                        micro_batch_size)
+                    # at expert parallelism the count is agreed first; shared prefixes then share within a bin
+                    bins = expert_bins(lengths, max_tokens) or self._bins(share["input_ids"], share, max_tokens)
+                    micro = split_by_token_budget(share, max_tokens, bins)
+                elif self._shares():  # rows of one prompt side by side, so a micro-batch holds whole groups
+                    micro = split_micro(select_rows(share, rows.argsort()), micro_batch_size)
+                elif self._balanced():  # pack sizes are agreed: the rows dealt by tokens into the fewest packs
+                    fixed = [list(range(i, min(len(lengths), i + micro_batch_size)))
+                             for i in range(0, len(lengths), micro_batch_size)]
+                    micro = split_by_token_budget(share, 0, fewest_groups(lengths, fixed, agreed_max,
+                                                                          self._pipeline_groups()))
+                else:
+                    micro = split_micro(share, micro_batch_size)
+                micro = [m if m["input_ids"].shape[0] else _idle_micro_batch(share) for m in micro]
                 denominator = loss_denominator([m["response_mask"] for m in micro], agg_mode)
                 out.append(train_mini_batch(self.trainable, micro, make_loss(denominator)))
         return _average(out)

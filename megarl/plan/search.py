@@ -100,13 +100,12 @@ def stage_splits(layers: int, pp: int) -> list:
 
 def layout_checks():
     """megarl validate's rules that read the layout, batches and engines (imported, not copied)."""
-    from megarl.validate import (check_batches, check_device, check_expert_batches, check_engine_layout,
-                                 check_layout, check_lora, check_model_layout, check_parallel_options,
-                                 check_router_replay, check_trainer_mode, check_virtual_pipeline)
+    from megarl.validate import (check_batches, check_device, check_engine_layout, check_layout, check_lora,
+                                 check_model_layout, check_parallel_options, check_router_replay, check_trainer_mode,
+                                 check_virtual_pipeline)
 
     return (check_layout, check_model_layout, check_parallel_options, check_virtual_pipeline, check_batches,
-            check_expert_batches, check_router_replay, check_lora, check_device, check_engine_layout,
-            check_trainer_mode)
+            check_router_replay, check_lora, check_device, check_engine_layout, check_trainer_mode)
 
 
 def first_issue(cfg, checks) -> Optional[str]:
@@ -174,11 +173,12 @@ def engine_options(cfg, spec, nodes: int, gpus_per_node: int) -> list:
 
 
 def knob_options(cfg, ep: int) -> list:
-    """Micro-batch or token budget, recompute, offload and the distributed optimizer, the recipe's own included."""
+    """Micro-batch or token budget (as the recipe batches; token budgets at EP too, their count agreed over the
+    group), recompute, offload and the distributed optimizer, the recipe's own included."""
     a = cfg.actor
     recomputes = ["none", "selective", "full"]
     offloads = [False, True]
-    if ep > 1 or not a.use_dynamic_bsz:
+    if not a.use_dynamic_bsz:
         micros = sorted({1, 2, 4, a.ppo_micro_batch_size_per_gpu})
         batch = [{A + "use_dynamic_bsz": False, A + "ppo_micro_batch_size_per_gpu": m,
                   R + "log_prob_use_dynamic_bsz": False} for m in micros]

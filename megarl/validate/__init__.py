@@ -22,7 +22,7 @@ from megarl.config.loader import config_or_error, parse_config
 from megarl.config.schema import MegarlConfig
 from megarl.data.checks import check_data_files, check_synthetic
 from megarl.lora.checks import check_lora
-from megarl.megatron.checks import (check_batches, check_device, check_expert_batches, check_layout, check_model_layout,
+from megarl.megatron.checks import (check_batches, check_device, check_layout, check_model_layout,
                                     check_parallel_options, check_router_replay, check_virtual_pipeline, check_warmup)
 from megarl.reward.checks import check_learned_rewards, check_reward_fn
 from megarl.rollout.checks import (check_engine_dtype, check_engine_layout, check_lengths,
@@ -103,7 +103,7 @@ CHECKS: tuple[Callable[[MegarlConfig], list[Issue]], ...] = (
     check_lengths, check_warmup,
     check_algorithm_names, check_data_files, check_image_rows, check_reward_fn, check_not_yet_supported,
     check_sampling,
-    check_rollout_logprobs, check_quantization, check_device, check_parallel_options, check_expert_batches,
+    check_rollout_logprobs, check_quantization, check_device, check_parallel_options,
     check_dependent_settings,
     check_trainer_mode, check_synthetic, check_multi_turn, check_wandb, check_learned_rewards,
     check_router_replay, check_lora, check_virtual_pipeline)

@@ -113,3 +113,88 @@ def test_token_budget_per_gpu_covers_cp_times_the_tokens_of_a_micro_batch_as_ver
     for cp, want in ((1, 16384), (2, 32768), (4, 65536)):
         cfg = MegarlConfig.model_validate({"model": {"path": "x"}, "parallelism": {"context_parallel_size": cp}})
         assert per_micro_batch(cfg, 16384) == want
+
+
+def test_balanced_groups_deal_rows_longest_first_to_the_lightest_group_heaviest_first():
+    from megarl.batching import balanced_groups
+
+    lengths = [100, 3, 50, 50, 7, 40, 9, 60]
+    groups = balanced_groups(lengths, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in g) for g in groups]
+    # longest first onto the lightest (ties: the lower group): 100 | 60 | 50, then 50 -> 50's (100), 40 -> 60's
+    # (100), 9 -> the first 100 (109), 7 -> the second (107), 3 -> the third (103)
+    assert loads == [109, 107, 103]
+    fixed = balanced_groups(lengths, 4, rows_each=2)
+    assert all(len(g) == 2 for g in fixed)
+    # 100 | 60 | 50 | 50, 40 -> the first 50 (90), 9 -> the other 50 (59), 7 -> 60 (67), 3 -> 100, the last open
+    assert [sum(lengths[i] for i in g) for g in fixed] == [103, 90, 67, 59]
+    assert balanced_groups([5], 3) == [[0], [], []]  # more groups than rows: empty ones last
+
+
+def test_agreed_budget_groups_run_as_many_micro_batches_on_every_rank_within_the_budget():
+    """Two expert-parallel ranks' lengths: the counts agree on the larger first-fit-decreasing count (agree: the
+    max over both, as the group's all-reduce gives it), and no multi-row group exceeds the budget."""
+    from megarl.batching import agreed_budget_groups, token_budget_groups
+
+    ranks = [[90, 10, 10, 10, 10, 5], [60, 60, 60, 30, 20, 2]]
+    budget = 100
+    calls = []
+    results = [None, None]
+
+    # both ranks' calls interleaved as the collective does: each agree() returns the max of the ranks' values
+    def run(r, agree):
+        results[r] = agreed_budget_groups(ranks[r], budget, agree)
+
+    import threading
+    barrier = threading.Barrier(2)
+    values = [0, 0]
+
+    def agree_for(r):
+        def agree(x):
+            values[r] = x
+            barrier.wait()
+            out = max(values)
+            calls.append((r, x, out))
+            barrier.wait()
+            return out
+        return agree
+
+    threads = [threading.Thread(target=run, args=(r, agree_for(r))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    counts = [len(token_budget_groups(x, budget)) for x in ranks]
+    assert len(results[0]) == len(results[1]) >= max(counts) == 3
+    for lengths, groups in zip(ranks, results):
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        loads = [sum(lengths[i] for i in g) for g in groups]
+        assert all(load <= budget for g, load in zip(groups, loads) if len(g) > 1)
+        assert loads == sorted(loads, reverse=True)
+
+
+def test_fewest_groups_hold_a_long_tail_batch_in_fewer_packs_none_larger_than_the_largest():
+    """Eight fixed micro-batches of 4 rows, one row 16x the others: every pack agreed to the largest (64 + 3 * 4 = 76
+    tokens) is mostly padding (8 * 76 = 608 computed for 188 real); dealt again by tokens, the 32 rows fit 3 packs
+    (4: a multiple of 2) of at most 76 tokens, here 64 + 4 = 68 at most: 3 * 76 = 228 or 4 * 68 = 272 computed."""
+    from megarl.batching import fewest_groups
+
+    lengths = [64] + [4] * 31
+    fixed = [list(range(i, i + 4)) for i in range(0, 32, 4)]
+    for multiple, count in ((1, 3), (2, 4)):
+        groups = fewest_groups(lengths, fixed, lambda x: x, multiple)
+        loads = [sum(lengths[i] for i in g) for g in groups]
+        assert len(groups) == count and max(loads) <= 76 and sum(loads) == sum(lengths), (multiple, loads)
+
+
+def test_mini_batch_rows_dealt_over_ranks_by_tokens_hold_equal_shares():
+    from megarl.batching import mini_batch_rows
+
+    lengths = [100, 90, 1, 1, 1, 1, 1, 1]  # contiguous shares: 192 and 4 tokens
+    shares = [mini_batch_rows(8, 8, 2, r, lengths=lengths)[0].tolist() for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(8)) and len(shares[0]) == len(shares[1]) == 4
+    # 100 | 90, then the 1s onto the lighter share until it holds 4 rows (93), the rest onto the other (103)
+    assert sorted(sum(lengths[i] for i in s) for s in shares) == [93, 103]
+    contiguous = [mini_batch_rows(8, 8, 2, r)[0].tolist() for r in range(2)]
+    assert contiguous == [[0, 1, 2, 3], [4, 5, 6, 7]]

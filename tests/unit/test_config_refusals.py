@@ -204,15 +204,14 @@ def test_engine_placement_resolves_and_its_contradictions_are_refused():
     _accepted(["rollout.mode=ray", "rollout.data_parallel_size=3"])  # Ray actors: any number
 
 
-def test_token_budget_micro_batches_at_expert_parallelism():
+def test_token_budget_micro_batches_at_expert_parallelism_are_accepted():
+    """The expert-parallel ranks agree on the token-budget micro-batch count (megarl.batching.agreed_budget_groups)
+    and their packs' padding computes nothing (megarl.megatron.moe_padding): validate no longer refuses them."""
     moe = ["model.create_tiny.architecture=qwen3_moe", "model.create_tiny.num_experts=4",
            "model.create_tiny.num_experts_per_tok=2", "trainer.n_gpus_per_node=2",
            "parallelism.expert_model_parallel_size=2"]
-    issues = _refused(moe + ["actor.use_dynamic_bsz=true", "rollout.log_prob_use_dynamic_bsz=true"])
-    for key in ("actor.use_dynamic_bsz", "rollout.log_prob_use_dynamic_bsz"):
-        assert "allgather token dispatcher" in issues[key].rule and f"{key}=false" in issues[key].fix
+    _accepted(moe + ["actor.use_dynamic_bsz=true", "rollout.log_prob_use_dynamic_bsz=true"])
     _accepted(moe + ["actor.use_dynamic_bsz=false", "rollout.log_prob_use_dynamic_bsz=false"])
-    _accepted(moe[:3] + ["actor.use_dynamic_bsz=true"])  # one expert-parallel rank: any packing
 
 
 def test_warmup_that_does_not_end_before_the_last_step():

@@ -148,3 +148,17 @@ def test_blockwise_attention_equals_causal_attention_and_its_gradients(cp):
         # worst case, so far above the errors seen (about 1e-6), yet far below what a wrong key or a lost gradient
         # path costs (order 1: one masked key too many, or the merge's log-sum-exp detached, fails by 1e3 bounds)
         assert float(bound.max()) < 1e-2 * float(want.abs().max()), (name, float(bound.max()))
+
+
+def test_attend_leaves_the_end_padding_out():
+    """A pack's end padding (megarl.megatron.packing.attended) is no segment of the blockwise plan: its queries get 0,
+    no block reads its keys (the work counted is the rows' alone), and the rows' outputs are those without it."""
+    segments = (6, 2, 10)
+    pad = 8
+    t = sum(segments) + pad
+    q, k, v = (torch.randn(t, 2, 4) for _ in range(3))
+    counted, bare = [], []
+    out = cpa.attend(q, k, v, segments, _core(0.5, counted), pad)
+    alone = cpa.attend(q[:t - pad], k[:t - pad], v[:t - pad], segments, _core(0.5, bare))
+    assert out.shape == (t, 2, 4) and not out[t - pad:].any()
+    assert torch.equal(out[:t - pad], alone) and sum(counted) == sum(bare)

@@ -125,3 +125,47 @@ def test_sdpa_on_a_pack_equals_each_row_alone_and_costs_sum_of_squares(monkeypat
         # same kernel, same row: at most a rounding unit of each softmax-weighted sum of <= n values of |v| <~ 4
         assert err <= n * 4 * torch.finfo(torch.float32).eps, (n, err)
         start += n
+
+
+def test_end_padding_is_left_out_of_attention_with_zero_outputs(monkeypatch):
+    """A pack of agreed size (expert-parallel ranks, the interleaved schedule) carries long end padding: attention
+    computes the rows' segments only (score entries: sum of squared row lengths, nothing for the padding's 30^2),
+    the padding's outputs are 0 and every real output is the unpadded pack's, bitwise (the same calls on the same
+    rows)."""
+    attn = _attention()
+    g = torch.Generator().manual_seed(1)
+    lengths = [7, 1, 13, 7]
+    real, pad = sum(lengths), 30
+    tokens = torch.ones(len(lengths), max(lengths), dtype=torch.long)
+    padded = packing.pack_rows(tokens, torch.tensor(lengths), size=real + pad)
+    bare = packing.pack_rows(tokens, torch.tensor(lengths))
+    assert (padded.pad, bare.pad, padded.segments[-1]) == (pad, 0, pad)
+    q = torch.randn(real + pad, 4, 8, generator=g)
+    k, v = (torch.randn(real + pad, 2, 8, generator=g) for _ in range(2))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q_, k_, v_, **kw):
+        calls.append(tuple(q_.shape))
+        return sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    out = attn(q, k, v, None, packed_seq_params=packing.seq_params(padded))
+    assert sum(b * h * s * s for b, h, s, _ in calls) == 4 * sum(n * n for n in lengths)
+    assert out.shape == (real + pad, 32) and not out[real:].any()
+    alone = attn(q[:real], k[:real], v[:real], None, packed_seq_params=packing.seq_params(bare))
+    assert torch.equal(out[:real], alone)
+    mask = packing.padding_mask(padded)
+    assert mask.shape == (1, real + pad) and mask[0].tolist() == [False] * real + [True] * pad
+    assert packing.padding_mask(bare) is None
+
+
+def test_context_parallel_pack_end_padding_is_the_last_pad_over_cp_tokens_of_each_rank():
+    from megarl.megatron.context_parallel import chunk_positions
+
+    tokens = torch.ones(2, 9, dtype=torch.long)
+    for r in range(2):
+        pack = packing.pack_rows(tokens, torch.tensor([9, 3]), multiple=4, size=32, cp=2, cp_rank=r)
+        assert pack.segments == (12, 4, 16) and pack.pad == 16  # rows padded to 2*CP, then the end padding
+        local = chunk_positions(pack.segments, 2, r)
+        assert (local >= 16).tolist() == packing.padding_mask(pack)[0].tolist()  # the padding: the share's last 8
