@@ -150,9 +150,8 @@ def test_moe_dapo_script_side_by_side_with_verl():
         "data.train_batch_size": (512, cfg.data.train_batch_size),
         "actor.ppo_mini_batch_size": (128, cfg.actor.ppo_mini_batch_size),
         "actor.ppo_micro_batch_size_per_gpu": (2, cfg.actor.ppo_micro_batch_size_per_gpu),
-        # verl's token-budget micro-batches at EP8: refused (megatron's allgather dispatcher needs equal token
-        # counts on the EP ranks), reported below and left at megarl's fixed micro-batches
-        "actor.use_dynamic_bsz": (False, cfg.actor.use_dynamic_bsz),
+        # verl's token-budget micro-batches at EP8: kept (their count is agreed over the expert-parallel group)
+        "actor.use_dynamic_bsz": (True, cfg.actor.use_dynamic_bsz),
         "actor.ppo_max_token_len_per_gpu": (2048 + 8192, cfg.actor.ppo_max_token_len_per_gpu),
         "rollout.n": (16, cfg.rollout.n),
         "data.max_prompt_length": (2048, cfg.rollout.prompt_length),
@@ -177,7 +176,7 @@ def test_moe_dapo_script_side_by_side_with_verl():
         "trainer.n_gpus_per_node": (8, cfg.trainer.n_gpus_per_node), "trainer.nnodes": (1, cfg.trainer.nnodes),
         "data.truncation": ("left", cfg.data.truncation),
         # verl's log-prob forwards: log_prob_use_dynamic_bsz follows actor.use_dynamic_bsz (${oc.select:...})
-        "rollout.log_prob_use_dynamic_bsz": (False, cfg.rollout.log_prob_use_dynamic_bsz),
+        "rollout.log_prob_use_dynamic_bsz": (True, cfg.rollout.log_prob_use_dynamic_bsz),
         "rollout.log_prob_max_token_len_per_gpu": (2048 + 8192, cfg.rollout.log_prob_max_token_len_per_gpu),
         "actor.megatron.param_offload": (True, cfg.actor.offload.params),
         "actor.megatron.grad_offload": (True, cfg.actor.offload.grads),
@@ -190,8 +189,7 @@ def test_moe_dapo_script_side_by_side_with_verl():
         *(f"actor_rollout_ref.actor.optim.override_optimizer_config.{k}" for k in (
             "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
             "optimizer_cpu_offload")),
-        "actor_rollout_ref.model.override_config.model_config.max_position_embeddings",
-        "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz"}
+        "actor_rollout_ref.model.override_config.model_config.max_position_embeddings"}
 
 
 def test_an_unset_variable_is_refused_by_name_and_fails_strict(tmp_path, capsys):
