@@ -97,6 +97,19 @@ def _attention(causal=True):
     return attn
 
 
+def _count_sdpa(monkeypatch) -> list:
+    """The query shapes [b, heads, s, hn] of every SDPA call from now on (the calls still compute)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(q_, k_, v_, **kw):
+        calls.append(tuple(q_.shape))
+        return sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    return calls
+
+
 def test_sdpa_on_a_pack_equals_each_row_alone_and_costs_sum_of_squares(monkeypatch):
     attn = _attention()
     g = torch.Generator().manual_seed(0)
@@ -105,14 +118,7 @@ def test_sdpa_on_a_pack_equals_each_row_alone_and_costs_sum_of_squares(monkeypat
     q = torch.randn(t, 4, 8, generator=g)  # 4 query heads
     k, v = (torch.randn(t, 2, 8, generator=g) for _ in range(2))  # 2 KV groups (GQA)
     pack = packing.pack_rows(torch.ones(len(lengths), max(lengths), dtype=torch.long), torch.tensor(lengths))
-    calls = []
-    real = torch.nn.functional.scaled_dot_product_attention
-
-    def counting(q_, k_, v_, **kw):
-        calls.append(tuple(q_.shape))
-        return real(q_, k_, v_, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    calls = _count_sdpa(monkeypatch)
     out = attn(q, k, v, None, packed_seq_params=packing.seq_params(pack))
     assert out.shape == (t, 4 * 8)
     # score entries computed: sum of squared row lengths, never the pack's length squared
@@ -142,14 +148,7 @@ def test_end_padding_is_left_out_of_attention_with_zero_outputs(monkeypatch):
     assert (padded.pad, bare.pad, padded.segments[-1]) == (pad, 0, pad)
     q = torch.randn(real + pad, 4, 8, generator=g)
     k, v = (torch.randn(real + pad, 2, 8, generator=g) for _ in range(2))
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting(q_, k_, v_, **kw):
-        calls.append(tuple(q_.shape))
-        return sdpa(q_, k_, v_, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    calls = _count_sdpa(monkeypatch)
     out = attn(q, k, v, None, packed_seq_params=packing.seq_params(padded))
     assert sum(b * h * s * s for b, h, s, _ in calls) == 4 * sum(n * n for n in lengths)
     assert out.shape == (real + pad, 32) and not out[real:].any()
