@@ -19,7 +19,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "tokenizer.model")
+                   "vocab.json", "merges.txt", "tokenizer.model",
+                   # a vision-language model's processor (AutoProcessor reads them beside the tokenizer)
+                   "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 _COPIED = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 
 

@@ -58,6 +58,10 @@ def verify_merge(report: MergeReport, tol: Optional[float] = None, n: int = 2, s
 
     critic = report.model == "critic"
     spec = load_spec(report.out)
+    if spec.vision is not None:  # megatron's text path has no M-RoPE positions for images: it would compare nothing
+        raise MergeError(f"verify: {report.out} is a vision-language model, whose logprobs need images and M-RoPE "
+                         f"positions: the merge is written; compare it with transformers by `megarl verify --hf "
+                         f"{report.out} --tp 1` (synthetic images through the checkpoint's image processor)")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, spec.vocab_size, (n, seq), generator=g)
     ref = run_ranks("megarl.checkpoint.merge_verify:megatron_outputs_rank", 1,
