@@ -60,6 +60,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "achieved TFLOP/s per phase as JSON")
     ap.add_argument("--calibration", metavar="FILE", help="--search: rank by the forward and update TFLOP/s "
                     "measured by --measure --calibration-out instead of the assumed MFU")
+    ap.add_argument("--response-lengths", metavar="RUN_DIR", help="count micro-batches from a run's measured "
+                    "responses (RUN_DIR or its metrics.jsonl: the largest train/response_length_mean and "
+                    "train/response_length_max), rows packed, instead of every row at full length")
+    ap.add_argument("--mean-response-tokens", type=float, help="with --max-response-tokens: the measured mean "
+                    "response, in tokens (instead of --response-lengths)")
+    ap.add_argument("--max-response-tokens", type=int, help="with --mean-response-tokens: the longest response")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="link bandwidth for the weight-sync "
                     "bound, GB/s (default 50: one 400 Gb/s NIC)")
 
@@ -95,15 +101,40 @@ def run(args: argparse.Namespace) -> int:
         if probe.engine_placement == "colocated":  # the trainer takes the whole cluster; else engines add GPUs
             overrides += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
         cfg = load_config(args.recipe, overrides)
+        lengths = response_lengths(args, cfg.rollout.response_length)
         if getattr(args, "search", False):
+            if lengths is not None:
+                print("megarl plan: --response-lengths and --mean/--max-response-tokens size the plan of the "
+                      "recipe's own layout; --search counts every row at full length", file=sys.stderr)
+                return 2
             return run_search(args, cfg, overrides)
-        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem)
+        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem,
+                             lengths=lengths)
     except (ConfigError, PlanError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 1
     print(f"# {args.recipe}")
     print(report.text)
     return 0 if report.fits else 1
+
+
+def response_lengths(args: argparse.Namespace, response_length: int):
+    """The measured Lengths the options give (None: none given, the worst case); PlanError for a half or a double
+    answer."""
+    from megarl.plan.memory import Lengths, check_lengths, read_lengths
+
+    path = getattr(args, "response_lengths", None)
+    mean, longest = getattr(args, "mean_response_tokens", None), getattr(args, "max_response_tokens", None)
+    if path and (mean is not None or longest is not None):
+        raise PlanError("--response-lengths reads the lengths from a run; --mean/--max-response-tokens give them: "
+                        "use one or the other")
+    if (mean is None) != (longest is None):
+        raise PlanError("--mean-response-tokens and --max-response-tokens go together (the mean sizes the packed "
+                        "rows, the longest the micro-batch that holds it)")
+    lengths = read_lengths(path) if path else Lengths(mean, longest, "given") if mean is not None else None
+    if lengths is not None:
+        check_lengths(lengths, response_length)
+    return lengths
 
 
 def run_measure(args: argparse.Namespace, overrides: list) -> int:

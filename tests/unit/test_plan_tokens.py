@@ -1,0 +1,77 @@
+"""The planner in tokens: micro-batches counted from measured response lengths (rows packed) beside the worst case
+(every row at full length); hand-derived token counts."""
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.plan.counts import counted_weights
+from megarl.plan.memory import Lengths, micro_tokens, rank_tokens, read_lengths
+from megarl.plan.model import Cluster, PlanError, read_model_config
+from megarl.plan.planner import plan_steps
+from megarl.validate import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_fixed_micro_batch_holds_the_longest_row_and_mean_rows():
+    # 8 rows, longest 1000 tokens, mean 400; 4 rows per micro-batch: the micro-batch holding the longest row has it
+    # plus 3 rows of the mean: 1000 + 3 * 400; worst case 4 x 1000
+    assert micro_tokens(8, 1000, 4, False, 0, 400) == (2200, 2)
+    assert micro_tokens(8, 1000, 4, False, 0) == (4000, 2)
+    # one row per micro-batch: the longest row alone, whatever the mean
+    assert micro_tokens(8, 1000, 1, False, 0, 400) == (1000, 8)
+    # a micro-batch above the rank's rows holds them all: 8 x 400 = 3200 tokens, not 1000 + 7 x 400
+    assert micro_tokens(8, 1000, 16, False, 0, 400) == (3200, 1)
+
+
+def test_token_budget_packs_the_measured_rows():
+    # 8 rows of mean 400 = 3200 tokens; a budget of 3000 gives two micro-batches of at most 3000
+    assert micro_tokens(8, 1000, 1, True, 3000, 400) == (3000, 2)
+    # a budget under the longest row still takes that row: 1000-token micro-batches, ceil(3200 / 1000) of them
+    assert micro_tokens(8, 1000, 1, True, 500, 400) == (1000, 4)
+    # a budget over the mini-batch: one micro-batch of it (the worst case would be 8000)
+    assert micro_tokens(8, 1000, 1, True, 10_000, 400) == (3200, 1)
+    assert micro_tokens(8, 1000, 1, True, 10_000) == (8000, 1)
+
+
+def test_cp_pads_each_packed_row():
+    # 2200 tokens in rows of mean 400: ceil(5.5) = 6 rows, each padded to a multiple of 2 x CP2 = 4 (at most 3 more),
+    # the pack split over 2 ranks: ceil((2200 + 6 * 3) / 2)
+    assert rank_tokens(2200, 400, 2) == 1109
+    assert rank_tokens(2200, 400, 1) == 2200
+
+
+def _steps(lengths=None):
+    recipe = ROOT / "recipes" / "ppo_llama3_70b.yaml"
+    config = ROOT / "recipes" / "models" / "llama3_70b" / "config.json"
+    cfg = load_config(recipe, [f"model.config_path={config}", "trainer.nnodes=16", "trainer.n_gpus_per_node=8"])
+    return plan_steps(cfg, Cluster(16, 8, 80, 50.0), read_model_config(cfg), weights_fn=counted_weights,
+                      lengths=lengths)
+
+
+def test_measured_lengths_shrink_the_activations_by_the_token_ratio():
+    # ppo_llama3_70b: one row per micro-batch, prompt 1024 + response 2048 = 3072 tokens in the worst case; measured
+    # responses of mean 500, longest 1500: the micro-batch is the longest row, 1024 + 1500 = 2524 tokens
+    worst, measured = _steps(), _steps(Lengths(500, 1500))
+    assert worst.roles.actor_tokens == 3072 and measured.roles.actor_tokens == 2524
+    # stored activations (and the logits on the last stage) are linear in the micro-batch's tokens
+    for w, m in zip(worst.roles.models[0].activations, measured.roles.models[0].activations):
+        assert m == pytest.approx(w * 2524 / 3072, rel=1e-6)
+    assert measured.peak.phases["update"] < worst.peak.phases["update"]  # the generate phase is the engine's
+    assert "worst case: every row at full length (1024 prompt + 2048 response" in worst.roles.token_basis
+    assert "measured" in measured.roles.token_basis and "mean 500, longest 1500" in measured.roles.token_basis
+
+
+def test_lengths_are_read_from_a_runs_metrics(tmp_path):
+    rows = [{"step": 1, "train/response_length_mean": 300.5, "train/response_length_max": 900},
+            {"step": 2, "actor/kl": 0.0},
+            {"step": 3, "train/response_length_mean": 420.0, "train/response_length_max": 800}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = read_lengths(str(tmp_path))
+    assert (got.mean_response, got.max_response) == (420.0, 900)  # the largest mean, the longest of any step
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(PlanError, match="train/response_length_mean"):
+        read_lengths(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(PlanError, match="no such file"):
+        read_lengths(str(tmp_path / "absent"))
