@@ -525,8 +525,8 @@ def memory_per_role(cfg, pl: Placement, weights: Weights, lengths: Optional[Leng
                       spec, pl.tp, p.sequence_parallel, pl.pbytes, pl.layout.expert_tensor, imbalance))
               if spec.is_moe and cfg.model.recompute != "full" else 0 for s in range(pl.pp)]
     logits = forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp, b.mean_len or None)
-    return Roles(models, lora, logits, mine, mbs, tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0], dispatch[1], backward,
-                 steps, kind, routed, kept, token_basis(cfg, lengths))
+    return Roles(models, lora, logits, mine, mbs, tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0],
+                 dispatch[1], backward, steps, kind, routed, kept, token_basis(cfg, lengths))
 
 
 def moe_dispatch(spec: ArchSpec, pl: Placement, sp: bool, tokens: int) -> int:
