@@ -16,7 +16,8 @@ from megarl.plan.planner import (DEFAULT_GPU_MEM_GIB, DEFAULT_HOST_MEM_GIB, DEFA
                                  plan_recipe, plan_steps)
 from megarl.plan.timing import DEFAULT_GPU, GPUS
 
-__all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "plan_steps", "run"]
+__all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "plan_steps",
+           "response_lengths", "run"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -75,3 +75,23 @@ def test_lengths_are_read_from_a_runs_metrics(tmp_path):
         read_lengths(str(tmp_path / "empty.jsonl"))
     with pytest.raises(PlanError, match="no such file"):
         read_lengths(str(tmp_path / "absent"))
+
+
+def test_the_options_give_lengths_or_name_what_is_wrong():
+    from argparse import Namespace
+
+    from megarl.plan import response_lengths
+
+    def args(path=None, mean=None, longest=None):
+        return Namespace(response_lengths=path, mean_response_tokens=mean, max_response_tokens=longest)
+
+    assert response_lengths(args(), 2048) is None
+    assert response_lengths(args(mean=500, longest=1500), 2048) == Lengths(500, 1500, "given")
+    with pytest.raises(PlanError, match="go together"):
+        response_lengths(args(mean=500), 2048)
+    with pytest.raises(PlanError, match="one or the other"):
+        response_lengths(args("run", 500, 1500), 2048)
+    with pytest.raises(PlanError, match="mean <= longest"):
+        response_lengths(args(mean=1600, longest=1500), 2048)
+    with pytest.raises(PlanError, match="rollout.response_length=2048"):
+        response_lengths(args(mean=500, longest=4096), 2048)
