@@ -57,6 +57,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "rounded to the pipeline size)")
     ap.add_argument("--steps", type=int, default=2, help="--measure: steps to run (default 2; the peaks are the "
                     "largest over the steps, the seconds the last step's)")
+    ap.add_argument("--long-tail", type=float, default=0.0, metavar="TAIL", help="--measure: responses of "
+                    "lognormal lengths, the longest rollout.response_length and TAIL x the median (e.g. 16), and the "
+                    "plan given that batch's mean and longest (default: every response at full length)")
     ap.add_argument("--calibration-out", metavar="FILE", help="--measure: write the measured peaks, seconds and "
                     "achieved TFLOP/s per phase as JSON")
     ap.add_argument("--calibration", metavar="FILE", help="--search: rank by the forward and update TFLOP/s "
@@ -145,7 +148,12 @@ def run_measure(args: argparse.Namespace, overrides: list) -> int:
         print(f"megarl plan --measure: --layers {args.layers} --steps {args.steps}: both must be at least 1",
               file=sys.stderr)
         return 2
-    return measure(args.recipe, overrides, args.layers, args.steps, args.calibration_out, timeout_s=1800)
+    tail = getattr(args, "long_tail", 0.0) or 0.0
+    if tail and tail < 1:
+        print(f"megarl plan --measure: --long-tail {tail:g}: the longest response is TAIL x the median, so TAIL is "
+              "at least 1 (16 for a long tail)", file=sys.stderr)
+        return 2
+    return measure(args.recipe, overrides, args.layers, args.steps, args.calibration_out, timeout_s=1800, tail=tail)
 
 
 def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:

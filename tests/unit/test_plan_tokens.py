@@ -95,3 +95,31 @@ def test_the_options_give_lengths_or_name_what_is_wrong():
         response_lengths(args(mean=1600, longest=1500), 2048)
     with pytest.raises(PlanError, match="rollout.response_length=2048"):
         response_lengths(args(mean=500, longest=4096), 2048)
+
+
+def test_long_tail_lengths_have_the_longest_and_the_median_asked():
+    from megarl.plan.measure import long_tail_lengths
+
+    lengths = long_tail_lengths(9, 96, 16, seed=3)
+    assert len(lengths) == 9 and max(lengths) == 96
+    assert sorted(lengths)[4] == 6  # the median row: 96 / 16 exactly
+    assert min(lengths) >= 1
+    assert long_tail_lengths(1, 96, 16, seed=3) == [96]
+
+
+def test_a_long_tail_synthetic_batch_masks_each_rows_own_response():
+    from types import SimpleNamespace
+
+    from megarl.batching import sequence_lengths
+    from megarl.plan.measure import synthetic_batch
+
+    r = SimpleNamespace(n=2, prompt_length=4, response_length=8)
+    cfg = SimpleNamespace(rollout=r, data=SimpleNamespace(train_batch_size=2), routes_from_engine=False)
+    batch = synthetic_batch(cfg, SimpleNamespace(vocab_size=50, is_moe=False), 0, [8, 1, 3, 5])
+    assert batch["input_ids"].shape == (4, 12)
+    assert batch["response_mask"].sum(dim=1).tolist() == [8, 1, 3, 5]
+    assert sequence_lengths(batch).tolist() == [12, 5, 7, 9]  # prompt + response
+    # a row's reward sits on its last response token's logprob position, p - 1 + length - 1
+    for row, n in enumerate([8, 1, 3, 5]):
+        assert batch["token_level_scores"][row].nonzero().flatten().tolist() in ([], [4 - 2 + n])
+        assert (batch["input_ids"][row, 4 + n:] == 0).all()
