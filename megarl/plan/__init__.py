@@ -79,17 +79,24 @@ def run(args: argparse.Namespace) -> int:
     from megarl.validate import load_config
 
     overrides = list(args.overrides)
-    misplaced = [flag for flag, given, needs in (
+    misplaced = [(flag, needs) for flag, given, needs in (
         ("--calibration-out", getattr(args, "calibration_out", None), "measure"),
+        ("--long-tail", getattr(args, "long_tail", None), "measure"),
         ("--calibration", getattr(args, "calibration", None), "search")) if given and not getattr(args, needs, False)]
     if misplaced:
-        print(f"megarl plan: {misplaced[0]} is an option of --{'measure' if misplaced[0].endswith('out') else 'search'}"
-              "; add that flag or leave it out", file=sys.stderr)
+        print(f"megarl plan: {misplaced[0][0]} is an option of --{misplaced[0][1]}; add that flag or leave it out",
+              file=sys.stderr)
         return 2
     if getattr(args, "measure", False):
         if args.search:
             print("megarl plan: --measure and --search are two commands: measure the recipe's own layout first "
                   "(--calibration-out FILE), then search with --calibration FILE", file=sys.stderr)
+            return 2
+        if any(getattr(args, k, None) is not None for k in ("response_lengths", "mean_response_tokens",
+                                                            "max_response_tokens")):
+            print("megarl plan: --measure plans its own batch's lengths (full length, or --long-tail TAIL); "
+                  "--response-lengths and --mean/--max-response-tokens are for the plan of a cluster",
+                  file=sys.stderr)
             return 2
         return run_measure(args, overrides)
     gpu = GPUS[args.gpu] if getattr(args, "gpu", None) else DEFAULT_GPU
