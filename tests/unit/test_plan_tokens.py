@@ -123,3 +123,19 @@ def test_a_long_tail_synthetic_batch_masks_each_rows_own_response():
     for row, n in enumerate([8, 1, 3, 5]):
         assert batch["token_level_scores"][row].nonzero().flatten().tolist() in ([], [4 - 2 + n])
         assert (batch["input_ids"][row, 4 + n:] == 0).all()
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_a_token_budget_over_the_measured_mini_batch_takes_it_whole_and_cp_pads_each_row(cp):
+    # grpo_tiny_cpu: 32 prompts x 8 samples = 256 rows on one DP rank, prompts of 16 tokens, a 16384-token budget per
+    # GPU. Measured responses of mean 5, longest 6: the mini-batch is 256 x (16 + 5) = 5376 tokens, under the budget,
+    # so one micro-batch of 5376 (the worst case: 256 x (16 + 8) = 6144). At CP2 each 21-token row is padded to 24 (a
+    # multiple of 2 x CP) and split over the 2 ranks: 256 x 24 / 2 = 3072 tokens on a rank.
+    extra = [] if cp == 1 else ["trainer.n_gpus_per_node=2", "parallelism.context_parallel_size=2"]
+    cfg = load_config(ROOT / "recipes" / "grpo_tiny_cpu.yaml", extra)
+    cluster = Cluster(1, cp, 80, 50.0)
+    measured = plan_steps(cfg, cluster, read_model_config(cfg), lengths=Lengths(5, 6))
+    worst = plan_steps(cfg, cluster, read_model_config(cfg))
+    assert (measured.roles.actor_micro_tokens, measured.roles.actor_micro_batches) == (5376, 1)
+    assert worst.roles.actor_micro_tokens == 6144
+    assert measured.roles.actor_tokens == (5376 if cp == 1 else 3072)
