@@ -8,7 +8,8 @@ planner's for that same cut model and layout (megarl.plan.planner.plan_steps), s
 
 The steps: every rank builds the actor (and reference, critic) as the trainer does, then per step, as the trainer
 orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at full length (prompt + response tokens,
-the planner's assumption):
+the planner's worst case) or, with --long-tail TAIL, of long-tail responses (long_tail_lengths; the plan compared is
+given their mean and longest, megarl.plan.memory.Lengths):
   generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
   old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values; on
                      CPU one layer's forward transients are planned too (terms.cpu_forward_working_set_bytes)
