@@ -16,7 +16,8 @@ from megarl.plan.planner import (DEFAULT_GPU_MEM_GIB, DEFAULT_HOST_MEM_GIB, DEFA
                                  plan_recipe, plan_steps)
 from megarl.plan.timing import DEFAULT_GPU, GPUS
 
-__all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "plan_steps", "run"]
+__all__ = ["PlanError", "PlanReport", "add_arguments", "in_flight_layers", "main", "plan_recipe", "plan_steps",
+           "response_lengths", "run"]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -56,10 +57,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "rounded to the pipeline size)")
     ap.add_argument("--steps", type=int, default=2, help="--measure: steps to run (default 2; the peaks are the "
                     "largest over the steps, the seconds the last step's)")
+    ap.add_argument("--long-tail", type=float, default=0.0, metavar="TAIL", help="--measure: responses of "
+                    "lognormal lengths, the longest rollout.response_length and TAIL x the median (e.g. 16), and the "
+                    "plan given that batch's mean and longest (default: every response at full length)")
     ap.add_argument("--calibration-out", metavar="FILE", help="--measure: write the measured peaks, seconds and "
                     "achieved TFLOP/s per phase as JSON")
     ap.add_argument("--calibration", metavar="FILE", help="--search: rank by the forward and update TFLOP/s "
                     "measured by --measure --calibration-out instead of the assumed MFU")
+    ap.add_argument("--response-lengths", metavar="RUN_DIR", help="count micro-batches from a run's measured "
+                    "responses (RUN_DIR or its metrics.jsonl: the largest train/response_length_mean and "
+                    "train/response_length_max), rows packed, instead of every row at full length")
+    ap.add_argument("--mean-response-tokens", type=float, help="with --max-response-tokens: the measured mean "
+                    "response, in tokens (instead of --response-lengths)")
+    ap.add_argument("--max-response-tokens", type=int, help="with --mean-response-tokens: the longest response")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="link bandwidth for the weight-sync "
                     "bound, GB/s (default 50: one 400 Gb/s NIC)")
 
@@ -69,17 +79,24 @@ def run(args: argparse.Namespace) -> int:
     from megarl.validate import load_config
 
     overrides = list(args.overrides)
-    misplaced = [flag for flag, given, needs in (
+    misplaced = [(flag, needs) for flag, given, needs in (
         ("--calibration-out", getattr(args, "calibration_out", None), "measure"),
+        ("--long-tail", getattr(args, "long_tail", None), "measure"),
         ("--calibration", getattr(args, "calibration", None), "search")) if given and not getattr(args, needs, False)]
     if misplaced:
-        print(f"megarl plan: {misplaced[0]} is an option of --{'measure' if misplaced[0].endswith('out') else 'search'}"
-              "; add that flag or leave it out", file=sys.stderr)
+        print(f"megarl plan: {misplaced[0][0]} is an option of --{misplaced[0][1]}; add that flag or leave it out",
+              file=sys.stderr)
         return 2
     if getattr(args, "measure", False):
         if args.search:
             print("megarl plan: --measure and --search are two commands: measure the recipe's own layout first "
                   "(--calibration-out FILE), then search with --calibration FILE", file=sys.stderr)
+            return 2
+        if any(getattr(args, k, None) is not None for k in ("response_lengths", "mean_response_tokens",
+                                                            "max_response_tokens")):
+            print("megarl plan: --measure plans its own batch's lengths (full length, or --long-tail TAIL); "
+                  "--response-lengths and --mean/--max-response-tokens are for the plan of a cluster",
+                  file=sys.stderr)
             return 2
         return run_measure(args, overrides)
     gpu = GPUS[args.gpu] if getattr(args, "gpu", None) else DEFAULT_GPU
@@ -95,15 +112,40 @@ def run(args: argparse.Namespace) -> int:
         if probe.engine_placement == "colocated":  # the trainer takes the whole cluster; else engines add GPUs
             overrides += [f"trainer.nnodes={args.nodes}", f"trainer.n_gpus_per_node={args.gpus_per_node}"]
         cfg = load_config(args.recipe, overrides)
+        lengths = response_lengths(args, cfg.rollout.response_length)
         if getattr(args, "search", False):
+            if lengths is not None:
+                print("megarl plan: --response-lengths and --mean/--max-response-tokens size the plan of the "
+                      "recipe's own layout; --search counts every row at full length", file=sys.stderr)
+                return 2
             return run_search(args, cfg, overrides)
-        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem)
+        report = plan_recipe(cfg, args.nodes, args.gpus_per_node, args.gpu_mem, args.link_gbps, args.host_mem,
+                             lengths=lengths)
     except (ConfigError, PlanError) as exc:
         print(f"megarl plan: {exc}", file=sys.stderr)
         return 1
     print(f"# {args.recipe}")
     print(report.text)
     return 0 if report.fits else 1
+
+
+def response_lengths(args: argparse.Namespace, response_length: int):
+    """The measured Lengths the options give (None: none given, the worst case); PlanError for a half or a double
+    answer."""
+    from megarl.plan.memory import Lengths, check_lengths, read_lengths
+
+    path = getattr(args, "response_lengths", None)
+    mean, longest = getattr(args, "mean_response_tokens", None), getattr(args, "max_response_tokens", None)
+    if path and (mean is not None or longest is not None):
+        raise PlanError("--response-lengths reads the lengths from a run; --mean/--max-response-tokens give them: "
+                        "use one or the other")
+    if (mean is None) != (longest is None):
+        raise PlanError("--mean-response-tokens and --max-response-tokens go together (the mean sizes the packed "
+                        "rows, the longest the micro-batch that holds it)")
+    lengths = read_lengths(path) if path else Lengths(mean, longest, "given") if mean is not None else None
+    if lengths is not None:
+        check_lengths(lengths, response_length)
+    return lengths
 
 
 def run_measure(args: argparse.Namespace, overrides: list) -> int:
@@ -113,7 +155,12 @@ def run_measure(args: argparse.Namespace, overrides: list) -> int:
         print(f"megarl plan --measure: --layers {args.layers} --steps {args.steps}: both must be at least 1",
               file=sys.stderr)
         return 2
-    return measure(args.recipe, overrides, args.layers, args.steps, args.calibration_out, timeout_s=1800)
+    tail = getattr(args, "long_tail", 0.0) or 0.0
+    if tail and tail < 1:
+        print(f"megarl plan --measure: --long-tail {tail:g}: the longest response is TAIL x the median, so TAIL is "
+              "at least 1 (16 for a long tail)", file=sys.stderr)
+        return 2
+    return measure(args.recipe, overrides, args.layers, args.steps, args.calibration_out, timeout_s=1800, tail=tail)
 
 
 def run_search(args: argparse.Namespace, cfg, overrides: list) -> int:

@@ -8,7 +8,8 @@ planner's for that same cut model and layout (megarl.plan.planner.plan_steps), s
 
 The steps: every rank builds the actor (and reference, critic) as the trainer does, then per step, as the trainer
 orders them, on a synthetic batch of data.train_batch_size * rollout.n rows at full length (prompt + response tokens,
-the planner's assumption):
+the planner's worst case) or, with --long-tail TAIL, of long-tail responses (long_tail_lengths; the plan compared is
+given their mean and longest, megarl.plan.memory.Lengths):
   generate           nothing runs in the trainer: its resident states (after offload, where the recipe offloads)
   old/ref log-probs  the old-logprob pass (unless the update takes them), the reference's, the critic's values; on
                      CPU one layer's forward transients are planned too (terms.cpu_forward_working_set_bytes)
@@ -213,24 +214,53 @@ class PhaseMeter:
         self.seconds[name] = time.perf_counter() - t0  # the last step's: the first one warms up
 
 
-def synthetic_batch(cfg, spec, seed: int) -> dict:
+def long_tail_lengths(rows: int, longest: int, tail: float, seed: int) -> list[int]:
+    """[rows] response lengths, lognormal about their median with the longest exactly `longest` tokens and the median
+    longest / tail (each at least 1): the long-tail batch of --long-tail. The log-lengths are seeded standard normals
+    shifted to median 0 and scaled so the largest is log(tail); the row with the largest is set to `longest` exactly
+    (rounding would move it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, generator=g, dtype=torch.float64)
+    z = z - z.median()
+    top = float(z.max())
+    sigma = math.log(tail) / top if top > 0 else 0.0  # one row (or all equal): every row is the longest
+    lengths = (longest / tail * torch.exp(sigma * z)).round().long().clamp(1, longest)
+    lengths[int(z.argmax())] = longest
+    return lengths.tolist()
+
+
+def batch_lengths(cfg, tail: float) -> Optional[list[int]]:
+    """The measured batch's response lengths: every row at rollout.response_length (tail 0) or the long-tail batch
+    (long_tail_lengths, seeded by trainer.seed: the same rows on every rank and step, and in the plan compared)."""
+    if not tail:
+        return None
+    r = cfg.rollout
+    return long_tail_lengths(cfg.data.train_batch_size * r.n, r.response_length, tail, cfg.trainer.seed)
+
+
+def synthetic_batch(cfg, spec, seed: int, lengths: Optional[list[int]] = None) -> dict:
     """A step's batch as megarl.batching.build_train_batch makes it: data.train_batch_size * rollout.n rows of
-    prompt + response tokens, every response at full length, rewards and (R3 / engine routes) the engine's routes
-    random; identical on every rank."""
+    prompt + response tokens, every response at full length (lengths None) or of the given lengths (right-padded:
+    the masks end at each row's last response token, which holds its reward), rewards and (R3 / engine routes) the
+    engine's routes random; identical on every rank."""
     import torch
 
     r = cfg.rollout
     n, p, s = cfg.data.train_batch_size * r.n, r.prompt_length, r.prompt_length + r.response_length
+    resp = torch.full((n,), r.response_length, dtype=torch.long) if lengths is None else torch.tensor(lengths)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, spec.vocab_size, (n, s), generator=g)
-    mask = torch.zeros(n, s - 1, dtype=torch.bool)
-    mask[:, p - 1:] = True
+    cols = torch.arange(s - 1).unsqueeze(0)  # logprob position t scores token t + 1
+    mask = (cols >= p - 1) & (cols < (p - 1 + resp).unsqueeze(1))
+    ids[torch.cat([torch.zeros(n, 1, dtype=torch.bool), cols >= (p - 1 + resp).unsqueeze(1)], dim=1)] = 0  # padding
     scores = torch.zeros(n, s - 1)
-    scores[:, -1] = torch.randint(0, 2, (n,), generator=g).float()
+    scores[torch.arange(n), p - 2 + resp] = torch.randint(0, 2, (n,), generator=g).float()
     batch = {"input_ids": ids, "response_mask": mask,
              "rollout_log_probs": torch.where(mask, -torch.rand(n, s - 1, generator=g), 0.0),
              "token_level_scores": scores, "prompt_index": torch.arange(n) // r.n,
-             "response_lengths": torch.full((n,), r.response_length, dtype=torch.long)}
+             "response_lengths": resp}
     if cfg.routes_from_engine and spec.is_moe:
         # each token's top-k distinct experts, as the engine records them
         order = torch.rand(n, s, spec.num_layers, spec.num_experts, generator=g).argsort(dim=-1)
@@ -308,7 +338,7 @@ def _element_size(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def measure_rank(cfg_dict: dict, steps: int, work: str) -> dict:
+def measure_rank(cfg_dict: dict, steps: int, work: str, tail: float = 0.0) -> dict:
     """One rank of the measured run (launched by megarl.launch_local.run_ranks): {stage, peaks, seconds, tokens}."""
     import torch
     from megatron.core import parallel_state as ps
@@ -343,8 +373,9 @@ def measure_rank(cfg_dict: dict, steps: int, work: str) -> dict:
             with meter.paused():
                 sync = loop.weight_sync(actor, engine, cfg, rt)
             offload.offload()
+            lengths = batch_lengths(cfg, tail)
             for step in range(1, steps + 1):
-                batch = synthetic_batch(cfg, actor.spec, cfg.trainer.seed * 1000 + step)
+                batch = synthetic_batch(cfg, actor.spec, cfg.trainer.seed * 1000 + step, lengths)
                 with meter.phase("generate"):
                     pass  # the engine's turn: the trainer holds what it keeps resident
                 with meter.phase("old/ref log-probs"):
@@ -378,7 +409,9 @@ def measure_rank(cfg_dict: dict, steps: int, work: str) -> dict:
                                 d.mkdir(parents=True, exist_ok=True)
                                 barrier()
                                 save_trainable(worker.trainable, d)
-        tokens = cfg.data.train_batch_size * cfg.rollout.n * (cfg.rollout.prompt_length + cfg.rollout.response_length)
+        r = cfg.rollout
+        rows = cfg.data.train_batch_size * r.n
+        tokens = rows * r.prompt_length + (sum(lengths) if lengths else rows * r.response_length)
         return {"rank": rt.rank, "stage": ps.get_pipeline_model_parallel_rank(), "peaks": meter.peaks,
                 "synced_bytes": synced.get("weight_sync/bytes", 0.0),  # loaded into the engines, all ranks
                 "seconds": meter.seconds, "tokens": tokens, "device": str(compute_device()),
@@ -400,15 +433,16 @@ CPU_GLU = "unfused gated unit's stored activations (CPU)"
 CPU_LOCAL = "local layers' norms, rotary copies, expert probs (CPU)"
 
 
-def measured_plan(cfg, hf: dict):
+def measured_plan(cfg, hf: dict, lengths=None):
     """The planner's steps (megarl.plan.planner.plan_steps) for the measured run's own layout and cut model: what
-    planned_per_stage and calibration_record both read."""
+    planned_per_stage and calibration_record both read. lengths: the long-tail batch's (megarl.plan.memory.Lengths;
+    None: every row at full length)."""
     from megarl.plan.planner import plan_steps
 
-    return plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf)
+    return plan_steps(cfg, Cluster(cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, 1e6, 50.0), hf, lengths=lengths)
 
 
-def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[str, int]]]:
+def planned_per_stage(cfg, st, cpu: bool = False, lengths=None) -> dict[int, dict[str, dict[str, int]]]:
     """stage -> phase -> named line -> planned bytes on that stage's most loaded GPU (megarl.plan.phases.stage_phases
     for each stage of the recipe's layout on its own trainer.nnodes x n_gpus_per_node GPUs). cpu: the trainer runs on
     CPU, where the checkpoint writer's staging copies share the trainer's memory (terms.cpu_checkpoint_clone_bytes)."""
@@ -463,7 +497,9 @@ def planned_per_stage(cfg, st, cpu: bool = False) -> dict[int, dict[str, dict[st
                     1, pl.engine_tp // pl.tp)
             r = cfg.rollout
             if cfg.ref_enabled or cfg.critic_enabled or not _on_policy(cfg):  # a forward runs in the phase
-                tokens = forward_tokens(cfg, r.prompt_length + r.response_length, pl.dp, pl.cp)
+                longest = lengths.max_response if lengths else r.response_length
+                mean = r.prompt_length + lengths.mean_response if lengths else None
+                tokens = forward_tokens(cfg, r.prompt_length + longest, pl.dp, pl.cp, mean)
                 out[s]["old/ref log-probs"][CPU_FORWARD] = cpu_forward_working_set_bytes(spec, tokens, pl.tp,
                                                                                           pl.pbytes)
     return out
@@ -537,14 +573,16 @@ def _on_policy(cfg) -> bool:
 
 
 def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_json: Optional[str],
-                timeout_s: float) -> int:
-    """The command: cut model, launched ranks, the table. Exit 0 when it ran (the table is the result)."""
+                timeout_s: float, tail: float = 0.0) -> int:
+    """The command: cut model, launched ranks, the table. Exit 0 when it ran (the table is the result). tail: the
+    measured batch's responses are long_tail_lengths with that tail, and the plan is given their mean and longest."""
     import shutil
     import sys
     import tempfile
 
     from megarl.config import ConfigError
     from megarl.launch_local import RankFailure, run_ranks
+    from megarl.plan.memory import Lengths
     from megarl.plan.model import read_model_config
     from megarl.validate import load_config
 
@@ -562,14 +600,18 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
                                     f"with {key}=false (the plan of that model is `megarl plan`'s)")
             model_dir, keep, total = make_cut_model(cfg, layers, work / "model")
             cfg = load_config(recipe, overrides + measured_overrides(cfg, model_dir, keep, work))
-            st = measured_plan(cfg, read_model_config(cfg))
-            planned = planned_per_stage(cfg, st, cpu=not _trains_on_cuda(cfg))
+            resp = batch_lengths(cfg, tail)
+            lengths = None if resp is None else Lengths(sum(resp) / len(resp), max(resp), f"the long-tail batch, "
+                                                        f"{tail:g}x tail")
+            st = measured_plan(cfg, read_model_config(cfg), lengths)
+            planned = planned_per_stage(cfg, st, cpu=not _trains_on_cuda(cfg), lengths=lengths)
         except (ConfigError, PlanError) as exc:
             print(f"megarl plan --measure: {exc}", file=sys.stderr)
             return 1
         try:
             ranks = run_ranks(f"{__name__}:measure_rank", cfg.world_size,
-                              {"cfg_dict": cfg.model_dump(mode="json"), "steps": steps, "work": str(work)},
+                              {"cfg_dict": cfg.model_dump(mode="json"), "steps": steps, "work": str(work),
+                               "tail": tail},
                               timeout=timeout_s)
         except RankFailure as exc:
             print(f"megarl plan --measure: the measured run failed: {exc}", file=sys.stderr)
@@ -583,6 +625,8 @@ def run_measure(recipe: str, overrides: list[str], layers: int, steps: int, out_
                 f"{cfg.world_size} rank(s) on {device}, {steps} step(s) of {ranks[0]['tokens']:,} tokens; measured: "
                 f"{how}; planned: the phase's trainer lines (no engine, CUDA context or allocator reserve); "
                 f"weight sync: the trainer's delivery into in-process engine parameters, {_size(synced)} per sync")
+        if lengths is not None:
+            head += f"; responses: {st.roles.token_basis}"
         print(f"# {recipe}")
         print(render(rows, head, planned))
         if out_json:

@@ -18,11 +18,15 @@ The memory model (bytes per GPU; P = parameters this rank holds, from the sync p
                     1F1B (virtual pipeline stages) more, in chunks of layers/(PP*VPP) (see in_flight_layers). The
                     last stage adds the logits of the log-prob / entropy pass and their backward
                     (megarl.plan.terms.update_logits_bytes, on the padded vocabulary).
-                    Tokens are one rank's: a micro-batch's (every row at full length) split over CP ranks, each row
+                    Tokens are one rank's: a micro-batch's split over CP ranks, each row
                     padded to a multiple of 2 * CP (megarl.plan.terms.cp_rank_tokens); a token budget
                     (*_max_token_len_per_gpu) is per GPU, so a micro-batch holds CP times it. Context-parallel
                     attention adds a one-layer transient (megarl.plan.terms.cp_attention_bytes), a line of its own;
                     without TE and without recompute each layer also stores the K/V gathered over CP (cp_saved_kv).
+                    A micro-batch's tokens (Lengths): by default the worst case, every row at full length (prompt +
+                    response); given the measured responses (mean N, longest M: `megarl plan --response-lengths`),
+                    rows are packed, so m rows of a fixed micro-batch hold (m - 1) x (prompt + N) + (prompt + M)
+                    tokens (the micro-batch holding the longest row) and a token budget holds at least the longest row.
 * LoRA actor: the frozen base's parameters, plus the adapters with their gradients and optimizer states.
 * Reference: parameters only; the old/ref log-prob forwards add the logits of one forward micro-batch on the last stage
   (megarl.plan.terms.forward_logits_bytes), unless no policy forward runs there (an on-policy step without reference).
@@ -100,41 +104,123 @@ class Roles:
     optimizer: str = ""  # which optimizer runs (megarl.plan.terms.OPTIMIZER_*)
     moe_routed: list = field(default_factory=list)  # per stage: the routed experts' part of the actor's activations
     moe_gather_buffer: int = 0  # megatron's global buffer the dispatcher gathers into: kept from the first forward
+    token_basis: str = ""  # what the micro-batches' tokens were counted from (token_basis)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Measured response lengths the plan sizes micro-batches by (None in their place: the worst case, every row at
+    prompt_length + response_length tokens). mean_response: the mean response of a batch, in tokens; max_response:
+    the longest; source: where they came from, for the plan's text."""
+
+    mean_response: float
+    max_response: int
+    source: str = ""
 
 
 @dataclass(frozen=True)
 class Batches:
-    """An actor mini-batch's sequences on one data-parallel rank."""
+    """An actor mini-batch's sequences on one data-parallel rank: seq_len, the longest row; mean_len, the mean row
+    (0: every row at seq_len)."""
 
     seq_len: int
     per_rank_seqs: int
+    mean_len: float = 0
+
+    @property
+    def row_len(self) -> float:
+        return self.mean_len or self.seq_len
 
     def micro(self, micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
         """(tokens per micro-batch, micro-batches per mini-batch): fixed-size, or packed to a token budget; never more
         tokens than the rank's mini-batch holds (a budget or micro-batch size above it gives one micro-batch of it)."""
-        return micro_tokens(self.per_rank_seqs, self.seq_len, micro, dynamic, max_tokens)
+        return micro_tokens(self.per_rank_seqs, self.seq_len, micro, dynamic, max_tokens, self.row_len)
 
 
-def micro_tokens(seqs: int, seq_len: int, micro: int, dynamic: bool, max_tokens: int) -> tuple[int, int]:
-    """(tokens per micro-batch, micro-batches) of `seqs` sequences of seq_len tokens split into micro-batches of
-    `micro` sequences, or (dynamic) packed to max_tokens tokens (at least one sequence each); a micro-batch holds at
-    most all `seqs` sequences."""
-    whole = seqs * seq_len
+def micro_tokens(seqs: int, seq_len: int, micro: int, dynamic: bool, max_tokens: int,
+                 mean_len: Optional[float] = None) -> tuple[int, int]:
+    """(tokens per micro-batch, micro-batches) of `seqs` packed rows of mean_len tokens on average (None: seq_len),
+    the longest seq_len, split into micro-batches of `micro` rows, or (dynamic) packed to max_tokens tokens (at least
+    the longest row each); a micro-batch holds at most all `seqs` rows. A fixed micro-batch is the one holding the
+    longest row: (m - 1) x mean_len + seq_len tokens, m = min(micro, seqs); at mean_len = seq_len, m x seq_len."""
+    mean = seq_len if mean_len is None else min(mean_len, seq_len)
+    whole = max(math.ceil(seqs * mean), seq_len)  # the rank's mini-batch holds its longest row whatever the mean
     if dynamic:
         tokens = min(max(max_tokens, seq_len), whole)
         return tokens, max(1, math.ceil(whole / tokens))
-    return min(micro, seqs) * seq_len, max(1, seqs // micro)
+    m = min(micro, seqs)
+    return min(math.ceil((m - 1) * mean) + seq_len, whole), max(1, seqs // micro)
 
 
-def rank_tokens(tokens: int, seq_len: int, cp: int) -> int:
-    """One CP rank's tokens of a micro-batch of `tokens` tokens in rows of seq_len (the planner's every row at full
-    length: ceil(tokens / seq_len) rows), megarl.plan.terms.cp_rank_tokens."""
-    return cp_rank_tokens(tokens, -(-tokens // seq_len), cp)
+def rank_tokens(tokens: int, row_len: float, cp: int) -> int:
+    """One CP rank's tokens of a micro-batch of `tokens` tokens in rows of row_len tokens on average (every row at
+    full length or the measured mean: ceil(tokens / row_len) rows, each padded), megarl.plan.terms.cp_rank_tokens."""
+    return cp_rank_tokens(tokens, math.ceil(tokens / row_len), cp)
 
 
-def batches(cfg, dp: int) -> Batches:
+def batches(cfg, dp: int, lengths: Optional[Lengths] = None) -> Batches:
+    """The actor mini-batch on one DP rank: rows at full length, or (lengths) the prompt at rollout.prompt_length plus
+    the measured responses (prompts are not measured: the plan keeps them at their bound)."""
     r = cfg.rollout
-    return Batches(r.prompt_length + r.response_length, max(1, cfg.actor.ppo_mini_batch_size * r.n // dp))
+    seqs = max(1, cfg.actor.ppo_mini_batch_size * r.n // dp)
+    if lengths is None:
+        return Batches(r.prompt_length + r.response_length, seqs)
+    return Batches(r.prompt_length + lengths.max_response, seqs, r.prompt_length + lengths.mean_response)
+
+
+MEAN_KEY, MAX_KEY = "train/response_length_mean", "train/response_length_max"
+
+
+def read_lengths(path: str) -> Lengths:
+    """Lengths from a run's metrics (RUN_DIR or its metrics.jsonl, one JSON object per step): the largest per-step
+    mean response and the longest response of any step; the largest mean rather than the mean of means because
+    responses grow over training and memory must hold the longest-running steps."""
+    import json
+
+    f = Path(path)
+    if f.is_dir():
+        f = f / "metrics.jsonl"
+    if not f.is_file():
+        raise PlanError(f"--response-lengths {path}: no such file; give a run directory holding metrics.jsonl or the "
+                        "file itself, or the lengths with --mean-response-tokens and --max-response-tokens")
+    means, longest = [], []
+    for n, line in enumerate(f.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise PlanError(f"--response-lengths {f}: line {n} is not JSON ({exc}); metrics.jsonl holds one JSON "
+                            "object per step") from None
+        if MEAN_KEY in row and MAX_KEY in row:
+            means.append(float(row[MEAN_KEY]))
+            longest.append(int(row[MAX_KEY]))
+    if not means:
+        raise PlanError(f"--response-lengths {f}: no step logs both {MEAN_KEY} and {MAX_KEY} (a run logs them from "
+                        "its first training step); plan from a run that trained, or give --mean-response-tokens and "
+                        "--max-response-tokens")
+    return Lengths(max(means), max(longest), f"{f.name}, {len(means)} step(s)")
+
+
+def check_lengths(lengths: Lengths, response_length: int) -> None:
+    """PlanError where the measured lengths cannot describe the recipe's rows."""
+    if not 0 < lengths.mean_response <= lengths.max_response:
+        raise PlanError(f"response lengths: mean {lengths.mean_response:g}, longest {lengths.max_response}: the rule "
+                        "is 0 < mean <= longest; give both in tokens")
+    if lengths.max_response > response_length:
+        raise PlanError(f"response lengths: the longest, {lengths.max_response} tokens, is over rollout."
+                        f"response_length={response_length}, which cuts every response; lower it to at most "
+                        f"{response_length} or plan the recipe that produced it")
+
+
+def token_basis(cfg, lengths: Optional[Lengths]) -> str:
+    """The plan text's line on what a micro-batch's tokens were counted from."""
+    r = cfg.rollout
+    if lengths is None:
+        return (f"worst case: every row at full length ({r.prompt_length} prompt + {r.response_length} response "
+                "tokens)")
+    return (f"measured{' (' + lengths.source + ')' if lengths.source else ''}: mean {lengths.mean_response:g}, longest "
+            f"{lengths.max_response} response tokens, prompts at {r.prompt_length}; rows packed")
 
 
 def activation_bytes_per_token_layer(spec: ArchSpec, tp: int, sp: bool, recompute: str, pbytes: int = 2,
@@ -340,11 +426,12 @@ def policy_forward_runs(cfg) -> bool:
     return bool(cfg.ref_enabled or cfg.distillation.enable or warmup or not old_log_probs_from_update(cfg, True))
 
 
-def forward_tokens(cfg, seq_len: int, dp: int = 1, cp: int = 1) -> int:
+def forward_tokens(cfg, seq_len: int, dp: int = 1, cp: int = 1, mean_len: Optional[float] = None) -> int:
     """One rank's tokens of the larger old/ref log-prob forward micro-batch of the forwards that run (its CP share,
     rank_tokens; a token budget is per GPU: CP times it per micro-batch). The old-logprob pass and the critic's values
     take rollout.log_prob_micro_batch_size_per_gpu sequences, the reference (a LoRA actor's too) its own
-    ref.log_prob_micro_batch_size_per_gpu (megarl.megatron.workers), a teacher its own."""
+    ref.log_prob_micro_batch_size_per_gpu (megarl.megatron.workers), a teacher its own. mean_len: the mean row
+    (None: every row at seq_len, the longest; micro_tokens)."""
     from megarl.steps import old_log_probs_from_update
 
     r = cfg.rollout
@@ -355,16 +442,18 @@ def forward_tokens(cfg, seq_len: int, dp: int = 1, cp: int = 1) -> int:
         [cfg.distillation.teacher.log_prob_micro_batch_size_per_gpu] if cfg.distillation.enable else [])
     micro = max(micros, default=r.log_prob_micro_batch_size_per_gpu)
     rows = max(1, cfg.data.train_batch_size * r.n // dp)  # the forwards split the step's batch over DP
-    tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu * cp)
-    return rank_tokens(tokens, seq_len, cp)
+    tokens, _ = micro_tokens(rows, seq_len, micro, r.log_prob_use_dynamic_bsz, r.log_prob_max_token_len_per_gpu * cp,
+                             mean_len)
+    return rank_tokens(tokens, mean_len or seq_len, cp)
 
 
-def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: int = 1, cp: int = 1) -> int:
+def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: int = 1, cp: int = 1,
+                   mean_len: Optional[float] = None) -> int:
     """Logits of the larger old/ref log-prob forward micro-batch on one rank (megarl.plan.terms.forward_logits_bytes);
     0 where the phase runs no policy forward (policy_forward_runs; a critic's values have no vocabulary)."""
     if not policy_forward_runs(cfg):
         return 0
-    tokens = forward_tokens(cfg, seq_len, dp, cp)
+    tokens = forward_tokens(cfg, seq_len, dp, cp, mean_len)
     return forward_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, tp), tp, pbytes)
 
 
@@ -375,10 +464,11 @@ def cp_attention(spec: ArchSpec, pl: Placement, tokens: int, backward: bool) -> 
     return cp_attention_bytes(kv, out, pl.cp, pl.te, backward)
 
 
-def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
-    """Each model the recipe runs, with its states and activations per pipeline stage."""
+def memory_per_role(cfg, pl: Placement, weights: Weights, lengths: Optional[Lengths] = None) -> Roles:
+    """Each model the recipe runs, with its states and activations per pipeline stage; lengths: the measured
+    responses the micro-batches are counted from (None: every row at full length)."""
     a, p = cfg.actor, cfg.parallelism
-    spec, b = weights.spec, batches(cfg, pl.dp)
+    spec, b = weights.spec, batches(cfg, pl.dp, lengths)
 
     def micro_batch(micro: int) -> tuple[int, int]:
         """(tokens per micro-batch, micro-batches): a token budget is per GPU, CP times it per micro-batch."""
@@ -389,7 +479,7 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
     def activations(micro: int, logits: bool) -> list[int]:
         tokens, mbs = micro_batch(micro)
         return stage_activations(spec, pl, p.sequence_parallel, cfg.model.recompute,
-                                 rank_tokens(tokens, b.seq_len, pl.cp), mbs, logits, logits and a.entropy_coeff != 0,
+                                 rank_tokens(tokens, b.row_len, pl.cp), mbs, logits, logits and a.entropy_coeff != 0,
                                  imbalance)
 
     lora = None
@@ -408,11 +498,11 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
         rm = reward_model_spec(cfg, spec)
         models.append(ModelMemory("reward model", reward_model_stage_bytes(rm, pl.tp, pl.pp, pl.ep, pl.pbytes)))
     tokens, mbs = micro_batch(a.ppo_micro_batch_size_per_gpu)
-    mine = rank_tokens(tokens, b.seq_len, pl.cp)
-    update = [mine] + ([rank_tokens(micro_batch(cfg.critic.ppo_micro_batch_size_per_gpu)[0], b.seq_len, pl.cp)]
+    mine = rank_tokens(tokens, b.row_len, pl.cp)
+    update = [mine] + ([rank_tokens(micro_batch(cfg.critic.ppo_micro_batch_size_per_gpu)[0], b.row_len, pl.cp)]
                        if cfg.critic_enabled else [])
     forwards = policy_forward_runs(cfg) or cfg.critic_enabled  # the old/ref log-probs or the critic's values
-    fwd_tokens = forward_tokens(cfg, b.seq_len, pl.dp, pl.cp) if forwards else 0
+    fwd_tokens = forward_tokens(cfg, b.seq_len, pl.dp, pl.cp, b.mean_len or None) if forwards else 0
     fwd = cp_attention(spec, pl, fwd_tokens, False) if forwards else 0
     dispatch = [moe_dispatch(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens)]
     kept = max(moe_gather_buffer(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens))
@@ -434,9 +524,9 @@ def memory_per_role(cfg, pl: Placement, weights: Weights) -> Roles:
                   / max(1, stage_layers[s]) * moe_routed_bytes_per_token_layer(
                       spec, pl.tp, p.sequence_parallel, pl.pbytes, pl.layout.expert_tensor, imbalance))
               if spec.is_moe and cfg.model.recompute != "full" else 0 for s in range(pl.pp)]
-    return Roles(models, lora, forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp), mine, mbs,
-                 tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0], dispatch[1], backward, steps,
-                 kind, routed, kept)
+    logits = forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp, b.mean_len or None)
+    return Roles(models, lora, logits, mine, mbs, tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0],
+                 dispatch[1], backward, steps, kind, routed, kept, token_basis(cfg, lengths))
 
 
 def moe_dispatch(spec: ArchSpec, pl: Placement, sp: bool, tokens: int) -> int:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from megarl.plan.engine import engine_memory, kv_cache_reason
 from megarl.plan.host import host_phases, r2_gather_bytes
-from megarl.plan.memory import memory_per_role
+from megarl.plan.memory import Lengths, memory_per_role
 from megarl.plan.model import GIB, Cluster, gpu_count_reason, model_weights, place, read_model_config
 from megarl.plan.phases import (engine_gpu_reason, memory_reason, offload_per_stage, peak_phase, peak_terms,
                                 sync_cost)
@@ -38,12 +38,13 @@ class PlanReport:
 
 def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAULT_GPU_MEM_GIB,
                 link_gbps: float = DEFAULT_LINK_GBPS, host_mem_gib: float = DEFAULT_HOST_MEM_GIB,
-                weights_fn=model_weights) -> PlanReport:
+                weights_fn=model_weights, lengths: Optional[Lengths] = None) -> PlanReport:
     """The memory/time plan of a validated MegarlConfig on nodes x gpus_per_node GPUs of gpu_mem_gib each (and
     host_mem_gib of host memory per node). weights_fn(hf, placement): who holds which bytes (the sync plan; the
-    layout search passes a faster count of the same mapping, megarl.plan.counts)."""
+    layout search passes a faster count of the same mapping, megarl.plan.counts). lengths: the measured response
+    lengths the micro-batches are counted from (None: every row at full length; megarl.plan.memory.Lengths)."""
     cluster = Cluster(nodes, gpus_per_node, gpu_mem_gib, link_gbps)
-    steps = plan_steps(cfg, cluster, read_model_config(cfg), host_mem_gib, weights_fn)
+    steps = plan_steps(cfg, cluster, read_model_config(cfg), host_mem_gib, weights_fn, lengths)
     sync, peak, host = steps.sync, steps.peak, steps.host
     return PlanReport(render(cfg, steps), not steps.reasons, peak.bytes, peak.bytes, steps.reasons, steps.terms,
                       steps.engine.weights if sync.adapter_bytes is None else sync.adapter_bytes, sync.seconds,
@@ -51,11 +52,11 @@ def plan_recipe(cfg, nodes: int, gpus_per_node: int, gpu_mem_gib: float = DEFAUL
 
 
 def plan_steps(cfg, cluster: Cluster, hf: dict, host_mem_gib: float = DEFAULT_HOST_MEM_GIB,
-               weights_fn=model_weights) -> Steps:
+               weights_fn=model_weights, lengths: Optional[Lengths] = None) -> Steps:
     """Every step of the plan (no text): the search calls this once per layout."""
     pl = place(cfg, cluster)
     weights = weights_fn(hf, pl)
-    roles = memory_per_role(cfg, pl, weights)
+    roles = memory_per_role(cfg, pl, weights, lengths)
     engine = engine_memory(cfg.rollout, cluster, pl, weights, cfg.routes_from_engine,
                            cfg.data.train_batch_size * cfg.rollout.n)
     sync = sync_cost(cfg.rollout, cluster, pl, weights, roles.lora)

@@ -56,6 +56,8 @@ def _summary(cfg, st: Steps) -> list[str]:
         f"  actor micro-batch: {_micro_tokens(st.roles, pl)}, {st.roles.actor_micro_batches} micro-batch(es) per "
         "mini-batch per rank; models: " + ", ".join(m.name for m in st.roles.models),
     ]
+    if st.roles.token_basis:
+        lines.append(f"  micro-batch tokens: {st.roles.token_basis}")
     if r.name == "hf":
         lines += [f"engine: hf (transformers), {where}, TP1, no gpu_memory_utilization: its memory grows with the batch "
                   f"and the length; sleeps between rollouts {e.sleeps}",
