@@ -154,7 +154,7 @@ def records_from_rows(rows: Sequence[dict[str, Any]], path: str, *, prompt_key: 
                       require_response: bool = False, start_index: int = 0) -> list[PromptRecord]:
     """Typed records from the rows of one file; `path` names it in messages and uids, and relative image paths
     are taken from its folder."""
-    from megarl.data.images import image_refs, row_image_problem
+    from megarl.data.images import image_refs, pairing_problem
 
     name = os.path.basename(path)
     if not rows:
@@ -198,11 +198,14 @@ def records_from_rows(rows: Sequence[dict[str, Any]], path: str, *, prompt_key: 
             raise DataError(f"{path} row {row_no}: {response_key!r} (data.response_key) must be a string or a list "
                             f"of assistant/tool messages, got {response!r:.200}")
         images = ()
-        if row.get(image_key) is not None:  # decoding is validate's (megarl.data.checks.check_image_rows)
-            problem = row_image_problem(prompt, row[image_key], os.path.dirname(os.path.abspath(path)), decode=False)
+        if row.get(image_key) is not None:  # decoding is validate's (megarl.validate.images.check_image_rows)
+            try:
+                images = tuple(image_refs(row[image_key], os.path.dirname(os.path.abspath(path))))
+                problem = pairing_problem(prompt, images)
+            except ValueError as e:
+                problem = str(e)
             if problem is not None:
                 raise DataError(f"{path} row {row_no}: {problem} (data.image_key={image_key!r})")
-            images = tuple(image_refs(row[image_key], os.path.dirname(os.path.abspath(path))))
         records.append(PromptRecord(index=start_index + row_no, uid=f"{name}#{row_no}", prompt=prompt,
                                     data_source=str(data_source), ground_truth=ground_truth, extra_info=dict(extra),
                                     response=response if isinstance(response, (str, list)) else None,

@@ -62,20 +62,26 @@ def decode_problem(ref: ImageRef) -> Optional[str]:
     return None
 
 
-def row_image_problem(prompt: Any, images: Any, base_dir: str, decode: bool = True) -> Optional[str]:
-    """What is wrong with one row's images (None: nothing): an unreadable images column, a missing or undecodable
-    image (decode), or placeholders and images that do not pair up one to one."""
+def pairing_problem(prompt: Any, refs: list) -> Optional[str]:
+    """Why the prompt's placeholders and the row's images do not pair up one to one (None: they do)."""
+    wanted = placeholders(prompt)
+    if wanted == len(refs):
+        return None
+    more = "more" if wanted > len(refs) else "fewer"
+    return (f"the prompt has {wanted} {PLACEHOLDER} placeholder(s) and the row {len(refs)} image(s) ({more} "
+            f"placeholders than images): each image needs one {PLACEHOLDER} where it goes in the text")
+
+
+def row_image_problem(prompt: Any, images: Any, base_dir: str) -> Optional[str]:
+    """What is wrong with one row's images (None: nothing): an unreadable images column, placeholders and images
+    that do not pair up one to one, or a missing or undecodable image."""
     try:
         refs = image_refs(images, base_dir)
     except ValueError as e:
         return str(e)
-    wanted = placeholders(prompt)
-    if wanted != len(refs):
-        more = "more" if wanted > len(refs) else "fewer"
-        return (f"the prompt has {wanted} {PLACEHOLDER} placeholder(s) and the row {len(refs)} image(s) ({more} "
-                f"placeholders than images): each image needs one {PLACEHOLDER} where it goes in the text")
-    for ref in refs if decode else ():
+    problem = pairing_problem(prompt, refs)
+    for ref in refs if problem is None else ():
         problem = decode_problem(ref)
         if problem is not None:
-            return problem
-    return None
+            break
+    return problem

@@ -98,6 +98,7 @@ class EngineHealth:
 
     def __init__(self, ctx, settings: HealthSettings):
         self.settings = settings
+        self._delay_s = 0.0  # the slow-engine test hook's, read in the engine process (start_beating)
         self._shared = ctx.Array("d", 7, lock=False)  # single-slot writes of doubles need no lock
         self._shared[_BEAT] = time.monotonic()  # the start counts as a beat: start-up has its own timeout
 
@@ -138,7 +139,7 @@ class EngineHealth:
                                          "step by a megarl test hook)")
         while fault == _FAULTS["hang"]:  # the process stays alive and beating, the generation never ends
             time.sleep(3600)
-        if getattr(self, "_delay_s", 0):
+        if self._delay_s:
             time.sleep(self._delay_s)
 
     def inject(self, kind: str) -> None:

@@ -17,10 +17,13 @@ SHOWN = 5  # bad rows listed per file; the count says how many more
 def check_image_rows(cfg: MegarlConfig) -> list[Issue]:
     d = cfg.data
     issues = []
+    hf = None  # the model's config.json, read once, at the first file with images
     for section, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
         for i, path in enumerate(files):
             if not os.path.isfile(path):
                 continue  # check_paths names it
+            if path.endswith(".parquet") and not _has_column(path, d.image_key):
+                continue  # a text-only file: its rows are not read here (a training file can hold millions)
             try:
                 rows = read_rows(path)
             except DataError:
@@ -29,8 +32,8 @@ def check_image_rows(cfg: MegarlConfig) -> list[Issue]:
             if not with_images:
                 continue
             key = f"{section}[{i}]"
-            hf, _ = model_config(cfg)
-            if hf is not None and "vision_config" not in hf:
+            hf = hf if hf is not None else (model_config(cfg)[0] or {})
+            if hf and "vision_config" not in hf:
                 issues.append(Issue(key, path, f"{len(with_images)} row(s) have images (column {d.image_key!r}) but "
                                     f"the model ({(hf.get('architectures') or ['?'])[0]}) reads text only",
                                     "use a vision-language model (Qwen2.5-VL), or drop the images column",
@@ -46,3 +49,13 @@ def check_image_rows(cfg: MegarlConfig) -> list[Issue]:
                                     f"{listed}{more}", "fix or drop those rows (docs/data.md#image-prompts)",
                                     keys=(section, "data.image_key")))
     return issues
+
+
+def _has_column(path: str, column: str) -> bool:
+    """Whether a parquet file has `column`, from its schema alone (an unreadable file: True, the read reports it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return column in pq.read_schema(path).names
+    except Exception:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        return True

@@ -118,12 +118,11 @@ def official_layout(row: dict, split: str) -> dict:
     extra = dict(row.get("extra_info") or {})
     extra["split"] = split
     reward = row["reward_model"]
-    out = {"data_source": row["data_source"],
-           "prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
-           "ability": row.get("ability", "MATH"),
-           "reward_model": {"ground_truth": str(reward["ground_truth"]), "style": reward.get("style", "rule")},
-           "extra_info": extra}
-    return out
+    return {"data_source": row["data_source"],
+            "prompt": [{"role": m["role"], "content": m["content"]} for m in row["prompt"]],
+            "ability": row.get("ability", "MATH"),
+            "reward_model": {"ground_truth": str(reward["ground_truth"]), "style": reward.get("style", "rule")},
+            "extra_info": extra}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -261,7 +261,8 @@ class RayEngine:
         self._health = HealthSettings.of(config)
         self._started_ray = False
         self._actors: list = []
-        self._pids: list = []  # each actor's (pid, node address), for the test hooks and the kill of its tree
+        # each actor's (pid, node address), for the test hooks and the kill of its tree (None: not started)
+        self._pids: list = [None] * self.replicas
         self._joined: set = set()  # actors in the current transfer group
         self.lost: dict = {}  # {actor: cause} of the lost actors, until restart
         self.restarted_hosts: list = []  # the actors the last restart made fresh
@@ -327,8 +328,6 @@ class RayEngine:
         """Wait for the actors `replicas` to start; their engine start seconds."""
         replicas = list(replicas)
         got = self._get([self._actors[r].ready.remote() for r in replicas], self.start_timeout_s, "start")
-        while len(self._pids) < len(self._actors):
-            self._pids.append(None)
         for r, (_, pid, node, where) in zip(replicas, got):
             self._pids[r] = (pid, node)
             # the actors' own logs may not reach this process: name each replica's node and GPUs here

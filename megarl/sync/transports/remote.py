@@ -123,7 +123,7 @@ class RemoteSync:
             raise RuntimeError(f"rejoin after engine host(s) {stale} were lost, but the trainer ranks owning them "
                                f"({sorted({self.hosts.owner[h - self.hosts.world] for h in stale})}) did not restart "
                                "their engines: call rejoin(engine, restarted=True) there after the restart")
-        for r, (hosts, layouts) in enumerate(every):
+        for r, (_, layouts) in enumerate(every):
             if layouts is not None and layouts != [self._layouts[h] for h in self.hosts.owned_by(r)]:
                 raise RuntimeError(f"the engine restarted on trainer rank {r} reports another worker layout than "
                                    "the one the weight sync was planned for; start it with the same model and "
