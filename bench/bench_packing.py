@@ -41,7 +41,6 @@ load average above 2 are not figures: the load is printed with them.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -58,14 +57,11 @@ LAYOUTS = {"dp": 1, "ep2": 2, "vpp": 2, "cp2": 2}
 
 
 def long_tail_lengths(rows: int, median: int, tail: float, seed: int) -> torch.Tensor:
-    """[rows] lognormal lengths with median `median` and the longest exactly `tail` x the median (at least 2)."""
-    g = torch.Generator().manual_seed(seed)
-    z = torch.randn(rows, generator=g, dtype=torch.float64)
-    z = z - z.median()
-    sigma = math.log(tail) / float(z.max())
-    lengths = (median * torch.exp(sigma * z)).round().long().clamp(min=2)
-    lengths[int(z.argmax())] = int(round(tail * median))
-    return lengths
+    """[rows] lognormal lengths with median `median` and the longest exactly `tail` x the median: `plan --measure
+    --long-tail`'s batch (megarl.plan.measure.long_tail_lengths)."""
+    from megarl.plan.measure import long_tail_lengths as lengths_of
+
+    return torch.tensor(lengths_of(rows, int(round(tail * median)), tail, seed))
 
 
 def batch_of(args) -> tuple[torch.Tensor, torch.Tensor]:
