@@ -71,6 +71,7 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
     from megarl.data import make_arithmetic_dataset, write_dataset
     from megarl.data.synthetic import make_chain_dataset
     from megarl.data.synthetic_tool import make_multiply_dataset
+    from megarl.data.synthetic_walk import make_walk_dataset
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
     seeds = {"train": cfg.trainer.seed, "val": cfg.trainer.seed + 10_000, "sft": cfg.trainer.seed + 20_000}
@@ -87,6 +88,9 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
         if syn.task == "multiply_tool":
             rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split,
                                          direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
+        elif syn.task == "walk":
+            rows = make_walk_dataset(n, seed=seeds[split], split=split,
+                                     slip_share=syn.slip_share if split == "sft" else 0.0)
         elif syn.task == "chain":
             rows = make_chain_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                       answer_format=syn.answer_format, split=split,
@@ -109,11 +113,14 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
 
     from megarl.data import arithmetic_tokenizer
     from megarl.data.synthetic_tool import multiply_tokenizer
+    from megarl.data.synthetic_walk import walk_tokenizer
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if task == "multiply_tool":
         tokenizer = multiply_tokenizer(str(tmp))
+    elif task == "walk":
+        tokenizer = walk_tokenizer(str(tmp))
     else:
         tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand, task=task)
     config = tiny_hf_config(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,

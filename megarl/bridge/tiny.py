@@ -49,7 +49,7 @@ def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, bos_token_id: Optional[
     config_cls, model_cls, extra = TINY_ARCHS[spec.architecture]
     kwargs = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
                   num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
-                  intermediate_size=spec.intermediate_size, max_position_embeddings=MAX_POSITIONS,
+                  intermediate_size=spec.intermediate_size, max_position_embeddings=spec.max_position_embeddings,
                   tie_word_embeddings=spec.tie_word_embeddings, initializer_range=spec.init_std,
                   bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                   architectures=[model_cls], **extra)

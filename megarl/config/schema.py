@@ -16,13 +16,15 @@ class _Section(BaseModel):
 class SyntheticDataConfig(_Section):
     """A verifiable task megarl generates itself (demos and tests on machines without datasets)."""
 
-    task: Literal["arithmetic", "chain", "multiply_tool"] = Field(
+    task: Literal["arithmetic", "chain", "multiply_tool", "walk"] = Field(
         "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. chain: "
         "'What is 3 + 5 + 2 ?', 2 to 16 distinct terms from [0, max_operand], most questions 2 or 3 terms and a few up to 16 (a "
         "Zipf law), so with answer_format worked ('3 + 5 = 8 , 8 + 2 = 10 #### 10') response lengths have a long tail "
         "(median 7 tokens, longest 91). multiply_tool: 'What is a * b ?' with a, b in [32, max_operand], which needs "
-        "the calculator tool of a multi-turn rollout (its SFT targets are tool-using conversations). All are scored by "
-        "the arithmetic reward.")
+        "the calculator tool of a multi-turn rollout (its SFT targets are tool-using conversations). These are scored by "
+        "the arithmetic reward. walk: 'Walk from 7 by 5 for 300 steps ?', answered step by step around a clock of 20 "
+        "('300 : 7 + 5 = 12 , 299 : 12 + 5 = 17 , ...'), 125 to 500 steps (responses of 1,002 to 4,002 tokens), "
+        "scored by the walk reward, which checks every step (megarl.data.synthetic_walk).")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
     num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
@@ -35,8 +37,9 @@ class SyntheticDataConfig(_Section):
                                        "then imitates a policy that calls the tool only sometimes, and RL learns to "
                                        "call it.")
     slip_share: float = Field(0.0, ge=0, lt=1, description="chain: share of the SFT demonstrations' steps whose "
-                              "written sum is off by 1 or 2, the chain going on from it (sft.parquet only, so it "
-                              "needs num_sft); SFT then imitates a demonstrator who slips, and RL learns from the "
+                              "written sum is off by 1 or 2, the chain going on from it; walk: share of the "
+                              "demonstrations' steps past 20 written one too high (both in sft.parquet only, so they "
+                              "need num_sft); SFT then imitates a demonstrator who slips, and RL learns from the "
                               "reward to add exactly.")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "
                                                                 "targets (arithmetic and chain; chain's worked answer "
@@ -87,6 +90,8 @@ class TinyModelSpec(_Section):
     num_experts: int = Field(0, ge=0, description="0 for a dense model.")
     num_experts_per_tok: int = Field(2, ge=1, description="Router top-k for MoE models.")
     tie_word_embeddings: bool = Field(True, description="Share the input embedding and the output layer.")
+    max_position_embeddings: int = Field(512, ge=16, description="Longest sequence the model is made for (its "
+                                         "config.json's max_position_embeddings, which vLLM holds a sequence to).")
     tokenizer: Literal["arithmetic"] = Field("arithmetic", description="Tokenizer created with the model: the "
                                              "word-level tokenizer of the synthetic arithmetic task.")
     init_std: float = Field(0.02, gt=0, description="Standard deviation of the random initialisation.")

@@ -31,9 +31,9 @@ def check_synthetic(cfg: MegarlConfig) -> list[Issue]:
                       f"and the tokenizer one token per number up to their largest sum, kept under 300 tokens",
                       f"use {CHAIN_MAX_TERMS - 1} to 25", keys=(key, "data.synthetic.task"))]
     share = "data.synthetic.slip_share"
-    if syn.slip_share and syn.task != "chain":
-        return [Issue(share, syn.slip_share, "only the chain task has demonstrations that slip",
-                      "remove it or set data.synthetic.task: chain", keys=(share, "data.synthetic.task"))]
+    if syn.slip_share and syn.task not in ("chain", "walk"):
+        return [Issue(share, syn.slip_share, "only the chain and walk tasks have demonstrations that slip",
+                      "remove it or set data.synthetic.task: chain or walk", keys=(share, "data.synthetic.task"))]
     if syn.slip_share and not syn.num_sft:
         return [Issue(share, syn.slip_share, "slips go into the separate SFT file only, and without "
                       "data.synthetic.num_sft SFT reads the training prompts' exact answers",

@@ -249,12 +249,20 @@ def arithmetic_tokenizer(save_dir: str, max_operand: int = 20, task: str = "arit
     largest_number(task, max_operand) + 16, plus ',' for chain (56 for arithmetic's default max_operand 20; chain
     with max_operand 20: 217); the text of larger numbers becomes <unk>.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    vocab = {tok: i for i, tok in enumerate(arithmetic_vocab(max_operand, task))}
+    vocab = arithmetic_vocab(max_operand, task)
     if len(vocab) >= 300:
         raise ValueError(f"{task} with max_operand={max_operand} gives a vocabulary of {len(vocab)}; keep it under "
                          f"300 (a smaller max_operand) so the tiny model stays tiny")
+    return word_level_tokenizer(save_dir, vocab)
+
+
+def word_level_tokenizer(save_dir: str, words: Sequence[str]):
+    """The synthetic tasks' word-level tokenizer over `words` (in id order, SPECIAL_TOKENS and ROLE_TOKENS first),
+    with CHAT_TEMPLATE, saved in save_dir and returned: space-separated text decodes to exactly what was encoded."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    vocab = {tok: i for i, tok in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     # One token per number, word or symbol run; whitespace only separates. '####' stays whole; '48?' splits in two.
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -42,6 +42,7 @@ register_reward("format_regex", rules.format_regex)
 register_reward("format_think_answer", rules.format_think_answer)
 register_reward("arithmetic", rules.arithmetic, aliases=["megarl/arithmetic"])
 register_reward("multiply_tool", rules.multiply_tool)
+register_reward("walk", rules.walk)
 
 
 def _known() -> str:
