@@ -126,7 +126,11 @@ def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = F
     if score:
         return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
     vision = getattr(spec, "vision", None)
-    extra = vision_error_factor(vision, vision_segment) if vision is not None and vision_segment else 0.0
+    extra = 0.0
+    if vision is not None and vision_segment:
+        # Qwen3-VL's DeepStack features (each from at most `depth` blocks and a merger of the same widths) enter the
+        # residual stream after the first layers as further inputs of that error, independent of the image embeddings'
+        extra = vision_error_factor(vision, vision_segment) * math.sqrt(1 + len(vision.deepstack_visual_indexes))
     return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions, extra)
 
 

@@ -62,6 +62,18 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool, pp
             k = int(grid[r].prod()) // 4
             shifted[r, st:st + k + 1] = torch.cat([tokens[r, st + k + 1:st + k + 2], tokens[r, st:st + k]])
         out["image_tokens_shifted"] = logprobs(shifted)
+        if spec.vision.tower == "qwen3_vl":  # what Qwen3-VL adds, each left out in turn
+            import contextlib
+
+            from megarl.megatron import vlm
+
+            added, vlm.deepstack_added = vlm.deepstack_added, lambda *a: contextlib.nullcontext()
+            out["without_deepstack"] = logprobs(tokens)
+            vlm.deepstack_added = added
+            interleaved = model.rotary_pos_emb
+            model.rotary_pos_emb = interleaved.inner  # megatron's contiguous sections
+            out["contiguous_mrope"] = logprobs(tokens)
+            model.rotary_pos_emb = interleaved
     problems = None
     if export:
         exported = {k: v.cpu() for k, v in export_to_dict(model, spec, bucket_bytes=64 << 10).items()}
@@ -73,16 +85,14 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool, pp
     return {"logprobs": out if keep else None, "export": problems}
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """The tiny model, its batch, HF's logprobs with and without images and the derived bound of each."""
+def vl_case(hf_dir: str, seed: int = 2) -> tuple:
+    """(hf_dir, its batch, {"text" | "images": (HF's logprobs, the derived bound)}) of a tiny VL checkpoint."""
     import torch
 
     from megarl.bridge.hf_config import load_spec
     from megarl.numerics import fp32_bound
 
-    hf_dir = str(make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "qwen2_5_vl", seed=4))
-    batch = vl_batch(hf_dir, [synthetic_image(w, h, i) for i, (w, h) in enumerate(IMAGES)], seq_len=SEQ, seed=2)
+    batch = vl_batch(hf_dir, [synthetic_image(w, h, i) for i, (w, h) in enumerate(IMAGES)], seq_len=SEQ, seed=seed)
     spec = load_spec(hf_dir)
     tokens = batch["input_ids"]
     refs = {}
@@ -97,7 +107,13 @@ def vl(tmp_path_factory):
     return hf_dir, batch, refs
 
 
-def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1) -> dict:
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """The tiny model, its batch, HF's logprobs with and without images and the derived bound of each."""
+    return vl_case(str(make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "qwen2_5_vl", seed=4)))
+
+
+def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1, name: str = "qwen2_5_vl") -> dict:
     hf_dir, batch, refs = vl
     results = run_ranks(f"{__name__}:vl_rank", tp * pp, {"hf_dir": hf_dir, "batch": batch, "tp": tp, "pp": pp,
                                                          "negatives": negatives, "export": export}, timeout=600)
@@ -105,21 +121,26 @@ def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1) -> dict:
     for rank, r in enumerate(results):
         assert r["export"] in (None, []), f"rank {rank}: export round trip problems {r['export'][:10]}"
     got = next(r["logprobs"] for r in results if r["logprobs"] is not None)
-    for name in ("text", "images"):
-        ref, bound = refs[name]
-        diff = (got[name] - ref).abs().max().item()
-        print(f"[qwen2_5_vl tp{tp} pp{pp}] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
-        assert diff < bound, f"{name} at TP{tp} PP{pp}: max abs logprob diff {diff:.3e} >= derived bound {bound:.3e}"
+    for variant in ("text", "images"):
+        ref, bound = refs[variant]
+        diff = (got[variant] - ref).abs().max().item()
+        print(f"[{name} tp{tp} pp{pp}] {variant}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
+        assert diff < bound, f"{variant} at TP{tp} PP{pp}: max abs logprob diff {diff:.3e} >= bound {bound:.3e}"
     return got
 
 
+def assert_wrong_inputs_fail(got: dict, refs: dict, name: str, extra: tuple = ()) -> None:
+    """1D positions, one image's height positions off by one and shifted placeholders (and the `extra` variants of
+    vl_rank) each differ from HF's logprobs with images far beyond the derived bound."""
+    ref, bound = refs["images"]
+    for variant in ("positions_1d", "image_rows_off_by_one", "image_tokens_shifted") + extra:
+        diff = (got[variant] - ref).abs().max().item()
+        print(f"[{name} tp1] {variant}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
+        assert diff > 10 * bound, f"{variant}: the comparison did not catch it ({diff:.3e} vs bound {bound:.3e})"
+
+
 def test_vl_parity_tp1_and_wrong_inputs_fail(vl):
-    got = _run(vl, 1, negatives=True, export=False)
-    ref, bound = vl[2]["images"]
-    for name in ("positions_1d", "image_rows_off_by_one", "image_tokens_shifted"):
-        diff = (got[name] - ref).abs().max().item()
-        print(f"[qwen2_5_vl tp1] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
-        assert diff > 10 * bound, f"{name}: the comparison did not catch it ({diff:.3e} vs bound {bound:.3e})"
+    assert_wrong_inputs_fail(_run(vl, 1, negatives=True, export=False), vl[2], "qwen2_5_vl")
 
 
 def test_vl_parity_tp2_and_export_round_trip(vl):
@@ -181,7 +202,7 @@ def vl_grad_rank(hf_dir: str, batch: dict, tp: int):
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=7)
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     tokens, grid = batch["input_ids"], batch["image_grid_thw"]
-    decoder_input = vl_embeddings(model, tokens, batch["pixel_values"], grid)
+    decoder_input, _ = vl_embeddings(model, tokens, batch["pixel_values"], grid)  # no DeepStack in Qwen2.5-VL
     local = model(input_ids=tokens, position_ids=mrope_positions(tokens, grid, spec.vision),
                   attention_mask=causal_inputs(tokens)[1], decoder_input=decoder_input)
     logits = gather_from_tensor_model_parallel_region(local)[..., : spec.vocab_size]

@@ -152,3 +152,11 @@ def test_vision_tower_equals_transformers_visual_within_the_derived_bound(tiny_v
     with torch.no_grad():  # the learned positions matter far beyond the bound
         tower.pos_embed.weight.zero_()
         assert float((tower(pixels, grid)[0] - out.pooler_output).abs().max()) > 10 * bounds["merged"]
+
+
+def test_verify_refuses_a_layout_that_splits_deepstack_from_the_tower_in_one_line(tiny_vl, capsys):
+    from megarl.verify import main
+
+    assert main(["--hf", str(tiny_vl[0]), "--pp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DeepStack" in err and "Traceback" not in err, err
