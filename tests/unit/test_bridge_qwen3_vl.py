@@ -160,3 +160,24 @@ def test_verify_refuses_a_layout_that_splits_deepstack_from_the_tower_in_one_lin
     assert main(["--hf", str(tiny_vl[0]), "--pp", "4"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DeepStack" in err and "Traceback" not in err, err
+
+
+def test_weight_sync_layout_and_plan_hold_the_tower_whole_on_the_first_stage(tiny_vl):
+    """The sync's layout puts every vision tensor (DeepStack mergers and position table included) whole on each TP rank
+    of stage 0; the planner counts the checkpoint's elements, the tower's among them."""
+    import math
+
+    from megarl.bridge.mapping import VISION_PREFIX, Mapping
+    from megarl.plan.counts import profile
+    from megarl.sync.shards import layout_owners
+    from tests.helpers.tiny_models import read_checkpoint
+
+    hf_dir = tiny_vl[0]
+    owners = layout_owners(Mapping(load_spec(hf_dir)), tp=2, pp=2, ep=1, world=4)
+    vision = [n for n in owners if n.startswith(VISION_PREFIX)]
+    assert len(vision) == 3 + 3 * 12 + 6 + 2 * 6
+    assert all(sorted(owners[n]) == [(0, 0, 1), (1, 0, 1)] for n in vision)
+    ckpt = read_checkpoint(hf_dir)
+    p = profile(_config(hf_dir))
+    assert p.total == sum(t.numel() for t in ckpt.values())
+    assert p.vision == sum(math.prod(t.shape) for k, t in ckpt.items() if k.startswith("model.visual."))
