@@ -23,8 +23,9 @@ DeepStack mergers (LayerNorm after the 2 x 2 patches are joined) turn the output
 into features added to the output of language-model layers 0, 1, ... at the image tokens (deepstack_added). Its
 language model rotates by interleaved M-RoPE (InterleavedMRoPE).
 
-Positions (mrope_positions, the same for both on images): text tokens count up on all three axes; the merged tokens of an image of t x h x w merged
-cells starting at position p get (p + frame, p + row, p + column), and the text after it resumes at p + max(h, w).
+Positions (mrope_positions, the same for both on images): text tokens count up on all three axes; the merged tokens of
+an image of t x h x w merged cells starting at position p get (p + frame, p + row, p + column), and the text after it
+resumes at p + max(h, w).
 """
 from __future__ import annotations
 

@@ -197,35 +197,34 @@ def vl_grad_rank(hf_dir: str, batch: dict, tp: int):
     from megarl.megatron.forward import causal_inputs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.vlm import mrope_positions, vl_embeddings
+    from megarl.megatron.vlm import deepstack_added, mrope_positions, vl_embeddings
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=7)
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     tokens, grid = batch["input_ids"], batch["image_grid_thw"]
-    decoder_input, _ = vl_embeddings(model, tokens, batch["pixel_values"], grid)  # no DeepStack in Qwen2.5-VL
-    local = model(input_ids=tokens, position_ids=mrope_positions(tokens, grid, spec.vision),
-                  attention_mask=causal_inputs(tokens)[1], decoder_input=decoder_input)
+    decoder_input, deepstack = vl_embeddings(model, tokens, batch["pixel_values"], grid)
+    with deepstack_added(model, tokens == spec.vision.image_token_id, deepstack):
+        local = model(input_ids=tokens, position_ids=mrope_positions(tokens, grid, spec.vision),
+                      attention_mask=causal_inputs(tokens)[1], decoder_input=decoder_input)
     logits = gather_from_tensor_model_parallel_region(local)[..., : spec.vocab_size]
     (-logprobs_of(logits, tokens).mean()).backward()
     return {n: p.grad.clone() for n, p in model.vision_model.named_parameters()}
 
 
-@pytest.mark.slow
-def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
+def assert_tower_gradients_match(vl, name: str) -> None:
     """The replicated tower receives the whole gradient on every TP rank (the same on both, bitwise), equal to
     transformers' on the same loss within the backward's rounding: the forward's relative error (language model and
     vision tower, megarl.numerics) transposed, times each tensor's gradient RMS, twice (two implementations)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from megarl.bridge.hf_config import load_spec
-    from megarl.numerics import (FP32_UNIT, fp32_logit_error_factor, layer_widths, tail_factor,
-                                 vision_error_factor)
+    from megarl.numerics import FP32_UNIT, fp32_logit_error_factor, layer_widths, tail_factor, vision_input_error
 
     hf_dir, batch, _ = vl
     ranks = run_ranks(f"{__name__}:vl_grad_rank", 2, {"hf_dir": hf_dir, "batch": batch, "tp": 2}, timeout=600)
     assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0])
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     logits = hf(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
                 image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=batch["mm_token_type_ids"]).logits
     (-logprobs_of(logits, batch["input_ids"]).mean()).backward()
@@ -234,12 +233,17 @@ def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
     spec = load_spec(hf_dir)
     longest = int(batch["image_grid_thw"][:, 1:].prod(-1).max())
     factor = fp32_logit_error_factor(spec.hidden_size, layer_widths(spec, SEQ), spec.num_layers,
-                                     vision_error_factor(spec.vision, longest))
+                                     vision_input_error(spec.vision, longest))
     worst = 0.0
-    for name, g in ref.items():
+    for param, g in ref.items():
         rel = 2 * factor * FP32_UNIT * tail_factor(g.numel())
         scale = float(g.pow(2).mean().sqrt())
-        diff = float((ranks[0][name] - g).abs().max())
-        assert scale > 0 and diff <= rel * scale, f"{name}: max |grad diff| {diff:.3e} > {rel * scale:.3e}"
+        diff = float((ranks[0][param] - g).abs().max())
+        assert scale > 0 and diff <= rel * scale, f"{param}: max |grad diff| {diff:.3e} > {rel * scale:.3e}"
         worst = max(worst, diff / (rel * scale))
-    print(f"[qwen2_5_vl tp2] vision gradients: worst max |diff| / bound = {worst:.3f}")
+    print(f"[{name} tp2] vision gradients: worst max |diff| / bound = {worst:.3f}")
+
+
+@pytest.mark.slow
+def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
+    assert_tower_gradients_match(vl, "qwen2_5_vl")

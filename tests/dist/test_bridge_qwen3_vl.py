@@ -12,7 +12,7 @@ PP2 puts layers 0 and 1 (the DeepStack layers) on the first stage with the visio
 """
 import pytest
 
-from tests.dist.test_bridge_qwen2_5_vl import _run, assert_wrong_inputs_fail, vl_case
+from tests.dist.test_bridge_qwen2_5_vl import _run, assert_tower_gradients_match, assert_wrong_inputs_fail, vl_case
 from tests.helpers.tiny_vlm import make_tiny_vl_model
 
 pytestmark = pytest.mark.parity
@@ -45,3 +45,9 @@ def test_megarl_verify_on_a_qwen3_vl_checkpoint_tp2_pp2(vl, capsys):
     assert main(["--hf", vl[0], "--tp", "2", "--pp", "2", "--batch", "3", "--seq-len", "48"]) == 0
     out = capsys.readouterr().out
     assert "synthetic images (merged grids [[1, 2, 3], [1, 3, 3], [1, 4, 2]])" in out and "): OK" in out, out
+
+
+@pytest.mark.slow
+def test_qwen3_vl_tower_gradients_at_tp2_equal_transformers(vl):
+    """Through the DeepStack hooks too: the DeepStack mergers' gradients come only from the first layers."""
+    assert_tower_gradients_match(vl, "qwen3_vl")

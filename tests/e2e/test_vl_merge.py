@@ -1,7 +1,9 @@
-"""A Qwen2.5-VL or Qwen3-VL checkpoint through the commands a user runs: `megarl import --tp 2` -> `megarl merge` writes every
-tensor bitwise as the original checkpoint holds it (vision tower included), with the image processor's files beside
-the tokenizer's, and transformers loads the merged directory and answers as the original does (the same greedy tokens
-and logits on text around images); `merge --verify` on it says which command compares a vision-language model."""
+"""A Qwen2.5-VL or Qwen3-VL checkpoint through the commands a user runs: `megarl import --tp 2` -> `megarl merge`
+writes every tensor bitwise as the original checkpoint holds it (vision tower included), with the image processor's
+files beside the tokenizer's, and transformers loads the merged directory and answers as the original does (the same
+greedy tokens and logits on text around images); `merge --verify` on it says which command compares a
+vision-language model.
+"""
 import subprocess
 import sys
 from pathlib import Path
