@@ -181,3 +181,13 @@ def test_weight_sync_layout_and_plan_hold_the_tower_whole_on_the_first_stage(tin
     p = profile(_config(hf_dir))
     assert p.total == sum(t.numel() for t in ckpt.values())
     assert p.vision == sum(math.prod(t.shape) for k, t in ckpt.items() if k.startswith("model.visual."))
+
+
+def test_transformers_4_config_with_rope_scaling_reads_the_same(tiny_vl):
+    """Qwen3-VL's released config.json files (transformers 4.57) keep rope_theta in text_config and the M-RoPE fields
+    in rope_scaling {rope_type: default, mrope_section, mrope_interleaved: true}."""
+    cfg = _config(tiny_vl[0])
+    rope = cfg["text_config"].pop("rope_parameters")
+    cfg["text_config"].update(rope_theta=rope["rope_theta"], rope_scaling={
+        "rope_type": "default", "mrope_section": rope["mrope_section"], "mrope_interleaved": True})
+    assert spec_from_dict(cfg) == load_spec(tiny_vl[0])
