@@ -1,7 +1,7 @@
-"""Qwen3-VL (dense): HF -> megarl (TP1, TP2, PP2 over gloo) -> logprobs equal HF transformers'
+"""Qwen3-VL (dense): HF -> megarl (TP1, TP2, PP2, TP2 x PP2 over gloo) -> logprobs equal HF transformers'
 Qwen3VLForConditionalGeneration within the float32 bound derived from the model's widths and depth (the vision tower
-and its DeepStack features included), and HF -> megarl -> export is bitwise the input checkpoint (TP2, PP2); `megarl
-verify` on it at TP2 x PP2.
+and its DeepStack features included), and HF -> megarl -> export is bitwise the input checkpoint (TP2, PP2, TP2 x PP2;
+a tied-embedding variant at TP2 and the tower's gradients at TP2 in the slow tier); `megarl verify` on it at TP2 x PP2.
 
 The same comparisons as Qwen2.5-VL's (tests/dist/test_bridge_qwen2_5_vl.py, whose rank body they share): the language
 model alone (placeholders keep their token embeddings, interleaved M-RoPE positions) and the whole model (image
@@ -35,6 +35,22 @@ def test_qwen3_vl_parity_tp2_and_export_round_trip(vl):
 
 def test_qwen3_vl_parity_pp2_and_export_round_trip(vl):
     _run(vl, 1, negatives=False, export=True, pp=2, name="qwen3_vl")
+
+
+@pytest.mark.parity_repeat  # the kernels of tp2 and pp2
+def test_qwen3_vl_parity_tp2pp2_and_export_round_trip(vl):
+    _run(vl, 2, negatives=False, export=True, pp=2, name="qwen3_vl")
+
+
+@pytest.mark.slow
+def test_qwen3_vl_tied_embeddings_parity_tp2_and_export_round_trip(tmp_path):
+    """Qwen3-VL-2B/4B's shape: the LM head tied to the embedding (no lm_head.weight in the checkpoint)."""
+    from megarl.bridge.hf_config import load_spec
+    from tests.helpers.tiny_models import read_checkpoint
+
+    hf_dir = str(make_tiny_vl_model(tmp_path / "tied", seed=5, architecture="qwen3_vl", tie_word_embeddings=True))
+    assert load_spec(hf_dir).tie_word_embeddings and "lm_head.weight" not in read_checkpoint(hf_dir)
+    _run(vl_case(hf_dir, seed=6), 2, negatives=False, export=True, name="qwen3_vl tied")
 
 
 def test_megarl_verify_on_a_qwen3_vl_checkpoint_tp2_pp2(vl, capsys):
