@@ -346,7 +346,9 @@ class Qwen3VisionTower(torch.nn.Module):
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
 
-    images = forward
+    def images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
+        """(merged token embeddings, DeepStack features): the forward's."""
+        return self(pixel_values, grid_thw)
 
 
 VISION_TOWERS = {"qwen2_5_vl": Qwen25VisionTower, "qwen3_vl": Qwen3VisionTower}
@@ -418,13 +420,16 @@ def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.T
 
 
 @contextlib.contextmanager
-def deepstack_added(chunk, mask: torch.Tensor, features: list):
+def deepstack_added(model, mask: torch.Tensor, features: list):
     """While inside: the output hidden states [S, B, H] of global language-model layer i (i < len(features)) of this
-    chunk get features[i] [image tokens, H] added at the image tokens mask [B, S], as Qwen3-VL's DeepStack does.
-    ValueError when some of those layers are on a later pipeline stage (only the first holds the vision tower)."""
+    first-stage chunk get features[i] [image tokens, H] added at the image tokens mask [B, S], as Qwen3-VL's DeepStack
+    does. ValueError when some of those layers are on a later pipeline stage (only the first holds the vision tower)."""
+    from megarl.bridge.sharding import unwrap
+
     if not features:
         yield
         return
+    chunk = unwrap(model)[0]
     layers = {layer.layer_number - 1: layer for layer in chunk.decoder.layers}
     if any(i not in layers for i in range(len(features))):
         raise ValueError(f"DeepStack feeds language-model layers 0..{len(features) - 1}, but this first pipeline "
