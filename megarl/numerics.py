@@ -117,6 +117,14 @@ def vision_error_factor(vision, longest_segment: int) -> float:
     return math.sqrt(vision.patch_dim) + math.sqrt(max(int(vision.depth), 1)) * block + merger
 
 
+def vision_input_error(vision, longest_segment: int) -> float:
+    """The relative error (units of u) a vision tower brings into the language model's residual stream: its image
+    embeddings' (vision_error_factor), and Qwen3-VL's DeepStack features (each from at most `depth` blocks and a
+    merger of the same widths), entering after the first layers as further inputs of that error, independent of the
+    image embeddings': sqrt(1 + DeepStack features) times it."""
+    return vision_error_factor(vision, longest_segment) * math.sqrt(1 + len(vision.deepstack_visual_indexes))
+
+
 def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = False,
                vision_segment: int = 0) -> float:
     """The float32 tolerance for this model: the max abs logprob (or score) difference rounding explains over
@@ -126,7 +134,7 @@ def fp32_bound(spec, seq_len: int, n_positions: int, rms: float, score: bool = F
     if score:
         return fp32_output_bound(spec.hidden_size, widths, spec.num_layers, rms, n_positions)
     vision = getattr(spec, "vision", None)
-    extra = vision_error_factor(vision, vision_segment) if vision is not None and vision_segment else 0.0
+    extra = vision_input_error(vision, vision_segment) if vision is not None and vision_segment else 0.0
     return fp32_logprob_bound(spec.hidden_size, widths, spec.num_layers, spec.vocab_size, rms, n_positions, extra)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -49,7 +50,9 @@ SEQUENCE_CLASSIFICATION = {name.replace("ForCausalLM", "ForSequenceClassificatio
                            for name, fam in CAUSAL_LM.items() if fam != "glm4_moe"}  # transformers has no GLM-4.5 one
 # Vision-language models: a vision tower whose merged patch embeddings replace the image placeholder tokens of a
 # decoder whose rope is multimodal (M-RoPE: temporal / height / width sections of each head's rotary dims).
-VISION_LANGUAGE = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+VISION_LANGUAGE = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+# the causal LM each vision-language family's language model is (its text fields read as that architecture's)
+VL_TEXT_ARCHITECTURE = {"qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(CAUSAL_LM) + tuple(SEQUENCE_CLASSIFICATION) + tuple(VISION_LANGUAGE)
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "glm4_moe")
 # Families whose router is DeepSeek's: sigmoid scores, `e_score_correction_bias` added for the choice only,
@@ -80,6 +83,9 @@ class RopeSpec:
     # M-RoPE (vision-language models): rotary frequency pairs per position axis (temporal, height, width), in that
     # order over the first half of head_dim and again over the second; () for 1D rope
     mrope_section: tuple = ()
+    # Qwen3-VL's M-RoPE: frequency pair i rotates by axis i % 3 (height and width while i < 3 x their section),
+    # the temporal axis elsewhere, instead of three contiguous runs of pairs
+    mrope_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,11 @@ class MLASpec:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """The vision tower of a Qwen2.5-VL checkpoint (its `vision_config`) and the token ids that place its output."""
+    """The vision tower of a Qwen2.5-VL or Qwen3-VL checkpoint (its `vision_config`) and the token ids that place its
+    output. tower "qwen2_5_vl": RMSNorm, SwiGLU MLP, window attention, a bias-free patch embedding; "qwen3_vl":
+    LayerNorm, a GELU MLP, full attention per frame, a patch embedding with bias plus a learned square table of
+    position embeddings resampled to each image's grid, and DeepStack mergers whose outputs are added to the first
+    language-model layers' outputs at the image tokens."""
 
     depth: int
     hidden_size: int
@@ -123,6 +133,10 @@ class VisionSpec:
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
+    tower: str = "qwen2_5_vl"
+    hidden_act: str = "silu"  # the blocks' MLP activation (qwen3_vl: gelu_pytorch_tanh)
+    num_position_embeddings: int = 0  # qwen3_vl: the learned position table, a square grid of this many entries
+    deepstack_visual_indexes: tuple = ()  # qwen3_vl: blocks whose output feeds language-model layer 0, 1, ...
 
     @property
     def head_dim(self) -> int:
@@ -284,8 +298,8 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise BridgeError(f"{path}: architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
     family = CAUSAL_LM.get(arch) or SEQUENCE_CLASSIFICATION.get(arch) or VISION_LANGUAGE[arch]
-    if family == "qwen2_5_vl":
-        return _qwen2_5_vl(cfg, path)
+    if family in VISION_LANGUAGE.values():
+        return _qwen_vl(cfg, path, family)
     score_head = arch in SEQUENCE_CLASSIFICATION
     if score_head and cfg.get("num_labels", len(cfg.get("id2label") or {0: 0})) != 1:
         raise BridgeError(f"{path}: {arch} with num_labels={cfg.get('num_labels', len(cfg.get('id2label') or {}))} "
@@ -367,66 +381,90 @@ def spec_from_dict(cfg: dict, path: str = "config.json") -> ArchSpec:
         sliding_window=sliding, torch_dtype=str(dtype), score_head=score_head, **moe, **extra)
 
 
-def _qwen2_5_vl(cfg: dict, path: str) -> ArchSpec:
-    """A Qwen2_5_VLForConditionalGeneration config: the language model is Qwen2's (q/k/v bias) with M-RoPE, read from
-    `text_config` (transformers >= 5) or the top level (older config.json files keep the text fields there)."""
+def _qwen_vl(cfg: dict, path: str, family: str) -> ArchSpec:
+    """A Qwen2.5-VL or Qwen3-VL config: the language model is Qwen2's (q/k/v bias) or Qwen3's (q/k RMSNorm, an explicit
+    head_dim) with M-RoPE (Qwen3-VL's interleaved), read from `text_config` (transformers >= 5) or the top level (older
+    Qwen2.5-VL config.json files keep the text fields there)."""
+    name = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}[family]
     text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     text.update(cfg.get("text_config") or {})
-    text["architectures"] = ["Qwen2ForCausalLM"]
+    text["architectures"] = [VL_TEXT_ARCHITECTURE[family]]
     if text.get("use_sliding_window"):
-        raise BridgeError(f"{path}: use_sliding_window=true is not supported for Qwen2.5-VL (transformers' eager "
+        raise BridgeError(f"{path}: use_sliding_window=true is not supported for {name} (transformers' eager "
                           "attention ignores it too; every released checkpoint has false)")
     hidden, heads = _field(text, "hidden_size", path), _field(text, "num_attention_heads", path)
-    if hidden % heads or text.get("head_dim") not in (None, hidden // heads):
+    if family == "qwen2_5_vl" and (hidden % heads or text.get("head_dim") not in (None, hidden // heads)):
         raise BridgeError(f"{path}: Qwen2.5-VL's attention uses head_dim = hidden_size // num_attention_heads "
                           f"({hidden} // {heads}); head_dim={text.get('head_dim')} does not fit it")
     params = dict(text.get("rope_parameters") or {})
     params.update(text.get("rope_scaling") or {})
     section = params.get("mrope_section")
-    if not isinstance(section, (list, tuple)) or len(section) != 3 or sum(section) * 2 != hidden // heads:
-        raise BridgeError(f"{path}: rope mrope_section={section!r} must be three sizes (temporal, height, width) "
-                          f"summing to head_dim / 2 = {hidden // heads // 2}")
     if params.get("rope_type", params.get("type")) == "mrope":  # older configs name M-RoPE's default rope "mrope"
         params["rope_type"] = "default"
     params.pop("type", None)
+    params.pop("mrope_interleaved", None)  # transformers' Qwen3-VL always interleaves, whatever the flag says
     text["rope_parameters"], text["rope_scaling"] = params, None
     base = spec_from_dict(text, path)
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or sum(section) * 2 != base.head_dim:
+        raise BridgeError(f"{path}: rope mrope_section={section!r} must be three sizes (temporal, height, width) "
+                          f"summing to head_dim / 2 = {base.head_dim // 2}")
     if base.rope.type != "default":
         raise BridgeError(f"{path}: rope_type={base.rope.type!r} with M-RoPE is not supported (only 'default')")
-    vision = _vision(cfg.get("vision_config") or {}, cfg, path, base.hidden_size)
+    vision = _vision(cfg.get("vision_config") or {}, cfg, path, base, family)
     tie = bool(cfg.get("tie_word_embeddings", False) or text.get("tie_word_embeddings", False))
-    return dataclasses.replace(base, architecture=cfg["architectures"][0], family="qwen2_5_vl",
-                               rope=dataclasses.replace(base.rope, mrope_section=tuple(section)),
+    rope = dataclasses.replace(base.rope, mrope_section=tuple(section), mrope_interleaved=family == "qwen3_vl")
+    return dataclasses.replace(base, architecture=cfg["architectures"][0], family=family, rope=rope,
                                tie_word_embeddings=tie, vision=vision)
 
 
-def _vision(vc: dict, cfg: dict, path: str, lm_hidden: int) -> VisionSpec:
+# the vision MLP activations each tower takes (transformers' names)
+VISION_ACTIVATIONS = {"qwen2_5_vl": ("silu",), "qwen3_vl": ("gelu_pytorch_tanh", "gelu")}
+
+
+def _vision(vc: dict, cfg: dict, path: str, lm: ArchSpec, family: str) -> VisionSpec:
     where = f"{path} vision_config"
-    act = vc.get("hidden_act", "silu")
-    if act != "silu":
-        raise BridgeError(f"{where}: hidden_act={act!r} is not supported (Qwen2.5-VL's vision MLP is SwiGLU: 'silu')")
+    qwen3 = family == "qwen3_vl"
+    act = vc.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu")
+    if act not in VISION_ACTIVATIONS[family]:
+        raise BridgeError(f"{where}: hidden_act={act!r} is not supported (the {family} vision MLP takes "
+                          f"{list(VISION_ACTIVATIONS[family])})")
     rope = dict(vc.get("rope_parameters") or {})
     spec = VisionSpec(
         depth=_field(vc, "depth", where), hidden_size=_field(vc, "hidden_size", where),
         num_heads=_field(vc, "num_heads", where), intermediate_size=_field(vc, "intermediate_size", where),
         out_hidden_size=_field(vc, "out_hidden_size", where), in_channels=_field(vc, "in_channels", where, 3),
-        patch_size=_field(vc, "patch_size", where, 14), temporal_patch_size=_field(vc, "temporal_patch_size", where, 2),
-        spatial_merge_size=_field(vc, "spatial_merge_size", where, 2), window_size=_field(vc, "window_size", where, 112),
+        patch_size=_field(vc, "patch_size", where, 16 if qwen3 else 14),
+        temporal_patch_size=_field(vc, "temporal_patch_size", where, 2),
+        spatial_merge_size=_field(vc, "spatial_merge_size", where, 2),
+        window_size=0 if qwen3 else _field(vc, "window_size", where, 112),
         fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes") or ()),
         rope_theta=float(rope.get("rope_theta", vc.get("rope_theta", 10000.0))),
         tokens_per_second=_field(vc, "tokens_per_second", where, 4),
         image_token_id=_field(cfg, "image_token_id", path, 151655),
         video_token_id=_field(cfg, "video_token_id", path, 151656),
-        vision_start_token_id=_field(cfg, "vision_start_token_id", path, 151652))
+        vision_start_token_id=_field(cfg, "vision_start_token_id", path, 151652),
+        tower=family, hidden_act=act,
+        num_position_embeddings=_field(vc, "num_position_embeddings", where) if qwen3 else 0,
+        deepstack_visual_indexes=tuple(vc.get("deepstack_visual_indexes") or ()) if qwen3 else ())
     if spec.hidden_size % spec.num_heads or spec.head_dim % 4:
         raise BridgeError(f"{where}: hidden_size={spec.hidden_size} / num_heads={spec.num_heads} must give a head_dim "
                           "divisible by 4 (the 2D rotary embedding gives half of it to rows, half to columns)")
-    if spec.out_hidden_size != lm_hidden:
+    if spec.out_hidden_size != lm.hidden_size:
         raise BridgeError(f"{where}: out_hidden_size={spec.out_hidden_size} must equal the language model's "
-                          f"hidden_size={lm_hidden} (the merger's output replaces token embeddings)")
+                          f"hidden_size={lm.hidden_size} (the merger's output replaces token embeddings)")
     if rope.get("rope_type", "axial") not in ("axial", "default"):
-        raise BridgeError(f"{where}: rope_type={rope.get('rope_type')!r} is not supported (Qwen2.5-VL's vision rope "
+        raise BridgeError(f"{where}: rope_type={rope.get('rope_type')!r} is not supported (the {family} vision rope "
                           "is 'axial')")
+    if qwen3:
+        side = math.isqrt(spec.num_position_embeddings)
+        if side < 1 or side * side != spec.num_position_embeddings:
+            raise BridgeError(f"{where}: num_position_embeddings={spec.num_position_embeddings} must be a square "
+                              "(the learned positions are a side x side grid)")
+        deep = spec.deepstack_visual_indexes
+        if len(set(deep)) != len(deep) or any(not 0 <= i < spec.depth for i in deep) or len(deep) > lm.num_layers:
+            raise BridgeError(f"{where}: deepstack_visual_indexes={list(deep)} must be distinct blocks of 0.."
+                              f"{spec.depth - 1}, at most num_hidden_layers={lm.num_layers} of them (block i's "
+                              "features feed language-model layer i)")
     return spec
 
 
@@ -640,3 +678,11 @@ def check_layout(spec: ArchSpec, tp: int = 1, pp: int = 1, ep: int = 1, etp: Opt
     for size, size_name, value, value_name in rules:
         if size < 1 or value % size:
             raise BridgeError(f"{size_name}={size} does not divide {value_name}={value}")
+    deep = len(spec.vision.deepstack_visual_indexes) if spec.vision is not None else 0
+    if deep and pp > 1:  # the layout is valid by now
+        first = stage_layer_counts(spec.num_layers, pp, first_stage, last_stage)[0]
+        if first < deep:  # the first stage holds the vision tower, so the layers its DeepStack features feed
+            raise BridgeError(f"pipeline_model_parallel_size={pp} puts {first} layer(s) on the first stage, but "
+                              f"{spec.architecture}'s DeepStack adds image features after layers 0..{deep - 1}, which "
+                              f"must be there with the vision tower; use a smaller PP or num_layers_in_first_pipeline_"
+                              f"stage >= {deep}")

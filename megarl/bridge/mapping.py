@@ -38,11 +38,9 @@ LM_HEAD, VALUE_HEAD = "lm", "value"
 # Vision-language models: the vision tower's parameters live below this prefix of the first stage's model
 # (megarl.megatron.vlm), one HF tensor each, whole on every TP rank (the tower is replicated).
 VISION_PREFIX, HF_VISION_PREFIX = "vision_model.", "visual."
-_VISION_BLOCK = ("norm1.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
-                 "norm2.weight", "mlp.gate_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.weight", "mlp.up_proj.bias",
-                 "mlp.down_proj.weight", "mlp.down_proj.bias")
-_VISION_MERGER = ("merger.ln_q.weight", "merger.mlp.0.weight", "merger.mlp.0.bias", "merger.mlp.2.weight",
-                  "merger.mlp.2.bias")
+# Checkpoint names that differ from the text models' (the language model's below "model.", the tower's below
+# "visual."): Qwen3-VL's checkpoints nest both below the joint model
+HF_RENAMES = {"qwen3_vl": (("model.", "model.language_model."), ("visual.", "model.visual."))}
 
 
 @dataclass(frozen=True)
@@ -120,32 +118,55 @@ def _mlp_rules(mg: str, hf: str, gate: str, up: str, down: str, expert: bool = F
             Rule(mg + "linear_fc2.weight", (hf + down,), PLAIN, 1, expert)]
 
 
+def vision_tensors(v) -> dict:
+    """{name below VISION_PREFIX: shape} of a vision tower (v: VisionSpec) in checkpoint order: the patch embedding,
+    every block, the patch merger (and Qwen3-VL's learned positions and DeepStack mergers)."""
+    h, merged, ffn = v.hidden_size, v.hidden_size * v.merge_unit, v.intermediate_size
+    out = {"patch_embed.proj.weight": (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+    qwen3 = v.tower == "qwen3_vl"
+    norm = ("weight", "bias") if qwen3 else ("weight",)  # LayerNorm / RMSNorm
+    mlp = ({"linear_fc1": (ffn, h), "linear_fc2": (h, ffn)} if qwen3 else
+           {"gate_proj": (ffn, h), "up_proj": (ffn, h), "down_proj": (h, ffn)})
+    if qwen3:
+        out.update({"patch_embed.proj.bias": (h,), "pos_embed.weight": (v.num_position_embeddings, h)})
+    for b in range(v.depth):
+        p = f"blocks.{b}."
+        out.update({p + f"norm1.{n}": (h,) for n in norm})
+        out.update({p + "attn.qkv.weight": (3 * h, h), p + "attn.qkv.bias": (3 * h,), p + "attn.proj.weight": (h, h),
+                    p + "attn.proj.bias": (h,)})
+        out.update({p + f"norm2.{n}": (h,) for n in norm})
+        for name, shape in mlp.items():
+            out.update({p + f"mlp.{name}.weight": shape, p + f"mlp.{name}.bias": shape[:1]})
+
+    def merger(p: str, norm_width: int, fc1: str, fc2: str, norm_name: str) -> None:
+        out.update({p + f"{norm_name}.{n}": (norm_width,) for n in norm})
+        out.update({p + f"{fc1}.weight": (merged, merged), p + f"{fc1}.bias": (merged,),
+                    p + f"{fc2}.weight": (v.out_hidden_size, merged), p + f"{fc2}.bias": (v.out_hidden_size,)})
+
+    if qwen3:
+        merger("merger.", h, "linear_fc1", "linear_fc2", "norm")
+        for i in range(len(v.deepstack_visual_indexes)):  # normalised after the 2 x 2 patches are joined
+            merger(f"deepstack_merger_list.{i}.", merged, "linear_fc1", "linear_fc2", "norm")
+    else:
+        merger("merger.", h, "mlp.0", "mlp.2", "ln_q")
+    return out
+
+
 def _vision_entries(spec: ArchSpec) -> list:
-    """Qwen2.5-VL's vision tower: the patch embedding, every block, the patch merger (checkpoint order)."""
-    names = ["patch_embed.proj.weight"]
-    names += [f"blocks.{b}.{n}" for b in range(spec.vision.depth) for n in _VISION_BLOCK]
-    names += list(_VISION_MERGER)
+    """The vision tower's tensors: one HF tensor each, replicated."""
     out = []
-    for n in names:
+    for n in vision_tensors(spec.vision):
         rule = Rule(VISION_PREFIX + n, (HF_VISION_PREFIX + n,))
         out.append(Entry(rule, rule.megatron, rule.hf))
     return out
 
 
-def _vision_shape(v, name: str) -> tuple:
-    """Shape of a vision tower tensor (name below VISION_PREFIX)."""
-    h, merged = v.hidden_size, v.hidden_size * v.merge_unit
-    if name == "patch_embed.proj.weight":
-        return (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-    if name.startswith("merger."):
-        return {"merger.ln_q.weight": (h,), "merger.mlp.0.weight": (merged, merged), "merger.mlp.0.bias": (merged,),
-                "merger.mlp.2.weight": (v.out_hidden_size, merged), "merger.mlp.2.bias": (v.out_hidden_size,)}[name]
-    part = name.split(".", 2)[2]
-    return {"norm1.weight": (h,), "norm2.weight": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
-            "attn.proj.weight": (h, h), "attn.proj.bias": (h,),
-            "mlp.gate_proj.weight": (v.intermediate_size, h), "mlp.gate_proj.bias": (v.intermediate_size,),
-            "mlp.up_proj.weight": (v.intermediate_size, h), "mlp.up_proj.bias": (v.intermediate_size,),
-            "mlp.down_proj.weight": (h, v.intermediate_size), "mlp.down_proj.bias": (h,)}[part]
+def _renamed(entries: list, renames: tuple) -> list:
+    """Entries whose HF names start with a renamed prefix, renamed (HF_RENAMES)."""
+    def rename(name: str) -> str:
+        return next((new + name[len(old):] for old, new in renames if name.startswith(old)), name)
+
+    return [Entry(e.rule, e.megatron, tuple(rename(h) for h in e.hf), e.layer, e.expert) for e in entries]
 
 
 def _dense_mlp_rules() -> list:
@@ -213,6 +234,8 @@ class Mapping:
                                  ("lm_head.weight",)))
         if spec.vision is not None:
             entries += _vision_entries(spec)
+        if spec.family in HF_RENAMES:
+            entries = _renamed(entries, HF_RENAMES[spec.family])
         self.entries: list = entries
         self.by_megatron = {e.megatron: e for e in entries}
         self.by_hf = {h: e for e in entries for h in e.hf}
@@ -239,7 +262,7 @@ class Mapping:
         name = entry.megatron
         hd, h = s.head_dim, s.hidden_size
         if name.startswith(VISION_PREFIX):
-            return _vision_shape(s.vision, name[len(VISION_PREFIX):])
+            return vision_tensors(s.vision)[name[len(VISION_PREFIX):]]
         if entry.kind == VOCAB:
             return (s.vocab_size, h)
         if entry.kind == QKV:

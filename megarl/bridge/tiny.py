@@ -75,7 +75,18 @@ def tiny_spec(spec: TinyModelSpec, vocab_size: int) -> ArchSpec:
 TINY_VL_VISION = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, in_channels=3, patch_size=14,
                       temporal_patch_size=2, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
                       tokens_per_second=4, hidden_act="silu")
+# The tiny Qwen3-VL: the same language-model sizes with Qwen3's q/k norms (head_dim 32, interleaved M-RoPE over the
+# same 4 + 6 + 6 pairs); a tower of 16-pixel patches with three blocks, the first two feeding DeepStack features to
+# language-model layers 0 and 1, and an 8 x 8 learned position table (resampled up and down to the images' grids).
+TINY_QWEN3_VL_VISION = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=2, in_channels=3, patch_size=16,
+                            temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
+                            deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
 TINY_VL_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# transformers config class, model class and default vision tower per tiny vision-language architecture
+TINY_VL_ARCHS = {
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TINY_VL_VISION),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", TINY_QWEN3_VL_VISION),
+}
 
 
 def tiny_vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vision_start_token_id: int,
@@ -83,21 +94,26 @@ def tiny_vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vi
                    num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 256,
                    tie_word_embeddings: bool = False, init_std: float = 0.02, mrope_section=(4, 6, 6),
                    bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
-                   pad_token_id: Optional[int] = None, **vision):
-    """The transformers Qwen2_5_VLConfig of a tiny random Qwen2.5-VL: the language model's sizes as given, the vision
-    tower TINY_VL_VISION (overridden by `vision`) whose merger outputs hidden_size. The four vision token ids must be
-    ids of the tokenizer's special tokens TINY_VL_SPECIAL_TOKENS (in that order: start, end, image, video)."""
+                   pad_token_id: Optional[int] = None, architecture: str = "qwen2_5_vl", **vision):
+    """The transformers config of a tiny random Qwen2.5-VL or Qwen3-VL (architecture, TINY_VL_ARCHS): the language
+    model's sizes as given, the architecture's tiny vision tower (overridden by `vision`) whose merger outputs
+    hidden_size. The four vision token ids must be ids of the tokenizer's special tokens TINY_VL_SPECIAL_TOKENS (in
+    that order: start, end, image, video)."""
     import transformers
 
+    config_cls, model_cls, tower = TINY_VL_ARCHS[architecture]
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(mrope_section)}
     text = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                 intermediate_size=intermediate_size, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
                 hidden_act="silu", initializer_range=init_std, tie_word_embeddings=tie_word_embeddings,
                 bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                                 "mrope_section": list(mrope_section)})
-    vision_config = dict(TINY_VL_VISION, out_hidden_size=hidden_size, initializer_range=init_std, **vision)
-    return transformers.Qwen2_5_VLConfig(
+                rope_parameters=rope)
+    if architecture == "qwen3_vl":
+        text["head_dim"] = hidden_size // num_attention_heads
+        rope["mrope_interleaved"] = True
+    vision_config = dict(tower, out_hidden_size=hidden_size, initializer_range=init_std, **vision)
+    return getattr(transformers, config_cls)(
         text_config=text, vision_config=vision_config, image_token_id=image_token_id, video_token_id=video_token_id,
         vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id,
-        tie_word_embeddings=tie_word_embeddings, architectures=["Qwen2_5_VLForConditionalGeneration"])
+        tie_word_embeddings=tie_word_embeddings, architectures=[model_cls])

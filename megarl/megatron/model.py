@@ -22,8 +22,10 @@ Choices (each one is what makes megarl's logprobs equal HF transformers'):
   (capacity factor None), allgather dispatcher by default. Sequence parallel is switched on for MoE with TP>1
   (megatron requires it). Qwen2-MoE shared experts: moe_shared_expert_intermediate_size + moe_shared_expert_gate
   (sigmoid gate, as HF).
-- Vision-language (Qwen2.5-VL, spec.vision set): position_embedding_type "mrope" with the checkpoint's mrope_section,
-  and megarl.megatron.vlm's vision tower attached to the first stage's GPTModel as `vision_model` (replicated over TP).
+- Vision-language (Qwen2.5-VL, Qwen3-VL dense; spec.vision set): position_embedding_type "mrope" with the checkpoint's
+  mrope_section (Qwen3-VL's interleaved: megarl.megatron.vlm.InterleavedMRoPE in place of megatron's contiguous
+  sections), and megarl.megatron.vlm's vision tower attached to the first stage's GPTModel as `vision_model`
+  (replicated over TP).
 - Critic (value_head=True): the same trunk; `output_layer` is a ValueHead, a replicated [1, hidden] linear (no bias)
   giving one value per token. It is loaded from HF `score.weight` when the checkpoint has one (a *ForSequenceClassification
   reward/value model); otherwise initialised N(0, std=1/(hidden_size+1)) from a generator seeded with `head_seed`
@@ -307,10 +309,14 @@ def build_gpt_model(spec: ArchSpec, *, value_head: bool = False, dtype: Optional
         model.output_layer = ValueHead(spec.hidden_size, config.sequence_parallel, config.params_dtype, head_seed)
         if torch.cuda.is_available():
             model.output_layer.cuda()
-    if spec.vision is not None and pre_process:  # the first stage turns images into embeddings
-        from megarl.megatron.vlm import Qwen25VisionTower
+    if rope.mrope_interleaved:
+        from megarl.megatron.vlm import InterleavedMRoPE
 
-        tower = Qwen25VisionTower(spec.vision, dtype=config.params_dtype)
+        model.rotary_pos_emb = InterleavedMRoPE(model.rotary_pos_emb)
+    if spec.vision is not None and pre_process:  # the first stage turns images into embeddings
+        from megarl.megatron.vlm import vision_tower
+
+        tower = vision_tower(spec.vision, dtype=config.params_dtype)
         setattr(model, VISION_PREFIX.rstrip("."), tower.cuda() if torch.cuda.is_available() else tower)
     model.megarl_spec = spec
     model.megarl_head = VALUE_HEAD if value_head else LM_HEAD

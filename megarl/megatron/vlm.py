@@ -1,4 +1,5 @@
-"""Qwen2.5-VL on megatron-core: the vision tower and patch merger, M-RoPE positions, and the forward that joins them.
+"""Qwen2.5-VL and Qwen3-VL on megatron-core: the vision towers and patch mergers, M-RoPE positions, and the forward
+that joins them.
 
     model = build_gpt_model(spec)            # spec.vision set: a GPTModel with M-RoPE, `vision_model` on stage 0
     logits = vl_logits(model, input_ids, pixel_values, image_grid_thw)     # [B, S, padded vocab / TP]
@@ -15,11 +16,21 @@ of a merged token concatenated and sent through Linear-GELU-Linear to the langua
 within windows of window_size pixels (blocks not in fullatt_block_indexes) or over each whole frame; the patches are
 reordered window by window before the blocks and the merged tokens put back in raster order after the merger.
 
-Positions (mrope_positions): text tokens count up on all three axes; the merged tokens of an image of t x h x w merged
-cells starting at position p get (p + frame, p + row, p + column), and the text after it resumes at p + max(h, w).
+Qwen3-VL's tower (`Qwen3VisionTower`) differs: the patch embedding has a bias and adds a learned position embedding
+(a side x side table resampled bilinearly, corners aligned, to each image's patch grid); its blocks use LayerNorm and a
+GELU MLP (linear_fc1, linear_fc2) and attend over each whole frame (no windows); its mergers use LayerNorm, and the
+DeepStack mergers (LayerNorm after the 2 x 2 patches are joined) turn the output of blocks deepstack_visual_indexes
+into features added to the output of language-model layers 0, 1, ... at the image tokens (deepstack_added). Its
+language model rotates by interleaved M-RoPE (InterleavedMRoPE).
+
+Positions (mrope_positions, the same for both on images): text tokens count up on all three axes; the merged tokens of
+an image of t x h x w merged cells starting at position p get (p + frame, p + row, p + column), and the text after it
+resumes at p + max(h, w).
 """
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -107,7 +118,25 @@ def frame_lengths(grid_thw: torch.Tensor) -> list:
     return [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
 
 
-# ---- the vision tower ---------------------------------------------------------------------------------------------
+# ---- the vision towers --------------------------------------------------------------------------------------------
+def _vision_inv_freq(v: VisionSpec) -> torch.Tensor:
+    d = v.head_dim // 2  # rows take half of each head's rotary pairs, columns the other half
+    return 1.0 / (v.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def _patch_angles(grid_thw: torch.Tensor, v: VisionSpec, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary angles [N, head_dim] of the patches in pixel_values' order: rows' angles then columns', twice (halves)."""
+    angles = patch_positions(grid_thw, v.spatial_merge_size).to(inv_freq.device, torch.float32)[..., None] * inv_freq
+    angles = angles.reshape(angles.shape[0], -1)  # [N, head_dim / 2]
+    return torch.cat([angles, angles], dim=-1)
+
+
+def _check_pixels(pixel_values: torch.Tensor, grid_thw: torch.Tensor, v: VisionSpec) -> None:
+    if pixel_values.shape != (int(grid_thw.prod(-1).sum()), v.patch_dim):
+        raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; image_grid_thw {grid_thw.tolist()} "
+                         f"implies ({int(grid_thw.prod(-1).sum())}, {v.patch_dim})")
+
+
 class _RMSNorm(torch.nn.Module):
     def __init__(self, size: int, eps: float, dtype):
         super().__init__()
@@ -164,11 +193,30 @@ class _MLP(torch.nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class _Block(torch.nn.Module):
+class _GeluMLP(torch.nn.Module):
+    """Qwen3-VL's vision MLP: linear_fc1, GELU (tanh approximation for gelu_pytorch_tanh), linear_fc2."""
+
     def __init__(self, v: VisionSpec, dtype):
         super().__init__()
-        self.norm1, self.norm2 = _RMSNorm(v.hidden_size, v.norm_eps, dtype), _RMSNorm(v.hidden_size, v.norm_eps, dtype)
-        self.attn, self.mlp = _Attention(v, dtype), _MLP(v, dtype)
+        self.linear_fc1 = torch.nn.Linear(v.hidden_size, v.intermediate_size, bias=True, dtype=dtype)
+        self.linear_fc2 = torch.nn.Linear(v.intermediate_size, v.hidden_size, bias=True, dtype=dtype)
+        self.approximate = "tanh" if v.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def forward(self, x):
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class _Block(torch.nn.Module):
+    """Pre-norm attention and MLP; RMSNorm and SwiGLU (Qwen2.5-VL) or LayerNorm and GELU (Qwen3-VL)."""
+
+    def __init__(self, v: VisionSpec, dtype):
+        super().__init__()
+        if v.tower == "qwen3_vl":
+            self.norm1, self.norm2 = (torch.nn.LayerNorm(v.hidden_size, eps=v.norm_eps, dtype=dtype) for _ in range(2))
+            self.attn, self.mlp = _Attention(v, dtype), _GeluMLP(v, dtype)
+        else:
+            self.norm1, self.norm2 = (_RMSNorm(v.hidden_size, v.norm_eps, dtype) for _ in range(2))
+            self.attn, self.mlp = _Attention(v, dtype), _MLP(v, dtype)
 
     def forward(self, x, cos, sin, segments):
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -201,25 +249,19 @@ class Qwen25VisionTower(torch.nn.Module):
         torch.nn.init.normal_(self.patch_embed.proj.weight, std=0.02)
         self.blocks = torch.nn.ModuleList(_Block(v, dtype) for _ in range(v.depth))
         self.merger = _Merger(v, dtype)
-        d = v.head_dim // 2  # rows take half of each head's rotary pairs, columns the other half
-        self.register_buffer("inv_freq", 1.0 / (v.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)),
-                             persistent=False)
+        self.register_buffer("inv_freq", _vision_inv_freq(v), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, patch_dim] (the image processor's flattened patches), grid_thw [images, 3] -> merged token
         embeddings [N / merge**2, out_hidden_size] in the images' order, each image's tokens in raster order."""
         v = self.spec
         unit = v.merge_unit
-        if pixel_values.shape != (int(grid_thw.prod(-1).sum()), v.patch_dim):
-            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; image_grid_thw {grid_thw.tolist()} "
-                             f"implies ({int(grid_thw.prod(-1).sum())}, {v.patch_dim})")
+        _check_pixels(pixel_values, grid_thw, v)
         weight = self.patch_embed.proj.weight
         x = F.linear(pixel_values.to(weight.dtype), weight.reshape(weight.shape[0], -1))  # [N, hidden]
         n = x.shape[0]
         order, windows = window_order(grid_thw, v)
-        angles = patch_positions(grid_thw, v.spatial_merge_size).to(x.device, torch.float32)[..., None] * self.inv_freq
-        angles = angles.reshape(n, -1)  # [N, head_dim / 2]: rows' angles then columns'
-        angles = torch.cat([angles, angles], dim=-1)
+        angles = _patch_angles(grid_thw, v, self.inv_freq)
 
         def by_window(t):
             return t.reshape(n // unit, unit, -1)[order.to(t.device)].reshape(n, -1)
@@ -232,12 +274,131 @@ class Qwen25VisionTower(torch.nn.Module):
         merged = self.merger(x)
         return merged[torch.argsort(order.to(merged.device))]
 
+    def images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
+        """(merged token embeddings, DeepStack features: none)."""
+        return self(pixel_values, grid_thw), []
+
+
+class _Qwen3Merger(torch.nn.Module):
+    """LayerNorm (over each patch, or over the joined merge x merge patches: postshuffle), then Linear-GELU-Linear."""
+
+    def __init__(self, v: VisionSpec, dtype, postshuffle: bool):
+        super().__init__()
+        self.width, self.postshuffle = v.hidden_size * v.merge_unit, postshuffle
+        self.norm = torch.nn.LayerNorm(self.width if postshuffle else v.hidden_size, eps=1e-6, dtype=dtype)
+        self.linear_fc1 = torch.nn.Linear(self.width, self.width, dtype=dtype)
+        self.linear_fc2 = torch.nn.Linear(self.width, v.out_hidden_size, dtype=dtype)
+
+    def forward(self, x):
+        x = self.norm(x.reshape(-1, self.width) if self.postshuffle else x).reshape(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+def resampled_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """Qwen3-VL's learned position embeddings [N, hidden] of the patches in pixel_values' order: the side x side table
+    [side**2, hidden] resampled bilinearly (corners aligned) to each image's h x w patch grid, the same for each of its
+    t frames."""
+    side = math.isqrt(table.shape[0])
+    grid = table.t().reshape(1, -1, side, side)
+    out = []
+    for t, h, w in grid_thw.tolist():
+        image = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=True)[0]  # [hidden, h, w]
+        rc = patch_positions(torch.tensor([[t, h, w]]), merge).to(table.device)
+        out.append(image[:, rc[:, 0], rc[:, 1]].t())
+    return torch.cat(out)
+
+
+class Qwen3VisionTower(torch.nn.Module):
+    """Qwen3-VL's vision encoder, patch merger and DeepStack mergers (module docstring); parameter names follow the
+    checkpoint's `model.visual.*` below `vision_model.` (megarl.bridge.mapping)."""
+
+    def __init__(self, vision: VisionSpec, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        v = self.spec = vision
+        self.patch_embed = torch.nn.Module()
+        self.patch_embed.proj = _Holder((v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                         v.patch_size), dtype)
+        self.patch_embed.proj.bias = torch.nn.Parameter(torch.zeros(v.hidden_size, dtype=dtype))
+        torch.nn.init.normal_(self.patch_embed.proj.weight, std=0.02)
+        self.pos_embed = torch.nn.Embedding(v.num_position_embeddings, v.hidden_size, dtype=dtype)
+        self.blocks = torch.nn.ModuleList(_Block(v, dtype) for _ in range(v.depth))
+        self.merger = _Qwen3Merger(v, dtype, postshuffle=False)
+        self.deepstack_merger_list = torch.nn.ModuleList(
+            _Qwen3Merger(v, dtype, postshuffle=True) for _ in v.deepstack_visual_indexes)
+        self.register_buffer("inv_freq", _vision_inv_freq(v), persistent=False)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
+        """pixel_values [N, patch_dim], grid_thw [images, 3] -> (merged token embeddings [N / merge**2, out_hidden],
+        DeepStack features: one such tensor per deepstack_visual_indexes entry, in the order the blocks produce them,
+        feeding language-model layers 0, 1, ...)."""
+        v = self.spec
+        _check_pixels(pixel_values, grid_thw, v)
+        proj = self.patch_embed.proj
+        x = F.linear(pixel_values.to(proj.weight.dtype), proj.weight.reshape(proj.weight.shape[0], -1), proj.bias)
+        x = x + resampled_positions(self.pos_embed.weight, grid_thw, v.spatial_merge_size).to(x.dtype)
+        angles = _patch_angles(grid_thw, v, self.inv_freq)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        frames = frame_lengths(grid_thw)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames)
+            if i in v.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+    def images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple:
+        """(merged token embeddings, DeepStack features): the forward's."""
+        return self(pixel_values, grid_thw)
+
+
+VISION_TOWERS = {"qwen2_5_vl": Qwen25VisionTower, "qwen3_vl": Qwen3VisionTower}
+
+
+def vision_tower(vision: VisionSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The vision tower of a VisionSpec (by its tower kind)."""
+    return VISION_TOWERS[vision.tower](vision, dtype)
+
+
+# ---- Qwen3-VL's language-model side ---------------------------------------------------------------------------------
+def interleaved_axes(mrope_section, pairs: int) -> torch.Tensor:
+    """Qwen3-VL's position axis [pairs] (0 temporal, 1 height, 2 width) of each rotary frequency pair: pair i takes
+    height when i % 3 == 1 and i < 3 x section[1], width when i % 3 == 2 and i < 3 x section[2], else temporal."""
+    i = torch.arange(pairs)
+    axes = torch.zeros(pairs, dtype=torch.long)
+    axes[(i % 3 == 1) & (i < 3 * mrope_section[1])] = 1
+    axes[(i % 3 == 2) & (i < 3 * mrope_section[2])] = 2
+    return axes
+
+
+class InterleavedMRoPE(torch.nn.Module):
+    """Stands in for megatron-core's MultimodalRotaryEmbedding (whose sections are contiguous runs of frequency
+    pairs) in a Qwen3-VL GPTModel: the same call and output [S, B, 1, head_dim], each pair rotating by the position
+    axis interleaved_axes gives it; the frequencies are the wrapped embedding's."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
+        from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+        inv_freq = self.inner.inv_freq
+        freqs = position_ids.to(inv_freq.device, torch.float32)[..., None] * inv_freq  # [3, B, S, pairs]
+        axes = interleaved_axes(mrope_section, inv_freq.numel()).to(freqs.device)
+        freqs = freqs.gather(0, axes.expand(1, *freqs.shape[1:]))[0]  # [B, S, pairs]
+        emb = torch.cat([freqs, freqs], dim=-1)[..., None, :].transpose(0, 1).contiguous()  # [S, B, 1, head_dim]
+        cp_group = cp_group if cp_group is not None else self.inner.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        return emb
+
 
 # ---- the joined forward --------------------------------------------------------------------------------------------
 def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
-                  image_grid_thw: Optional[torch.Tensor]) -> torch.Tensor:
-    """The decoder input [S, B, hidden] of a first-stage chunk: token embeddings with each image placeholder's
-    embedding replaced by its merged image token (images and their tokens in row-major order)."""
+                  image_grid_thw: Optional[torch.Tensor]) -> tuple:
+    """(the decoder input [S, B, hidden] of a first-stage chunk: token embeddings with each image placeholder's
+    embedding replaced by its merged image token (images and their tokens in row-major order), the DeepStack features
+    [image tokens, hidden] for language-model layers 0, 1, ... (none for Qwen2.5-VL or without images))."""
     from megarl.bridge.sharding import unwrap
 
     chunk = unwrap(model)[0]
@@ -246,16 +407,49 @@ def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.T
                          "are placed into the whole sequence on every TP rank)")
     emb = chunk.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H]
     if pixel_values is None:
-        return emb
+        return emb, []
     vision = chunk.megarl_spec.vision
-    image = chunk.vision_model(pixel_values, image_grid_thw)
+    image, deepstack = chunk.vision_model.images(pixel_values, image_grid_thw)
     mask = input_ids == vision.image_token_id  # [B, S]
     if int(mask.sum()) != image.shape[0]:
         raise ValueError(f"input_ids hold {int(mask.sum())} image placeholders but the images give {image.shape[0]} "
                          "merged tokens")
     rows = emb.transpose(0, 1).clone()  # [B, S, H]: placeholders are filled row by row, as the images come
     rows[mask] = image.to(rows.dtype)
-    return rows.transpose(0, 1).contiguous()
+    return rows.transpose(0, 1).contiguous(), deepstack
+
+
+@contextlib.contextmanager
+def deepstack_added(model, mask: torch.Tensor, features: list):
+    """While inside: the output hidden states [S, B, H] of global language-model layer i (i < len(features)) of this
+    first-stage chunk get features[i] [image tokens, H] added at the image tokens mask [B, S], as Qwen3-VL's DeepStack
+    does. ValueError when some of those layers are on a later pipeline stage (only the first holds the vision tower)."""
+    from megarl.bridge.sharding import unwrap
+
+    if not features:
+        yield
+        return
+    chunk = unwrap(model)[0]
+    layers = {layer.layer_number - 1: layer for layer in chunk.decoder.layers}
+    if any(i not in layers for i in range(len(features))):
+        raise ValueError(f"DeepStack feeds language-model layers 0..{len(features) - 1}, but this first pipeline "
+                         f"stage holds layers {sorted(layers)}; put at least {len(features)} layers on it")
+
+    def hook(feature):
+        def add(module, inputs, output):
+            hidden, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+            rows = hidden.transpose(0, 1).clone()  # [B, S, H]
+            rows[mask] = rows[mask] + feature.to(rows.dtype)
+            hidden = rows.transpose(0, 1).contiguous()
+            return hidden if rest is None else (hidden, *rest)
+        return add
+
+    handles = [layers[i].register_forward_hook(hook(f)) for i, f in enumerate(features)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor] = None,
@@ -266,7 +460,8 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
     (forward only); positions [3, B, S] default to mrope_positions. Call on every rank of the model-parallel group.
 
     Every stage computes the rotary embedding from the same positions; the first stage builds the decoder input from
-    the token embeddings and the vision tower's image embeddings (vl_embeddings)."""
+    the token embeddings and the vision tower's image embeddings (vl_embeddings) and adds Qwen3-VL's DeepStack
+    features after its first layers (deepstack_added)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -289,8 +484,10 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
 
     def step(data_iterator, m):
         next(data_iterator)
-        decoder_input = vl_embeddings(chunk, input_ids, pixels, image_grid_thw) if chunk.pre_process else None
-        out = m(input_ids=input_ids, position_ids=positions, attention_mask=mask, decoder_input=decoder_input)
+        decoder_input, deepstack = vl_embeddings(chunk, input_ids, pixels, image_grid_thw) if chunk.pre_process \
+            else (None, [])
+        with deepstack_added(chunk, input_ids == vision.image_token_id, deepstack):
+            out = m(input_ids=input_ids, position_ids=positions, attention_mask=mask, decoder_input=decoder_input)
         return out, lambda output: (torch.zeros((), device=output.device), {"out": output.detach()})
 
     chunk.config.variable_seq_lengths = False

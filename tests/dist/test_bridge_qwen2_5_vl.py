@@ -62,6 +62,18 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool, pp
             k = int(grid[r].prod()) // 4
             shifted[r, st:st + k + 1] = torch.cat([tokens[r, st + k + 1:st + k + 2], tokens[r, st:st + k]])
         out["image_tokens_shifted"] = logprobs(shifted)
+        if spec.vision.tower == "qwen3_vl":  # what Qwen3-VL adds, each left out in turn
+            import contextlib
+
+            from megarl.megatron import vlm
+
+            added, vlm.deepstack_added = vlm.deepstack_added, lambda *a: contextlib.nullcontext()
+            out["without_deepstack"] = logprobs(tokens)
+            vlm.deepstack_added = added
+            interleaved = model.rotary_pos_emb
+            model.rotary_pos_emb = interleaved.inner  # megatron's contiguous sections
+            out["contiguous_mrope"] = logprobs(tokens)
+            model.rotary_pos_emb = interleaved
     problems = None
     if export:
         exported = {k: v.cpu() for k, v in export_to_dict(model, spec, bucket_bytes=64 << 10).items()}
@@ -73,16 +85,14 @@ def vl_rank(hf_dir: str, batch: dict, tp: int, negatives: bool, export: bool, pp
     return {"logprobs": out if keep else None, "export": problems}
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    """The tiny model, its batch, HF's logprobs with and without images and the derived bound of each."""
+def vl_case(hf_dir: str, seed: int = 2) -> tuple:
+    """(hf_dir, its batch, {"text" | "images": (HF's logprobs, the derived bound)}) of a tiny VL checkpoint."""
     import torch
 
     from megarl.bridge.hf_config import load_spec
     from megarl.numerics import fp32_bound
 
-    hf_dir = str(make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "qwen2_5_vl", seed=4))
-    batch = vl_batch(hf_dir, [synthetic_image(w, h, i) for i, (w, h) in enumerate(IMAGES)], seq_len=SEQ, seed=2)
+    batch = vl_batch(hf_dir, [synthetic_image(w, h, i) for i, (w, h) in enumerate(IMAGES)], seq_len=SEQ, seed=seed)
     spec = load_spec(hf_dir)
     tokens = batch["input_ids"]
     refs = {}
@@ -97,7 +107,13 @@ def vl(tmp_path_factory):
     return hf_dir, batch, refs
 
 
-def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1) -> dict:
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    """The tiny model, its batch, HF's logprobs with and without images and the derived bound of each."""
+    return vl_case(str(make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "qwen2_5_vl", seed=4)))
+
+
+def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1, name: str = "qwen2_5_vl") -> dict:
     hf_dir, batch, refs = vl
     results = run_ranks(f"{__name__}:vl_rank", tp * pp, {"hf_dir": hf_dir, "batch": batch, "tp": tp, "pp": pp,
                                                          "negatives": negatives, "export": export}, timeout=600)
@@ -105,21 +121,26 @@ def _run(vl, tp: int, negatives: bool, export: bool, pp: int = 1) -> dict:
     for rank, r in enumerate(results):
         assert r["export"] in (None, []), f"rank {rank}: export round trip problems {r['export'][:10]}"
     got = next(r["logprobs"] for r in results if r["logprobs"] is not None)
-    for name in ("text", "images"):
-        ref, bound = refs[name]
-        diff = (got[name] - ref).abs().max().item()
-        print(f"[qwen2_5_vl tp{tp} pp{pp}] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
-        assert diff < bound, f"{name} at TP{tp} PP{pp}: max abs logprob diff {diff:.3e} >= derived bound {bound:.3e}"
+    for variant in ("text", "images"):
+        ref, bound = refs[variant]
+        diff = (got[variant] - ref).abs().max().item()
+        print(f"[{name} tp{tp} pp{pp}] {variant}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
+        assert diff < bound, f"{variant} at TP{tp} PP{pp}: max abs logprob diff {diff:.3e} >= bound {bound:.3e}"
     return got
 
 
+def assert_wrong_inputs_fail(got: dict, refs: dict, name: str, extra: tuple = ()) -> None:
+    """1D positions, one image's height positions off by one and shifted placeholders (and the `extra` variants of
+    vl_rank) each differ from HF's logprobs with images far beyond the derived bound."""
+    ref, bound = refs["images"]
+    for variant in ("positions_1d", "image_rows_off_by_one", "image_tokens_shifted") + extra:
+        diff = (got[variant] - ref).abs().max().item()
+        print(f"[{name} tp1] {variant}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
+        assert diff > 10 * bound, f"{variant}: the comparison did not catch it ({diff:.3e} vs bound {bound:.3e})"
+
+
 def test_vl_parity_tp1_and_wrong_inputs_fail(vl):
-    got = _run(vl, 1, negatives=True, export=False)
-    ref, bound = vl[2]["images"]
-    for name in ("positions_1d", "image_rows_off_by_one", "image_tokens_shifted"):
-        diff = (got[name] - ref).abs().max().item()
-        print(f"[qwen2_5_vl tp1] {name}: max |logprob diff| = {diff:.2e} (bound {bound:.2e})")
-        assert diff > 10 * bound, f"{name}: the comparison did not catch it ({diff:.3e} vs bound {bound:.3e})"
+    assert_wrong_inputs_fail(_run(vl, 1, negatives=True, export=False), vl[2], "qwen2_5_vl")
 
 
 def test_vl_parity_tp2_and_export_round_trip(vl):
@@ -176,35 +197,34 @@ def vl_grad_rank(hf_dir: str, batch: dict, tp: int):
     from megarl.megatron.forward import causal_inputs
     from megarl.megatron.model import build_and_load
     from megarl.megatron.parallel import Layout, init_model_parallel
-    from megarl.megatron.vlm import mrope_positions, vl_embeddings
+    from megarl.megatron.vlm import deepstack_added, mrope_positions, vl_embeddings
 
     init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=7)
     model, spec = build_and_load(hf_dir, dtype=torch.float32)
     tokens, grid = batch["input_ids"], batch["image_grid_thw"]
-    decoder_input = vl_embeddings(model, tokens, batch["pixel_values"], grid)
-    local = model(input_ids=tokens, position_ids=mrope_positions(tokens, grid, spec.vision),
-                  attention_mask=causal_inputs(tokens)[1], decoder_input=decoder_input)
+    decoder_input, deepstack = vl_embeddings(model, tokens, batch["pixel_values"], grid)
+    with deepstack_added(model, tokens == spec.vision.image_token_id, deepstack):
+        local = model(input_ids=tokens, position_ids=mrope_positions(tokens, grid, spec.vision),
+                      attention_mask=causal_inputs(tokens)[1], decoder_input=decoder_input)
     logits = gather_from_tensor_model_parallel_region(local)[..., : spec.vocab_size]
     (-logprobs_of(logits, tokens).mean()).backward()
     return {n: p.grad.clone() for n, p in model.vision_model.named_parameters()}
 
 
-@pytest.mark.slow
-def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
+def assert_tower_gradients_match(vl, name: str) -> None:
     """The replicated tower receives the whole gradient on every TP rank (the same on both, bitwise), equal to
     transformers' on the same loss within the backward's rounding: the forward's relative error (language model and
     vision tower, megarl.numerics) transposed, times each tensor's gradient RMS, twice (two implementations)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from megarl.bridge.hf_config import load_spec
-    from megarl.numerics import (FP32_UNIT, fp32_logit_error_factor, layer_widths, tail_factor,
-                                 vision_error_factor)
+    from megarl.numerics import FP32_UNIT, fp32_logit_error_factor, layer_widths, tail_factor, vision_input_error
 
     hf_dir, batch, _ = vl
     ranks = run_ranks(f"{__name__}:vl_grad_rank", 2, {"hf_dir": hf_dir, "batch": batch, "tp": 2}, timeout=600)
     assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0])
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     logits = hf(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
                 image_grid_thw=batch["image_grid_thw"], mm_token_type_ids=batch["mm_token_type_ids"]).logits
     (-logprobs_of(logits, batch["input_ids"]).mean()).backward()
@@ -213,12 +233,17 @@ def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
     spec = load_spec(hf_dir)
     longest = int(batch["image_grid_thw"][:, 1:].prod(-1).max())
     factor = fp32_logit_error_factor(spec.hidden_size, layer_widths(spec, SEQ), spec.num_layers,
-                                     vision_error_factor(spec.vision, longest))
+                                     vision_input_error(spec.vision, longest))
     worst = 0.0
-    for name, g in ref.items():
+    for param, g in ref.items():
         rel = 2 * factor * FP32_UNIT * tail_factor(g.numel())
         scale = float(g.pow(2).mean().sqrt())
-        diff = float((ranks[0][name] - g).abs().max())
-        assert scale > 0 and diff <= rel * scale, f"{name}: max |grad diff| {diff:.3e} > {rel * scale:.3e}"
+        diff = float((ranks[0][param] - g).abs().max())
+        assert scale > 0 and diff <= rel * scale, f"{param}: max |grad diff| {diff:.3e} > {rel * scale:.3e}"
         worst = max(worst, diff / (rel * scale))
-    print(f"[qwen2_5_vl tp2] vision gradients: worst max |diff| / bound = {worst:.3f}")
+    print(f"[{name} tp2] vision gradients: worst max |diff| / bound = {worst:.3f}")
+
+
+@pytest.mark.slow
+def test_vision_tower_gradients_at_tp2_equal_transformers(vl):
+    assert_tower_gradients_match(vl, "qwen2_5_vl")

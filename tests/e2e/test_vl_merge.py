@@ -1,7 +1,9 @@
-"""A Qwen2.5-VL checkpoint through the commands a user runs: `megarl import --tp 2` -> `megarl merge` writes every
-tensor bitwise as the original checkpoint holds it (vision tower included), with the image processor's files beside
-the tokenizer's, and transformers loads the merged directory and answers as the original does (the same greedy tokens
-and logits on text around images); `merge --verify` on it says which command compares a vision-language model."""
+"""A Qwen2.5-VL or Qwen3-VL checkpoint through the commands a user runs: `megarl import --tp 2` -> `megarl merge`
+writes every tensor bitwise as the original checkpoint holds it (vision tower included), with the image processor's
+files beside the tokenizer's, and transformers loads the merged directory and answers as the original does (the same
+greedy tokens and logits on text around images); `merge --verify` on it says which command compares a
+vision-language model.
+"""
 import subprocess
 import sys
 from pathlib import Path
@@ -29,8 +31,9 @@ def _tensors(hf_dir: Path) -> dict:
     return out
 
 
-def test_import_tp2_merge_is_bitwise_and_transformers_answers_the_same(tmp_path):
-    hf = make_tiny_vl_model(tmp_path / "hf")
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
+def test_import_tp2_merge_is_bitwise_and_transformers_answers_the_same(tmp_path, architecture):
+    hf = make_tiny_vl_model(tmp_path / "hf", architecture=architecture)
     done = _megarl("import", "--hf", hf, "--out", tmp_path / "ck", "--tp", 2)
     assert done.returncode == 0, done.stderr[-3000:]
     done = _megarl("merge", "--ckpt", tmp_path / "ck" / "checkpoints" / "step_0", "--out", tmp_path / "merged",
@@ -53,12 +56,14 @@ def test_import_tp2_merge_is_bitwise_and_transformers_answers_the_same(tmp_path)
     batch = vl_batch(merged, [synthetic_image(100, 60, 0), synthetic_image(70, 130, 1)])
     # the same weights in the same float32 kernels: the logits are bitwise the original's
     assert torch.equal(hf_vl_logits(merged, batch), hf_vl_logits(hf, batch))
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     answers = []
     for d in (hf, merged):
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32,
-                                                                   attn_implementation="eager").eval()
+        model = AutoModelForImageTextToText.from_pretrained(str(d), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+        assert model.config.architectures == [{"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                               "qwen3_vl": "Qwen3VLForConditionalGeneration"}[architecture]]
         with torch.no_grad():
             answers.append(model.generate(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
                                           image_grid_thw=batch["image_grid_thw"],

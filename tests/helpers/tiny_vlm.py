@@ -1,12 +1,14 @@
-"""A tiny random Qwen2.5-VL, synthetic images and its processor inputs, for tests (no model hub needed).
+"""A tiny random Qwen2.5-VL or Qwen3-VL, synthetic images and its processor inputs, for tests (no model hub needed).
 
     hf_dir = make_tiny_vl_model(tmp_path / "qwen2_5_vl")      # config.json, sharded safetensors, tokenizer, processor
+    hf_dir = make_tiny_vl_model(tmp_path / "qwen3_vl", architecture="qwen3_vl")   # 16-pixel patches, DeepStack
     batch = vl_batch(hf_dir, [synthetic_image(100, 60, 0), synthetic_image(70, 90, 1)])
     # batch: input_ids [B, S], pixel_values [patches, 1176], image_grid_thw [images, 3], mm_token_type_ids [B, S]
 
 The tokenizer is tests/helpers/tiny_models.py's byte-level BPE with Qwen2.5-VL's four vision special tokens added; the
-image processor is transformers' own Qwen2-VL one (resize to multiples of 28 pixels, normalise, cut 14 x 14 x 2-frame
-patches in merge-block order), constructed locally with pixel limits small enough for a handful of merged tokens.
+image processor is transformers' own Qwen2-VL one (resize to multiples of 2 patches, normalise, cut patch x patch x
+2-frame patches in merge-block order; 14-pixel patches for Qwen2.5-VL, 16 for Qwen3-VL), constructed locally with pixel
+limits small enough for a handful of merged tokens.
 Every row holds text, one image's placeholder span (<|vision_start|> <|image_pad|> x n <|vision_end|>) and text, with
 no padding: every row has the same length.
 """
@@ -20,8 +22,10 @@ from tests.helpers.tiny_models import VOCAB, make_tokenizer
 
 __all__ = ["make_vl_tokenizer", "vision_token_ids", "image_processor", "randomize_vl_", "make_tiny_vl_model",
            "synthetic_image", "vl_batch", "hf_vl_logits", "logprobs_of"]
-# pixel limits: at most 24 merged tokens (28 x 28 pixels each), at least 4
-MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 24 * 28 * 28
+# pixel limits in merged tokens (2 x 2 patches each): at most 24, at least 4
+MIN_TOKENS, MAX_TOKENS = 4, 24
+# the tiny Qwen3-VL's language model: four layers, so that PP2 keeps both DeepStack layers on the first stage
+QWEN3_VL_LAYERS = 4
 
 
 def make_vl_tokenizer(out_dir: Union[str, Path, None] = None):
@@ -42,12 +46,19 @@ def vision_token_ids(tok) -> dict:
     return {n: tok.convert_tokens_to_ids(t) for n, t in zip(names, TINY_VL_SPECIAL_TOKENS)}
 
 
-def image_processor():
+def image_processor(patch_size: int = 14):
     """transformers' Qwen2-VL image processor (the PIL backend: no torchvision here) at the tiny model's limits."""
     from transformers import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
+    cell = (2 * patch_size) ** 2
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_TOKENS * cell, max_pixels=MAX_TOKENS * cell, patch_size=patch_size,
                                     temporal_patch_size=2, merge_size=2)
+
+
+def _patch_size(hf_dir) -> int:
+    import json
+
+    return json.loads((Path(hf_dir) / "config.json").read_text())["vision_config"]["patch_size"]
 
 
 def randomize_vl_(model, init_std: float = 0.1, seed: int = 0) -> None:
@@ -60,34 +71,38 @@ def randomize_vl_(model, init_std: float = 0.1, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * init_std)
-            elif "norm" in name or "ln_q" in name:
+            elif ("norm" in name or "ln_q" in name) and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def make_tiny_vl_model(out_dir: Union[str, Path], *, seed: int = 0, init_std: float = 0.1,
-                       max_shard_size: Optional[str] = "200KB", **config_overrides) -> Path:
-    """A random tiny Qwen2_5_VLForConditionalGeneration (megarl.bridge.tiny.tiny_vl_config with VOCAB tokens) saved
-    to out_dir with its tokenizer and image processor. Returns the directory."""
+                       max_shard_size: Optional[str] = "200KB", architecture: str = "qwen2_5_vl",
+                       **config_overrides) -> Path:
+    """A random tiny Qwen2_5_VLForConditionalGeneration or Qwen3VLForConditionalGeneration (architecture;
+    megarl.bridge.tiny.tiny_vl_config with VOCAB tokens) saved to out_dir with its tokenizer and image processor.
+    Returns the directory."""
     import torch
     import transformers
 
-    from megarl.bridge.tiny import tiny_vl_config
+    from megarl.bridge.tiny import TINY_VL_ARCHS, tiny_vl_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_vl_tokenizer(out)
+    if architecture == "qwen3_vl":
+        config_overrides.setdefault("num_hidden_layers", QWEN3_VL_LAYERS)
     config = tiny_vl_config(VOCAB, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                            **vision_token_ids(tok), **config_overrides)
+                            architecture=architecture, **vision_token_ids(tok), **config_overrides)
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = getattr(transformers, TINY_VL_ARCHS[architecture][1])(config).to(torch.float32)
     randomize_vl_(model, init_std, seed)
     kwargs = {"safe_serialization": True}
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(str(out), **kwargs)
-    image_processor().save_pretrained(str(out))
+    image_processor(config.vision_config.patch_size).save_pretrained(str(out))
     return out
 
 
@@ -102,7 +117,7 @@ def vl_batch(hf_dir: Union[str, Path], images: list, seq_len: int = 40, seed: in
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     ids = vision_token_ids(tok)
     specials = set(ids.values())
-    processed = image_processor()(images=images, return_tensors="pt")
+    processed = image_processor(_patch_size(hf_dir))(images=images, return_tensors="pt")
     grid = processed["image_grid_thw"].long()
     g = torch.Generator().manual_seed(seed)
     text_ids = torch.tensor([i for i in range(1, len(tok)) if i not in specials and i < VOCAB])
@@ -129,11 +144,11 @@ def hf_vl_logits(hf_dir: Union[str, Path], batch: dict, images: bool = True, mod
     without (images=False: the placeholder tokens keep their token embeddings) but with the same M-RoPE positions
     (transformers computes them itself from input_ids, mm_token_type_ids and image_grid_thw)."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     if model is None:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                                   attn_implementation="eager")
+        model = AutoModelForImageTextToText.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                            attn_implementation="eager")
     model.eval()
     kwargs = dict(input_ids=batch["input_ids"], image_grid_thw=batch["image_grid_thw"],
                   mm_token_type_ids=batch["mm_token_type_ids"])
