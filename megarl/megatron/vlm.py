@@ -498,3 +498,58 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return results[0]["out"]
+
+
+# ---- packed micro-batches (the trainer's THD path) ----------------------------------------------------------------
+def row_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> tuple:
+    """(pixel_values [patches, patch_dim] of every image of the rows in row order, image_grid_thw [images, 3],
+    per-row grids: a list of [k_r, 3]) from the batch's per-row padded tensors pixel_values [b, P_max, patch_dim] and
+    image_grid_thw [b, I_max, 3] (a row's images first, grid rows of zeros after them; its patches first, zeros
+    after them)."""
+    pixels, grids = [], []
+    for r in range(image_grid_thw.shape[0]):
+        g = image_grid_thw[r]
+        g = g[g[:, 0] > 0]
+        grids.append(g)
+        pixels.append(pixel_values[r, :int(g.prod(-1).sum())])
+    return torch.cat(pixels), torch.cat(grids), grids
+
+
+def packed_mrope_positions(pack, grids: Optional[list], vision: VisionSpec) -> torch.Tensor:
+    """M-RoPE positions [3, 1, P] of a pack (megarl.megatron.packing.Pack, context-parallel size 1, no shared
+    prefixes): each row's mrope_positions over its real tokens with its own image grids (grids: one [k_r, 3] per
+    row, None: no images), counting from 0 at its start as if alone; the end padding counts from 0 on all axes."""
+    if pack.cp > 1 or pack.links:
+        raise ValueError("vision-language packs run at context-parallel size 1 without shared prefixes")
+    ids = pack.ids[0].cpu()
+    out, at = [], 0
+    for r, n in enumerate(pack.lengths):
+        g = None if grids is None or not len(grids[r]) else grids[r].cpu()
+        out.append(mrope_positions(ids[None, at:at + n], g, vision)[:, 0])
+        at += pack.segments[r]
+    if pack.pad:
+        out.append(torch.arange(pack.pad).expand(3, -1))
+    return torch.cat(out, dim=1).unsqueeze(1).to(pack.ids.device)
+
+
+def packed_vl_forward(model, pack, params, pixel_values: Optional[torch.Tensor] = None,
+                      image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One pack through a vision-language GPTModel chunk (megarl.megatron.forward.packed_forward's counterpart):
+    its M-RoPE positions per row (packed_mrope_positions), the first stage's decoder input with the rows' images in
+    place of their placeholders (vl_embeddings over the pack: rows end to end, so the images in row order fill the
+    placeholders in pack order), DeepStack features added at the image tokens. pixel_values [b, P_max, patch_dim] and
+    image_grid_thw [b, I_max, 3] are the pack's rows' padded image tensors (row_images); None: text rows.
+    params: megatron's PackedSeqParams of the pack."""
+    from megarl.bridge.sharding import unwrap
+
+    chunk = unwrap(model)[0]
+    vision = chunk.megarl_spec.vision
+    pixels = grid = grids = None
+    if image_grid_thw is not None and bool((image_grid_thw[..., 0] > 0).any()):
+        pixels, grid, grids = row_images(pixel_values, image_grid_thw.cpu())
+        pixels = pixels.to(pack.ids.device)
+    positions = packed_mrope_positions(pack, grids, vision)
+    ids = pack.ids
+    decoder_input, deepstack = vl_embeddings(chunk, ids, pixels, grid) if chunk.pre_process else (None, [])
+    with deepstack_added(chunk, ids == vision.image_token_id, deepstack):
+        return model(ids, positions, None, decoder_input=decoder_input, packed_seq_params=params)
