@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megarl.launch_local import run_ranks
-from tests.helpers.tiny_vlm import make_tiny_vl_model, synthetic_image
+from tests.helpers.tiny_vlm import hf_row_logits, make_tiny_vl_model, synthetic_image
 
 pytestmark = pytest.mark.parity
 
@@ -65,10 +65,8 @@ def rollout_batch(hf_dir):
     for i in range(len(rollout)):
         pixels, grid = images.pixels(records[int(rollout.prompt_index[i])].images)
         ids = torch.tensor([list(rollout.prompt_ids[i]) + list(rollout.response(i))])
-        with torch.no_grad():
-            logits = engine.model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-                                  mm_token_type_ids=(ids == engine.model.config.image_token_id).int()).logits[0]
         p = len(rollout.prompt_ids[i])
+        logits = hf_row_logits(engine.model, ids, p, pixels, grid)
         rows.append(logits[p - 1:p + int(rollout.response_lengths[i]) - 1].float())
         longest = max(longest, ids.shape[1])
     logits = torch.cat(rows)
@@ -140,7 +138,7 @@ def case(tmp_path_factory):
     return (str(hf_dir), *rollout_batch(hf_dir))
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tp", [1, 2])
 def test_trainer_logprobs_equal_the_hf_engines_with_images(case, tp):
     hf_dir, batch, rollout, bound = case
     mask = batch["response_mask"]
