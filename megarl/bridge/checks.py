@@ -97,7 +97,7 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
     sync mode, GRPO-style runs without a critic, TP and PP without sequence, context or virtual pipeline parallelism,
     full-parameter training."""
     p, r = cfg.parallelism, cfg.rollout
-    vl = f"a vision-language model ({key}={arch})"
+    vl = f"a vision-language model ({arch} at {key})"
     rules = [
         ("rollout.name", r.name, r.name != "hf", "image prompts reach the hf engine only so far (the vLLM engine "
          "takes no images from megarl yet)", "set rollout.name=hf"),

@@ -132,9 +132,9 @@ def gap_rank(hf_dir, batch, tp):
     return out
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory):
-    hf_dir = make_tiny_vl_model(tmp_path_factory.mktemp("vl_gap") / "qwen2_5_vl")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def case(request, tmp_path_factory):
+    hf_dir = make_tiny_vl_model(tmp_path_factory.mktemp("vl_gap") / request.param, architecture=request.param)
     return (str(hf_dir), *rollout_batch(hf_dir))
 
 
