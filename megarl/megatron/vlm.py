@@ -468,7 +468,7 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.bridge.sharding import unwrap
-    from megarl.megatron.forward import causal_inputs
+    from megarl.megatron.layer_spec import mark_causal
     from megarl.megatron.parallel import schedule_args
 
     chunks = unwrap(model)
@@ -482,7 +482,8 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
         positions = mrope_positions(input_ids.cpu(), image_grid_thw, vision)
     positions = positions.to(device)
     pixels = None if pixel_values is None else pixel_values.to(device)
-    _, mask = causal_inputs(input_ids)
+    s = input_ids.shape[1]  # the causal mask megarl.megatron.forward.causal_inputs makes (that module imports this)
+    mask = mark_causal(torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s))
 
     def step(data_iterator, m):
         next(data_iterator)

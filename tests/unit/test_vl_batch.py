@@ -138,3 +138,34 @@ def test_an_image_prompt_over_prompt_length_is_refused_not_cut(vl):
         encode_prompts([rec], tok, n, "error")
     kept, ids, _ = encode_prompts([rec, record(1, ())], tok, n, "filter", images=images)
     assert ids[0] == images.prompt_ids(rec) and kept[0].prompt_ids == tuple(ids[0])
+
+
+def test_a_vllm_image_request_holds_one_placeholder_per_image_and_the_images(vl):
+    """vLLM's processor expands each <|image_pad|> of a token prompt itself: the request carries the chat text's ids
+    with one placeholder per image (what Qwen's processor starts from) and the images as multi_modal_data."""
+    from megarl.rollout.requests import RequestDriver
+    from megarl.rollout.vllm.engine import image_request
+
+    _, tok, images = vl
+    a, b = png(synthetic_image(100, 60, 0)), png(synthetic_image(70, 90, 1))
+    rec = record(0, (a, b), "first <image> then <image> and ?")
+    one = "<|vision_start|><|image_pad|><|vision_end|>"
+    chat = tok.apply_chat_template([{"role": "user", "content": f"first {one} then {one} and ?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids, mm = image_request(images.prompt_ids(rec), rec.images, images.image_token_id)
+    assert ids == tok(chat, add_special_tokens=False)["input_ids"]
+    assert [im.size for im in mm["image"]] == [(100, 60), (70, 90)] and mm["image"][0].mode == "RGB"
+
+    class Engine:  # records what the driver hands vLLM's add_request
+        def add_request(self, rid, prompt, params, lora_request=None):
+            self.prompt = prompt
+            return rid
+
+    class Params:
+        n, logprobs = 1, None
+
+    engine = Engine()
+    RequestDriver(engine, lambda: 0).add(ids, Params(), mm)
+    assert engine.prompt == {"prompt_token_ids": ids, "multi_modal_data": mm}
+    RequestDriver(engine, lambda: 0).add(ids, Params())
+    assert engine.prompt == {"prompt_token_ids": ids}

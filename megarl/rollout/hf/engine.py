@@ -201,15 +201,9 @@ class HFEngine:
             from transformers import AutoImageProcessor
 
             self._images = AutoImageProcessor.from_pretrained(self.model_path)
-        import io
+        from megarl.rollout.requests import open_rgb
 
-        from PIL import Image
-
-        def rgb(ref):  # encoded bytes or a path, as megarl.data.vision reads them for the trainer
-            with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as im:
-                return im.convert("RGB")
-
-        out = self._images(images=[rgb(r) for r in refs], return_tensors="pt")
+        out = self._images(images=[open_rgb(r) for r in refs], return_tensors="pt")
         grid = out["image_grid_thw"].long()
         merge = int(self.model.config.vision_config.spatial_merge_size)
         want = int(grid.prod(-1).sum()) // merge ** 2
