@@ -4,7 +4,7 @@ them) and the actor recomputes the sampled tokens' logprobs in packed micro-batc
 fixed and token-budget micro-batches, TP1 and TP2), and its on-policy update's own forward computes them again. Both
 must equal the engine's within the float32 bound derived from the model's widths, depth, vision tower and logits
 (megarl.numerics.fp32_bound): the engine is transformers' model with its own KV cache, the trainer megatron's, the
-same function. Another row's image, or M-RoPE positions with an image's rows off by one, must fail that bound by far.
+same function (PP2 too: the tower on the first stage, positions on every stage). Another row's image, or M-RoPE positions with an image's rows off by one, must fail that bound by far.
 """
 import io
 import json
@@ -77,13 +77,13 @@ def rollout_batch(hf_dir):
     return batch, rollout, bound
 
 
-def _config(tp: int, dynamic_bsz: bool, micro: int):
+def _config(tp: int, pp: int, dynamic_bsz: bool, micro: int):
     from megarl.config import MegarlConfig
 
     n = len(SIZES) * N_SAMPLES
     return MegarlConfig.model_validate({
-        "trainer": {"n_gpus_per_node": tp, "total_steps": 2, "seed": 4},
-        "parallelism": {"tensor_model_parallel_size": tp},
+        "trainer": {"n_gpus_per_node": tp * pp, "total_steps": 2, "seed": 4},
+        "parallelism": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp},
         "data": {"train_batch_size": len(SIZES)},
         "rollout": {"name": "hf", "n": N_SAMPLES, "log_prob_micro_batch_size_per_gpu": micro,
                     "log_prob_use_dynamic_bsz": dynamic_bsz, "log_prob_max_token_len_per_gpu": 120},
@@ -92,7 +92,7 @@ def _config(tp: int, dynamic_bsz: bool, micro: int):
                   "optim": {"lr": 1e-3, "weight_decay": 0.0, "clip_grad": 0.0}}})
 
 
-def gap_rank(hf_dir, batch, tp):
+def gap_rank(hf_dir, batch, tp, pp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -101,12 +101,12 @@ def gap_rank(hf_dir, batch, tp):
     from megarl.megatron.workers import PolicyWorker
     from megarl.runtime import Runtime
 
-    init_model_parallel(Layout(tensor_model_parallel_size=tp), seed=0)
+    init_model_parallel(Layout(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     rt = Runtime(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=ps.get_data_parallel_rank(),
                  dp_size=ps.get_data_parallel_world_size(), run_dir=None)
     out = {}
     for name, dynamic, micro in (("fixed", False, 3), ("budget", True, 3)):
-        actor = PolicyWorker(hf_dir, _config(tp, dynamic, micro), trainable=True)
+        actor = PolicyWorker(hf_dir, _config(tp, pp, dynamic, micro), trainable=True)
         out[name] = actor.log_probs(batch, rt)
     # another row's images: the samples of prompts 0 and 1 (one grid, other pixels) swap theirs
     wrong = dict(batch)
@@ -127,7 +127,7 @@ def gap_rank(hf_dir, batch, tp):
         vlm.packed_mrope_positions = original
     # the on-policy update's own forward: the logprobs it trains on, before its step
     b = dict(batch, advantages=torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0)))
-    PolicyWorker(hf_dir, _config(tp, True, 3), trainable=True).update(b, rt, step=1, on_policy=True)
+    PolicyWorker(hf_dir, _config(tp, pp, True, 3), trainable=True).update(b, rt, step=1, on_policy=True)
     out["update"] = b["old_log_probs"]
     return out
 
@@ -138,20 +138,21 @@ def case(request, tmp_path_factory):
     return (str(hf_dir), *rollout_batch(hf_dir))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_trainer_logprobs_equal_the_hf_engines_with_images(case, tp):
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_trainer_logprobs_equal_the_hf_engines_with_images(case, tp, pp):
     hf_dir, batch, rollout, bound = case
     mask = batch["response_mask"]
-    results = run_ranks(f"{__name__}:gap_rank", tp, {"hf_dir": hf_dir, "batch": batch, "tp": tp}, timeout=600)
+    results = run_ranks(f"{__name__}:gap_rank", tp * pp, {"hf_dir": hf_dir, "batch": batch, "tp": tp, "pp": pp},
+                        timeout=600)
     got = results[0]
     engine = batch["rollout_log_probs"]
     for name in ("fixed", "budget", "update"):
         diff = ((got[name] - engine).abs() * mask).max().item()
-        print(f"[measured] tp{tp} {name}: trainer vs hf engine {diff:.2e} (bound {bound:.2e})")
+        print(f"[measured] tp{tp} pp{pp} {name}: trainer vs hf engine {diff:.2e} (bound {bound:.2e})")
         assert diff < bound, (name, diff, bound)
     for name in ("wrong_image", "shifted"):
         diff = ((got[name] - engine).abs() * mask).max().item()
-        print(f"[measured] tp{tp} {name}: trainer vs hf engine {diff:.2e} (bound {bound:.2e})")
+        print(f"[measured] tp{tp} pp{pp} {name}: trainer vs hf engine {diff:.2e} (bound {bound:.2e})")
         assert diff > 10 * bound, (name, diff, bound)
     # image tokens are prompt tokens: never in the response mask
     image_id = json.loads((Path(hf_dir) / "config.json").read_text())["image_token_id"]

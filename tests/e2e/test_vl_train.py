@@ -1,4 +1,4 @@
-"""`megarl train` of a tiny random Qwen2.5-VL on image prompts, as a user runs it: a JSONL file of chat rows whose
+"""`megarl train` of a tiny random Qwen2.5-VL (and Qwen3-VL) on image prompts, as a user runs it: a JSONL file of chat rows whose
 `<image>` placeholders pair with PNG files drawn with PIL (one coloured shape each; the question asks its colour), the
 hf engine sampling with the images, two GRPO steps at TP1 and at TP2. Each step's engine-trainer gap (the trainer's
 recomputed logprobs of the sampled tokens against the engine's, rollout/logprob_abs_diff_max) must be within the
@@ -17,12 +17,13 @@ from tests.helpers.tiny_vlm import hf_row_logits, make_tiny_vl_model
 
 ROOT = Path(__file__).resolve().parents[2]
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 60), "blue": (40, 60, 220)}
-PROMPTS, N, RESPONSE = 6, 2, 6
+PROMPTS, N, RESPONSE = 6, 4, 6
 # The colour named is the answer; a random model never names it, so every reward would be 0 and no weight would
-# move: the response's length parity is added so that rewards differ within a group and the steps really update.
+# move: the response's length in characters mod 3 is added so that rewards differ within a group and the steps
+# really update.
 REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return (1.0 if ground_truth in solution_str else 0.0) + float(len(solution_str.split()) % 2)
+    return (1.0 if ground_truth in solution_str else 0.0) + (len(solution_str) % 3) / 2
 """
 
 
@@ -47,10 +48,10 @@ def shapes(folder: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vl_train")
-    model = make_tiny_vl_model(tmp / "model")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def setup(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"vl_train_{request.param}")
+    model = make_tiny_vl_model(tmp / "model", architecture=request.param)
     data = shapes(tmp / "data")
     (tmp / "reward.py").write_text(REWARD)
     recipe = {
@@ -99,7 +100,7 @@ def bound(model: Path) -> float:
                       float(logits.float().pow(2).mean().sqrt()), vision_segment=int(grid[:, 1:].prod()))
 
 
-@pytest.mark.slow  # two `megarl train` runs of two GRPO steps each, ~30 s apiece on 2 cores
+@pytest.mark.slow  # four `megarl train` runs of two GRPO steps, ~23 s apiece on 2 cores
 @pytest.mark.parametrize("tp", [1, 2])
 def test_megarl_train_grpo_on_image_prompts(setup, tp):
     tmp, model, recipe = setup
@@ -113,7 +114,7 @@ def test_megarl_train_grpo_on_image_prompts(setup, tp):
     assert len(rows) == 2
     for row in rows:
         gap = row["rollout/logprob_abs_diff_max"]
-        print(f"[measured] tp{tp} step {row['step']}: engine-trainer gap {gap:.2e} (bound {tol:.2e}), "
+        print(f"[measured] {model.parent.name} tp{tp} step {row['step']}: engine-trainer gap {gap:.2e} (bound {tol:.2e}), "
               f"grad_norm {row['actor/grad_norm']:.3e}, reward {row['train/reward_mean']:.2f}")
         assert gap < tol, (gap, tol)
         assert row["actor/grad_norm"] > 0
