@@ -1,10 +1,11 @@
-"""Image prompts through the RL data path: the hf engine samples from a tiny random Qwen2.5-VL with each prompt's
-images, the trainer builds the step's batch (prompt tokens with their placeholder runs, each sample's images beside
-them) and the actor recomputes the sampled tokens' logprobs in packed micro-batches (several rows and images per pack,
-fixed and token-budget micro-batches, TP1 and TP2), and its on-policy update's own forward computes them again. Both
-must equal the engine's within the float32 bound derived from the model's widths, depth, vision tower and logits
-(megarl.numerics.fp32_bound): the engine is transformers' model with its own KV cache, the trainer megatron's, the
-same function (PP2 too: the tower on the first stage, positions on every stage). Another row's image, or M-RoPE positions with an image's rows off by one, must fail that bound by far.
+"""Image prompts through the RL data path: the hf engine samples from a tiny random Qwen2.5-VL (and Qwen3-VL) with
+each prompt's images, the trainer builds the step's batch (prompt tokens with their placeholder runs, each sample's
+images beside them) and the actor recomputes the sampled tokens' logprobs in packed micro-batches (several rows and
+images per pack, fixed and token-budget micro-batches, TP1, TP2 and PP2: the tower on the first stage, positions on
+every stage), and its on-policy update's own forward computes them again. Both must equal the engine's within the
+float32 bound derived from the model's widths, depth, vision tower and logits (megarl.numerics.fp32_bound): the engine
+is transformers' model with its own KV cache, the trainer megatron's, the same function. Another row's image, or
+M-RoPE positions with an image's rows off by one, must fail that bound by far.
 """
 import io
 import json

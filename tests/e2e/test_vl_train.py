@@ -1,9 +1,9 @@
-"""`megarl train` of a tiny random Qwen2.5-VL (and Qwen3-VL) on image prompts, as a user runs it: a JSONL file of chat rows whose
-`<image>` placeholders pair with PNG files drawn with PIL (one coloured shape each; the question asks its colour), the
-hf engine sampling with the images, two GRPO steps at TP1 and at TP2. Each step's engine-trainer gap (the trainer's
-recomputed logprobs of the sampled tokens against the engine's, rollout/logprob_abs_diff_max) must be within the
-float32 bound derived from the model (megarl.numerics.fp32_bound, the vision tower's term included), and the actor
-must really update (a non-zero gradient).
+"""`megarl train` of a tiny random Qwen2.5-VL (and Qwen3-VL) on image prompts, as a user runs it: a JSONL file of chat
+rows whose `<image>` placeholders pair with PNG files drawn with PIL (one coloured shape each; the question asks its
+colour), the hf engine sampling with the images, two GRPO steps at TP1 and at TP2. Each step's engine-trainer gap
+(the trainer's recomputed logprobs of the sampled tokens against the engine's, rollout/logprob_abs_diff_max) must be
+within the float32 bound derived from the model (megarl.numerics.fp32_bound, the vision tower's term included), and
+the actor must really update (a non-zero gradient).
 """
 import json
 import subprocess
@@ -114,7 +114,7 @@ def test_megarl_train_grpo_on_image_prompts(setup, tp):
     assert len(rows) == 2
     for row in rows:
         gap = row["rollout/logprob_abs_diff_max"]
-        print(f"[measured] {model.parent.name} tp{tp} step {row['step']}: engine-trainer gap {gap:.2e} (bound {tol:.2e}), "
-              f"grad_norm {row['actor/grad_norm']:.3e}, reward {row['train/reward_mean']:.2f}")
+        print(f"[measured] {model.parent.name} tp{tp} step {row['step']}: engine-trainer gap {gap:.2e} "
+              f"(bound {tol:.2e}), grad_norm {row['actor/grad_norm']:.3e}, reward {row['train/reward_mean']:.2f}")
         assert gap < tol, (gap, tol)
         assert row["actor/grad_norm"] > 0
