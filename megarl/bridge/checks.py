@@ -95,7 +95,7 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
     """What a vision-language model (key = model.path or model.config_path: arch) cannot train with yet: one issue
     per setting, naming it, its value, the rule and the setting that works. What works: the hf engine colocated in
     sync mode, GRPO-style runs without a critic, TP and PP without sequence, context or virtual pipeline parallelism,
-    full-parameter training."""
+    full-parameter training, without an SFT warm-start or a teacher."""
     p, r = cfg.parallelism, cfg.rollout
     vl = f"a vision-language model ({arch} at {key})"
     rules = [
@@ -121,6 +121,10 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
          "use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, ...)"),
         ("actor.lora.rank", cfg.actor.lora.rank, cfg.actor.lora.enabled, "LoRA adapters on a vision-language "
          "model are not tested yet", "set actor.lora.rank=0 (full-parameter training)"),
+        ("sft.enable", cfg.sft.enable, cfg.sft.enable, "the SFT warm-start's forward takes no images yet",
+         "set sft.enable=false and start from a supervised checkpoint"),
+        ("distillation.enable", cfg.distillation.enable, cfg.distillation.enable,
+         "a teacher's forward on image prompts is not tested yet", "set distillation.enable=false"),
     ]
     return [Issue(k, value, f"{vl}: {rule}", fix, keys=(k, key)) for k, value, bad, rule, fix in rules if bad]
 

@@ -41,6 +41,7 @@ def test_a_vl_policy_trains_with_the_hf_engine(setup):
     (["rollout.name=hf", "algorithm.adv_estimator=gae"], "critic.enable"),
     (["rollout.name=hf", "trainer.mode=one_step_off_policy"], "trainer.mode"),
     (["rollout.name=hf", "actor.lora.rank=4"], "actor.lora.rank"),
+    (["rollout.name=hf", "sft.enable=true"], "sft.enable"),
 ])
 def test_what_takes_no_images_yet_is_refused_in_one_line(setup, overrides, key):
     with pytest.raises(ConfigError) as e:
