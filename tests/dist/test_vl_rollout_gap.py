@@ -19,9 +19,9 @@ from tests.helpers.tiny_vlm import hf_row_logits, make_tiny_vl_model, synthetic_
 
 pytestmark = pytest.mark.parity
 
-# three prompts, two samples each: the first two images of one size (one grid) and different content, the third of
-# another size (another grid and token count)
-SIZES = [(100, 60), (100, 60), (70, 90)]
+# four prompts, two samples each: the first two images of one size (one grid) and different content, the third of
+# another size (another grid and token count), the fourth text only (packed beside image rows)
+SIZES = [(100, 60), (100, 60), (70, 90), None]
 N_SAMPLES, RESPONSE = 2, 10
 
 
@@ -39,9 +39,11 @@ def make_records(hf_dir):
     from megarl.data.vision import ImagePrompts
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    records = [PromptRecord(index=i, uid=f"p{i}", prompt=({"role": "user", "content": f"<image>shape {i} ?"},),
-                            data_source="shapes", ground_truth="1", images=(png(synthetic_image(w, h, i)),))
-               for i, (w, h) in enumerate(SIZES)]
+    records = [PromptRecord(index=i, uid=f"p{i}", prompt=({"role": "user", "content": f"<image>shape {i} ?"
+                                                           if size else f"text {i} only ?"},),
+                            data_source="shapes", ground_truth="1",
+                            images=(png(synthetic_image(*size, i)),) if size else ())
+               for i, size in enumerate(SIZES)]
     images = ImagePrompts(str(hf_dir), tok)
     records, _, _ = encode_prompts(records, tok, 128, images=images)
     return records, images, tok
@@ -64,7 +66,8 @@ def rollout_batch(hf_dir):
     # the bound: the engine model's logits at the response positions (their RMS), the longest row, the largest frame
     rows, longest = [], 0
     for i in range(len(rollout)):
-        pixels, grid = images.pixels(records[int(rollout.prompt_index[i])].images)
+        refs = records[int(rollout.prompt_index[i])].images
+        pixels, grid = images.pixels(refs) if refs else (None, None)
         ids = torch.tensor([list(rollout.prompt_ids[i]) + list(rollout.response(i))])
         p = len(rollout.prompt_ids[i])
         logits = hf_row_logits(engine.model, ids, p, pixels, grid)
