@@ -10,6 +10,9 @@ Training tensors of a step (N samples, S = longest prompt + response, T = S - 1)
     response_lengths   [N]    long
     routed_experts     [N, S, L, k] int16  the engine's experts per token position and decoder layer, -1 = none
                                      (only when the rollout carries them: rollout.return_routed_experts)
+    pixel_values       [N, P_max, D] float  a vision-language row's image patches (its images' in order, zeros after;
+                                     D = the processor's patch size), only when some row has images
+    image_grid_thw     [N, I_max, 3] long   its images' patch grids (t, h, w), rows of zeros after them
 Later stages add old_log_probs, ref_log_probs, values, advantages, returns ([N, T] each).
 """
 from __future__ import annotations
@@ -255,7 +258,11 @@ def forward_by_token_budget(forward, tokens: torch.Tensor, lengths: torch.Tensor
     return out
 
 
+# per-row tensors whose second axis is not the sequence's: micro-batches keep them whole
+VISION_KEYS = ("pixel_values", "image_grid_thw")
+
+
 def _cut_columns(key: str, t: torch.Tensor, seq_len: int) -> torch.Tensor:
-    if t.dim() < 2:
+    if t.dim() < 2 or key in VISION_KEYS:
         return t
     return t[:, :seq_len] if key == "input_ids" else t[:, :seq_len - 1]

@@ -70,12 +70,15 @@ def start_generate(engine, records: Sequence[PromptRecord], rt: Runtime, validat
         handle = None
         if engine is not None and topo.replica_of(rt.rank) == replica and (replicas is None or replica in replicas):
             prompts, index = [r.prompt_ids for r in records[part]], list(range(part.start, part.stop))
+            # image prompts: each prompt's images (encoded bytes or paths) travel to the engine, which makes the
+            # patches itself; text-only batches send nothing more
+            images = {"images": [r.images for r in records[part]]} if any(r.images for r in records[part]) else {}
             if multi_turn:
                 handle = Deferred.ready(engine.rollout_agents(prompts, validate=validate, prompt_index=index, seed=seed,
                                                         extra_infos=[r.extra_info for r in records[part]]))
             else:
                 handle = engine.start_generate(prompts, validate=validate, prompt_index=index, seed=seed,
-                                               greedy=greedy)
+                                               greedy=greedy, **images)
         shares.append(handle)
     return shares
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from megarl import algo, lifecycle, runtime, steps
 from megarl.agent.tools import load_tools
@@ -161,6 +161,8 @@ class Trainer:
                                    "rollout/prompts_redone": float(gen.redone_prompts),
                                    "rollout/prompts_kept_on_loss": float(gen.kept_prompts)})
         batch = build_train_batch(rollout, scores, self.pad_id)
+        if self.images is not None:  # each sample's images beside its tokens, for every forward of the step
+            batch.update(self.images.batch_images(records, rollout.prompt_index))
         components = steps.reward_components(cfg, per_sample, len(rollout))
         if components is not None:
             batch["reward_components"] = components
@@ -234,10 +236,15 @@ class Trainer:
     def _build_data(self) -> None:
         tokenizer = self.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.loader = PromptLoader(load_data(self.cfg, tokenizer, "train"), seed=self.cfg.trainer.seed,
+        self.loader = PromptLoader(load_data(self.cfg, tokenizer, "train", self.model_path), seed=self.cfg.trainer.seed,
                                    shuffle=self.cfg.data.shuffle, drop_last=self.cfg.data.drop_last)
         self.cfg = limit_to_epochs(self.cfg, self.loader)
-        self.val_records = load_data(self.cfg, tokenizer, "val")
+        self.val_records = load_data(self.cfg, tokenizer, "val", self.model_path)
+        self.images = None  # a vision-language model's image processor, when the training prompts have images
+        if any(r.images for r in self.loader.items):
+            from megarl.data.vision import ImagePrompts
+
+            self.images = ImagePrompts(self.model_path, tokenizer)
 
     def _build_reward(self, cleanups) -> None:
         cfg = self.cfg
@@ -311,14 +318,19 @@ class Trainer:
         self.schedule.resumed(self.start_step)
 
 
-def load_data(cfg: MegarlConfig, tokenizer, split: str) -> list:
+def load_data(cfg: MegarlConfig, tokenizer, split: str, model_path: Optional[str] = None) -> list:
     if split == "val" and not cfg.data.val_files:
         return []
     records = load_prompts_from_config(cfg.data, split, require_data_source=cfg.reward.reward_fn is None)
     mt = cfg.rollout.multi_turn
     tools = load_tools(mt.tool_config_path).schemas() if mt.enable else None  # shown to the model by its template
+    images = None
+    if any(r.images for r in records):  # prompts with images: their placeholder runs as the model's processor makes
+        from megarl.data.vision import ImagePrompts
+
+        images = ImagePrompts(model_path or cfg.model.path, tokenizer)
     records, _, report = encode_prompts(records, tokenizer, cfg.rollout.prompt_length, cfg.data.truncation,
-                                        cfg.data.apply_chat_template, tools)
+                                        cfg.data.apply_chat_template, tools, images)
     log.info(format_report(report, split))
     return records
 

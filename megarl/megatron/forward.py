@@ -95,9 +95,10 @@ def schedule_shapes(chunks: list, sizes: list[int]) -> tuple[list[int], dict]:
     return sizes, {"seq_length": max(sizes), "micro_batch_size": 1}
 
 
-def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
+def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None, vision: Optional[dict] = None):
     """The model on one pack (on the compute device): [1, P, ...] on the last pipeline stage. rows [b]: the rows'
-    global ids, for routing replay."""
+    global ids, for routing replay. A vision-language model runs megarl.megatron.vlm.packed_vl_forward with the
+    rows' images, vision: {"pixel_values" [b, P_max, patch_dim], "image_grid_thw" [b, I_max, 3]} (None: text rows)."""
     if rows is not None and router_replay.STATE.action != "off":
         router_replay.micro_batch(*token_rows(pack, rows))
     from megarl.megatron.shared_prefix import positions
@@ -105,11 +106,25 @@ def packed_forward(model, pack: Pack, rows: Optional[torch.Tensor] = None):
     from megarl.megatron import moe_padding
 
     te = getattr(getattr(model, "module", model), "megarl_te", False)
+    if is_vision_language(model):
+        from megarl.megatron.vlm import packed_vl_forward
+
+        vision = vision or {}
+        return packed_vl_forward(model, pack, seq_params(pack, on_device=te), vision.get("pixel_values"),
+                                 vision.get("image_grid_thw"))
     # a shared pack's rows resume at their prefix's length: rope reads every token's own position
     with positions(pack.positions[0] if pack.links else None):
         return distributed.call_model(model, pack.model_ids, pack.model_positions, None,
                                       seq_params(pack, on_device=te),
                                       moe_padding.model_mask(model, padding_mask(pack)))
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` (a chunk, DDP-wrapped or not) is a vision-language model (M-RoPE, images on stage 0)."""
+    from megarl.bridge.sharding import unwrap
+
+    spec = getattr(unwrap(model)[0], "megarl_spec", None)
+    return spec is not None and spec.vision is not None
 
 
 def micro_batch_rows(n: int, micro_batch_size: int, num_chunks: int) -> list[torch.Tensor]:
@@ -151,9 +166,11 @@ def fewest_rows(groups: list[torch.Tensor], lengths: torch.Tensor, num_chunks: i
 
 def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
                      output_fn: Callable[[torch.Tensor, Pack], torch.Tensor],
-                     lengths: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                     lengths: Optional[torch.Tensor] = None, vision: Optional[dict] = None
+                     ) -> Optional[torch.Tensor]:
     """Forward-only pass of `tokens` [N, S] (real lengths `lengths` [N], None: all S) in packed micro-batches of
-    `micro_batch_size` rows through the pipeline schedule.
+    `micro_batch_size` rows through the pipeline schedule; vision: the rows' images of a vision-language model,
+    {"pixel_values" [N, P_max, patch_dim], "image_grid_thw" [N, I_max, 3]} (packed_forward).
 
     output_fn(model output [1, P, ...], pack) -> [b, ...] runs on the last stage; the results are concatenated to
     [N, ...] there (None on other stages)."""
@@ -192,7 +209,8 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
     def step(data_iterator, m):
         rows, global_rows, size = next(data_iterator)
         pack = pack_for(config, tokens[rows.to(device)], lengths[rows], size, share)
-        return packed_forward(m, pack, global_rows), partial(_collect, pack)
+        images = None if vision is None else {k: v[rows] for k, v in vision.items()}
+        return packed_forward(m, pack, global_rows, images), partial(_collect, pack)
 
     def _collect(pack, output):
         return torch.zeros((), device=output.device), {"out": output_fn(output, pack).detach()}
@@ -215,21 +233,23 @@ def run_microbatches(model, tokens: torch.Tensor, micro_batch_size: int,
 
 
 def token_logprobs(model, tokens: torch.Tensor, micro_batch_size: int = 1, temperature: float = 1.0,
-                   vocab_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None
-                   ) -> Optional[torch.Tensor]:
+                   vocab_size: Optional[int] = None, lengths: Optional[torch.Tensor] = None,
+                   vision: Optional[dict] = None) -> Optional[torch.Tensor]:
     """Per-token logprobs [N, S-1] (float32) of `tokens` [N, S] (real lengths `lengths` [N], None: all S) on the last
-    pipeline stage; None elsewhere.
+    pipeline stage; None elsewhere. vision: the rows' images (run_microbatches).
 
     Call on every rank of the model-parallel group (and each DP rank with its own tokens)."""
     chunk = _first(model)
     vocab_size = vocab_size or chunk.megarl_spec.vocab_size
     return run_microbatches(model, tokens, micro_batch_size,
-                            lambda logits, pack: row_logprobs(logits, pack, vocab_size, temperature), lengths)
+                            lambda logits, pack: row_logprobs(logits, pack, vocab_size, temperature), lengths,
+                            vision)
 
 
 def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_size: int = 1,
                                       temperature: float = 1.0, vocab_size: Optional[int] = None,
-                                      lengths: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                                      lengths: Optional[torch.Tensor] = None, vision: Optional[dict] = None
+                                      ) -> Optional[torch.Tensor]:
     """[N, S-1, 2] (float32) on the last pipeline stage, None elsewhere: [..., 0] the per-token logprobs (as
     token_logprobs), [..., 1] sum_v pi(v)^2 over the full vocabulary at each position (optimal_token_baseline)."""
 
@@ -243,7 +263,7 @@ def token_logprobs_and_sum_pi_squared(model, tokens: torch.Tensor, micro_batch_s
         sq = algo.sum_pi_squared_from_logits(x, all_reduce_max=reduce_max, all_reduce_sum=reduce_sum)
         return unpack(pack.whole(torch.stack([logp, sq.to(logp.dtype)], dim=-1)), logprob_index(pack))
 
-    return run_microbatches(model, tokens, micro_batch_size, fn, lengths)
+    return run_microbatches(model, tokens, micro_batch_size, fn, lengths, vision)
 
 
 def token_values(model, tokens: torch.Tensor, micro_batch_size: int = 1,

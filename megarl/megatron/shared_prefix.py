@@ -132,6 +132,8 @@ def supported(model) -> Optional[str]:
     spec = getattr(chunk, "megarl_spec", None)
     if spec is not None and spec.mla is not None:
         return "multi-latent attention"
+    if spec is not None and spec.vision is not None:  # M-RoPE positions are per token on three axes
+        return "a vision-language model"
     if int(getattr(chunk.config, "context_parallel_size", 1) or 1) > 1:
         return "context parallelism"
     if not hasattr(chunk, "rotary_pos_emb"):

@@ -158,7 +158,9 @@ def forward_step(loss_fn: LossFn, scale: float, data_iterator, model):
     pack = pack_for(getattr(model, "config", None), mb["input_ids"], lengths, host.get(PACK_SIZE), shares(model))
     # routing replay reads the rows' global ids (row_index)
     rows = mb["row_index"].cpu() if router_replay.STATE.action != "off" else None
-    output = packed_forward(model, pack, rows)
+    # a vision-language model's rows carry their images (megarl.batching.VISION_KEYS)
+    vision = {k: mb[k] for k in ("pixel_values", "image_grid_thw") if k in mb} or None
+    output = packed_forward(model, pack, rows, vision)
     return output, partial(_scaled_loss, loss_fn, scale, {**mb, "pack": pack})
 
 

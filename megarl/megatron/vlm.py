@@ -395,10 +395,12 @@ class InterleavedMRoPE(torch.nn.Module):
 
 # ---- the joined forward --------------------------------------------------------------------------------------------
 def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tensor],
-                  image_grid_thw: Optional[torch.Tensor]) -> tuple:
+                  image_grid_thw: Optional[torch.Tensor], placeholders: Optional[torch.Tensor] = None) -> tuple:
     """(the decoder input [S, B, hidden] of a first-stage chunk: token embeddings with each image placeholder's
     embedding replaced by its merged image token (images and their tokens in row-major order), the DeepStack features
-    [image tokens, hidden] for language-model layers 0, 1, ... (none for Qwen2.5-VL or without images))."""
+    [image tokens, hidden] for language-model layers 0, 1, ... (none for Qwen2.5-VL or without images)).
+    placeholders [B, S] bool: which tokens are placeholders (default: every image token; a response may hold image
+    tokens the model sampled, which are text)."""
     from megarl.bridge.sharding import unwrap
 
     chunk = unwrap(model)[0]
@@ -410,7 +412,7 @@ def vl_embeddings(model, input_ids: torch.Tensor, pixel_values: Optional[torch.T
         return emb, []
     vision = chunk.megarl_spec.vision
     image, deepstack = chunk.vision_model.images(pixel_values, image_grid_thw)
-    mask = input_ids == vision.image_token_id  # [B, S]
+    mask = input_ids == vision.image_token_id if placeholders is None else placeholders  # [B, S]
     if int(mask.sum()) != image.shape[0]:
         raise ValueError(f"input_ids hold {int(mask.sum())} image placeholders but the images give {image.shape[0]} "
                          "merged tokens")
@@ -466,7 +468,7 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megarl.bridge.sharding import unwrap
-    from megarl.megatron.forward import causal_inputs
+    from megarl.megatron.layer_spec import mark_causal
     from megarl.megatron.parallel import schedule_args
 
     chunks = unwrap(model)
@@ -480,7 +482,8 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
         positions = mrope_positions(input_ids.cpu(), image_grid_thw, vision)
     positions = positions.to(device)
     pixels = None if pixel_values is None else pixel_values.to(device)
-    _, mask = causal_inputs(input_ids)
+    s = input_ids.shape[1]  # the causal mask megarl.megatron.forward.causal_inputs makes (that module imports this)
+    mask = mark_causal(torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1).view(1, 1, s, s))
 
     def step(data_iterator, m):
         next(data_iterator)
@@ -498,3 +501,93 @@ def vl_logits(model, input_ids: torch.Tensor, pixel_values: Optional[torch.Tenso
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return results[0]["out"]
+
+
+# ---- packed micro-batches (the trainer's THD path) ----------------------------------------------------------------
+def row_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> tuple:
+    """(pixel_values [patches, patch_dim] of every image of the rows in row order, image_grid_thw [images, 3],
+    per-row grids: a list of [k_r, 3]) from the batch's per-row padded tensors pixel_values [b, P_max, patch_dim] and
+    image_grid_thw [b, I_max, 3] (a row's images first, grid rows of zeros after them; its patches first, zeros
+    after them)."""
+    pixels, grids = [], []
+    for r in range(image_grid_thw.shape[0]):
+        g = image_grid_thw[r]
+        g = g[g[:, 0] > 0]
+        grids.append(g)
+        pixels.append(pixel_values[r, :int(g.prod(-1).sum())])
+    return torch.cat(pixels), torch.cat(grids), grids
+
+
+def row_placeholders(ids: torch.Tensor, grids: Optional[torch.Tensor], vision: VisionSpec) -> torch.Tensor:
+    """[n] bool: the image placeholders of one row's tokens ids [n]: its first t*h*w / merge**2 image tokens per
+    image of grids [k, 3] (None: none). Image tokens after them are text (a response may sample the token)."""
+    count = 0 if grids is None else int(grids.prod(-1).sum()) // vision.merge_unit
+    image = ids == vision.image_token_id
+    return image & (image.long().cumsum(0) <= count)
+
+
+def row_mrope_positions(ids: torch.Tensor, grids: Optional[torch.Tensor], vision: VisionSpec) -> torch.Tensor:
+    """M-RoPE positions [3, n] of one row's tokens ids [n] with its images' grids [k, 3] (None: none): mrope_positions
+    up to the row's last image placeholder (row_placeholders), text positions counting on after it, the tokens the
+    model sampled (image or video tokens among them) included."""
+    n = ids.shape[0]
+    marks = row_placeholders(ids, grids, vision).nonzero()
+    if not len(marks):
+        return torch.arange(n).expand(3, -1).clone()
+    cut = int(marks[-1]) + 1
+    head = mrope_positions(ids[None, :cut], grids, vision)[:, 0]
+    tail = torch.arange(n - cut) + int(head.max()) + 1
+    return torch.cat([head, tail.expand(3, -1)], dim=1)
+
+
+def packed_mrope_positions(pack, grids: Optional[list], vision: VisionSpec) -> torch.Tensor:
+    """M-RoPE positions [3, 1, P] of a pack (megarl.megatron.packing.Pack, context-parallel size 1, no shared
+    prefixes): each row's row_mrope_positions over its real tokens with its own image grids (grids: one [k_r, 3] per
+    row, None: no images), counting from 0 at its start as if alone; the end padding counts from 0 on all axes."""
+    if pack.cp > 1 or pack.links:
+        raise ValueError("vision-language packs run at context-parallel size 1 without shared prefixes")
+    ids = pack.ids[0].cpu()
+    out, at = [], 0
+    for r, n in enumerate(pack.lengths):
+        g = None if grids is None or not len(grids[r]) else grids[r].cpu()
+        out.append(row_mrope_positions(ids[at:at + n], g, vision))
+        at += pack.segments[r]
+    if pack.pad:
+        out.append(torch.arange(pack.pad).expand(3, -1))
+    return torch.cat(out, dim=1).unsqueeze(1).to(pack.ids.device)
+
+
+def packed_placeholders(pack, grids: Optional[list], vision: VisionSpec) -> torch.Tensor:
+    """[1, P] bool: the image placeholders of a pack (row_placeholders of each row)."""
+    ids = pack.ids[0].cpu()
+    out = torch.zeros(ids.shape[0], dtype=torch.bool)
+    at = 0
+    for r, n in enumerate(pack.lengths):
+        g = None if grids is None or not len(grids[r]) else grids[r].cpu()
+        out[at:at + n] = row_placeholders(ids[at:at + n], g, vision)
+        at += pack.segments[r]
+    return out.unsqueeze(0).to(pack.ids.device)
+
+
+def packed_vl_forward(model, pack, params, pixel_values: Optional[torch.Tensor] = None,
+                      image_grid_thw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One pack through a vision-language GPTModel chunk (megarl.megatron.forward.packed_forward's counterpart):
+    its M-RoPE positions per row (packed_mrope_positions), the first stage's decoder input with the rows' images in
+    place of their placeholders (vl_embeddings over the pack: rows end to end, so the images in row order fill the
+    placeholders in pack order), DeepStack features added at the image tokens. pixel_values [b, P_max, patch_dim] and
+    image_grid_thw [b, I_max, 3] are the pack's rows' padded image tensors (row_images); None: text rows.
+    params: megatron's PackedSeqParams of the pack."""
+    from megarl.bridge.sharding import unwrap
+
+    chunk = unwrap(model)[0]
+    vision = chunk.megarl_spec.vision
+    pixels = grid = grids = None
+    if image_grid_thw is not None and bool((image_grid_thw[..., 0] > 0).any()):
+        pixels, grid, grids = row_images(pixel_values, image_grid_thw.cpu())
+        pixels = pixels.to(pack.ids.device)
+    positions = packed_mrope_positions(pack, grids, vision)
+    marks = packed_placeholders(pack, grids, vision)
+    ids = pack.ids
+    decoder_input, deepstack = vl_embeddings(chunk, ids, pixels, grid, marks) if chunk.pre_process else (None, [])
+    with deepstack_added(chunk, marks, deepstack):
+        return model(ids, positions, None, decoder_input=decoder_input, packed_seq_params=params)

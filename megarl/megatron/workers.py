@@ -124,6 +124,22 @@ def _forward_only(cfg: MegarlConfig, rt: DataParallelRank, batch: dict, forward,
                          (width, *trailing), order)
 
 
+def images_of(batch: dict):
+    """For a forward-only pass over `batch`: a callable giving the images of the rows being forwarded now (the rows
+    _forward_rows and the token-budget groups name before each call, router_replay.STATE.pass_rows), or None when
+    the batch has no images (megarl.batching.VISION_KEYS)."""
+    from megarl.batching import VISION_KEYS
+
+    if VISION_KEYS[1] not in batch:
+        return lambda: None
+
+    def now():
+        rows = router_replay.STATE.pass_rows
+        return {k: batch[k][rows] for k in VISION_KEYS}
+
+    return now
+
+
 def expert_bins(lengths: list[int], budget: int) -> Optional[list[list[int]]]:
     """Token-budget micro-batches at expert parallelism: as many on every rank of the expert-parallel group, their
     tokens balanced and dealt heaviest first, so the sizes the group agrees on per micro-batch
@@ -169,7 +185,7 @@ class _Worker:
     def __init__(self, hf_dir: str, cfg: MegarlConfig, value_head: bool, optim: Optional[OptimConfig],
                  total_steps: int, lora=None):
         self.model, self.spec = build_and_load(hf_dir, value_head=value_head, **build_options(cfg))
-        shared_prefix.enable(self.model, cfg.model.share_prefixes)
+        shared_prefix.enable(self.model, cfg.model.share_prefixes)  # off for vision-language models (supported)
         self.replay_metrics: dict = {}  # router_replay/* of this worker's last passes
         if (cfg.actor.router_replay.mode != "none" or cfg.routes_from_engine) and not value_head and self.spec.is_moe:
             router_replay.install(self.model if isinstance(self.model, (list, tuple)) else [self.model])
@@ -364,13 +380,16 @@ class PolicyWorker(_Worker):
         ids = batch["input_ids"]
         actor = self.trainable is not None
         name = "old_log_prob" if actor else "ref"
+        images = images_of(batch)
         if sum_pi_squared:  # beside each logprob, as a trailing pair
             both = self._replaying(batch, name, actor, lambda: _forward_only(
-                self.cfg, rt, batch, lambda x, mb, lens: token_logprobs_and_sum_pi_squared(self.chunks, x, mb, t, lengths=lens), micro,
+                self.cfg, rt, batch, lambda x, mb, lens: token_logprobs_and_sum_pi_squared(
+                    self.chunks, x, mb, t, lengths=lens, vision=images()), micro,
                 ids.shape[1] - 1, trailing=(2,), share=self._shares()))
             return both[..., 0].contiguous(), both[..., 1].contiguous()
         return self._replaying(batch, name, actor, lambda: _forward_only(
-            self.cfg, rt, batch, lambda x, mb, lens: token_logprobs(self.chunks, x, mb, t, lengths=lens), micro,
+            self.cfg, rt, batch, lambda x, mb, lens: token_logprobs(self.chunks, x, mb, t, lengths=lens,
+                                                                    vision=images()), micro,
             ids.shape[1] - 1, share=self._shares()))
 
     def update(self, batch: dict, rt: DataParallelRank, step: int, on_policy: bool = False) -> dict:
@@ -421,9 +440,11 @@ class ReferenceView:
         micro = self.actor.cfg.ref.log_prob_micro_batch_size_per_gpu
         t = a.loss_settings.temperature
         ids = batch["input_ids"]
+        images = images_of(batch)
         with adapters_disabled(a.chunks):  # the same forward as a reference model's: token budgets, routing replay
             return a._replaying(batch, "ref", False, lambda: _forward_only(
-                a.cfg, rt, batch, lambda x, mb, lens: token_logprobs(a.chunks, x, mb, t, lengths=lens), micro,
+                a.cfg, rt, batch, lambda x, mb, lens: token_logprobs(a.chunks, x, mb, t, lengths=lens,
+                                                                     vision=images()), micro,
                 ids.shape[1] - 1, share=a._shares()))
 
 

@@ -71,6 +71,17 @@ class AbortSignal:
                 self._local += 1
 
 
+def open_rgb(ref):
+    """An image prompt's image (encoded bytes or a path, megarl.data.images) as an RGB PIL image, as the trainer's
+    megarl.data.vision opens it: both sides' image processors see the same pixels."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as im:
+        return im.convert("RGB")
+
+
 class RequestDriver:
     """Adds requests to a vLLM LLMEngine and steps it, collecting each request's completions.
 
@@ -96,8 +107,10 @@ class RequestDriver:
         self._pump: Optional[asyncio.Task] = None
 
     # -- synchronous use ----------------------------------------------------------------------------------------------
-    def add(self, prompt_ids: Sequence[int], params) -> str:
-        """Queue one request (params: vllm.SamplingParams; its `n` completions come back in index order)."""
+    def add(self, prompt_ids: Sequence[int], params, multi_modal_data: Optional[dict] = None) -> str:
+        """Queue one request (params: vllm.SamplingParams; its `n` completions come back in index order).
+        multi_modal_data: vLLM's per-request images ({"image": [PIL images]}), the prompt holding one placeholder
+        token per image (vLLM's processor expands each to the image's tokens)."""
         from vllm.sampling_params import RequestOutputKind
 
         params = copy(params)
@@ -106,8 +119,10 @@ class RequestDriver:
         want_lp = params.logprobs is not None
         self._live[rid] = [Completion(logprobs=[] if want_lp else None) for _ in range(params.n)]
         self._epoch[rid] = self.signal.epoch
-        internal = self._engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params,
-                                           lora_request=self._lora_request())
+        prompt = {"prompt_token_ids": list(prompt_ids)}
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        internal = self._engine.add_request(rid, prompt, params, lora_request=self._lora_request())
         # vLLM makes the id unique ("<rid>-<8 random chars>") and fans n > 1 out into children "<j>_<that id>": the
         # ids its workers see (routed experts are kept under them)
         internal = internal if isinstance(internal, str) else rid

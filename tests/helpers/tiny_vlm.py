@@ -21,7 +21,7 @@ from megarl.verify_vl import synthetic_image  # the images `megarl verify` draws
 from tests.helpers.tiny_models import VOCAB, make_tokenizer
 
 __all__ = ["make_vl_tokenizer", "vision_token_ids", "image_processor", "randomize_vl_", "make_tiny_vl_model",
-           "synthetic_image", "vl_batch", "hf_vl_logits", "logprobs_of"]
+           "synthetic_image", "vl_batch", "hf_vl_logits", "hf_row_logits", "logprobs_of"]
 # pixel limits in merged tokens (2 x 2 patches each): at most 24, at least 4
 MIN_TOKENS, MAX_TOKENS = 4, 24
 # the tiny Qwen3-VL's language model: four layers, so that PP2 keeps both DeepStack layers on the first stage
@@ -163,3 +163,24 @@ def logprobs_of(logits, tokens):
     import torch
 
     return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+def hf_row_logits(model, ids, prompt_len: int, pixel_values=None, image_grid_thw=None):
+    """transformers' logits [n, V] (float32) of one row ids [1, n] whose first prompt_len tokens are the prompt
+    (its image placeholders filled with pixel_values' image features; image tokens after the prompt, sampled by a
+    policy, stay text tokens, as an engine decoding them feeds them), M-RoPE positions by the model's get_rope_index
+    with the prompt's placeholders only."""
+    import torch
+
+    image_id = model.config.image_token_id
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[:, :prompt_len] = (ids[:, :prompt_len] == image_id).int()
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        if pixel_values is not None:
+            features = torch.cat(model.model.get_image_features(pixel_values, image_grid_thw,
+                                                                return_dict=True).pooler_output)
+            embeds[types.bool()] = features.to(embeds.dtype)
+        positions, _ = model.model.get_rope_index(input_ids=ids, mm_token_type_ids=types,
+                                                  image_grid_thw=image_grid_thw)
+        return model(inputs_embeds=embeds, position_ids=positions).logits[0].float()

@@ -119,14 +119,16 @@ def test_mapping_names_and_shapes_are_the_checkpoints(tiny_vl):
     assert sum(k.startswith("visual.") for k in ckpt) == 1 + 2 * 12 + 5
 
 
-def test_validate_refuses_a_vl_model_for_now_and_verify_its_unsupported_options_in_one_line(tiny_vl, capsys):
+def test_validate_asks_a_vl_model_for_the_hf_engine_and_verify_refuses_its_unsupported_options_in_one_line(
+        tiny_vl, capsys):
     from megarl.bridge.checks import check_architecture
     from megarl.config import load_unchecked
     from megarl.verify import main
 
     hf_dir, _ = tiny_vl
-    issues = check_architecture(load_unchecked(data={"model": {"path": str(hf_dir)}}))
-    assert [i.key for i in issues] == ["model.path"] and "vision-language" in issues[0].rule
+    issues = check_architecture(load_unchecked(data={"model": {"path": str(hf_dir)}}))  # the default vLLM engine
+    assert [i.key for i in issues] == ["rollout.name"] and "vision-language" in issues[0].rule
+    assert check_architecture(load_unchecked(data={"model": {"path": str(hf_dir)}, "rollout": {"name": "hf"}})) == []
     for flags, said in ((["--engine", "vllm"], "not yet with --engine vllm"),
                         (["--dtype", "bfloat16"], "not yet with --dtype bfloat16"),
                         (["--tp", "3"], "tensor_model_parallel_size=3 does not divide"),

@@ -33,6 +33,9 @@ class Row:
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str = "abort"
+    # a vision-language prompt's images: (pixel_values [patches, patch_dim], image_grid_thw [images, 3]), the prompt
+    # holding each image's placeholder run
+    images: Optional[tuple] = None
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
@@ -133,10 +136,14 @@ def decode(model: torch.nn.Module, rows: Sequence[Row], eos_ids: Sequence[int], 
     live = list(range(len(rows)))  # rows still in the batch, in batch order
     cache = DynamicCache()
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    images: dict = {}
+    if is_vision_language(model):
+        positions, images = vision_inputs(model, rows, ids, mask)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1)
-        step_pos = positions[:, -1:] + 1
+                    use_cache=True, logits_to_keep=1, **images)
+        # the next token's position: one past the row's largest (an image advances M-RoPE by its larger side only)
+        step_pos = positions.reshape(-1, *positions.shape[-2:]).amax(dim=(0, 2)).unsqueeze(1) + 1
         while True:
             if aborted():
                 break
@@ -168,6 +175,27 @@ def decode(model: torch.nn.Module, rows: Sequence[Row], eos_ids: Sequence[int], 
             step_pos = step_pos + 1
     for i in live:
         rows[i].finish_reason = "abort"
+
+
+def is_vision_language(model: torch.nn.Module) -> bool:
+    """Whether `model` is a transformers vision-language model with M-RoPE positions (Qwen2.5-VL, Qwen3-VL)."""
+    return hasattr(getattr(model, "model", None), "get_rope_index")
+
+
+def vision_inputs(model: torch.nn.Module, rows: Sequence[Row], ids: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """(M-RoPE positions [3, B, P] of the left-padded prompts ids / mask [B, P], the prefill's image keywords) of a
+    vision-language model: the rows' images in row order, positions by the model's own get_rope_index (text counts up
+    on all three axes; an image's tokens by frame, row and column)."""
+    image_id = model.config.image_token_id
+    mm_types = (ids == image_id).int()
+    pictured = [r.images for r in rows if r.images is not None]
+    grid = torch.cat([g for _, g in pictured]).to(ids.device) if pictured else None
+    positions, _ = model.model.get_rope_index(input_ids=ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
+                                              attention_mask=mask)
+    if not pictured:
+        return positions, {}
+    pixels = torch.cat([p for p, _ in pictured]).to(ids.device, next(model.parameters()).dtype)
+    return positions, {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": mm_types}
 
 
 def sequence_logprobs(model: torch.nn.Module, token_ids: Sequence[Sequence[int]], pad_id: int) -> list[list[float]]:

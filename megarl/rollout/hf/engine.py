@@ -97,15 +97,17 @@ class HFEngine:
 
     # -- start-up -----------------------------------------------------------------------------------------------------
     def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         dtype = getattr(torch, self.dtype)
         try:
+            hf_config = AutoConfig.from_pretrained(self.model_path)
+            # a vision-language model (Qwen2.5-VL, Qwen3-VL) with its vision tower: image prompts go through it
+            auto = AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else AutoModelForCausalLM
             if self.config.load_format == "dummy":  # random weights: the first sync brings the actor's
-                hf_config = AutoConfig.from_pretrained(self.model_path)
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+                model = auto.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
             else:
-                model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
+                model = auto.from_pretrained(self.model_path, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError, KeyError) as exc:
             raise EngineStartError(f"rollout.name=hf: transformers cannot load a causal LM from model.path="
                                    f"{self.model_path}: {exc}. Fix: point model.path at a HF model directory "
@@ -170,18 +172,45 @@ class HFEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
-                 greedy: bool = False):
-        """As VLLMEngine.generate: prompt i's sample j uses seed + index_i * n + j when seed is given."""
+                 greedy: bool = False, images: Optional[Sequence[Sequence]] = None):
+        """As VLLMEngine.generate: prompt i's sample j uses seed + index_i * n + j when seed is given. images: each
+        prompt's images (encoded bytes or paths; megarl.data.images) for a vision-language model, the prompt's ids
+        holding each image's placeholder run (megarl.data.vision)."""
         t0 = time.perf_counter()
         ids, prompts, kept, cut = self._prompts(prompt_token_ids, prompt_index)
+        if images is not None and any(cut):
+            raise ValueError("an image prompt over rollout.prompt_length cannot be cut: its image tokens would no "
+                             "longer match its images")
+        pictures = [self._pixels(images[kept[k]], prompts[k]) if images is not None else None
+                    for k in range(len(prompts))]
         kw = sampling_kwargs(self.config, validate=validate, n=n, greedy=greedy)
         n_eff = kw["n"]
-        rows = [Row(list(p), kw, None if seed is None else int(seed) + ids[kept[k]] * n_eff + j)
+        rows = [Row(list(p), kw, None if seed is None else int(seed) + ids[kept[k]] * n_eff + j, images=pictures[k])
                 for k, p in enumerate(prompts) for j in range(n_eff)]
         self._decode(rows)
         groups = [ids[kept[k]] for k in range(len(prompts)) for _ in range(n_eff)]
         return self._batch(rows, groups, [cut[k] for k in range(len(prompts)) for _ in range(n_eff)], cut,
                            time.perf_counter() - t0, len(prompt_token_ids))
+
+    def _pixels(self, refs: Sequence, prompt: Sequence[int]) -> Optional[tuple]:
+        """(pixel_values, image_grid_thw) of one prompt's images (None without any), by the model's image processor;
+        ValueError when the prompt's image tokens do not count its images' merged tokens."""
+        if not refs:
+            return None
+        if getattr(self, "_images", None) is None:
+            from transformers import AutoImageProcessor
+
+            self._images = AutoImageProcessor.from_pretrained(self.model_path)
+        from megarl.rollout.requests import open_rgb
+
+        out = self._images(images=[open_rgb(r) for r in refs], return_tensors="pt")
+        grid = out["image_grid_thw"].long()
+        merge = int(self.model.config.vision_config.spatial_merge_size)
+        want = int(grid.prod(-1).sum()) // merge ** 2
+        have = sum(1 for t in prompt if t == self.model.config.image_token_id)
+        if have != want:
+            raise ValueError(f"a prompt holds {have} image tokens but its {len(refs)} image(s) make {want}")
+        return out["pixel_values"], grid
 
     def continue_generate(self, prompt_token_ids, partial_ids, prompt_index, seeds):
         """As VLLMEngine.continue_generate: the new tokens only, prompt_ids as given."""

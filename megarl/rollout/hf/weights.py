@@ -23,6 +23,19 @@ import torch
 _FUSED_EXPERT = re.compile(r"^(?P<module>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
+# checkpoint prefixes a transformers-5 vision-language model holds under other names (Qwen2.5-VL's checkpoint writes
+# model.layers.* and visual.*; the model's parameters are model.language_model.* and model.visual.*)
+_VL_PREFIXES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+
+
+def _renamed(params: dict, name: str):
+    """The parameter of checkpoint tensor `name` under a vision-language model's own prefix (None: none)."""
+    for old, new in _VL_PREFIXES:
+        if name.startswith(old) and not name.startswith(new) and new + name[len(old):] in params:
+            return params[new + name[len(old):]]
+    return None
+
+
 class UnmappedTensor(ValueError):
     """A checkpoint tensor the transformers model has no parameter for."""
 
@@ -34,6 +47,8 @@ def weight_targets(model: torch.nn.Module, shapes: dict) -> dict:
     out = {}
     for name, shape in shapes.items():
         view = params.get(name)
+        if view is None:
+            view = _renamed(params, name)
         m = _FUSED_EXPERT.match(name)
         if view is None and m is not None:
             e, proj = int(m["expert"]), m["proj"]

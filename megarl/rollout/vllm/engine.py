@@ -130,6 +130,24 @@ def assemble_routes(per_row: Sequence[Optional[Any]], prompts: Sequence[Sequence
 # The vLLM engine
 
 
+def collapse_image_runs(prompt: Sequence[int], image_token_id: int) -> list[int]:
+    """The prompt with each run of image_token_id tokens (an image's expanded placeholders) cut to one token."""
+    out: list[int] = []
+    for t in prompt:
+        if t == image_token_id and out and out[-1] == image_token_id:
+            continue
+        out.append(int(t))
+    return out
+
+
+def image_request(prompt: Sequence[int], refs: Sequence, image_token_id: int) -> tuple[list[int], dict]:
+    """(vLLM's prompt token ids, multi_modal_data) of an image prompt: its placeholder runs collapsed (vLLM expands
+    each image's one token again), its images (encoded bytes or paths) opened as RGB PIL images."""
+    from megarl.rollout.requests import open_rgb
+
+    return collapse_image_runs(prompt, image_token_id), {"image": [open_rgb(r) for r in refs]}
+
+
 class VLLMEngine:
     """A vLLM LLM in this process, driven by a RolloutConfig.
 
@@ -268,13 +286,17 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: Optional[int] = None, validate: bool = False,
                  prompt_index: Optional[Sequence[int]] = None, seed: Optional[int] = None,
-                 greedy: bool = False) -> RolloutBatch:
+                 greedy: bool = False, images: Optional[Sequence[Sequence]] = None) -> RolloutBatch:
         """Sample responses for token-id prompts.
 
         n: samples per prompt (default rollout.n, or val_kwargs.n when validate). validate: use rollout.val_kwargs.
         greedy: one greedy response per prompt (see sampling_kwargs).
         prompt_index: group ids to record per sample (default 0..P-1). seed: when given, prompt i's samples use seeds
-        seed + i*n + j, so a batch is reproducible whatever else the engine ran before (and across resumes)."""
+        seed + i*n + j, so a batch is reproducible whatever else the engine ran before (and across resumes).
+        images: each prompt's images (encoded bytes or paths, megarl.data.images) for a vision-language model whose
+        prompt ids hold each image's whole placeholder run (megarl.data.vision): sent as the request's
+        multi_modal_data with each run collapsed to one placeholder token, which vLLM's processor expands again; the
+        batch's prompt_ids keep the runs (the trainer's tokens)."""
         from vllm import SamplingParams
 
         cfg = self.config
@@ -284,10 +306,20 @@ class VLLMEngine:
         n_eff = kw["n"]
         # seeds: a function of the global prompt index, so the samples do not depend on the number of replicas
         seeds = [None if seed is None else int(seed) + ids[kept[k]] * n_eff for k in range(len(prompts))]
-        rids = [self._driver.add(p, SamplingParams(**kw, seed=s)) for p, s in zip(prompts, seeds)]
+        if images is not None and any(cut):
+            raise ValueError("an image prompt over rollout.prompt_length cannot be cut: its image tokens would no "
+                             "longer match its images")
+        requests = [(p, None) if images is None or not images[kept[k]] else image_request(
+            p, images[kept[k]], self._image_token_id()) for k, p in enumerate(prompts)]
+        rids = [self._driver.add(p, SamplingParams(**kw, seed=s), mm) for (p, mm), s in zip(requests, seeds)]
         done = self._driver.run_to_end(rids)
         return self._collect(rids, done, prompts, [ids[k] for k in kept], cut, t0, len(prompt_token_ids),
                              routes=not validate)
+
+    def _image_token_id(self) -> int:
+        """The model's image placeholder token (config.json's image_token_id)."""
+        config = self._llm.llm_engine.model_config.hf_config
+        return int(config.image_token_id)
 
     def continue_generate(self, prompt_token_ids: Sequence[Sequence[int]], partial_ids: Sequence[Sequence[int]],
                           prompt_index: Sequence[int], seeds: Sequence[int]) -> RolloutBatch:
