@@ -22,9 +22,10 @@ class SyntheticDataConfig(_Section):
         "Zipf law), so with answer_format worked ('3 + 5 = 8 , 8 + 2 = 10 #### 10') response lengths have a long tail "
         "(median 7 tokens, longest 91). multiply_tool: 'What is a * b ?' with a, b in [32, max_operand], which needs "
         "the calculator tool of a multi-turn rollout (its SFT targets are tool-using conversations). These are scored by "
-        "the arithmetic reward. walk: 'Walk from 7 by 5 for 300 steps ?', answered step by step around a clock of 20 "
-        "('300 : 7 + 5 = 12 , 299 : 12 + 5 = 17 , ...'), 125 to 500 steps (responses of 1,002 to 4,002 tokens), "
-        "scored by the walk reward, which checks every step (megarl.data.synthetic_walk).")
+        "the arithmetic reward. walk: 'Walk from 7 for 3 4 7 steps ?', answered step by step, a countdown written "
+        "digit by digit and the value after each step of 3 around a clock of 10 ('3 4 7 : 0 , 3 4 6 : 3 , ...'), 170 "
+        "to 666 steps (responses of 1,021 to 3,997 tokens), scored by the walk reward, which checks every step "
+        "(megarl.data.synthetic_walk).")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
     num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
@@ -38,7 +39,7 @@ class SyntheticDataConfig(_Section):
                                        "call it.")
     slip_share: float = Field(0.0, ge=0, lt=1, description="chain: share of the SFT demonstrations' steps whose "
                               "written sum is off by 1 or 2, the chain going on from it; walk: share of the "
-                              "demonstrations' steps past 20 written one too high (both in sft.parquet only, so they "
+                              "demonstrations' steps past 10 written one too high (both in sft.parquet only, so they "
                               "need num_sft); SFT then imitates a demonstrator who slips, and RL learns from the "
                               "reward to add exactly.")
     answer_format: Literal["gsm8k", "short", "worked"] = Field("gsm8k", description="Response format of the SFT "

@@ -350,24 +350,25 @@ def multiply_tool(data_source: str, solution_str: str, ground_truth: Any, extra_
             "correct_call": correct_call}
 
 
-_WALK_STEP = re.compile(r"(\d+) : (\d+) \+ (\d+) = (\d+)")
+_WALK_STEP = re.compile(r"(\d) (\d) (\d) : (\d)")
 
 
 def walk(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
-         modulus: int = 20) -> dict[str, float]:
+         modulus: int = 10, stride: int = 3) -> dict[str, float]:
     """The walk task (megarl.data.synthetic_walk), every step checked against the one written before it: score = (right
-    steps + a right ending) / (steps + 1). A step is right when it is "c : b + d = v" at its place k (k = 0, 1, ...)
-    with c = steps - k, b = the value the step before wrote (the start for the first), d = the stride and v = (b + d)
+    steps + a right ending) / (steps + 1). A step is right when it is "h t o : v" at its place k (k = 0, 1, ...) with
+    the digits h t o spelling steps - k and v = (the value the step before wrote, the start for the first, + stride)
     mod `modulus`; the ending is right when exactly `steps` steps came before it and its '#### v' repeats the last
-    step's value. extra_info gives start, stride and steps.
+    step's value. extra_info gives start and steps.
 
     Checked against the written step before, a slip costs that step only: a reward of the final value alone would be
     0 for nearly every sample of a 300-step walk from a model that slips at one step in twenty, and so give GRPO
     nothing to compare. Metrics: acc (1 when every step and the ending are right and the end equals ground_truth),
-    steps_right (right steps / steps), wraps_right (right steps among the steps whose b + d reaches the modulus)."""
-    if not extra_info or any(k not in extra_info for k in ("start", "stride", "steps")):
-        raise ValueError(f"the walk reward needs extra_info with start, stride and steps; got {extra_info!r}")
-    start, stride, steps = int(extra_info["start"]), int(extra_info["stride"]), int(extra_info["steps"])
+    steps_right (right steps / steps), wraps_right (right steps among the steps whose value before + stride reaches
+    the modulus)."""
+    if not extra_info or any(k not in extra_info for k in ("start", "steps")):
+        raise ValueError(f"the walk reward needs extra_info with start and steps; got {extra_info!r}")
+    start, steps = int(extra_info["start"]), int(extra_info["steps"])
     body, hashes, tail = solution_str.strip().partition("####")
     pieces = [p.strip() for p in body.split(",")] if body.strip() else []
     right = wraps = wraps_right = 0
@@ -377,16 +378,16 @@ def walk(data_source: str, solution_str: str, ground_truth: Any, extra_info: Opt
         if found is None:
             before = None
             continue
-        c, b, d, v = (int(x) for x in found.groups())
+        h, t, o, v = (int(x) for x in found.groups())
         wrap = before is not None and before + stride >= modulus
-        ok = c == steps - k and b == before and d == stride and v == (b + d) % modulus
+        ok = 100 * h + 10 * t + o == steps - k and before is not None and v == (before + stride) % modulus
         right += ok
         wraps += wrap
         wraps_right += ok and wrap
         before = v
     answer = tail.strip()
     ending = bool(hashes and "####" not in tail and len(pieces) == steps and answer.isdigit() and before is not None
-              and int(answer) == before)
+                  and int(answer) == before)
     exact = ending and right == steps and answer == str(ground_truth).strip()
     return {"score": (right + ending) / (steps + 1), "acc": float(exact), "steps_right": right / steps,
             "wraps_right": wraps_right / wraps if wraps else 0.0}
