@@ -71,7 +71,7 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
     from megarl.data import make_arithmetic_dataset, write_dataset
     from megarl.data.synthetic import make_chain_dataset
     from megarl.data.synthetic_tool import make_multiply_dataset
-    from megarl.data.synthetic_walk import make_walk_dataset
+    from megarl.data.synthetic_walk import SFT_MIN_STEPS, make_walk_dataset
 
     syn, paths = cfg.data.synthetic, synthetic_paths(cfg)
     seeds = {"train": cfg.trainer.seed, "val": cfg.trainer.seed + 10_000, "sft": cfg.trainer.seed + 20_000}
@@ -89,8 +89,9 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
             rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split,
                                          direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
         elif syn.task == "walk":
-            rows = make_walk_dataset(n, seed=seeds[split], split=split,
-                                     slip_share=syn.slip_share if split == "sft" else 0.0)
+            rows = (make_walk_dataset(n, seed=seeds[split], split=split, slip_share=syn.slip_share,
+                                      min_steps=SFT_MIN_STEPS) if split == "sft"
+                    else make_walk_dataset(n, seed=seeds[split], split=split))
         elif syn.task == "chain":
             rows = make_chain_dataset(n, seed=seeds[split], max_operand=syn.max_operand,
                                       answer_format=syn.answer_format, split=split,

@@ -28,6 +28,10 @@ DATA_SOURCE = "walk"
 MODULUS = 10
 STRIDE = 3
 MIN_STEPS, MAX_STEPS = 170, 666
+# the demonstrations (sft.parquet) start from 10 steps: a walk's first step copies the count from the prompt, once a
+# walk, and short walks teach it at a fraction of the tokens (from 170 steps, 300 SFT steps of 4 walks left greedy
+# decoding miscopying it and everything after off course); a third of them still reach 170 to 666 steps
+SFT_MIN_STEPS = 10
 COUNT_DIGITS = 3
 TOKENS_PER_STEP = COUNT_DIGITS + 3  # "3 4 7 : 0 ," (the last step ends with "#### 8" instead of the comma)
 WORDS = ["Walk", "from", "for", "steps", "?", ":", ",", "####"]

@@ -15,7 +15,8 @@ The reward function contract (the same as verl's `compute_score`, so existing fu
 
 Choosing the function (reward.reward_fn)
 ----------------------------------------
-- a registered name:  gsm8k | math | exact_match | format_regex | format_think_answer | arithmetic
+- a registered name:  gsm8k | math | math_dapo | exact_match | format_regex | format_think_answer | arithmetic |
+                      multiply_tool | walk
 - a file:             reward.reward_fn=path/to/my_reward.py:my_fn   (path/to/my_reward.py alone: compute_score)
 - null (default):     per row by its data_source column. Known data_sources are the registered names plus the aliases
                       openai/gsm8k -> gsm8k; lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500,

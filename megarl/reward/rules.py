@@ -356,14 +356,14 @@ _WALK_STEP = re.compile(r"(\d) (\d) (\d) : (\d)")
 def walk(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
          modulus: int = 10, stride: int = 3) -> dict[str, float]:
     """The walk task (megarl.data.synthetic_walk), every step checked against the one written before it: score = (right
-    steps + a right ending) / (steps + 1). A step is right when it is "h t o : v" at its place k (k = 0, 1, ...) with
-    the digits h t o spelling steps - k and v = (the value the step before wrote, the start for the first, + stride)
-    mod `modulus`; the ending is right when exactly `steps` steps came before it and its '#### v' repeats the last
-    step's value. extra_info gives start and steps.
+    steps + a right ending) / (steps + 1), counting the first `steps` steps written. A step "h t o : v" is right when
+    its count h t o is one less than the step before's (the first: `steps`) and v = (the value the step before wrote,
+    the start for the first, + stride) mod `modulus`; the ending is right when exactly `steps` steps came before it,
+    the last counting 1, and its '#### v' repeats the last step's value. extra_info gives start and steps.
 
     Checked against the written step before, a slip costs that step only: a reward of the final value alone would be
-    0 for nearly every sample of a 300-step walk from a model that slips at one step in twenty, and so give GRPO
-    nothing to compare. Metrics: acc (1 when every step and the ending are right and the end equals ground_truth),
+    0 for nearly every sample of a 300-step walk from a model that slips at one wrap in two, and so give GRPO nothing
+    to compare. Metrics: acc (1 when every step and the ending are right and the end equals ground_truth),
     steps_right (right steps / steps), wraps_right (right steps among the steps whose value before + stride reaches
     the modulus)."""
     if not extra_info or any(k not in extra_info for k in ("start", "steps")):
@@ -372,21 +372,23 @@ def walk(data_source: str, solution_str: str, ground_truth: Any, extra_info: Opt
     body, hashes, tail = solution_str.strip().partition("####")
     pieces = [p.strip() for p in body.split(",")] if body.strip() else []
     right = wraps = wraps_right = 0
+    count: Optional[int] = steps + 1
     before: Optional[int] = start
-    for k, piece in enumerate(pieces[:steps]):
+    for piece in pieces[:steps]:
         found = _WALK_STEP.fullmatch(piece)
         if found is None:
-            before = None
+            count = before = None
             continue
         h, t, o, v = (int(x) for x in found.groups())
         wrap = before is not None and before + stride >= modulus
-        ok = 100 * h + 10 * t + o == steps - k and before is not None and v == (before + stride) % modulus
+        ok = count is not None and 100 * h + 10 * t + o == count - 1 and before is not None and \
+            v == (before + stride) % modulus
         right += ok
         wraps += wrap
         wraps_right += ok and wrap
-        before = v
+        count, before = 100 * h + 10 * t + o, v
     answer = tail.strip()
-    ending = bool(hashes and "####" not in tail and len(pieces) == steps and answer.isdigit() and before is not None
+    ending = bool(hashes and "####" not in tail and len(pieces) == steps and count == 1 and answer.isdigit()
                   and int(answer) == before)
     exact = ending and right == steps and answer == str(ground_truth).strip()
     return {"score": (right + ending) / (steps + 1), "acc": float(exact), "steps_right": right / steps,

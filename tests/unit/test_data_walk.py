@@ -79,8 +79,11 @@ def test_the_walk_reward_checks_every_step_against_the_one_before():
     assert slipped == {"score": 2 / 3, "acc": 0.0, "steps_right": 0.5, "wraps_right": 0.0}
     # a step that does not go on from the one before is wrong even when it is the true walk's value
     assert walk("walk", "0 0 2 : 2 , 0 0 1 : 4 #### 4", "4", info(8, 2))["score"] == 1 / 3
-    # a wrong countdown, a truncated answer (no ending), one step too many, an ending that is not the last value
-    assert walk("walk", "0 0 2 : 1 , 0 0 2 : 4 #### 4", "4", info(8, 2))["score"] == 2 / 3
+    # the countdown is checked the same way: a miscounted step costs that step, and the ending when it ends off 1
+    assert walk("walk", "0 0 2 : 1 , 0 0 2 : 4 #### 4", "4", info(8, 2))["score"] == 1 / 3
+    assert walk("walk", "0 0 3 : 1 , 0 0 1 : 4 , 0 0 0 : 7 #### 7", "7", info(8, 3))["score"] == 2 / 4
+    assert walk("walk", "0 0 4 : 1 , 0 0 3 : 4 , 0 0 2 : 7 #### 7", "7", info(8, 3))["score"] == 2 / 4
+    # a truncated answer (no ending), one step too many, an ending that is not the last value
     assert walk("walk", "0 0 2 : 1 , 0 0 1 :", "4", info(8, 2))["score"] == 1 / 3
     assert walk("walk", "0 0 2 : 1 , 0 0 1 : 4 , 0 0 0 : 7 #### 7", "4", info(8, 2))["score"] == 2 / 3
     assert walk("walk", "0 0 2 : 1 , 0 0 1 : 4 #### 5", "4", info(8, 2))["score"] == 2 / 3
