@@ -9,8 +9,8 @@
 A cell is one merged token of a Qwen2.5-VL tower (2 x 2 patches of 14 pixels), and the image processor keeps 112 x 112
 as it is, so each shape sits in exactly one of the image's 16 tokens: the answer is a count of tokens with a colour,
 which a two-layer model can learn. The colour asked is drawn independently of the image, so about a third of the
-answers are 0. The tokenizer is the synthetic tasks' word-level one with the four vision special tokens of
-megarl.bridge.tiny.TINY_VL_SPECIAL_TOKENS; the image processor is transformers' Qwen2-VL one at the tiny tower's sizes.
+answers are 0. The tokenizer is the synthetic tasks' word-level one with the four vision tokens of
+Qwen2.5-VL (VISION_TOKENS); the image processor is transformers' Qwen2-VL one at the tiny tower's sizes.
 """
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ PATCH, MERGE = 14, 2
 WORDS = ["How", "many", "shapes", "?", "####", *COLOURS]
 
 
-def vision_tokens() -> list[str]:
-    from megarl.bridge.tiny import TINY_VL_SPECIAL_TOKENS
+# Qwen2.5-VL's vision tokens: start, end, image, video (the order of megarl.bridge.tiny.TINY_VL_SPECIAL_TOKENS, which
+# the tiny model's config takes their ids in; data sits below the bridge, so the names are written here too)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
-    return list(TINY_VL_SPECIAL_TOKENS)
+
+def vision_tokens() -> list[str]:
+    return list(VISION_TOKENS)
 
 
 def shapes_vocab() -> list[str]:

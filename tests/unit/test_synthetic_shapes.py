@@ -58,7 +58,8 @@ def test_created_tiny_vl_model_encodes_and_runs_a_row(tmp_path):
     from megarl.bridge.tiny import tiny_hf_config
     from megarl.config.schema import TinyModelSpec
     from megarl.data.dataset import records_from_rows
-    from megarl.data.synthetic_shapes import shapes_vocab
+    from megarl.bridge.tiny import TINY_VL_SPECIAL_TOKENS
+    from megarl.data.synthetic_shapes import shapes_vocab, vision_tokens
     from megarl.data.vision import ImagePrompts
     from megarl.prepare import create_tiny_model
 
@@ -67,6 +68,7 @@ def test_created_tiny_vl_model_encodes_and_runs_a_row(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
     assert tok.convert_ids_to_tokens(model.config.image_token_id) == "<|image_pad|>"
+    assert tuple(vision_tokens()) == TINY_VL_SPECIAL_TOKENS
     [record] = records_from_rows(make_shapes_dataset(1, seed=2), "shapes", require_response=True)
     images = ImagePrompts(str(path), tok)
     ids = images.prompt_ids(record)
