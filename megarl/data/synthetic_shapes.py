@@ -2,14 +2,16 @@
 
     image         112 x 112 pixels, white, a 4 x 4 grid of 28-pixel cells; 1 to 6 cells hold a red, green or blue
                   circle, square or triangle
-    prompt        [{"role": "user", "content": "<image> How many red shapes ?"}]
+    prompt        [{"role": "user", "content": "How many red shapes ? <image>"}]
     response      "#### 2"
     ground_truth  "2", data_source "shapes" (scored by the `arithmetic` rule: the response's one '#### N')
 
 A cell is one merged token of a Qwen2.5-VL tower (2 x 2 patches of 14 pixels), and the image processor keeps 112 x 112
-as it is, so each shape sits in exactly one of the image's 16 tokens: the answer is a count of tokens with a colour,
-which a two-layer model can learn. The colour asked is drawn independently of the image, so about a third of the
-answers are 0. The tokenizer is the synthetic tasks' word-level one with the four vision tokens of
+as it is, so each shape sits in exactly one of the image's 16 tokens: the answer is a count of tokens with a colour
+(whether the tiny model learns it is not shown yet: recipes/grpo_qwen2_5_vl_tiny_cpu.yaml). The colour asked is drawn
+independently of the image, so about 30% of the answers are 0 and 38% are 1. The question comes before the image: in causal order the image's tokens can then read the colour
+asked, so a layer can mark the cells that match it and the next count the marks (with the image first, only the
+answer position sees both). The tokenizer is the synthetic tasks' word-level one with the four vision tokens of
 Qwen2.5-VL (VISION_TOKENS); the image processor is transformers' Qwen2-VL one at the tiny tower's sizes.
 """
 from __future__ import annotations
@@ -80,7 +82,7 @@ def make_shapes_dataset(n: int, seed: int, split: str = "train") -> list[dict[st
         asked = rng.choice(list(COLOURS))
         answer = sum(colour == asked for _, colour, _ in cells)
         rows.append({"data_source": DATA_SOURCE,
-                     "prompt": [{"role": "user", "content": f"<image> How many {asked} shapes ?"}],
+                     "prompt": [{"role": "user", "content": f"How many {asked} shapes ? <image>"}],
                      "images": [draw(cells)], "response": f"#### {answer}", "ground_truth": str(answer),
                      "extra_info": {"index": i, "split": split, "colour": asked, "shapes": count}})
     return rows
