@@ -70,6 +70,7 @@ def tiny_model_settings(cfg: MegarlConfig) -> dict[str, Any]:
 def write_synthetic_data(cfg: MegarlConfig) -> None:
     from megarl.data import make_arithmetic_dataset, write_dataset
     from megarl.data.synthetic import make_chain_dataset
+    from megarl.data.synthetic_shapes import make_shapes_dataset
     from megarl.data.synthetic_tool import make_multiply_dataset
     from megarl.data.synthetic_walk import SFT_MIN_STEPS, make_walk_dataset
 
@@ -88,6 +89,8 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
         if syn.task == "multiply_tool":
             rows = make_multiply_dataset(n, seed=seeds[split], max_operand=syn.max_operand, split=split,
                                          direct_answer_share=syn.direct_answer_share if split == "sft" else 0.0)
+        elif syn.task == "shapes":
+            rows = make_shapes_dataset(n, seed=seeds[split], split=split)
         elif syn.task == "walk":
             rows = (make_walk_dataset(n, seed=seeds[split], split=split, slip_share=syn.slip_share,
                                       min_steps=SFT_MIN_STEPS) if split == "sft"
@@ -108,11 +111,13 @@ def write_synthetic_data(cfg: MegarlConfig) -> None:
 def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_operand: int = 20,
                       task: str = "arithmetic") -> Path:
     """A random HF model of `spec` with the tokenizer of the synthetic `task`, saved in float32 safetensors at
-    `path`."""
+    `path` (a vision-language one with the task's image processor)."""
     import torch
     import transformers
 
+    from megarl.bridge.tiny import TINY_VL_ARCHS, VISION_ID_NAMES
     from megarl.data import arithmetic_tokenizer
+    from megarl.data.synthetic_shapes import shapes_image_processor, shapes_tokenizer, vision_tokens
     from megarl.data.synthetic_tool import multiply_tokenizer
     from megarl.data.synthetic_walk import walk_tokenizer
 
@@ -122,13 +127,23 @@ def create_tiny_model(spec: TinyModelSpec, path: str | Path, seed: int, max_oper
         tokenizer = multiply_tokenizer(str(tmp))
     elif task == "walk":
         tokenizer = walk_tokenizer(str(tmp))
+    elif task == "shapes":
+        tokenizer = shapes_tokenizer(str(tmp))
     else:
         tokenizer = arithmetic_tokenizer(str(tmp), max_operand=max_operand, task=task)
+    vision = spec.architecture in TINY_VL_ARCHS
+    if vision != (task == "shapes"):
+        raise ValueError(f"model.create_tiny.architecture={spec.architecture} with data.synthetic.task={task}: the "
+                         "shapes task needs a vision-language architecture (qwen2_5_vl), and a vision-language one "
+                         "the shapes task")
+    ids = dict(zip(VISION_ID_NAMES, tokenizer.convert_tokens_to_ids(vision_tokens()))) if vision else None
     config = tiny_hf_config(spec, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
-                            tokenizer.pad_token_id)
+                            tokenizer.pad_token_id, vision_token_ids=ids)
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
     model.save_pretrained(str(tmp), safe_serialization=True)
+    if vision:
+        shapes_image_processor().save_pretrained(str(tmp))
     tmp.replace(path)  # prepare() calls this only when path is missing: readers never see a half-made model
     log.info("created a tiny %s model (%.2fM parameters) at %s", spec.architecture,
              sum(p.numel() for p in model.parameters()) / 1e6, path)

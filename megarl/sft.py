@@ -62,20 +62,31 @@ def _response_ids(response, tokenizer, renderer) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -> list[tuple[list[int], list[int]]]:
-    """(prompt + response token ids, loss mask over them: 1 on trained tokens) per record, cut to max_length (counted
-    in the log). A response is a string, or assistant/tool messages (tool turns are context, not trained)."""
+def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool, images=None
+               ) -> list[tuple[list[int], list[int], tuple]]:
+    """(prompt + response token ids, loss mask over them: 1 on trained tokens, the record's images) per record, cut to
+    max_length (counted in the log). A response is a string, or assistant/tool messages (tool turns are context, not
+    trained). images: a megarl.data.vision.ImagePrompts, which encodes a prompt with images (each `<image>` its
+    placeholder run); such a prompt is never cut (its image would lose tokens)."""
     from megarl.agent.render import ChatRenderer
 
     out, cut = [], 0
     renderer = ChatRenderer(tokenizer) if any(isinstance(r.response, list) for r in records) else None
     for rec in records:
-        prompt = encode_one(rec, tokenizer, apply_chat_template)
+        if rec.images:
+            if images is None:
+                raise ValueError(f"SFT example {rec.uid} has images but the model reads text only")
+            prompt = images.prompt_ids(rec, apply_chat_template)
+            if len(prompt) >= max_length:
+                raise ValueError(f"SFT example {rec.uid}: its prompt with its image tokens is {len(prompt)} tokens, "
+                                 f"which sft.max_length={max_length} would cut into; raise sft.max_length")
+        else:
+            prompt = encode_one(rec, tokenizer, apply_chat_template)
         response, trained = _response_ids(rec.response, tokenizer, renderer)
         ids, mask = (prompt + response)[:max_length], ([0] * len(prompt) + trained)[:max_length]
         cut += len(prompt) + len(response) > max_length
         if any(mask):
-            out.append((ids, mask))
+            out.append((ids, mask, tuple(rec.images)))
     if cut:
         log.warning("sft: %d of %d examples were cut to sft.max_length=%d", cut, len(records), max_length)
     if not out:
@@ -83,15 +94,20 @@ def encode_sft(records, tokenizer, max_length: int, apply_chat_template: bool) -
     return out
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids [B, S] right-padded; response_mask [B, S-1] True where the next token is a trained token."""
-    s = max(len(ids) for ids, _ in examples)
+def sft_batch(examples: list[tuple], pad_id: int, images=None) -> dict[str, torch.Tensor]:
+    """input_ids [B, S] right-padded; response_mask [B, S-1] True where the next token is a trained token; with images
+    (an ImagePrompts) and examples that have some, the rows' pixel_values [B, P_max, patch_dim] and image_grid_thw
+    [B, I_max, 3] (megarl.batching.VISION_KEYS), which the packed forward places at each row's placeholders."""
+    s = max(len(ex[0]) for ex in examples)
     ids = torch.full((len(examples), s), pad_id, dtype=torch.long)
     mask = torch.zeros(len(examples), s - 1, dtype=torch.bool)
-    for i, (seq, trained) in enumerate(examples):
+    for i, (seq, trained, *_) in enumerate(examples):
         ids[i, :len(seq)] = torch.tensor(seq)
         mask[i, :len(seq) - 1] = torch.tensor(trained[1:], dtype=torch.bool)
-    return {"input_ids": ids, "response_mask": mask}
+    batch = {"input_ids": ids, "response_mask": mask}
+    if images is not None:
+        batch.update(images.rows_images([ex[2] if len(ex) > 2 else () for ex in examples]))
+    return batch
 
 
 def reached_target(losses: Sequence[float], target: Optional[float], window: int) -> bool:
@@ -117,8 +133,13 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
     records = load_prompts(s.train_files, setting="sft.train_files", prompt_key=d.prompt_key,
                            response_key=d.response_key, ground_truth_key=d.ground_truth_key,
                            data_source_key=d.data_source_key, extra_info_key=d.extra_info_key,
-                           require_ground_truth=False, require_response=True)
-    examples = encode_sft(records, tokenizer, s.max_length, d.apply_chat_template)
+                           image_key=d.image_key, require_ground_truth=False, require_response=True)
+    images = None
+    if any(r.images for r in records):
+        from megarl.data.vision import ImagePrompts
+
+        images = ImagePrompts(cfg.model.path, tokenizer)
+    examples = encode_sft(records, tokenizer, s.max_length, d.apply_chat_template, images)
     loader = PromptLoader(examples, seed=cfg.trainer.seed, shuffle=True, drop_last=True)
     total = s.total_steps or s.epochs * loader.batches_per_epoch(s.batch_size)
     worker = PolicyWorker(cfg.model.path, cfg, trainable=True, optim=s.optim, total_steps=total,
@@ -131,7 +152,7 @@ def run_sft(cfg: MegarlConfig, rt) -> Path:
              total, s.batch_size)
     losses: list[float] = []
     for step in range(1, total + 1):
-        batch = sft_batch(loader.next_batch(s.batch_size), pad)
+        batch = sft_batch(loader.next_batch(s.batch_size), pad, images)
         mine = {k: v[dp_row_range(s.batch_size, rt)] for k, v in batch.items()}
         micro_batches = split_micro(mine, min(micro, mine["input_ids"].shape[0]))
         denominator = loss_denominator([m["response_mask"] for m in micro_batches], "token-mean")

@@ -12,6 +12,7 @@ from megarl.bridge.tiny import TINY_SOURCE, tiny_spec
 from megarl.config.issues import Issue
 from megarl.config.schema import MegarlConfig
 from megarl.data.synthetic import arithmetic_vocab
+from megarl.data.synthetic_shapes import shapes_vocab
 from megarl.data.synthetic_tool import multiply_vocab
 
 P = "parallelism."
@@ -57,6 +58,8 @@ def _tiny_vocab(cfg: MegarlConfig) -> list[str]:
     syn = cfg.data.synthetic
     if syn and syn.task == "multiply_tool":
         return multiply_vocab()
+    if syn and syn.task == "shapes":
+        return shapes_vocab()
     return arithmetic_vocab(syn.max_operand, syn.task) if syn else arithmetic_vocab(20)
 
 
@@ -95,7 +98,7 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
     """What a vision-language model (key = model.path or model.config_path: arch) cannot train with yet: one issue
     per setting, naming it, its value, the rule and the setting that works. What works: the hf engine colocated in
     sync mode, GRPO-style runs without a critic, TP and PP without sequence, context or virtual pipeline parallelism,
-    full-parameter training, without an SFT warm-start or a teacher."""
+    full-parameter training (the SFT warm-start included), without a teacher."""
     p, r = cfg.parallelism, cfg.rollout
     vl = f"a vision-language model ({arch} at {key})"
     rules = [
@@ -121,12 +124,29 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
          "use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, ...)"),
         ("actor.lora.rank", cfg.actor.lora.rank, cfg.actor.lora.enabled, "LoRA adapters on a vision-language "
          "model are not tested yet", "set actor.lora.rank=0 (full-parameter training)"),
-        ("sft.enable", cfg.sft.enable, cfg.sft.enable, "the SFT warm-start's forward takes no images yet",
-         "set sft.enable=false and start from a supervised checkpoint"),
         ("distillation.enable", cfg.distillation.enable, cfg.distillation.enable,
          "a teacher's forward on image prompts is not tested yet", "set distillation.enable=false"),
     ]
     return [Issue(k, value, f"{vl}: {rule}", fix, keys=(k, key)) for k, value, bad, rule, fix in rules if bad]
+
+
+def tiny_issues(cfg: MegarlConfig) -> list[Issue]:
+    """A model.create_tiny that is to be made: its head sizes, and a vision-language one (made for the shapes task
+    only, whose tokenizer has the vision tokens) with what it cannot train with yet (vision_training_issues)."""
+    from megarl.bridge.tiny import TINY_VL_ARCHS
+
+    tiny, syn = cfg.model.create_tiny, cfg.data.synthetic
+    issues = tiny_shape_issues(tiny)
+    key, task = "model.create_tiny.architecture", syn.task if syn else None
+    vision = tiny.architecture in TINY_VL_ARCHS
+    if vision != (task == "shapes"):
+        issues.append(Issue(key, tiny.architecture, f"data.synthetic.task={task}: the tiny model's tokenizer is the "
+                            "synthetic task's, and only the shapes task (images) has a vision-language one",
+                            "use architecture qwen2_5_vl with data.synthetic.task=shapes, a text architecture with "
+                            "the other tasks", keys=(key, "data.synthetic.task")))
+    if vision:
+        issues += vision_training_issues(cfg, key, tiny.architecture)
+    return issues
 
 
 def check_architecture(cfg: MegarlConfig) -> list[Issue]:
@@ -134,7 +154,7 @@ def check_architecture(cfg: MegarlConfig) -> list[Issue]:
     model.create_tiny's head sizes must make a valid config."""
     hf, source = model_config(cfg)
     if hf is None:
-        return tiny_shape_issues(cfg.model.create_tiny) if cfg.model.create_tiny is not None else []
+        return tiny_issues(cfg) if cfg.model.create_tiny is not None else []
     key = "model.config_path" if cfg.model.config_path else "model.path"
     arch = (hf.get("architectures") or [None])[0]
     try:

@@ -41,11 +41,23 @@ TINY_SOURCE = "model.create_tiny"  # where a spec read before the tiny model is 
 
 
 def tiny_hf_config(spec: TinyModelSpec, vocab_size: int, bos_token_id: Optional[int] = None,
-                   eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None):
+                   eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None,
+                   vision_token_ids: Optional[dict] = None):
     """The transformers config of the tiny model of `spec` with a tokenizer of vocab_size tokens (its special token
-    ids: None where only the shape is wanted)."""
+    ids: None where only the shape is wanted). A vision-language architecture (TINY_VL_ARCHS) takes the tokenizer's
+    vision_token_ids {vision_start_token_id, vision_end_token_id, image_token_id, video_token_id}; without them (the
+    shape only) the last four ids stand in."""
     import transformers
 
+    if spec.architecture in TINY_VL_ARCHS:
+        ids = vision_token_ids or dict(zip(VISION_ID_NAMES, range(vocab_size - 4, vocab_size)))
+        return tiny_vl_config(vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
+                              num_attention_heads=spec.num_attention_heads,
+                              num_key_value_heads=spec.num_key_value_heads, intermediate_size=spec.intermediate_size,
+                              tie_word_embeddings=spec.tie_word_embeddings, init_std=spec.init_std,
+                              bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                              architecture=spec.architecture, max_position_embeddings=spec.max_position_embeddings,
+                              **ids)
     config_cls, model_cls, extra = TINY_ARCHS[spec.architecture]
     kwargs = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
                   num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads,
@@ -82,6 +94,8 @@ TINY_QWEN3_VL_VISION = dict(depth=3, hidden_size=64, intermediate_size=96, num_h
                             temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64,
                             deepstack_visual_indexes=[0, 1], hidden_act="gelu_pytorch_tanh")
 TINY_VL_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# the config fields of TINY_VL_SPECIAL_TOKENS' ids, in the same order
+VISION_ID_NAMES = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
 # transformers config class, model class and default vision tower per tiny vision-language architecture
 TINY_VL_ARCHS = {
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", TINY_VL_VISION),
@@ -94,7 +108,8 @@ def tiny_vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vi
                    num_attention_heads: int = 4, num_key_value_heads: int = 2, intermediate_size: int = 256,
                    tie_word_embeddings: bool = False, init_std: float = 0.02, mrope_section=(4, 6, 6),
                    bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None,
-                   pad_token_id: Optional[int] = None, architecture: str = "qwen2_5_vl", **vision):
+                   pad_token_id: Optional[int] = None, architecture: str = "qwen2_5_vl",
+                   max_position_embeddings: int = MAX_POSITIONS, **vision):
     """The transformers config of a tiny random Qwen2.5-VL or Qwen3-VL (architecture, TINY_VL_ARCHS): the language
     model's sizes as given, the architecture's tiny vision tower (overridden by `vision`) whose merger outputs
     hidden_size. The four vision token ids must be ids of the tokenizer's special tokens TINY_VL_SPECIAL_TOKENS (in
@@ -105,7 +120,7 @@ def tiny_vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vi
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(mrope_section)}
     text = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                intermediate_size=intermediate_size, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6,
+                intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
                 hidden_act="silu", initializer_range=init_std, tie_word_embeddings=tie_word_embeddings,
                 bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                 rope_parameters=rope)

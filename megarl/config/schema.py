@@ -16,7 +16,7 @@ class _Section(BaseModel):
 class SyntheticDataConfig(_Section):
     """A verifiable task megarl generates itself (demos and tests on machines without datasets)."""
 
-    task: Literal["arithmetic", "chain", "multiply_tool", "walk"] = Field(
+    task: Literal["arithmetic", "chain", "multiply_tool", "walk", "shapes"] = Field(
         "arithmetic", description="arithmetic: addition questions 'What is a + b ?' answered '#### c'. chain: "
         "'What is 3 + 5 + 2 ?', 2 to 16 distinct terms from [0, max_operand], most questions 2 or 3 terms and a few up to 16 (a "
         "Zipf law), so with answer_format worked ('3 + 5 = 8 , 8 + 2 = 10 #### 10') response lengths have a long tail "
@@ -25,7 +25,9 @@ class SyntheticDataConfig(_Section):
         "the arithmetic reward. walk: 'Walk from 7 for 3 4 7 steps ?', answered step by step, a countdown written "
         "digit by digit and the value after each step of 3 around a clock of 10 ('3 4 7 : 0 , 3 4 6 : 3 , ...'), 170 "
         "to 666 steps (responses of 1,021 to 3,997 tokens), scored by the walk reward, which checks every step "
-        "(megarl.data.synthetic_walk).")
+        "(megarl.data.synthetic_walk). shapes: an image of 1 to 6 red, green or blue shapes on a 4 x 4 grid and 'How "
+        "many red shapes ?' answered '#### 2', for a tiny vision-language model "
+        "(model.create_tiny.architecture=qwen2_5_vl; megarl.data.synthetic_shapes), scored by the arithmetic rule.")
     num_train: int = Field(2000, ge=1, description="Training prompts to generate.")
     num_val: int = Field(128, ge=1, description="Validation prompts to generate.")
     num_sft: Optional[int] = Field(None, ge=1, description="Rows of a separate SFT file (sft.parquet, its own seed) "
@@ -79,9 +81,9 @@ class TinyModelSpec(_Section):
     """A small random model created locally when model.path does not exist (demos and tests; no model hub needed)."""
 
     architecture: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3",
-                          "glm4_moe"] = Field(
+                          "glm4_moe", "qwen2_5_vl"] = Field(
         "llama", description="Hugging Face architecture family of the created model (deepseek_v3 and glm4_moe need "
-        "num_experts > 1).")
+        "num_experts > 1; qwen2_5_vl: a Qwen2.5-VL with a two-block vision tower, for data.synthetic.task=shapes).")
     hidden_size: int = Field(128, ge=32, description="Hidden size (head_dim = hidden_size / heads must be >= 32 for "
                              "vLLM's CPU attention).")
     num_hidden_layers: int = Field(2, ge=1, description="Transformer layers.")

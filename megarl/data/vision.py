@@ -96,17 +96,28 @@ class ImagePrompts:
         for p in sorted(set(prompt_index.tolist())):
             if records[p].images:
                 per_prompt[p] = self.pixels(records[p].images)
-        if not per_prompt:
-            return {}
-        n = len(prompt_index)
-        dim = next(iter(per_prompt.values()))[0].shape[1]
-        width = max(px.shape[0] for px, _ in per_prompt.values())
-        count = max(g.shape[0] for _, g in per_prompt.values())
-        pixel_values = torch.zeros(n, width, dim)
-        grids = torch.zeros(n, count, 3, dtype=torch.long)
-        for i, p in enumerate(prompt_index.tolist()):
-            if p in per_prompt:
-                px, g = per_prompt[p]
-                pixel_values[i, :px.shape[0]] = px
-                grids[i, :g.shape[0]] = g
-        return {"pixel_values": pixel_values, "image_grid_thw": grids}
+        return padded_images([per_prompt.get(p) for p in prompt_index.tolist()])
+
+    def rows_images(self, refs: Sequence[Sequence[ImageRef]]) -> dict[str, torch.Tensor]:
+        """batch_images of rows given by their images (refs[i]: row i's, () for a text row)."""
+        return padded_images([self.pixels(r) if r else None for r in refs])
+
+
+def padded_images(rows: Sequence[Optional[tuple[torch.Tensor, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Each row's (pixel_values [P_i, patch_dim], image_grid_thw [I_i, 3]) or None (no images) as the batch's
+    pixel_values [N, P_max, patch_dim] float32 and image_grid_thw [N, I_max, 3] long, each row's images first and zeros
+    after. {} when no row has images."""
+    present = [r for r in rows if r is not None]
+    if not present:
+        return {}
+    n, dim = len(rows), present[0][0].shape[1]
+    width = max(px.shape[0] for px, _ in present)
+    count = max(g.shape[0] for _, g in present)
+    pixel_values = torch.zeros(n, width, dim)
+    grids = torch.zeros(n, count, 3, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row is not None:
+            px, g = row
+            pixel_values[i, :px.shape[0]] = px
+            grids[i, :g.shape[0]] = g
+    return {"pixel_values": pixel_values, "image_grid_thw": grids}

@@ -36,11 +36,14 @@ def register_reward(name: str, fn: RewardFn, aliases: Iterable[str] = ()) -> Rew
 register_reward("gsm8k", rules.gsm8k, aliases=["openai/gsm8k"])
 register_reward("math", rules.math, aliases=["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval",
                                              "HuggingFaceH4/MATH-500", "hendrycks_math"])
+register_reward("geo3k", rules.geo3k, aliases=["hiyouga/geometry3k"])  # verl's geo3k.py data_source
 register_reward("math_dapo", rules.math_dapo)  # DAPO-Math-17k and its AIME-2024 set use this data_source
 register_reward("exact_match", rules.exact_match)
 register_reward("format_regex", rules.format_regex)
 register_reward("format_think_answer", rules.format_think_answer)
 register_reward("arithmetic", rules.arithmetic, aliases=["megarl/arithmetic"])
+# the synthetic image task (megarl.data.synthetic_shapes): its answers are "#### N" counts
+register_reward("shapes", rules.arithmetic)
 register_reward("multiply_tool", rules.multiply_tool)
 register_reward("walk", rules.walk)
 

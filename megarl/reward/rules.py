@@ -151,6 +151,21 @@ def math(data_source: str, solution_str: str, ground_truth: Any, extra_info: Opt
     return 1.0 if truth is not None and math_equal(answer, truth) else format_score
 
 
+# verl's geo3k rule (Geometry3K, the vision-language GRPO example): thinking in <think> tags, then a boxed answer
+_THINK_THEN_BOXED = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+
+
+def geo3k(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None, *,
+          format_weight: float = 0.1) -> dict[str, float]:
+    r"""verl's Geometry3K score: (1 - format_weight) * acc + format_weight * format, acc 1 when the last \boxed{...}
+    equals the ground truth (math_equal: megarl's equivalence, where verl asks mathruler's grade_answer), format 1
+    when the whole response is '<think>...</think>' then text holding a \boxed{...}. Metrics: acc, format_ok."""
+    answer = last_boxed(solution_str)
+    acc = 1.0 if answer is not None and math_equal(answer, str(ground_truth)) else 0.0
+    ok = 1.0 if _THINK_THEN_BOXED.fullmatch(solution_str) else 0.0
+    return {"score": (1.0 - format_weight) * acc + format_weight * ok, "acc": acc, "format_ok": ok}
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # DAPO-Math-17k's rule (verl's math_dapo: a final 'Answer: ...' line, +1 right, -1 wrong)
 

@@ -274,3 +274,50 @@ def test_validate_names_the_data_command_demo_real_runs():
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     args = re.search(r"^WORD_PROBLEMS \?= (.*)$", makefile, re.M).group(1).strip()
     assert WORD_PROBLEMS_COMMAND == f"python tools/data/word_problems.py --out-dir data/word_problems {args}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# geo3k.py
+
+geo3k_tool = _load("geo3k")
+# verl's examples/data_preprocess/geo3k.py instruction, word for word: the spec, not read from the code under test
+VERL_GEO3K_INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the "
+                          r"final answer. The reasoning process MUST BE enclosed within <think> </think> tags. The "
+                          r"final answer MUST BE put in \boxed{}.")
+
+
+def _geo3k_parquet(path, problems):
+    """Geometry3K's published layout: images as {bytes, path} structs, the problem with its <image>, the answer."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rows = []
+    for i, (problem, answer) in enumerate(problems):
+        buf = io.BytesIO()
+        Image.new("RGB", (40 + i, 30), (10 * i, 0, 0)).save(buf, format="PNG")
+        rows.append({"images": [{"bytes": buf.getvalue(), "path": None}], "problem": problem, "answer": answer})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_geo3k_rows_load_with_megarl_decode_and_score(tmp_path):
+    from megarl.data.images import decode_problem
+
+    train = _geo3k_parquet(tmp_path / "train.parquet", [("<image>Find x.", "3"), ("<image>Find the area.", "24")])
+    out = tmp_path / "geo3k"
+    assert geo3k_tool.main(["--train", train, "--out-dir", str(out)]) == 0
+    records = load_prompts([str(out / "train.parquet")], require_data_source=True)
+    assert [r.ground_truth for r in records] == ["3", "24"]
+    assert records[0].prompt[0]["content"] == "<image>Find x. " + VERL_GEO3K_INSTRUCTION
+    assert all(len(r.images) == 1 and decode_problem(r.images[0]) is None for r in records)
+    RewardRouter().check(r.data_source for r in records)
+    assert rules.geo3k(records[0].data_source, r"<think>ok</think> \boxed{3}", records[0].ground_truth)["score"] == 1
+
+
+def test_geo3k_refuses_a_row_whose_placeholders_do_not_match(tmp_path, capsys):
+    bad = _geo3k_parquet(tmp_path / "bad.parquet", [("Find x, no placeholder.", "3")])
+    assert geo3k_tool.main(["--train", bad, "--out-dir", str(tmp_path / "out")]) == 1
+    assert "row 0" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -62,6 +62,20 @@ def test_math(response, truth, expected):
     assert rules.math("lighteval/MATH", response, truth) == expected
 
 
+# verl's geo3k rule: 0.9 * acc + 0.1 * format, format = the whole response '<think>...</think>' then text with a box
+@pytest.mark.parametrize("response,truth,score", [
+    (r"<think>angles sum to 180</think> so x = \boxed{3}", "3", 1.0),
+    (r"x = \boxed{3}", "3", 0.9),                                  # right, no thinking
+    (r"<think>guess</think> \boxed{4}", "3", 0.1),                  # the format only
+    (r"<think>a</think>\boxed{\frac{1}{2}}", "0.5", 1.0),          # equal as numbers
+    ("<think>a</think> 3", "3", 0.0),                               # no box: no answer, no format
+    (r"preamble <think>a</think> \boxed{3}", "3", 0.9),             # text before <think>: not the format
+])
+def test_geo3k(response, truth, score):
+    out = rules.geo3k("hiyouga/geometry3k", response, truth)
+    assert out["score"] == pytest.approx(score) and out["acc"] == (score >= 0.9)
+
+
 def test_normalize_math_forms():
     assert normalize_math(r"\frac{a+1}{2}") == "(a+1)/2"
     assert normalize_math(r"$ 90^\circ $") == "90"

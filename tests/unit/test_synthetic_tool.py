@@ -56,7 +56,7 @@ def test_demonstration_is_what_the_loop_builds(tok, tmp_path):
                         add_special_tokens=False)
     agent = AgentRollout(cfg, tok, load_tools(cfg.multi_turn.tool_config_path))
     traj = asyncio.run(agent.run(model, [prompt], 1, {}, [None]))[0]
-    [(ids, mask)] = encode_sft(records_from_rows([row], "demo", require_response=True), tok, 128, True)
+    [(ids, mask, _)] = encode_sft(records_from_rows([row], "demo", require_response=True), tok, 128, True)
     assert ids == prompt + traj.response_ids
     assert mask == [0] * len(prompt) + traj.mask
     batch = sft_batch([(ids, mask)], pad_id=0)
@@ -79,7 +79,7 @@ def test_plain_sft_target_trains_the_response_and_eos(tok):
 
     row = {"prompt": [{"role": "user", "content": "What is 40 * 50 ?"}], "response": "#### 2000", "data_source": "x",
            "ground_truth": "2000"}
-    [(ids, mask)] = encode_sft(records_from_rows([row], "plain", require_response=True), tok, 128, True)
+    [(ids, mask, _)] = encode_sft(records_from_rows([row], "plain", require_response=True), tok, 128, True)
     prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     p = len(tok.encode(prompt, add_special_tokens=False))
     assert ids == tok.encode(prompt + "#### 2000", add_special_tokens=False) + [tok.eos_token_id]

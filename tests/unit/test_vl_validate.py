@@ -21,7 +21,7 @@ def setup(tmp_path_factory):
     Image.new("RGB", (56, 56), (200, 20, 20)).save(tmp / "red.png")
     data = tmp / "train.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "<image>What colour?"}],
-                                "images": ["red.png"], "data_source": "exact_match",
+                                "images": ["red.png"], "data_source": "exact_match", "response": "red",
                                 "reward_model": {"ground_truth": "red"}}) + "\n")
     base = ["sft.enable=false", "data.val_files=[]",
             f"data.train_files=[{data}]", f"model.path={model}", "model.create_tiny=null"]
@@ -34,6 +34,12 @@ def test_a_vl_policy_trains_with_the_hf_engine(setup):
     assert cfg.rollout.name == "hf"
 
 
+def test_a_vl_policy_takes_the_sft_warm_start(setup):
+    data = next(o.split("=", 1)[1] for o in setup if o.startswith("data.train_files="))
+    cfg = load_config(RECIPE, setup + ["rollout.name=hf", "sft.enable=true", f"sft.train_files={data}"])
+    assert cfg.sft.enable
+
+
 @pytest.mark.parametrize("overrides,key", [
     ([], "rollout.name"),  # the recipe's vLLM engine
     (["rollout.name=hf", "parallelism.context_parallel_size=2", "trainer.n_gpus_per_node=2"],
@@ -41,7 +47,6 @@ def test_a_vl_policy_trains_with_the_hf_engine(setup):
     (["rollout.name=hf", "algorithm.adv_estimator=gae"], "critic.enable"),
     (["rollout.name=hf", "trainer.mode=one_step_off_policy"], "trainer.mode"),
     (["rollout.name=hf", "actor.lora.rank=4"], "actor.lora.rank"),
-    (["rollout.name=hf", "sft.enable=true"], "sft.enable"),
 ])
 def test_what_takes_no_images_yet_is_refused_in_one_line(setup, overrides, key):
     with pytest.raises(ConfigError) as e:
