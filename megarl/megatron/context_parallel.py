@@ -135,13 +135,19 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments
 # The diagonal of a segment is cut into at least this many causal tiles (a chunk into ceil(16 / (2 * CP))): a tile
 # computes its masked upper half in vain, so the work is the causal minimum plus at most 1/16 of it.
 DIAGONAL_TILES = 16
+# At most this many score elements (blocks x query heads x queries x keys) in one core call: a call holds its scores
+# three times over in float32 (block_attention: the scores, their difference to the peak and its exp; in backward the
+# exp, its gradient and the scores' gradient), so uncut the transient grows with the square of the rows' length and
+# with the rows of one length in a pack (4 rows of 4,016 tokens at CP2, 14 heads: 3 x 645 MiB). Cut, it stays at
+# 3 x 64 MiB: a call splits into fewer blocks, a block too big alone into fewer query rows (megarl.plan.terms
+# cp_block_scores_bytes plans it).
+CALL_SCORES = 1 << 24
 
 
 class _Plan:
     """The blocks CP rank r computes for a pack of `segments`, blocks of one shape as one call.
 
-    calls: (causal, q [g, m] rank-local query rows, k [g, n] pack positions of the keys); rows [N]: every call's q
-    flattened, in call order (where each block's results go)."""
+    calls: (causal, q [g, m] rank-local query rows, k [g, n] pack positions of the keys)."""
 
     def __init__(self, segments: tuple, cp: int, r: int, device):
         shapes: dict = {}
@@ -173,7 +179,6 @@ class _Plan:
         for (causal, m, n), (q0, k0) in shapes.items():
             self.calls.append((causal, (torch.tensor(q0).unsqueeze(1) + torch.arange(m)).to(device),
                                (torch.tensor(k0).unsqueeze(1) + torch.arange(n)).to(device)))
-        self.rows = torch.cat([q.reshape(-1) for _, q, _ in self.calls])
 
 
 @lru_cache(maxsize=256)
@@ -195,8 +200,9 @@ def blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
     as a fused attention kernel does."""
     plan = _plan(tuple(int(n) for n in segments), cp, r, query.device)
     recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value))
-    outs, lses = [], []
-    for causal, q, k in plan.calls:
+    outs, lses, where = [], [], []
+    for causal, q, k in (piece for call in plan.calls for piece in _pieces(*call, query.shape[1])):
+        where.append(q.reshape(-1))
         if recompute:
             # backward recomputes the block from the tensors kept anyway: kept, its scores would be L^2 / (2 * CP)
             # floats per head and layer and its key and value copies about the pack's K/V again
@@ -207,7 +213,7 @@ def blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
             out, lse = _block(core, query, key, value, q, k, causal)
         outs.append(out.reshape(-1, *out.shape[2:]))
         lses.append(lse.reshape(-1, lse.shape[-1]))
-    out, lse, rows = torch.cat(outs), torch.cat(lses), plan.rows
+    out, lse, rows = torch.cat(outs), torch.cat(lses), torch.cat(where)
     t, heads = query.shape[0], lse.shape[-1]
     # softmax over a query's blocks with weights exp(lse - peak); the peak only keeps exp in range, so no gradient
     peak = lse.detach().new_full((t, heads), float("-inf")).scatter_reduce_(
@@ -216,6 +222,26 @@ def blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segme
     total = weight.new_zeros(t, heads).index_add(0, rows, weight)
     merged = out.new_zeros(t, heads, out.shape[-1]).index_add(0, rows, weight.unsqueeze(-1) * out)
     return (merged / total.unsqueeze(-1)).to(value.dtype)
+
+
+def _pieces(causal: bool, q: torch.Tensor, k: torch.Tensor, heads: int):
+    """A call (q [g, m], k [g, n]) cut into calls of at most CALL_SCORES score elements: runs of whole blocks, and a
+    block over the limit alone cut into runs of its query rows (all its keys each; a causal tile stays whole, its
+    mask needs m = n: tiles are at most a 1/16 of a segment's chunk, DIAGONAL_TILES)."""
+    g, m = q.shape
+    block = m * k.shape[1] * heads
+    if g * block <= CALL_SCORES:
+        yield causal, q, k
+        return
+    if block <= CALL_SCORES or causal:
+        step = max(1, CALL_SCORES // block)
+        for i in range(0, g, step):
+            yield causal, q[i:i + step], k[i:i + step]
+        return
+    rows = max(1, CALL_SCORES // (k.shape[1] * heads))
+    for i in range(g):
+        for a in range(0, m, rows):
+            yield causal, q[i:i + 1, a:a + rows], k[i:i + 1]
 
 
 def _block(core, query, key, value, q, k, causal):

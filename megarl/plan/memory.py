@@ -44,11 +44,11 @@ from typing import Optional
 from megarl.bridge.hf_config import CONFIG_FILE, ArchSpec, BridgeError, spec_from_dict
 from megarl.bridge.mapping import padded_vocab_size
 from megarl.plan.model import Placement, PlanError, Weights, read_json
-from megarl.plan.terms import (attention_kv_bytes, attention_out_bytes, cp_attention_bytes, cp_rank_tokens,
-                               OPTIMIZER_FOREACH, OPTIMIZER_FUSED, OPTIMIZER_SINGLE, backward_mlp_transient_bytes,
-                               foreach_adam_step_bytes, forward_logits_bytes, is_moe_layer, moe_dispatcher_bytes,
-                               moe_gathered_tokens, moe_routed_units_per_token, moe_shared_units_per_token,
-                               update_logits_bytes)
+from megarl.plan.terms import (OPTIMIZER_FOREACH, OPTIMIZER_FUSED, OPTIMIZER_SINGLE, attention_kv_bytes,
+                               attention_out_bytes, backward_mlp_transient_bytes, cp_attention_bytes,
+                               cp_block_scores_bytes, cp_rank_tokens, foreach_adam_step_bytes, forward_logits_bytes,
+                               is_moe_layer, moe_dispatcher_bytes, moe_gathered_tokens, moe_routed_units_per_token,
+                               moe_shared_units_per_token, update_logits_bytes)
 from megarl.sync.plan import DTYPE_BYTES
 
 
@@ -457,11 +457,17 @@ def forward_logits(cfg, spec: ArchSpec, tp: int, seq_len: int, pbytes: int, dp: 
     return forward_logits_bytes(tokens, padded_vocab_size(spec.vocab_size, tp), tp, pbytes)
 
 
-def cp_attention(spec: ArchSpec, pl: Placement, tokens: int, backward: bool) -> int:
+def cp_attention(spec: ArchSpec, pl: Placement, tokens: int, backward: bool, row_len: int, alike: bool) -> int:
     """The one-layer context-parallel attention transient of a micro-batch of `tokens` tokens on one rank
-    (megarl.plan.terms.cp_attention_bytes; 0 at CP 1)."""
+    (megarl.plan.terms.cp_attention_bytes), and without Transformer Engine its largest blockwise call
+    (cp_block_scores_bytes) for rows of row_len tokens, all of that length when `alike` (every row at full length)
+    and else the longest alone; 0 at CP 1."""
     kv, out = (attention_kv_bytes(spec, tokens, pl.tp, pl.pbytes), attention_out_bytes(spec, tokens, pl.tp, pl.pbytes))
-    return cp_attention_bytes(kv, out, pl.cp, pl.te, backward)
+    scores = 0
+    if pl.cp > 1 and not pl.te and tokens:
+        rows = max(1, tokens * pl.cp // max(1, row_len)) if alike else 1
+        scores = cp_block_scores_bytes(spec.num_attention_heads // pl.tp, row_len, rows, pl.cp)
+    return cp_attention_bytes(kv, out, pl.cp, pl.te, backward) + scores
 
 
 def memory_per_role(cfg, pl: Placement, weights: Weights, lengths: Optional[Lengths] = None) -> Roles:
@@ -503,7 +509,8 @@ def memory_per_role(cfg, pl: Placement, weights: Weights, lengths: Optional[Leng
                        if cfg.critic_enabled else [])
     forwards = policy_forward_runs(cfg) or cfg.critic_enabled  # the old/ref log-probs or the critic's values
     fwd_tokens = forward_tokens(cfg, b.seq_len, pl.dp, pl.cp, b.mean_len or None) if forwards else 0
-    fwd = cp_attention(spec, pl, fwd_tokens, False) if forwards else 0
+    alike = not b.mean_len  # no measured lengths: every row at full length
+    fwd = cp_attention(spec, pl, fwd_tokens, False, b.seq_len, alike) if forwards else 0
     dispatch = [moe_dispatch(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens)]
     kept = max(moe_gather_buffer(spec, pl, p.sequence_parallel, t) for t in (max(update), fwd_tokens))
     kind = optimizer_kind(cfg, pl)
@@ -525,7 +532,7 @@ def memory_per_role(cfg, pl: Placement, weights: Weights, lengths: Optional[Leng
                       spec, pl.tp, p.sequence_parallel, pl.pbytes, pl.layout.expert_tensor, imbalance))
               if spec.is_moe and cfg.model.recompute != "full" else 0 for s in range(pl.pp)]
     logits = forward_logits(cfg, spec, pl.tp, b.seq_len, pl.pbytes, pl.dp, pl.cp, b.mean_len or None)
-    return Roles(models, lora, logits, mine, mbs, tokens, cp_attention(spec, pl, max(update), True), fwd, dispatch[0],
+    return Roles(models, lora, logits, mine, mbs, tokens, cp_attention(spec, pl, max(update), True, b.seq_len, alike), fwd, dispatch[0],
                  dispatch[1], backward, steps, kind, routed, kept, token_basis(cfg, lengths))
 
 

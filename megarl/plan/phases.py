@@ -168,8 +168,12 @@ def stage_phases(roles: Roles, e: EngineMemory, sync: SyncCost, offloaded: int, 
            **({"R2 route gather (int32)": r2_gather} if r2_gather else {}),
            **({CP_ATTENTION: roles.cp_attention_forward} if roles.cp_attention_forward else {}), **idle}
     fwd.update({MOE_DISPATCH: roles.moe_dispatch_forward} if roles.moe_dispatch_forward else {})
+    # a layer's attention backward and its MLP's backward run one after the other: their transients never coexist,
+    # so the phase holds the larger (the CP attention line is what it adds beyond the MLP's)
+    mlp = roles.backward_transient[s] if roles.backward_transient else 0
+    attention = max(0, roles.cp_attention_update - mlp)
     upd = {**states, ACTIVATIONS: max(m.activations[s] for m in roles.models if m.activations),
-           **({CP_ATTENTION: roles.cp_attention_update} if roles.cp_attention_update else {}),
+           **({CP_ATTENTION: attention} if attention else {}),
            **({MOE_DISPATCH: roles.moe_dispatch_update} if roles.moe_dispatch_update else {}),
            **({BACKWARD: roles.backward_transient[s]} if roles.backward_transient and roles.backward_transient[s]
               else {}), **idle}

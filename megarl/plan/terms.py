@@ -283,6 +283,27 @@ def cp_attention_bytes(kv: int, out: int, cp: int, te: bool, backward: bool) -> 
     return max(forward, back) if backward else forward
 
 
+# blockwise CP attention's largest core call, in score elements (megarl.megatron.context_parallel.CALL_SCORES, which a
+# test keeps equal to this: the planner does not import the model code)
+CP_CALL_SCORES = 1 << 24
+
+
+def cp_block_scores_bytes(heads: int, row_len: int, rows_alike: int, cp: int, limit: int = CP_CALL_SCORES) -> int:
+    """Blockwise context-parallel attention's one-call transient without Transformer Engine
+    (megarl.megatron.context_parallel.blockwise): its largest call's scores held three times over in float32 (the
+    scores, their difference to the peak and its exp; in backward the exp, its gradient and the scores' gradient).
+
+    The largest blocks: a row of row_len tokens is cut into 2 CP chunks of c = ceil(row_len / 2 CP), and the last
+    chunk's queries see the 2 CP - 1 chunks before it whole, c x (2 CP - 1) c scores per query head; blocks of one
+    shape share a call, so `rows_alike` rows of that length make one call of rows_alike x heads x c x (2 CP - 1) c,
+    cut at `limit` elements. heads: query heads on the rank (heads / TP). 0 at CP 1.
+    cp_block_scores_bytes(14, 4016, 1, 2) == 3 x 4 x 2^24 (a call of 42,332,112 elements, cut)."""
+    if cp == 1:
+        return 0
+    c = -(-row_len // (2 * cp))
+    return 3 * 4 * min(rows_alike * heads * c * (2 * cp - 1) * c, limit)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # MoE layers as megarl builds them (megarl.megatron.model.transformer_config: moe_token_dispatcher_type="allgather",
 # sequence parallel over TP, experts split over expert TP X and EP ranks) and megatron-core 0.16's

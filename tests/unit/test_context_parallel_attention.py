@@ -119,8 +119,10 @@ def _bounds(q, k, v, grad_out, segments, scale):
     return out_b, dq_b, dk_b, dv_b
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_blockwise_attention_equals_causal_attention_and_its_gradients(cp):
+@pytest.mark.parametrize("cp,cut", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_blockwise_attention_equals_causal_attention_and_its_gradients(cp, cut, monkeypatch):
+    if cut:  # calls cut at 200 score elements: runs of blocks, and blocks cut into runs of their query rows
+        monkeypatch.setattr(cpa, "CALL_SCORES", 200)
     torch.manual_seed(cp)
     segments, nq, ng, h, hv = _segments(cp), 4, 2, 16, 12
     scale = h ** -0.5
@@ -148,6 +150,31 @@ def test_blockwise_attention_equals_causal_attention_and_its_gradients(cp):
         # worst case, so far above the errors seen (about 1e-6), yet far below what a wrong key or a lost gradient
         # path costs (order 1: one masked key too many, or the merge's log-sum-exp detached, fails by 1e3 bounds)
         assert float(bound.max()) < 1e-2 * float(want.abs().max()), (name, float(bound.max()))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_calls_are_cut_to_their_score_limit_without_changing_the_work(cp, monkeypatch):
+    """CALL_SCORES bounds a core call's scores (blocks x heads x queries x keys), the transient block_attention holds
+    three times over: cut calls stay within it (a causal tile, which needs its square, alone at most one tile) and
+    compute the same query x key pairs as uncut ones."""
+    segments, heads = tuple(2 * cp * x for x in (1, 3, 5, 3, 12, 2, 9, 40)), 3
+    q, k, v = torch.randn(sum(segments), heads, 4), torch.randn(sum(segments), 1, 4), torch.randn(sum(segments), 1, 4)
+
+    def work(limit):
+        monkeypatch.setattr(cpa, "CALL_SCORES", limit)
+        sizes = []
+        with torch.no_grad():
+            for r in range(cp):
+                counter = []
+                cpa.blockwise(q[cpa.chunk_positions(segments, cp, r)], k, v, segments, cp, r, _core(0.5, counter))
+                sizes += [heads * pairs for pairs in counter]
+        return sizes
+
+    whole, cut = work(1 << 30), work(600)
+    assert sum(cut) == sum(whole) and len(cut) > len(whole)
+    tile = max(heads * (2 * cp * x // (2 * cp)) ** 2 for x in (40,))  # the largest causal tile is at most a chunk
+    assert max(cut) <= max(600, tile), (max(cut), tile)
+    assert max(whole) > 600
 
 
 def test_attend_leaves_the_end_padding_out():

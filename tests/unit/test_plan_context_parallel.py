@@ -193,3 +193,19 @@ def test_without_te_each_stored_layer_keeps_the_gathered_kv_against_hand_calcula
     assert cp_saved_kv(qwen, pl, 1000, "selective") == cp_saved_kv(qwen, pl, 1000, "full") == 0
     assert cp_saved_kv(qwen, SimpleNamespace(cp=2, te=True, tp=2, pbytes=4), 1000, "none") == 0
     assert cp_saved_kv(qwen, SimpleNamespace(cp=1, te=False, tp=2, pbytes=4), 1000, "none") == 0
+
+
+def test_blockwise_call_scores_against_hand_calculation():
+    from megarl.megatron.context_parallel import CALL_SCORES
+    from megarl.plan.terms import CP_CALL_SCORES, cp_block_scores_bytes
+
+    assert CP_CALL_SCORES == CALL_SCORES  # the planner's copy of the code's limit
+    # a row of 4,016 tokens at CP2: chunks of 1,004, the last sees 3 x 1,004 keys; 14 heads: 14 x 1,004 x 3,012 =
+    # 42,332,112 scores, over the limit: the call is cut to 2^24, held 3 times in float32
+    assert cp_block_scores_bytes(14, 4016, 1, 2) == 3 * 4 * 2 ** 24
+    # 1,008 tokens at CP2, 2 heads: 252 x 756 x 2 = 381,024 scores a row; 4 rows alike 1,524,096; x 12 bytes
+    assert cp_block_scores_bytes(2, 1008, 1, 2) == 12 * 381_024
+    assert cp_block_scores_bytes(2, 1008, 4, 2) == 12 * 1_524_096
+    # CP4, 1,000 tokens: chunks of ceil(1000 / 8) = 125, the last sees 7 x 125; one head: 109,375 scores
+    assert cp_block_scores_bytes(1, 1000, 1, 4) == 12 * 109_375
+    assert cp_block_scores_bytes(14, 4016, 1, 1) == 0
