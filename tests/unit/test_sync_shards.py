@@ -129,3 +129,27 @@ def test_separate_engine_gpus_receive_their_whole_shard_from_the_trainer():
     plan = build_plan(TINY, world=2, replicas=2, dtype="float32", separate=True)
     sent, received, loaded = plan.traffic()
     assert loaded == received == {2: 1832 * 4, 3: 1832 * 4} and sum(sent.values()) == 2 * 1832 * 4
+
+
+def test_fused_vision_qkv_is_read_whole_by_a_single_engine_rank():
+    # The Qwen2.5-VL vision tower's attention keeps q, k and v in one checkpoint tensor `attn.qkv` [3 x 64, 64]
+    # (2 heads x 32); vLLM loads it into a QKV layer. A single engine rank reads all 192 rows (reading it as one
+    # projection gave rows 0-64 only: k and v never reached the engine); over engine TP2 each rank would need three
+    # row blocks, which is refused with the setting that works.
+    from megarl.bridge.tiny import tiny_vl_config
+    from megarl.sync.shards import EngineModule
+
+    config = tiny_vl_config(300, image_token_id=290, video_token_id=291, vision_start_token_id=288,
+                            vision_end_token_id=289).to_dict()
+    mapping = Mapping(spec_from_dict(config))
+    qkv = "visual.blocks.0.attn.qkv"
+    one = {qkv: EngineModule("qkv", 0, 1, heads=2, kv_heads=2, kv_replicas=1, head_size=32)}
+    # vLLM's Qwen2.5-VL and Qwen3-VL declare the already-fused tensor as a packed module of itself
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"], "qkv": ["qkv"]}
+    for p in (None, packed):
+        needs = engine_needs(mapping, one, p)
+        assert needs[qkv + ".weight"] == ((0, 192), (0, 64))
+        assert needs[qkv + ".bias"] == ((0, 192),)
+    two = {qkv: EngineModule("qkv", 0, 2, heads=1, kv_heads=1, kv_replicas=1, head_size=32)}
+    with pytest.raises(ValueError, match="rollout.tensor_model_parallel_size=1"):
+        engine_needs(mapping, two, packed)

@@ -232,7 +232,8 @@ class VLLMEngine:
                                                              self.on_gpu, block, worker_error(), choice)) from exc
         self.start_seconds = time.perf_counter() - t0
         self.block_size = int(self._llm.llm_engine.vllm_config.cache_config.block_size)
-        self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.eos_token_id
+        # a vision-language config keeps its language model's ids in text_config (get_text_config: itself for text)
+        self.eos_token_id = self._llm.llm_engine.vllm_config.model_config.hf_config.get_text_config().eos_token_id
         # What every worker's modules read (its shard of each tensor), for the per-worker weight delivery
         self.layouts = sorted(self._llm.collective_rpc("megarl_layout"), key=lambda lay: lay["rank"])
         self._packed = self.layouts[0]["packed"]
@@ -588,6 +589,8 @@ class VLLMEngine:
         if not self._llm.reset_prefix_cache():
             raise RuntimeError(f"reset_prefix_cache failed after {what} (requests still running?); "
                                "update weights only between generate calls")
+        # image embeddings the vision tower computed with the old weights (scheduler and workers together)
+        self._llm.llm_engine.reset_encoder_cache()
         self.weight_version += 1
         try:
             self._llm.llm_engine.set_weight_version(str(self.weight_version))

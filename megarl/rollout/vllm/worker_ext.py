@@ -324,7 +324,10 @@ class MegarlWorkerExtension(RouteCapture):
         if not state["direct"]:
             finalize_layerwise_reload(model, self.model_runner.vllm_config.model_config)
         reprocessed = disarm_moe_reprocessing(model) if state["armed"] else 0
-        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        # the encoder cache (image embeddings from the old weights) is reset by the engine (VLLMEngine's
+        # _weights_changed), in its scheduler and here together: emptied here alone, the scheduler still counts an
+        # image's embedding as cached and the next request with that image fails ("Encoder cache miss")
+        for reset in ("reset_lora_state", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
         out: dict[str, Any] = {"tensors": state["tensors"], "bytes": state["bytes"], "moe_reprocessed": reprocessed,
