@@ -33,7 +33,6 @@ MIN_STEPS, MAX_STEPS = 170, 666
 # decoding miscopying it and everything after off course); a third of them still reach 170 to 666 steps
 SFT_MIN_STEPS = 10
 COUNT_DIGITS = 3
-TOKENS_PER_STEP = COUNT_DIGITS + 3  # "3 4 7 : 0 ," (the last step ends with "#### 8" instead of the comma)
 WORDS = ["Walk", "from", "for", "steps", "?", ":", ",", "####"]
 
 

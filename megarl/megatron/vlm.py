@@ -236,6 +236,17 @@ class _Merger(torch.nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.width))
 
 
+def _patch_embed(v: VisionSpec, dtype, bias: bool) -> torch.nn.Module:
+    """The towers' patch embedding: `proj` a [hidden, channels, temporal patch, patch, patch] convolution weight held
+    as a plain tensor (applied as one matmul over flattened patches), with a bias in Qwen3-VL."""
+    embed = torch.nn.Module()
+    embed.proj = _Holder((v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size), dtype)
+    if bias:
+        embed.proj.bias = torch.nn.Parameter(torch.zeros(v.hidden_size, dtype=dtype))
+    torch.nn.init.normal_(embed.proj.weight, std=0.02)
+    return embed
+
+
 class Qwen25VisionTower(torch.nn.Module):
     """Qwen2.5-VL's vision encoder and patch merger (module docstring); parameter names follow the checkpoint's
     `visual.*` below `vision_model.` (megarl.bridge.mapping)."""
@@ -243,10 +254,7 @@ class Qwen25VisionTower(torch.nn.Module):
     def __init__(self, vision: VisionSpec, dtype: torch.dtype = torch.float32):
         super().__init__()
         v = self.spec = vision
-        self.patch_embed = torch.nn.Module()
-        self.patch_embed.proj = _Holder((v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                         v.patch_size), dtype)
-        torch.nn.init.normal_(self.patch_embed.proj.weight, std=0.02)
+        self.patch_embed = _patch_embed(v, dtype, bias=False)
         self.blocks = torch.nn.ModuleList(_Block(v, dtype) for _ in range(v.depth))
         self.merger = _Merger(v, dtype)
         self.register_buffer("inv_freq", _vision_inv_freq(v), persistent=False)
@@ -315,11 +323,7 @@ class Qwen3VisionTower(torch.nn.Module):
     def __init__(self, vision: VisionSpec, dtype: torch.dtype = torch.float32):
         super().__init__()
         v = self.spec = vision
-        self.patch_embed = torch.nn.Module()
-        self.patch_embed.proj = _Holder((v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                         v.patch_size), dtype)
-        self.patch_embed.proj.bias = torch.nn.Parameter(torch.zeros(v.hidden_size, dtype=dtype))
-        torch.nn.init.normal_(self.patch_embed.proj.weight, std=0.02)
+        self.patch_embed = _patch_embed(v, dtype, bias=True)
         self.pos_embed = torch.nn.Embedding(v.num_position_embeddings, v.hidden_size, dtype=dtype)
         self.blocks = torch.nn.ModuleList(_Block(v, dtype) for _ in range(v.depth))
         self.merger = _Qwen3Merger(v, dtype, postshuffle=False)

@@ -184,3 +184,21 @@ def hf_row_logits(model, ids, prompt_len: int, pixel_values=None, image_grid_thw
         positions, _ = model.model.get_rope_index(input_ids=ids, mm_token_type_ids=types,
                                                   image_grid_thw=image_grid_thw)
         return model(inputs_embeds=embeds, position_ids=positions).logits[0].float()
+
+
+def tower_from_checkpoint(tower_cls, hf_dir, spec):
+    """megarl's vision tower of `spec` (a tower class of megarl.megatron.vlm) with every parameter loaded from the HF
+    checkpoint in hf_dir through the bridge mapping's vision entries (each parameter exactly once)."""
+    from megarl.bridge.mapping import VISION_PREFIX, Mapping
+    from tests.helpers.tiny_models import read_checkpoint
+
+    tower = tower_cls(spec.vision)
+    ckpt = read_checkpoint(hf_dir)
+    params = dict(tower.named_parameters())
+    loaded = 0
+    for entry in Mapping(spec).entries:
+        if entry.megatron.startswith(VISION_PREFIX):
+            params[entry.megatron[len(VISION_PREFIX):]].data.copy_(ckpt[entry.hf[0]])
+            loaded += 1
+    assert loaded == len(params)
+    return tower

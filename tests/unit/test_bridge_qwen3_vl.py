@@ -115,22 +115,13 @@ def test_vision_tower_equals_transformers_visual_within_the_derived_bound(tiny_v
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    from megarl.bridge.mapping import VISION_PREFIX, Mapping
     from megarl.megatron.vlm import Qwen3VisionTower
     from megarl.numerics import FP32_UNIT, tail_factor, vision_error_factor
-    from tests.helpers.tiny_models import read_checkpoint
+    from tests.helpers.tiny_vlm import tower_from_checkpoint
 
     hf_dir, batch = tiny_vl
     spec = load_spec(hf_dir)
-    tower = Qwen3VisionTower(spec.vision)
-    ckpt = read_checkpoint(hf_dir)
-    params = dict(tower.named_parameters())
-    loaded = 0
-    for entry in Mapping(spec).entries:
-        if entry.megatron.startswith(VISION_PREFIX):
-            params[entry.megatron[len(VISION_PREFIX):]].data.copy_(ckpt[entry.hf[0]])
-            loaded += 1
-    assert loaded == len(params)
+    tower = tower_from_checkpoint(Qwen3VisionTower, hf_dir, spec)
     hf = Qwen3VLForConditionalGeneration.from_pretrained(str(hf_dir), dtype=torch.float32,
                                                          attn_implementation="eager").eval()
     pixels, grid = batch["pixel_values"], batch["image_grid_thw"]

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prompt_rows import FORMATS, PrepError, write_split  # noqa: E402
+from prompt_rows import FORMATS, PrepError, prepare_splits  # noqa: E402
 
 DATA_SOURCE = "hiyouga/geometry3k"
 INSTRUCTION = (r"You FIRST think about the reasoning process as an internal monologue and then provide the final "
@@ -85,17 +85,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        # read both before writing either, so a bad test file leaves no half-prepared directory
-        splits = {split: read_geo3k(paths)[:args.max_rows] for split, paths in (("train", args.train),
-                                                                               ("test", args.test)) if paths}
-        for split, records in splits.items():
-            path = write_split(geo3k_rows(records, split), args.out_dir, split, args.format)
-            print(f"geo3k: {len(records)} {split} rows -> {path}")
-    except PrepError as e:
-        print(f"geo3k.py: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return prepare_splits("geo3k", {"train": args.train, "test": args.test}, read_geo3k, geo3k_rows, args.out_dir,
+                          args.format, args.max_rows)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from prompt_rows import FORMATS, PrepError, prompt_row, write_split  # noqa: E402
+from prompt_rows import FORMATS, PrepError, prepare_splits, prompt_row  # noqa: E402
 
 DOWNLOAD_URL = "https://github.com/openai/grade-school-math/tree/master/grade_school_math/data"
 # what verl's extract_solution accepts after the marker: digits, commas, a decimal point, a sign
@@ -97,17 +97,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        # read both before writing either, so a bad test file leaves no half-prepared directory
-        splits = {split: read_gsm8k(path)[:args.max_rows] for split, path in (("train", args.train),
-                                                                             ("test", args.test)) if path}
-        for split, records in splits.items():
-            path = write_split(gsm8k_rows(records, split), args.out_dir, split, args.format)
-            print(f"gsm8k: {len(records)} {split} rows -> {path}")
-    except PrepError as e:
-        print(f"gsm8k.py: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return prepare_splits("gsm8k", {"train": args.train, "test": args.test}, read_gsm8k, gsm8k_rows, args.out_dir,
+                          args.format, args.max_rows)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,18 @@ def write_split(rows: Sequence[dict[str, Any]], out_dir: str, name: str, fmt: st
     if not rows:
         raise PrepError(f"no rows for {name}.{fmt}: nothing would be written (check the inputs and --max-rows)")
     return write_dataset(list(rows), os.path.join(out_dir, f"{name}.{fmt}"))
+
+
+def prepare_splits(name: str, sources: dict, read, to_rows, out_dir: str, fmt: str, max_rows=None) -> int:
+    """A preparation script's main: {split: source} read with `read` (None sources skipped), all before any is written
+    so a bad file leaves no half-prepared directory, each cut to max_rows and written by write_split through
+    to_rows(records, split); errors one line on stderr. Returns the exit code."""
+    try:
+        splits = {split: read(source)[:max_rows] for split, source in sources.items() if source}
+        for split, records in splits.items():
+            path = write_split(to_rows(records, split), out_dir, split, fmt)
+            print(f"{name}: {len(records)} {split} rows -> {path}")
+    except PrepError as e:
+        print(f"{name}.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
